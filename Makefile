@@ -29,8 +29,11 @@ test: setup
 bench: setup
 	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
 
+LAB_PORT ?= 8888
+LAB_ARGS ?=
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=. --ServerApp.ip=127.0.0.1 --no-browser
+	$(VENV)/bin/jupyter lab --notebook-dir=. --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.port_retries=0 --no-browser $(LAB_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,66 @@
+"""Command line: `python -m dflash_lib {run,train,demo} ...` (see README)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+
+
+def _params(pairs: list[list[str]] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in pairs or []:
+        if key in out:
+            raise ConfigError(f"parameter {key!r} given twice")
+        out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="execute a notebook headlessly into a new runs/<id>/ folder")
+    run.add_argument("notebook", help="path, or a name under notebooks/")
+    run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default)")
+    run.add_argument("--tag", default="", help="suffix for the run folder name")
+
+    tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation)")
+    tr.add_argument("--preset", default="default")
+    tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
+    tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    tr.add_argument("--tag", default="")
+
+    demo = sub.add_parser("demo", help="the whole study on the bundled corpus with tiny models")
+    demo.add_argument("--preset", default="demo")
+    demo.add_argument("--tag", default="demo")
+
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            from .runs import execute
+
+            print(execute(args.notebook, _params(args.param), preset_name=args.preset, tag=args.tag))
+        elif args.cmd == "train":
+            from .runs import load_config, new_run_dir
+            from .train import train
+
+            config = load_config(_params(args.param), args.preset)
+            run_dir = Path(args.run_dir) if args.run_dir else new_run_dir("train", args.tag)
+            train(config, run_dir)
+            print(run_dir)
+        elif args.cmd == "demo":
+            from .demo import run_demo
+
+            print(run_demo(preset_name=args.preset, tag=args.tag))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""`make demo`: the study's notebooks executed in order on the bundled corpus, each a papermill run.
+
+Every notebook gets a run folder of its own; a `runs/<id>_demo/` folder records the chain (`chain.json`: which
+notebook ran in which folder, with what parameters) so a reader can find every piece.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .runs import REPO_ROOT, execute, new_run_dir, notebook_parameters, write_json
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
+
+# (notebook stem, parameters derived from the run folders of the notebooks before it)
+Link = tuple[str, Callable[[dict[str, Path]], dict[str, Any]]]
+CHAIN: list[Link] = [
+    ("01_length_analysis", lambda prev: {}),
+]
+
+
+def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | None = None,
+             overrides: dict[str, Any] | None = None) -> Path:
+    """Run every notebook of the chain with `preset_name` (plus `overrides` where a notebook takes them).
+
+    Returns the demo folder. A failing notebook raises; the folders of the notebooks before it stay intact.
+    """
+    demo_dir = new_run_dir("demo", tag if tag != "demo" else "", root)
+    done: dict[str, Path] = {}
+    record: dict[str, Any] = {"preset": preset_name, "runs": []}
+    for stem, derive in CHAIN:
+        notebook = NOTEBOOKS / f"{stem}.ipynb"
+        declared = notebook_parameters(notebook)
+        params = {k: v for k, v in {**(overrides or {}), **derive(done)}.items() if k in declared}
+        t0 = time.perf_counter()
+        print(f"[demo] {stem} ...", flush=True)
+        run_dir = execute(notebook, params, preset_name=preset_name, tag=tag, root=root)
+        done[stem] = run_dir
+        record["runs"].append({"notebook": stem, "run_dir": str(run_dir), "params": params,
+                               "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"[demo] {stem} done in {time.perf_counter() - t0:.0f} s -> {run_dir}", flush=True)
+        write_json(demo_dir / "chain.json", record)
+    return demo_dir

@@ -1,0 +1,55 @@
+"""Project hygiene: notebooks committed clean and parameterised, conda env in sync, CI entry point."""
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dflash_lib.config import FLAT_FIELDS, coerce
+from dflash_lib.runs import REPO_ROOT, notebook_parameters
+
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ holds no notebook"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_committed_without_outputs_and_parameterised(path):
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), "strip outputs"
+    tagged = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1
+    params = notebook_parameters(path)
+    for key, value in params.items():
+        assert key in FLAT_FIELDS, f"{path.name}: {key} is not a config field"
+        coerce(key, value)  # the default has the field's type
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    source = "".join("".join(c["source"]) for c in code)
+    assert not re.search(r"^\s*(def|class) ", source, re.M), "put functions and classes in dflash_lib"
+
+
+def _names(reqs):
+    return {re.split(r"[<>=\[ ]", r.strip(), maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def test_environment_yml_mirrors_pyproject():
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    wanted = _names(project["dependencies"] + project["optional-dependencies"]["dev"])
+    text = (REPO_ROOT / "environment.yml").read_text()
+    pip = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ") and "=" in line
+           and not line.strip().startswith("- python")]
+    have = _names(pip)
+    assert wanted == have, f"only in pyproject: {wanted - have}; only in environment.yml: {have - wanted}"
+    pins = {r.split("==")[0]: r for r in pip if "==" in r}
+    assert pins["torch"] == "torch==2.13.0"
+
+
+def test_ci_runs_make_test():
+    assert "make test" in (REPO_ROOT / ".ci" / "run").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
