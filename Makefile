@@ -27,7 +27,8 @@ test: setup
 	WANDB_MODE=disabled $(VPY) -m pytest
 
 bench: setup
-	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) $$b || exit 1; done
+	# -P: do not put benchmarks/ on sys.path (benchmarks/tokenize.py would shadow the stdlib module)
+	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) -P $$b || exit 1; done
 
 LAB_PORT ?= 8888
 LAB_ARGS ?=

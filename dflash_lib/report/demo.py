@@ -1,0 +1,295 @@
+"""The demo's one page: `runs/<id>_demo/report.html` (figures, summary table, links to every run) and the
+`summary.json` beside it.
+
+The page is self-contained: plotly.js is inlined once (with the first figure) and every other figure is a div
+that reuses it, so it opens offline and from a copied folder. Links are relative (`../<run folder>/...`), so the
+whole `runs/` folder can move.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+import math
+import numbers
+import os
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+from urllib.parse import quote
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+STRATEGIES = ("sorted", "random", "bucketed", "packed")  # every demo measures these four
+SUMMARY_KEYS = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
+_FRACTION_KEYS = ("predicted_efficiency", "realized_efficiency", "co_batch_recurrence")  # each within [0, 1]
+_RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from ktok_s / sorted ktok_s (rounding)
+_FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
+
+FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
+
+
+class DemoReportError(ValueError):
+    """The summary or a figure handed to the report is missing something or malformed."""
+
+
+def write_demo_summary(demo_dir: str | Path, per_strategy: Mapping[str, Mapping[str, Any]]) -> Path:
+    """Validate and write `demo_dir/summary.json` = {strategy: {key: number}}.
+
+    Every strategy of STRATEGIES must be present with every key of SUMMARY_KEYS as a finite number; efficiencies
+    and recurrence lie in [0, 1], ktok_s > 0, and ratio_to_sorted agrees with ktok_s / sorted's ktok_s.
+    Extra strategies and extra keys are kept.
+    """
+    summary = validate_summary(per_strategy)
+    path = Path(demo_dir) / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=_json_scalar) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+def validate_summary(per_strategy: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The checks of `write_demo_summary`, returning a plain-dict copy; raises DemoReportError naming the field."""
+    if not isinstance(per_strategy, Mapping):
+        raise DemoReportError(f"summary must map strategy -> {{key: value}}, got {type(per_strategy).__name__}")
+    missing = [s for s in STRATEGIES if s not in per_strategy]
+    if missing:
+        raise DemoReportError(f"summary: strategies {missing} missing (need {list(STRATEGIES)}, "
+                              f"got {sorted(per_strategy)})")
+    out: dict[str, dict[str, Any]] = {}
+    for name, row in per_strategy.items():
+        if not isinstance(row, Mapping):
+            raise DemoReportError(f"summary[{name!r}] must be a mapping of key -> value, got {type(row).__name__}")
+        absent = [k for k in SUMMARY_KEYS if k not in row]
+        if absent:
+            raise DemoReportError(f"summary[{name!r}]: keys {absent} missing (need {list(SUMMARY_KEYS)})")
+        row = dict(row)
+        for key in SUMMARY_KEYS:
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise DemoReportError(f"summary[{name!r}][{key!r}] must be a finite number, got {value!r}")
+            row[key] = float(value)  # numpy scalars too
+        for key in _FRACTION_KEYS:
+            if not 0.0 <= row[key] <= 1.0:
+                raise DemoReportError(f"summary[{name!r}][{key!r}] must lie in [0, 1], got {row[key]!r}")
+        if row["ktok_s"] <= 0:
+            raise DemoReportError(f"summary[{name!r}]['ktok_s'] must be > 0 (thousand tokens/s), got {row['ktok_s']!r}")
+        out[name] = row
+    sorted_ktok = out["sorted"]["ktok_s"]
+    for name, row in out.items():
+        expected = row["ktok_s"] / sorted_ktok
+        if abs(row["ratio_to_sorted"] - expected) > _RATIO_TOLERANCE * expected:
+            raise DemoReportError(f"summary[{name!r}]['ratio_to_sorted'] = {row['ratio_to_sorted']!r} but ktok_s / "
+                                  f"sorted ktok_s = {expected:.4f}")
+    return out
+
+
+def _json_scalar(value: Any) -> Any:
+    """numpy scalars in extra columns become plain numbers; anything else is refused by name."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()
+    raise TypeError(f"summary value {value!r} of type {type(value).__name__} is not JSON serialisable")
+
+
+def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summary: Mapping[str, Mapping[str, Any]],
+                      figures: Sequence[FigureLike], title: str = "DFlash Lab demo") -> Path:
+    """Write `demo_dir/report.html` and return its path.
+
+    runs: {label (e.g. notebook stem): run folder}; each is linked (folder, executed notebooks, HTML files in it).
+    summary: {strategy: {column: value}}; the SUMMARY_KEYS columns come first, then any others in given order.
+    figures: plotly Figures or plotly JSON files (embedded, plotly.js inlined once) and HTML files (linked).
+    """
+    demo_dir = Path(demo_dir)
+    demo_dir.mkdir(parents=True, exist_ok=True)
+    embedded, linked = _split_figures(figures)
+    parts = [_head(title),
+             f"<h1>{_e(title)}</h1>",
+             f'<p class="meta">Written {_e(_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))} '
+             f"in {_e(demo_dir.name)}. Self-contained: opens offline; links are relative to this folder.</p>",
+             "<h2>Summary</h2>", _summary_table(summary),
+             "<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
+    if embedded:
+        parts.append("<h2>Figures</h2>")
+    for i, fig in enumerate(embedded):
+        heading = _figure_title(fig) or f"Figure {i + 1}"
+        height = fig.layout.height or _FIGURE_HEIGHT_PX
+        div = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), include_mathjax=False,
+                          config={"displaylogo": False}, default_height=f"{height}px",
+                          default_width="100%")
+        parts.append(f'<section class="figure"><h3>{_e(heading)}</h3>{div}</section>')
+    if linked:
+        items = "".join(f'<li><a href="{_e(_rel(demo_dir, p))}">{_e(p.name)}</a></li>' for p in linked)
+        parts.append(f"<h2>More figures</h2><ul>{items}</ul>")
+    parts.append("</body></html>")
+    page = "\n".join(parts)
+    refs = external_references(page)
+    if refs:
+        raise DemoReportError(f"report would load external resources {refs[:5]}; it must open offline")
+    path = demo_dir / "report.html"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def external_references(page: str) -> list[str]:
+    """Every src/href/srcset/data/poster attribute or CSS url() that points outside the page's folder tree.
+
+    Relative links, fragments and data:/blob: URIs are local; anything with a scheme or starting with `//`
+    is not. Text inside scripts (plotly.js mentions URLs it never fetches here) is not an attribute.
+    """
+    finder = _ReferenceFinder()
+    finder.feed(page)
+    return [r for r in finder.refs if _is_external(r)]
+
+
+def _is_external(ref: str) -> bool:
+    ref = ref.strip().lower()
+    if ref.startswith("//"):
+        return True
+    scheme = ref.split(":", 1)[0] if ":" in ref else ""
+    return bool(scheme) and "/" not in scheme and scheme not in ("data", "blob", "javascript")
+
+
+class _ReferenceFinder(HTMLParser):
+    _ATTRS = ("src", "href", "data", "poster", "action")
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.refs: list[str] = []
+        self._in_style = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._in_style = tag == "style"
+        for name, value in attrs:
+            if not value:
+                continue
+            if name == "srcset":  # "url 1x, url 2x"
+                self.refs.extend(v.split()[0] for v in value.split(",") if v.strip())
+            elif name in self._ATTRS:
+                self.refs.append(value)
+            elif name == "style":
+                self.refs.extend(_css_urls(value))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "style":
+            self._in_style = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_style:
+            self.refs.extend(_css_urls(data))
+
+
+def _css_urls(css: str) -> list[str]:
+    out, low, i = [], css.lower(), 0
+    while (i := low.find("url(", i)) >= 0:
+        j = low.find(")", i)
+        out.append(css[i + 4: j if j >= 0 else len(css)].strip().strip("'\""))
+        i += 4
+    if "@import" in low:
+        out.extend(part.split(";")[0].strip().strip("'\"") for part in css.split("@import")[1:])
+    return out
+
+
+def _split_figures(figures: Sequence[FigureLike]) -> tuple[list[go.Figure], list[Path]]:
+    embedded: list[go.Figure] = []
+    linked: list[Path] = []
+    for i, fig in enumerate(figures):
+        if isinstance(fig, go.Figure):
+            embedded.append(fig)
+            continue
+        if not isinstance(fig, (str, Path)):
+            raise DemoReportError(f"figure {i}: expected a plotly Figure or a path, got {type(fig).__name__}")
+        path = Path(fig)
+        if not path.is_file():
+            raise DemoReportError(f"figure {i}: file not found: {path}")
+        if path.suffix == ".json":
+            try:
+                embedded.append(pio.read_json(path))
+            except (ValueError, KeyError) as e:
+                raise DemoReportError(f"figure {i}: {path} is not a plotly figure JSON: {e}") from None
+        elif path.suffix in (".html", ".htm"):
+            linked.append(path)
+        else:
+            raise DemoReportError(f"figure {i}: {path} must be a plotly .json (embedded) or an .html file (linked)")
+    return embedded, linked
+
+
+def _figure_title(fig: go.Figure) -> str:
+    text = fig.layout.title.text if fig.layout.title is not None else None
+    return str(text) if text else ""
+
+
+def _summary_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    if not summary:
+        raise DemoReportError("summary is empty: the report needs at least one strategy row")
+    columns = [k for k in SUMMARY_KEYS if any(k in row for row in summary.values())]
+    for row in summary.values():
+        columns += [k for k in row if k not in columns]
+    head = "".join(f"<th>{_e(c)}</th>" for c in ["strategy", *columns])
+    body = []
+    for name, row in summary.items():
+        cells = "".join(f'<td class="num">{_e(_fmt(c, row.get(c)))}</td>' for c in columns)
+        body.append(f"<tr><th>{_e(name)}</th>{cells}</tr>")
+    return f'<table class="summary"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _fmt(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.2f}" if column == "ktok_s" else f"{value:.3f}" if abs(value) < 100 else f"{value:,.1f}"
+
+
+def _run_links(demo_dir: Path, runs: Mapping[str, str | Path]) -> str:
+    if not runs:
+        return "<p>No run folders were recorded.</p>"
+    items = []
+    for label, run in runs.items():
+        run = Path(run)
+        if not run.is_dir():
+            raise DemoReportError(f"run {label!r}: folder not found: {run}")
+        files = sorted(p for p in run.iterdir() if p.is_file() and p.suffix in (".ipynb", ".html"))
+        links = "".join(f' &middot; <a href="{_e(_rel(demo_dir, p))}">{_e(p.name)}</a>' for p in files)
+        items.append(f'<li><b>{_e(label)}</b>: <a href="{_e(_rel(demo_dir, run))}/">{_e(run.name)}/</a>{links}</li>')
+    return f'<ul class="runs">{"".join(items)}</ul>'
+
+
+def _own_files(demo_dir: Path) -> str:
+    """Links to the records already in the demo folder (summary.json, chain.json, ...)."""
+    files = sorted(p for p in demo_dir.iterdir() if p.is_file() and p.suffix == ".json")
+    if not files:
+        return ""
+    links = " &middot; ".join(f'<a href="{_e(quote(p.name))}">{_e(p.name)}</a>' for p in files)
+    return f'<p class="meta">In this folder: {links}</p>'
+
+
+def _rel(demo_dir: Path, target: Path) -> str:
+    """A relative URL from the demo folder to `target` (POSIX separators, each segment percent-safe)."""
+    rel = os.path.relpath(Path(target).resolve(), Path(demo_dir).resolve())
+    return "/".join(quote(part) for part in Path(rel).parts)
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _head(title: str) -> str:
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }}
+table.summary {{ border-collapse: collapse; }}
+table.summary th, table.summary td {{ border: 1px solid #ccc; padding: 0.3em 0.7em; }}
+table.summary td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
+p.meta {{ color: #666; }}
+section.figure {{ margin-bottom: 2em; }}
+</style></head><body>"""

@@ -1,0 +1,215 @@
+"""The calibrated step-time model: recovers known costs, predicts held-out strategies, refuses bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dflash_lib.costmodel import (
+    BatchShape, CostModel, CostModelError, StepObservation, _nnls, attention_q_from_fit, describe_batches,
+    describe_packed, describe_padded, fit_cost_model, leave_one_out, select_cost_model,
+)
+
+TRUE = dict(a=0.02, b=2e-6, c=1e-9)  # seconds/step, seconds/padded token, seconds/token^2
+BUDGET = 4096  # tokens per batch including padding (packed: per row)
+
+
+def _fill(lens: np.ndarray, order: np.ndarray) -> list[list[int]]:
+    """Batches in `order`, each grown while (n + 1) * max length stays within BUDGET."""
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * max(lens[cur + [i]]) > BUDGET:
+            batches.append(lens[cur].tolist())
+            cur = []
+        cur.append(int(i))
+    return batches + [lens[cur].tolist()]
+
+
+def _strategies(n: int = 1500, seed: int = 0) -> dict[str, list[BatchShape]]:
+    """One epoch of each of the four strategies on lognormal lengths, as batch shapes."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(5.5, 0.8, n).astype(np.int64), 8, 2048)  # (n,) tokens
+    out = {"sorted": describe_batches(_fill(lens, np.argsort(lens, kind="stable"))),
+           "random": describe_batches(_fill(lens, rng.permutation(n)))}
+    bucket = np.searchsorted(np.quantile(lens, [0.25, 0.5, 0.75, 0.9, 1.0]), lens)
+    out["bucketed"] = describe_batches([b for k in range(5)
+                                        for b in _fill(lens, rng.permutation(np.flatnonzero(bucket == k)))])
+    rows, cur = [], []
+    for i in rng.permutation(n):
+        if sum(cur) + lens[i] > BUDGET:
+            rows.append(cur)
+            cur = []
+        cur.append(int(lens[i]))
+    out["packed"] = describe_batches(rows + [cur], "packed", BUDGET)
+    return out
+
+
+def _observe(shapes: dict[str, list[BatchShape]], noise: float, seed: int, d: float = 0.0,
+             **true: float) -> dict[str, list[StepObservation]]:
+    """Step times from the known model (plus d on a run's first step of each shape) with multiplicative noise."""
+    a, b, c = (true.get(k, TRUE[k]) for k in "abc")
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, batch_shapes in shapes.items():
+        seen, obs = set(), []
+        for s in batch_shapes:
+            t = a + b * s.padded_tokens + c * s.attention + (d if s.key not in seen else 0.0)
+            seen.add(s.key)
+            obs.append(StepObservation(s.rows, s.row_len, s.real_tokens, s.attention,
+                                       seconds=t * (1 + noise * rng.standard_normal()), run=name))
+        out[name] = obs
+    return out
+
+
+@pytest.fixture(scope="module")
+def shapes() -> dict[str, list[BatchShape]]:
+    return _strategies()
+
+
+def _all(obs: dict[str, list[StepObservation]]) -> list[StepObservation]:
+    return [o for steps in obs.values() for o in steps]
+
+
+def test_fit_recovers_known_costs_from_noisy_steps(shapes):
+    model = fit_cost_model(_all(_observe(shapes, noise=0.03, seed=1)))
+    assert model.a == pytest.approx(TRUE["a"], rel=0.05)
+    assert model.b == pytest.approx(TRUE["b"], rel=0.05)
+    assert model.c == pytest.approx(TRUE["c"], rel=0.10)
+    assert model.d == 0.0 and not model.shape_overhead
+    assert 0.02 < model.rel_rmse < 0.04  # the residual is the injected 3% noise, no more
+    assert attention_q_from_fit(model) == pytest.approx(TRUE["b"] / TRUE["c"], rel=0.12)
+
+
+def test_noise_free_fit_is_exact(shapes):
+    model = fit_cost_model(_all(_observe(shapes, noise=0.0, seed=0)))
+    assert (model.a, model.b, model.c) == pytest.approx((TRUE["a"], TRUE["b"], TRUE["c"]), rel=1e-6)
+    assert model.rmse_s < 1e-9
+
+
+def test_leave_one_out_predicts_each_held_out_strategy_within_3_percent(shapes):
+    obs = _observe(shapes, noise=0.05, seed=2)
+    held = leave_one_out(obs)
+    assert set(held) == {"sorted", "random", "bucketed", "packed"}
+    for name, h in held.items():
+        realized = sum(o.real_tokens for o in obs[name]) / sum(o.seconds for o in obs[name])
+        assert h.realized_tok_s == pytest.approx(realized)
+        assert h.rel_error == pytest.approx(h.predicted_tok_s / h.realized_tok_s - 1)
+        assert abs(h.rel_error) < 0.03, (name, h)
+    # the strategies really differ, so agreement is not trivial: random runs at well under sorted's speed
+    assert held["random"].realized_tok_s < 0.7 * held["sorted"].realized_tok_s
+
+
+def test_padding_only_prediction_misses_where_the_fitted_model_does_not(shapes):
+    """The seed's error: throughput ~ efficiency x sorted throughput ignores step and attention costs."""
+    obs = _observe(shapes, noise=0.0, seed=0)
+    tok_s = {k: sum(o.real_tokens for o in v) / sum(o.seconds for o in v) for k, v in obs.items()}
+    eff = {k: sum(s.real_tokens for s in v) / sum(s.padded_tokens for s in v) for k, v in shapes.items()}
+    naive = tok_s["sorted"] * eff["bucketed"] / eff["sorted"]
+    fitted = leave_one_out(obs)["bucketed"]
+    assert abs(naive / tok_s["bucketed"] - 1) > 5 * abs(fitted.rel_error)
+
+
+def test_shape_term_is_chosen_and_recovered_when_new_shapes_cost_time(shapes):
+    obs = _observe(shapes, noise=0.01, seed=3, d=0.05)
+    choice = select_cost_model(obs)
+    assert choice.model.shape_overhead
+    assert choice.model.d == pytest.approx(0.05, rel=0.10)
+    assert choice.max_abs_error < 0.03
+    plain_worst = max(abs(h.rel_error) for h in choice.held_out_without_shape.values())
+    assert plain_worst > choice.max_abs_error
+
+
+def test_shape_term_is_left_out_when_it_does_not_help_held_out_error(shapes):
+    choice = select_cost_model(_observe(shapes, noise=0.05, seed=4))
+    plain = np.mean([abs(h.rel_error) for h in choice.held_out_without_shape.values()])
+    shaped = np.mean([abs(h.rel_error) for h in choice.held_out_with_shape.values()])
+    assert shaped >= plain  # on data without a shape cost the extra term only fits noise
+    assert not choice.model.shape_overhead and choice.model.d == 0.0
+    assert choice.held_out == choice.held_out_without_shape
+    assert choice.max_abs_error < 0.03
+
+
+def test_predict_throughput_matches_a_hand_computation():
+    model = CostModel(a=0.1, b=1e-3, c=1e-6, d=0.05, shape_overhead=True, n_obs=0, rmse_s=0.0, rel_rmse=0.0)
+    padded = describe_padded([3, 5])  # R=2, T=5: 10 slots, attention 2*25 = 50, 8 real tokens
+    packed = describe_packed([[4, 4]], row_len=10)  # 1 x 10 slots, attention 16 + 16 = 32, 8 real
+    assert (padded.padded_tokens, padded.attention, padded.real_tokens) == (10, 50.0, 8)
+    assert (packed.padded_tokens, packed.attention, packed.real_tokens) == (10, 32.0, 8)
+    t_pad, t_pack = 0.1 + 0.010 + 50e-6, 0.1 + 0.010 + 32e-6
+    batches = [padded, packed, padded]  # two new shapes, then a repeat
+    expected_s = 2 * t_pad + t_pack + 2 * 0.05
+    assert model.predict_seconds(batches) == pytest.approx(expected_s, rel=1e-12)
+    assert model.predict_throughput(batches) == pytest.approx(24 / expected_s, rel=1e-12)
+    warm = model.predict_throughput(batches, warm_shapes=[padded.key, packed.key])
+    assert warm == pytest.approx(24 / (2 * t_pad + t_pack), rel=1e-12)
+
+
+def test_batch_descriptions_price_layouts_and_edges():
+    assert describe_padded([3, 5], pad_to=8).key == (2, 8)
+    assert describe_padded([3, 5], pad_to=8).attention == 2 * 64
+    assert describe_packed([[4, 4], [9]], row_len=10, varlen=False).attention == 2 * 100
+    assert describe_packed([[4, 4], [9]], row_len=10).attention == 16 + 16 + 81
+    model = CostModel(0.01, 1e-6, 1e-9, 0.0, False, 0, 0.0, 0.0)
+    to_max = describe_batches([[100, 120], [300, 310]])
+    to_edge = describe_batches([[100, 120], [300, 310]], row_len=512)
+    assert model.predict_throughput(to_edge) < model.predict_throughput(to_max)
+    with pytest.raises(CostModelError, match="row 1: 11 tokens do not fit row_len=10"):
+        describe_packed([[4], [5, 6]], row_len=10)
+    with pytest.raises(CostModelError, match="lengths must be > 0"):
+        describe_padded([3, 0])
+    with pytest.raises(CostModelError, match="layout must be"):
+        describe_batches([[3]], layout="ragged")
+
+
+def _obs(rows: int, row_len: int, seconds: float = 0.1, **kw) -> StepObservation:
+    base = dict(real_tokens=rows * row_len, attention=float(rows * row_len**2))
+    return StepObservation(rows, row_len, **{**base, **kw}, seconds=seconds)
+
+
+def test_degenerate_observations_are_refused_with_a_clear_error():
+    with pytest.raises(CostModelError, match="3 observations for 3 terms"):
+        fit_cost_model([_obs(1, 10), _obs(2, 20), _obs(3, 30)])
+    with pytest.raises(CostModelError, match=r"all 8 observations have the same \(rows, row_len\) = \(4, 128\)"):
+        fit_cost_model([_obs(4, 128, 0.1 + 0.001 * i) for i in range(8)])
+    # two shapes, many steps: a, b, c are still not separable
+    with pytest.raises(CostModelError, match="span only 2 of the 3 terms"):
+        fit_cost_model([_obs(4, 128)] * 4 + [_obs(8, 256)] * 4)
+    with pytest.raises(CostModelError, match=r"observation 2 \(run 'probe'\): seconds=0"):
+        fit_cost_model([_obs(1, 10), _obs(2, 20), _obs(3, 30, seconds=0.0, run="probe"), _obs(4, 40)])
+    with pytest.raises(CostModelError, match=r"observation 0 .*real_tokens=50 must be in \(0, padded_tokens=40\]"):
+        fit_cost_model([_obs(1, 40, real_tokens=50)] + [_obs(i, 10 * i) for i in range(2, 6)])
+    with pytest.raises(CostModelError, match="needs at least 2 strategies"):
+        leave_one_out({"sorted": [_obs(1, 10)]})
+    with pytest.raises(CostModelError, match="no batches"):
+        CostModel(0.1, 0.0, 0.0, 0.0, False, 0, 0.0, 0.0).predict_throughput([])
+
+
+def test_fit_never_returns_negative_costs():
+    """Steps that would suggest a negative attention cost give c = 0, never c < 0."""
+    rng = np.random.default_rng(5)
+    obs = []
+    for _ in range(40):
+        R, T = int(rng.integers(1, 16)), int(rng.integers(16, 1024))
+        t = 0.01 + 1e-6 * R * T - 5e-10 * R * T * T
+        obs.append(_obs(R, T, seconds=max(t, 1e-4)))
+    model = fit_cost_model(obs)
+    assert min(model.a, model.b, model.c) >= 0.0
+    assert model.c == 0.0
+    assert attention_q_from_fit(model) == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(6, 30), st.integers(1, 4))
+def test_nnls_meets_the_optimality_conditions(seed, n, p):
+    """KKT of min ||Xw - y||, w >= 0: w >= 0, gradient >= 0, gradient == 0 where w > 0."""
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(0, 1, (n, p))  # (n, p)
+    y = rng.normal(0, 1, n)  # (n,)
+    w = _nnls(X, y)
+    grad = X.T @ (X @ w - y)  # (p,)
+    assert (w >= 0).all()
+    assert (grad >= -1e-8).all()
+    assert np.allclose(grad[w > 0], 0.0, atol=1e-8)

@@ -1,0 +1,151 @@
+"""The demo report page and summary.json: self-contained, linked, validated, escaped."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+
+from dflash_lib.report.demo import (
+    STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report, external_references, write_demo_summary,
+)
+
+PLOTLY_JS_BANNER = "plotly.js v"  # the licence header at the top of the inlined bundle
+
+
+def summary_rows() -> dict[str, dict[str, float]]:
+    ktok = {"sorted": 32.0, "random": 12.0, "bucketed": 25.1, "packed": 30.4}
+    return {s: dict(ktok_s=k, ratio_to_sorted=k / ktok["sorted"], predicted_efficiency=0.868,
+                    realized_efficiency=0.78, co_batch_recurrence=0.01 * (i + 1), steps=100 + i)
+            for i, (s, k) in enumerate(ktok.items())}
+
+
+@pytest.fixture
+def demo_tree(tmp_path: Path) -> dict:
+    """runs/ with two notebook run folders, a demo folder, and figures of every accepted kind."""
+    runs = tmp_path / "runs"
+    r1, r2 = runs / "20260101T000000Z_01_length_analysis", runs / "20260101T000100Z_03_throughput probe"
+    for run, nb in ((r1, "01_length_analysis.ipynb"), (r2, "03_throughput.ipynb")):
+        run.mkdir(parents=True)
+        (run / nb).write_text("{}")
+    (r2 / "throughput.html").write_text("<html></html>")
+    json_fig = r1 / "lengths.json"
+    go.Figure(go.Histogram(x=[1, 2, 2, 3]), layout_title_text="Lengths").write_json(json_fig)
+    figures = [go.Figure(go.Bar(x=list(STRATEGIES), y=[32, 12, 25, 30]), layout_title_text="Ktok/s <by strategy>"),
+               go.Figure(go.Scatter(x=[1, 2, 3], y=[1, 4, 9])), json_fig, r2 / "throughput.html"]
+    return dict(demo=runs / "20260101T000200Z_demo", runs={"01_length_analysis": r1, "03_throughput": r2},
+                figures=figures)
+
+
+def test_report_is_one_self_contained_page_with_every_figure(demo_tree):
+    path = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), demo_tree["figures"])
+    page = path.read_text()
+    assert path == demo_tree["demo"] / "report.html"
+    assert page.count(PLOTLY_JS_BANNER) == 1  # plotly.js inlined exactly once
+    assert len(re.findall(r'class="plotly-graph-div"', page)) == 3  # two Figures + the JSON file, embedded
+    assert external_references(page) == []
+    assert not re.search(r"<script[^>]*\ssrc\s*=", page)  # every script is inline
+    assert "MathJax.js" not in page
+
+
+def test_report_links_every_run_folder_and_notebook_relatively(demo_tree):
+    demo = demo_tree["demo"]
+    page = build_demo_report(demo, demo_tree["runs"], summary_rows(), demo_tree["figures"]).read_text()
+    hrefs = re.findall(r'href="([^"]+)"', page)
+    for run in demo_tree["runs"].values():
+        folder = [h for h in hrefs if unquote(h).rstrip("/") == f"../{run.name}"]
+        assert folder, f"no link to {run.name} in {hrefs}"
+        assert (demo / unquote(folder[0])).resolve() == run.resolve()
+    notebooks = [h for h in hrefs if h.endswith(".ipynb")]
+    assert {unquote(h) for h in notebooks} == {"../20260101T000000Z_01_length_analysis/01_length_analysis.ipynb",
+                                              "../20260101T000100Z_03_throughput probe/03_throughput.ipynb"}
+    for h in notebooks + [h for h in hrefs if h.endswith("throughput.html")]:
+        assert not h.startswith(("/", "file:")) and (demo / unquote(h)).is_file(), h
+    assert "%20" in "".join(hrefs)  # a space in a folder name is percent-encoded, not left raw
+
+
+def test_summary_table_shows_every_strategy_and_column(demo_tree):
+    page = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), []).read_text()
+    table = page[page.index('<table class="summary">'): page.index("</table>")]
+    header = re.findall(r"<th>([^<]+)</th>", table.split("</thead>")[0])
+    assert header == ["strategy", *SUMMARY_KEYS, "steps"]
+    rows = re.findall(r"<tr><th>(\w+)</th>(.*?)</tr>", table.split("<tbody>")[1])
+    assert [r[0] for r in rows] == list(STRATEGIES)
+    cells = dict((name, re.findall(r'<td class="num">([^<]*)</td>', rest)) for name, rest in rows)
+    assert cells["bucketed"][:2] == ["25.10", f"{25.1 / 32:.3f}"]
+    assert cells["random"][-1] == "101"
+    assert PLOTLY_JS_BANNER not in page  # no figures: no plotly.js either
+
+
+def test_text_is_escaped(demo_tree):
+    rows = summary_rows()
+    rows["<script>alert(1)</script>"] = {**rows["sorted"], "note": "a & b"}
+    page = build_demo_report(demo_tree["demo"], {"<i>run</i>": next(iter(demo_tree["runs"].values()))}, rows,
+                             demo_tree["figures"][:1], title='Demo "x" <b>').read_text()
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "a &amp; b" in page and "&lt;i&gt;run&lt;/i&gt;" in page
+    assert "<title>Demo &quot;x&quot; &lt;b&gt;</title>" in page
+    assert "<h3>Ktok/s &lt;by strategy&gt;</h3>" in page
+
+
+def test_bad_figures_and_runs_are_refused_by_name(demo_tree, tmp_path):
+    build = lambda runs, figs: build_demo_report(demo_tree["demo"], runs, summary_rows(), figs)  # noqa: E731
+    with pytest.raises(DemoReportError, match="figure 1: file not found: .*missing.json"):
+        build(demo_tree["runs"], [go.Figure(), tmp_path / "missing.json"])
+    (tmp_path / "fig.png").write_bytes(b"\x89PNG")
+    with pytest.raises(DemoReportError, match=r"figure 0: .*fig.png must be a plotly .json"):
+        build(demo_tree["runs"], [tmp_path / "fig.png"])
+    (tmp_path / "notfig.json").write_text('{"rows": [1, 2]}')
+    with pytest.raises(DemoReportError, match="figure 0: .*notfig.json is not a plotly figure JSON"):
+        build(demo_tree["runs"], [tmp_path / "notfig.json"])
+    with pytest.raises(DemoReportError, match="figure 0: expected a plotly Figure or a path, got dict"):
+        build(demo_tree["runs"], [{"data": []}])
+    with pytest.raises(DemoReportError, match="run '02_buckets': folder not found"):
+        build({"02_buckets": tmp_path / "nowhere"}, [])
+
+
+def test_external_references_finds_every_kind_of_outside_link():
+    page = """<html><head><link rel="stylesheet" href="//fonts.example.com/a.css">
+    <style>@import 'https://x.example/b.css'; body { background: url("http://x.example/bg.png"); }</style>
+    <script src="https://cdn.plot.ly/plotly-2.min.js"></script></head><body>
+    <img srcset="a.png 1x, https://img.example/b.png 2x"><div style="background:url(ftp://x/y)"></div>
+    <a href="../run/01.ipynb">ok</a><a href="#top">ok</a><img src="data:image/png;base64,AA==">
+    <script>var s = "https://not.an.attribute/";</script></body></html>"""
+    assert sorted(external_references(page)) == sorted([
+        "//fonts.example.com/a.css", "https://x.example/b.css", "http://x.example/bg.png",
+        "https://cdn.plot.ly/plotly-2.min.js", "https://img.example/b.png", "ftp://x/y"])
+
+
+def test_write_demo_summary_round_trips_and_the_report_links_it(tmp_path):
+    rows = summary_rows()
+    path = write_demo_summary(tmp_path / "demo", rows)
+    assert path == tmp_path / "demo" / "summary.json"
+    assert json.loads(path.read_text()) == rows
+    numpy_rows = {s: {k: (np.int64(v) if isinstance(v, int) else np.float64(v)) for k, v in r.items()}
+                  for s, r in rows.items()}  # what a notebook computing with numpy hands over
+    assert json.loads(write_demo_summary(tmp_path / "demo", numpy_rows).read_text()) == rows
+    page = build_demo_report(tmp_path / "demo", {}, rows, []).read_text()
+    assert '<a href="summary.json">summary.json</a>' in page
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("packed"), r"strategies \['packed'\] missing"),
+    (lambda s: s["random"].pop("co_batch_recurrence"), r"summary\['random'\]: keys \['co_batch_recurrence'\] missing"),
+    (lambda s: s["bucketed"].update(ktok_s=math.nan), r"summary\['bucketed'\]\['ktok_s'\] must be a finite number"),
+    (lambda s: s["sorted"].update(realized_efficiency="0.9"), r"\['realized_efficiency'\] must be a finite number"),
+    (lambda s: s["packed"].update(predicted_efficiency=1.2), r"\['predicted_efficiency'\] must lie in \[0, 1\]"),
+    (lambda s: s["random"].update(ratio_to_sorted=0.5), r"summary\['random'\]\['ratio_to_sorted'\] = 0.5 but"),
+    (lambda s: s["sorted"].update(ktok_s=0.0), r"summary\['sorted'\]\['ktok_s'\] must be > 0"),
+])
+def test_write_demo_summary_refuses_incomplete_or_wrong_rows(tmp_path, edit, message):
+    rows = summary_rows()
+    edit(rows)
+    with pytest.raises(DemoReportError, match=message):
+        write_demo_summary(tmp_path, rows)
+    assert not (tmp_path / "summary.json").exists()
