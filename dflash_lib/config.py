@@ -87,13 +87,21 @@ class ModelConfig:
     num_anchors: int = 64  # anchors per sequence per step (paper: 512)
     mask_id: int = 151669  # MASK token id (Qwen3: an unused padded embedding row)
     gamma: float = 0.0  # loss decay w_k = exp(-(k-1)/gamma); 0 = the paper's value for the block size
-    ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory)
+    ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory); 0 = one unchunked pass
+    target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the dflash.md rule
+    attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         for name in ("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"):
             _positive(name, getattr(self, name))
+        _non_negative("ce_chunk_blocks", self.ce_chunk_blocks)
+        _non_negative("gamma", self.gamma)
+        _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
+        if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
+            raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
+                              f"but num_features is {self.num_features}")
 
 
 @dataclass
@@ -102,9 +110,12 @@ class PipelineConfig:
     target_workers: int = 1  # target-model worker threads (one per device on GPU)
     hs_queue: int = 2  # q_hs capacity (hidden-state batches waiting for the drafter)
     queue_timeout_s: float = 5.0  # a stage waiting longer than this re-checks for a failure elsewhere
+    close_timeout_s: float = 30.0  # close() waits this long (seconds) for all stage threads before reporting one stuck
 
     def __post_init__(self) -> None:
         _positive("prefetch", self.prefetch)
+        _positive("queue_timeout_s", self.queue_timeout_s)
+        _positive("close_timeout_s", self.close_timeout_s)
         _positive("target_workers", self.target_workers)
         _positive("hs_queue", self.hs_queue)
 
@@ -127,6 +138,10 @@ class TrainConfig:
     seed: int = 0  # model init and anchor generator seed
     full_run_epochs: float = 6.0  # the full run the ETA is computed for
     full_run_samples: int = 0  # samples in that full run (0 = this corpus)
+    keep_checkpoints: int = 3  # newest checkpoints kept in the run folder (older ones deleted after a save)
+    max_bad_steps: int = 5  # non-finite losses in a row that abort the run (each one skips its step)
+    fresh: bool = False  # delete the run folder's checkpoints and start over instead of resuming
+    dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
 
     def __post_init__(self) -> None:
         _non_negative("steps", self.steps)
@@ -137,6 +152,9 @@ class TrainConfig:
         _positive("lr", self.lr)
         _positive("log_every", self.log_every)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        _positive("max_bad_steps", self.max_bad_steps)
+        _positive("dist_timeout_s", self.dist_timeout_s)
 
 
 @dataclass

@@ -1,0 +1,181 @@
+"""torch.distributed glue: one process or a torchrun group, behind the same few calls.
+
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
+joins a process group (gloo on CPU, NCCL on CUDA) whose collectives give up after `timeout_s`, so a dead peer
+makes the others fail with a DistributedError instead of hanging. Without torchrun it is a single process and
+every collective is a no-op. Call sites stay the same either way: `all_reduce_sum`, `is_main`, `print0`,
+`barrier`, `destroy`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class DistributedError(RuntimeError):
+    """The process group could not start, or a collective failed (a peer died or did not answer in time)."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int  # global rank, 0 .. world_size-1
+    world_size: int  # number of processes in the run
+    local_rank: int  # rank on this machine (selects the GPU)
+    device: torch.device  # where this rank computes
+    backend: str | None  # "gloo" | "nccl", None for a single process
+    timeout_s: float  # seconds a collective waits for its peers before failing
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_info: DistInfo | None = None  # set by init_distributed, cleared by destroy
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    try:
+        return int(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise DistributedError(f"environment variable {name}={raw!r} must be an integer "
+                               f"(set by torchrun: {', '.join(_TORCHRUN_VARS)})") from None
+
+
+def _resolve_device(device: str, local_rank: int) -> torch.device:
+    if device not in ("auto", "cpu", "cuda"):
+        raise DistributedError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistributedError("device='cuda' was asked for but CUDA is not available")
+    if local_rank >= torch.cuda.device_count():
+        raise DistributedError(f"LOCAL_RANK {local_rank} has no GPU: this machine has {torch.cuda.device_count()}")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> DistInfo:
+    """Join the torchrun process group if there is one, else describe a single process.
+
+    timeout_s: seconds any collective (and the initial rendezvous) waits before raising.
+    device: "auto" (CUDA when available), "cpu" or "cuda"; CUDA uses NCCL and GPU `LOCAL_RANK`, CPU uses gloo.
+    Calling it again returns the existing DistInfo.
+    """
+    global _info
+    if _info is not None:
+        return _info
+    if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0):
+        raise DistributedError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if not present:
+        _info = DistInfo(0, 1, 0, _resolve_device(device, 0), None, float(timeout_s))
+        return _info
+    if len(present) != len(_TORCHRUN_VARS):
+        missing = sorted(set(_TORCHRUN_VARS) - set(present))
+        raise DistributedError(f"torchrun environment is incomplete: {present} set but {missing} missing")
+    rank, world_size, local_rank = (_env_int(v) for v in _TORCHRUN_VARS)
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise DistributedError(f"inconsistent torchrun environment: RANK={rank} WORLD_SIZE={world_size} "
+                               f"LOCAL_RANK={local_rank}")
+    dev = _resolve_device(device, local_rank)
+    if world_size == 1:
+        _info = DistInfo(0, 1, local_rank, dev, None, float(timeout_s))
+        return _info
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise DistributedError(f"environment variable {var} is not set (torchrun sets it)")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=_dt.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    except Exception as e:  # noqa: BLE001 - rendezvous failures come as several types; name the cause
+        raise DistributedError(f"rank {rank}/{world_size}: could not join the {backend} process group at "
+                               f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout_s} s: "
+                               f"{type(e).__name__}: {e}") from e
+    _info = DistInfo(rank, world_size, local_rank, dev, backend, float(timeout_s))
+    return _info
+
+
+def info() -> DistInfo:
+    """The current DistInfo (a single CPU/auto process when init_distributed was not called)."""
+    return _info if _info is not None else DistInfo(0, 1, 0, torch.device("cpu"), None, 0.0)
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a single process): the rank that logs, writes wandb and saves checkpoints."""
+    return info().rank == 0
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """print() on rank 0 only, flushed (so torchrun's interleaved logs stay in order)."""
+    if is_main():
+        print(*args, **{"flush": True, **kwargs})  # type: ignore[arg-type]
+
+
+def _group_active() -> bool:
+    return _info is not None and _info.backend is not None and dist.is_initialized()
+
+
+def all_reduce_sum(x: float | torch.Tensor) -> float | torch.Tensor:
+    """Sum `x` over all ranks. A float comes back as a float (summed in float64); a tensor comes back as a new
+    tensor of the same shape, dtype and device (the input is not modified)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
+        raise DistributedError(f"all_reduce_sum takes a float or a tensor, got {type(x).__name__}")
+    if not _group_active():
+        return float(x) if not isinstance(x, torch.Tensor) else x.clone()
+    assert _info is not None
+    if isinstance(x, torch.Tensor):
+        buf = x.detach().to(_info.device, copy=True)
+    else:
+        buf = torch.tensor([float(x)], dtype=torch.float64, device=_info.device)  # (1,)
+    _collective("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
+    return buf.to(x.device) if isinstance(x, torch.Tensor) else float(buf.item())
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (no-op in a single process); DistributedError after the timeout."""
+    if _group_active():
+        _collective("barrier", dist.barrier)
+
+
+def _collective(name: str, call: Callable[[], object]) -> None:
+    global _info
+    assert _info is not None
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or late peer with varying types
+        failed, _info = _info, None
+        _abort_group()
+        raise DistributedError(f"rank {failed.rank}/{failed.world_size}: {name} failed (a peer died or did not "
+                               f"answer within {failed.timeout_s} s): {type(e).__name__}: {e}") from e
+
+
+def _abort_group() -> None:
+    """Tear down a process group whose peers are gone. Without this, the group's destructor at interpreter exit
+    can hit std::terminate (SIGABRT) instead of letting the process exit with its own error code."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6; private but stable
+    try:
+        if abort is not None and dist.is_initialized():
+            abort()
+    except Exception:  # noqa: BLE001 - best effort: the error being raised is the one that matters
+        pass
+
+
+def destroy() -> None:
+    """Leave the process group (if any) and forget the DistInfo; safe to call twice."""
+    global _info
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _info = None

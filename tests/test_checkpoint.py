@@ -1,0 +1,326 @@
+"""Checkpoints: atomic saves, verified loads with fallback, keep-last-N, mismatch errors, full disk, kill -9."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lib import checkpoint as ckpt
+from dflash_lib.checkpoint import (CheckpointError, CheckpointMismatchError, fresh_run_dir, list_checkpoints,
+                                   load_latest, read_manifest, resume_config_hash, save_checkpoint)
+from dflash_lib.config import FLAT_FIELDS, from_params, smoke
+from dflash_lib.rng import capture_rng, restore_rng
+
+REPO = Path(__file__).resolve().parent.parent
+H = "cfg0123456789abc"  # a config hash for tests
+
+
+def _train_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, step: int,
+                 anchors: torch.Generator) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": capture_rng({"anchors": anchors}), "step": step, "epoch": 0,
+            "sampler": {"epoch": 0, "position": step * 4, "order": torch.arange(8)}}
+
+
+def _make(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    return model, opt, sched
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, anchors: torch.Generator) -> float:
+    x = torch.randn(5, 6)  # (B, D) from the global torch stream
+    noise = torch.rand(5, 3, generator=anchors)  # (B, 3) from the named generator
+    jitter = random.random() + float(np.random.rand())
+    loss = ((model(x) - noise) ** 2).mean() * (1 + 0.01 * jitter)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+def _write_steps(d: Path, steps: list[int], keep_last: int = 10, **kw) -> None:
+    for s in steps:
+        save_checkpoint(d, {"w": torch.full((4,), float(s)), "step": s}, s, config_hash=H, keep_last=keep_last, **kw)
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """Train 6 steps straight vs. 3 steps, checkpoint, fresh objects, load, 3 more: identical losses."""
+    random.seed(1), np.random.seed(1)
+    model, opt, sched = _make()
+    anchors = torch.Generator().manual_seed(7)
+    straight = [_step(model, opt, sched, anchors) for _ in range(6)]
+
+    random.seed(1), np.random.seed(1)
+    model, opt, sched = _make()
+    anchors = torch.Generator().manual_seed(7)
+    first = [_step(model, opt, sched, anchors) for _ in range(3)]
+    save_checkpoint(tmp_path, _train_state(model, opt, sched, 3, anchors), 3, config_hash=H)
+    for _ in range(5):  # disturb every stream so the resume really depends on the restored state
+        random.random(), np.random.rand(), torch.rand(1), torch.rand(1, generator=anchors)
+
+    model, opt, sched = _make(seed=99)
+    anchors = torch.Generator()
+    state, path = load_latest(tmp_path, H, 1)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"], {"anchors": anchors})
+    rest = [_step(model, opt, sched, anchors) for _ in range(3)]
+    assert path.name == "ckpt-00000003" and state["step"] == 3
+    assert torch.equal(state["sampler"]["order"], torch.arange(8))
+    np.testing.assert_allclose(first + rest, straight, rtol=0, atol=1e-6)
+
+
+def test_keep_last_n_deletes_only_older_ones(tmp_path: Path) -> None:
+    _write_steps(tmp_path, [1, 2, 3, 4, 5], keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000004", "ckpt-00000005"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]  # no temp or trash left
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"v": 1}, 7, config_hash=H)
+    save_checkpoint(tmp_path, {"v": 2}, 7, config_hash=H)
+    state, path = load_latest(tmp_path, H)
+    assert state["v"] == 2 and sorted(os.listdir(tmp_path)) == ["ckpt-00000007"]
+
+
+def _flip_byte(p: Path) -> None:
+    data = bytearray((p / ckpt.STATE_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p / ckpt.STATE_FILE).write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flipped byte": (_flip_byte, "fails its checksum"),
+    "truncated": (lambda p: os.truncate(p / ckpt.STATE_FILE, 100), "truncated"),
+    "no manifest": (lambda p: (p / ckpt.MANIFEST_FILE).unlink(), "manifest.json is missing"),
+    "garbage manifest": (lambda p: (p / ckpt.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
+    "manifest wrong type": (lambda p: (p / ckpt.MANIFEST_FILE).write_text(
+        (p / ckpt.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
+    "state missing": (lambda p: (p / ckpt.STATE_FILE).unlink(), "state.pt is missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_newest_is_refused_and_the_previous_used(tmp_path: Path, kind: str, caplog) -> None:
+    _write_steps(tmp_path, [1, 2])
+    corrupt, message = CORRUPTIONS[kind]
+    corrupt(tmp_path / "ckpt-00000002")
+    with caplog.at_level(logging.WARNING, logger="dflash_lib.checkpoint"):
+        state, path = load_latest(tmp_path, H)
+    assert path.name == "ckpt-00000001" and state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint ckpt-00000002" in r.getMessage()]
+    assert len(skipped) == 1 and message in skipped[0], caplog.text
+
+
+def test_no_good_checkpoint_is_an_error_naming_each(tmp_path: Path) -> None:
+    _write_steps(tmp_path, [1, 2])
+    for p in list_checkpoints(tmp_path):
+        _flip_byte(p)
+    with pytest.raises(CheckpointError, match=r"no loadable checkpoint in .*ckpt-00000002.*ckpt-00000001.*--fresh"):
+        load_latest(tmp_path, H)
+
+
+def test_empty_or_missing_folder_means_a_fresh_start(tmp_path: Path) -> None:
+    assert load_latest(tmp_path, H) is None
+    assert load_latest(tmp_path / "absent", H) is None
+
+
+def test_config_hash_mismatch_is_an_error(tmp_path: Path) -> None:
+    _write_steps(tmp_path, [1])
+    with pytest.raises(CheckpointMismatchError) as e:
+        load_latest(tmp_path, "another", 1)
+    assert str(e.value) == (f"run folder {tmp_path} holds checkpoints of another config (hash {H} != another); "
+                            f"use --fresh or another --run-dir")
+
+
+def test_world_size_mismatch_is_an_error(tmp_path: Path) -> None:
+    _write_steps(tmp_path, [1], world_size=2)
+    with pytest.raises(CheckpointMismatchError, match=r"written by 2 process\(es\).*world size 1.*--nproc-per-node 2"):
+        load_latest(tmp_path, H, 1)
+    state, _ = load_latest(tmp_path, H, 2)
+    assert state["step"] == 1
+
+
+def test_manifest_records_what_was_saved(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, {"x": torch.ones(3)}, 12, config_hash=H, world_size=4,
+                           meta={"epoch": 1.5, "config": {"lr": 0.1}})
+    m = read_manifest(path)
+    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 4, ckpt.FORMAT_VERSION)
+    assert m.meta == {"epoch": 1.5, "config": {"lr": 0.1}}
+    assert m.files[ckpt.STATE_FILE].bytes == (path / ckpt.STATE_FILE).stat().st_size
+
+
+@pytest.mark.parametrize("state, where", [
+    ({"sampler": {"perm": np.arange(3)}}, r"state\['sampler'\]\['perm'\] is a numpy.ndarray"),
+    ({"gen": torch.Generator()}, r"state\['gen'\] is a torch._C.Generator"),
+    ({"f": lambda: 0}, r"state\['f'\] is a builtins.function"),
+    ({"x": [1, {(1, 2): 3}]}, r"state\['x'\]\[1\] has a key \(1, 2\)"),
+])
+def test_state_that_weights_only_cannot_read_is_refused_before_writing(tmp_path: Path, state, where) -> None:
+    with pytest.raises(CheckpointError, match=where):
+        save_checkpoint(tmp_path / "c", state, 1, config_hash=H)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(step=-1), "step must be"), (dict(step=1.0), "step must be"), (dict(keep_last=0), "keep_last"),
+    (dict(world_size=0), "world_size"), (dict(config_hash=""), "config_hash"),
+    (dict(meta={"x": float("nan")}), "meta must be plain JSON"), (dict(meta={"x": object()}), "meta must be"),
+])
+def test_bad_arguments_are_refused(tmp_path: Path, kw: dict, match: str) -> None:
+    args = dict(step=1, config_hash=H) | kw
+    step = args.pop("step")
+    with pytest.raises(CheckpointError, match=match):
+        save_checkpoint(tmp_path, {"a": 1}, step, **args)
+
+
+def test_disk_refusing_a_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A file-size limit (EFBIG, as a full disk gives ENOSPC) mid-save: clear error, no temp, previous loads."""
+    save_checkpoint(tmp_path, {"w": torch.zeros(10), "step": 1}, 1, config_hash=H)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so the write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(tmp_path, {"w": torch.zeros(1 << 20), "step": 2}, 2, config_hash=H)  # 4 MiB of tensor
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "EFBIG" in msg and "ckpt-00000001" in msg and "untouched" in msg
+    assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == errno.EFBIG
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001"]
+    state, path = load_latest(tmp_path, H)
+    assert state["step"] == 1
+
+
+def test_full_disk_at_fsync_is_reported_and_cleaned(tmp_path: Path, monkeypatch) -> None:
+    """Delayed-allocation filesystems report ENOSPC only at fsync: same guarantees."""
+    save_checkpoint(tmp_path, {"step": 1}, 1, config_hash=H)
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(ckpt.os, "fsync", full)
+    with pytest.raises(CheckpointError, match=r"No space left on device \[ENOSPC\]"):
+        save_checkpoint(tmp_path, {"step": 2}, 2, config_hash=H)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001"]
+    assert load_latest(tmp_path, H)[0]["step"] == 1
+
+
+def test_fresh_run_dir_clears_only_checkpoints(tmp_path: Path) -> None:
+    _write_steps(tmp_path, [1, 2])
+    (tmp_path / ".tmp-ckpt-00000003-999999-0123abcd").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert fresh_run_dir(tmp_path) == 3
+    assert os.listdir(tmp_path) == ["metrics.jsonl"] and load_latest(tmp_path, H) is None
+    assert fresh_run_dir(tmp_path / "absent") == 0
+
+
+def test_resume_hash_ignores_run_control_settings() -> None:
+    base = smoke()
+    assert ckpt.RESUME_NEUTRAL_KEYS <= set(FLAT_FIELDS)
+    same = from_params({"ckpt_every": 5, "log_every": 3, "fresh": True, "wandb_mode": "disabled",
+                        "keep_checkpoints": 1, "dist_timeout_s": 9.0}, base)
+    assert resume_config_hash(same) == resume_config_hash(base)
+    for key, value in [("lr", 1e-3), ("sampler_seed", 1), ("token_budget", 1024), ("seed", 5)]:
+        assert resume_config_hash(from_params({key: value}, base)) != resume_config_hash(base), key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kill -9 at any moment, including in the middle of writing a big checkpoint
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from dflash_lib.checkpoint import save_checkpoint, load_latest
+    d, n, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    for step in range(start, start + 10_000):
+        save_checkpoint(d, {"w": torch.full((n,), float(step)), "step": step}, step, config_hash="h", keep_last=2)
+        print(step, flush=True)
+""")
+
+
+def _start_writer(script: Path, d: Path, start: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), str(d), str(4 << 20), str(start)],  # 16 MiB per save
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _check_latest_good(d: Path, at_least: int) -> int:
+    state, path = load_latest(d, "h")
+    step = state["step"]
+    assert path.name == f"ckpt-{step:08d}" and step >= at_least
+    assert torch.equal(state["w"], torch.full((4 << 20,), float(step)))
+    return step
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_leaves_a_loadable_latest_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    d = tmp_path / "ckpts"
+    rng = random.Random(0)
+    start, killed_mid_write = 1, 0
+    for round_ in range(3):
+        proc = _start_writer(script, d, start)
+        first = proc.stdout.readline()  # one complete save in this round
+        assert first.strip() == str(start), proc.stderr.read()
+        if round_ == 0:  # wait until a temp directory holds a partly written state file, then kill
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                temps = [p for p in d.glob(".tmp-ckpt-*") if (p / ckpt.STATE_FILE).exists()]
+                if temps and not (temps[0] / ckpt.MANIFEST_FILE).exists():
+                    break
+                time.sleep(0.001)
+            else:
+                pytest.fail("never saw a save in progress")
+            proc.send_signal(signal.SIGKILL)
+            killed_mid_write = 1
+        else:  # any moment: writing, fsync, rename, pruning
+            time.sleep(rng.uniform(0.0, 0.5))
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close(), proc.stderr.close()
+        assert proc.returncode == -signal.SIGKILL
+        for path in list_checkpoints(d):  # atomicity: a partial save is never visible under a checkpoint name
+            ckpt.verify_checkpoint(path)
+        step = _check_latest_good(d, at_least=start)
+        start = step + 1
+    assert killed_mid_write
+    assert len(list_checkpoints(d)) <= 3  # keep_last=2, plus at most one whose pruning was interrupted
+    # the next save removes the dead writers' temp directories
+    save_checkpoint(d, {"w": torch.full((4 << 20,), float(start)), "step": start}, start, config_hash="h",
+                    keep_last=2)
+    assert not list(d.glob(".tmp-*")) and not list(d.glob(".trash-*"))
+    assert _check_latest_good(d, at_least=start) == start
+
+
+def test_stale_temp_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
+    live = tmp_path / f".tmp-ckpt-00000009-{os.getppid()}-0123abcd"  # the parent process is alive
+    dead = tmp_path / ".tmp-ckpt-00000009-4194304-0123abcd"  # above the default pid_max
+    live.mkdir(), dead.mkdir()
+    save_checkpoint(tmp_path, {"a": 1}, 1, config_hash=H)
+    assert live.exists() and not dead.exists()
+    assert json.loads((tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE).read_text())["step"] == 1
