@@ -48,6 +48,8 @@ class BucketConfig:
     cost: str = "linear"  # per-sample cost g(l): "linear" = l, "quadratic" = l + l^2/q
     q: float = 0.0  # quadratic cost scale in tokens (0 = unset; required when cost == "quadratic")
     multiple: int = 1  # round per-bucket batch sizes down to a multiple of this (kernel shapes)
+    bucket_grid: int = 64  # batch_max: candidate edge positions; exact when the distinct lengths are fewer
+    k_distance: float = 0.02  # choose k: the smallest k whose predicted efficiency is within this of packing
 
     def __post_init__(self) -> None:
         _choice("objective", self.objective, ("edge", "batch_max"))
@@ -55,6 +57,9 @@ class BucketConfig:
         _positive("k", self.k)
         _positive("k_min", self.k_min)
         _positive("multiple", self.multiple)
+        _positive("bucket_grid", self.bucket_grid)
+        if not 0.0 <= self.k_distance < 1.0:
+            raise ConfigError(f"k_distance must be in [0, 1), got {self.k_distance}")
         if self.k_max < self.k_min:
             raise ConfigError(f"k_max ({self.k_max}) must be >= k_min ({self.k_min})")
         if self.cost == "quadratic" and self.q <= 0:
@@ -68,10 +73,12 @@ class SamplerConfig:
     edges: list[int] = field(default_factory=list)  # bucket upper edges; empty = optimal for the data
     plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
     sampler_seed: int = 0  # sampler seed; epoch e uses (sampler_seed, e)
+    pack_window: int = 64  # packed: open rows the best-fit packer chooses among (larger = tighter, less random)
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, ("sorted", "random", "bucketed", "packed"))
         _positive("token_budget", self.token_budget)
+        _positive("pack_window", self.pack_window)
         if any(b <= a for a, b in zip(self.edges, self.edges[1:])):
             raise ConfigError(f"edges must be strictly ascending, got {self.edges}")
 

@@ -1,0 +1,31 @@
+"""SortedStaticSampler: the seed's flawed baseline. Samples are sorted by length and cut into batches ONCE;
+every epoch only the ORDER of those frozen batches is shuffled, so the optimizer sees the same compositions
+forever (pair co-batch recurrence 1.0). Kept to measure the flaw against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dflash_lib.sampler.base import EpochBatchSampler, EpochPlan, shard_in_order
+from dflash_lib.sampler.budget import TokenBudget, greedy_fill
+
+
+class SortedStaticSampler(EpochBatchSampler):
+    """Frozen length-sorted batches under a token budget (padding counted); per epoch a shuffled batch order."""
+
+    def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
+                 q: float | None = None) -> None:
+        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size)
+        self.budget = TokenBudget(token_budget, q)
+        self.budget.check_longest(self.lengths)
+        self._order = np.argsort(self.lengths, kind="stable")  # (N,) frozen once
+        self._offsets = greedy_fill(self.lengths[self._order], self.budget.capacity_table(int(self.lengths.max())))
+
+    def _settings(self) -> dict[str, Any]:
+        return {"token_budget": int(self.budget.tokens), "q": self.budget.q}
+
+    def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
+        return shard_in_order(self._order, self._offsets, self.world_size,
+                              rng.permutation(len(self._offsets) - 1))
