@@ -18,6 +18,7 @@ NOTEBOOKS = REPO_ROOT / "notebooks"
 Link = tuple[str, Callable[[dict[str, Path]], dict[str, Any]]]
 CHAIN: list[Link] = [
     ("01_length_analysis", lambda prev: {}),
+    ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
 ]
 
 

@@ -143,13 +143,7 @@ def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, prese
     Parameters are validated first (a `ConfigError` before anything is created). The folder gets the executed
     notebook, `params.json`, `env.json` and whatever the notebook writes (it receives `out_dir` = the folder).
     """
-    notebook = Path(notebook)
-    if not notebook.is_file():
-        candidate = REPO_ROOT / "notebooks" / notebook.name
-        if candidate.is_file():
-            notebook = candidate
-        else:
-            raise FileNotFoundError(f"notebook not found: {notebook}")
+    notebook = find_notebook(notebook)
     chosen = resolve_params(notebook, params or {}, preset_name)
     run_dir = new_run_dir(notebook.stem, tag, root)
     if "out_dir" in notebook_parameters(notebook):
@@ -163,6 +157,16 @@ def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, prese
                         cwd=str(REPO_ROOT), progress_bar=False, log_output=False, report_mode=False,
                         kernel_manager_class=_ipc_kernel_manager())
     return run_dir
+
+
+def find_notebook(name: str | Path) -> Path:
+    """A notebook by path, or by name (with or without .ipynb) under notebooks/."""
+    path = Path(name)
+    for candidate in (path, path.with_name(path.name + ".ipynb"), REPO_ROOT / "notebooks" / path.name,
+                      REPO_ROOT / "notebooks" / (path.name + ".ipynb")):
+        if candidate.is_file() and candidate.suffix == ".ipynb":
+            return candidate
+    raise ConfigError(f"notebook not found: {name} (give a path or a name under {REPO_ROOT / 'notebooks'})")
 
 
 def _ipc_kernel_manager() -> type:
