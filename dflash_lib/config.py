@@ -297,7 +297,7 @@ def smoke() -> Config:
 def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models."""
     return from_params(
-        dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=4, hidden_size=64,
+        dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
              num_features=2, num_anchors=32, block_size=8, steps=60, log_every=5, prefetch=4)
     )
 

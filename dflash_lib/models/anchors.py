@@ -1,0 +1,144 @@
+"""Anchor sampling: where the drafter's training blocks start, what they read and what they are scored on.
+
+Draws are made per DOCUMENT in document order from an explicit `torch.Generator`, so a packed row and the
+same documents padded one per row receive identical anchors, and a run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_lib.batch import Batch
+
+PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # dflash.md: loss decay gamma per block size
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's gamma for B = 8, 10, 16; between them linear interpolation; below 8, B / 2 (which meets
+    B = 8 at 4); above 16, the 10 -> 16 slope continued (7 + (B - 16) / 3)."""
+    knots = sorted(PAPER_GAMMA.items())
+    if block_size <= knots[0][0]:
+        return block_size / 2.0
+    if block_size >= knots[-1][0]:
+        return knots[-1][1] + (block_size - knots[-1][0]) / 3.0
+    return float(np.interp(block_size, [b for b, _ in knots], [g for _, g in knots]))
+
+
+def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(B,) float32 w_k = exp(-(k-1)/gamma) for k >= 1; w_0 = 0 (the anchor itself is never scored)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class Anchors:
+    """The M blocks of each of the R rows of one batch (M = most blocks in any row; the rest are padding).
+
+    Position k of a block holds the token at anchor + k (no shift) and is scored against it.
+    """
+
+    slot: torch.Tensor  # (R, M) int64: row slot of the anchor token (0 on padding blocks)
+    pos: torch.Tensor  # (R, M) int64: document-local position of the anchor (0 on padding blocks)
+    doc: torch.Tensor  # (R, M) int64: document id (-1 on padding blocks)
+    valid: torch.Tensor  # (R, M) bool: a real block
+    block_ids: torch.Tensor  # (R, M, B) int64: drafter input: anchor token, then MASK (or a revealed token)
+    labels: torch.Tensor  # (R, M, B) int64: token at anchor + k (0 where not scored)
+    weights: torch.Tensor  # (R, M, B) float32: loss weight (decay x label valid x masked x block valid)
+    block_size: int  # B, tokens per block including the anchor
+    noise: float  # fraction of positions 1..B-1 fed as MASK (1.0 = all, the paper)
+
+    @property
+    def num_blocks(self) -> int:
+        """Real blocks in the batch."""
+        return int(self.valid.sum())
+
+    def to(self, device: torch.device | str) -> "Anchors":
+        move = lambda t: t.to(device)  # noqa: E731
+        return Anchors(move(self.slot), move(self.pos), move(self.doc), move(self.valid), move(self.block_ids),
+                       move(self.labels), move(self.weights), self.block_size, self.noise)
+
+
+def document_spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first slot, length in tokens) of each document 0..D-1 of a batch, in document order.
+
+    Refuses a batch whose document ids are not contiguous runs numbered 0..D-1 in row-major order."""
+    R, T = doc_ids.shape
+    flat = doc_ids.reshape(-1).cpu().numpy()
+    real = np.flatnonzero(flat >= 0)
+    if real.size == 0:
+        return []
+    ids = flat[real]
+    breaks = np.flatnonzero((np.diff(ids) != 0) | (np.diff(real) != 1)) + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [real.size]])
+    order = ids[starts]
+    if not np.array_equal(order, np.arange(len(order))):
+        raise ValueError(f"batch doc_ids must be contiguous runs numbered 0..D-1 in row-major order, "
+                         f"got the run order {order[:10].tolist()}")
+    spans = []
+    for s, e in zip(starts, ends):
+        first = int(real[s])
+        if first // T != int(real[e - 1]) // T:
+            raise ValueError(f"document {int(ids[s])} spans two rows of the batch")
+        spans.append((first // T, first % T, int(e - s)))
+    return spans
+
+
+def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float, mask_id: int,
+                   generator: torch.Generator, noise: float = 1.0) -> Anchors:
+    """Draw min(num_anchors, #valid) anchors per document uniformly without replacement, sorted.
+
+    Valid anchor a (document-local): loss_mask[a] and loss_mask[a + 1] set, a + 1 inside the document.
+    noise < 1: in each block round(noise * (B-1)) (at least 1) of positions 1..B-1 are fed MASK, the others
+    their real token and are not scored. Generator calls per document: randperm(#valid), then, only when
+    noise < 1, rand(n, B-1).
+    """
+    if not 0.0 < noise <= 1.0:
+        raise ValueError(f"noise must be in (0, 1], got {noise}")
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    B = block_size
+    ids = batch.input_ids.cpu().numpy()
+    lm = batch.loss_mask.cpu().numpy().astype(bool)
+    R = ids.shape[0]
+    decay = decay_weights(B, gamma).numpy()  # (B,)
+    k = np.arange(B)
+    n_masked = max(1, round(noise * (B - 1)))
+    per_row: list[list[tuple]] = [[] for _ in range(R)]
+    for d, (row, first, length) in enumerate(document_spans(batch.doc_ids)):
+        tok, mask = ids[row, first:first + length], lm[row, first:first + length]
+        cand = np.flatnonzero(mask[:-1] & mask[1:])  # a with a + 1 < length
+        pick = torch.randperm(len(cand), generator=generator)[: min(num_anchors, len(cand))]
+        a = np.sort(cand[pick.numpy()])  # (n,)
+        n = len(a)
+        masked = np.ones((n, B), dtype=bool)  # position k fed as MASK
+        if noise < 1.0:
+            rank = torch.rand((n, B - 1), generator=generator).argsort(dim=1).argsort(dim=1).numpy()
+            masked[:, 1:] = rank < n_masked
+        masked[:, 0] = False
+        at = a[:, None] + k[None, :]  # (n, B) document-local positions of the block
+        inside = at < length
+        real = tok[np.minimum(at, length - 1)]  # (n, B)
+        labels = np.where(inside, real, 0)
+        weights = decay[None, :] * inside * mask[np.minimum(at, length - 1)] * masked
+        block_ids = np.where(masked | ~inside, mask_id, real)
+        block_ids[:, 0] = real[:, 0]
+        per_row[row].append((first + a, a, np.full(n, d), block_ids, labels, weights))
+    M = max([sum(len(p[0]) for p in blocks) for blocks in per_row] + [0])
+    out = dict(slot=np.zeros((R, M), np.int64), pos=np.zeros((R, M), np.int64), doc=np.full((R, M), -1, np.int64),
+               block_ids=np.full((R, M, B), mask_id, np.int64), labels=np.zeros((R, M, B), np.int64),
+               weights=np.zeros((R, M, B), np.float32))
+    for r, blocks in enumerate(per_row):
+        if blocks:
+            for name, value in zip(("slot", "pos", "doc", "block_ids", "labels", "weights"),
+                                   (np.concatenate(col) for col in zip(*blocks))):
+                out[name][r, : len(value)] = value
+    t = {name: torch.from_numpy(v) for name, v in out.items()}
+    device = batch.input_ids.device
+    return Anchors(t["slot"], t["pos"], t["doc"], t["doc"] >= 0, t["block_ids"], t["labels"],
+                   t["weights"], B, float(noise)).to(device)
+
