@@ -1,0 +1,315 @@
+"""The trainer: schedules, step planning, accumulation with a global normaliser, the loop's outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_lib.batch import collate_padded
+from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.pipeline import PipelineError
+from dflash_lib.train import (Item, TrainingParts, bucket_of, epoch_batches, lr_at, noise_at, plan_steps,
+                              run_training, train_step, warmup_steps)
+from dflash_lib.validate import BadStepGuard
+
+JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
+              "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "steady", "acc_per_pos", "eal", "time"}
+SUMMARY_KEYS = {"steps", "real_tokens", "final_loss", "mean_loss", "final_acc", "steady_ktok_s", "steady",
+                "steady_start_step", "data_wait_pct", "padding_efficiency", "full_run_eta_s", "wall_s",
+                "config_hash"}
+
+
+# -- schedules ---------------------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_exact_values():
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.0)
+    assert warmup_steps(100, cfg) == 10
+    assert [lr_at(s, 100, cfg) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])  # (s+1)/W
+    assert lr_at(10, 100, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert lr_at(55, 100, cfg) == pytest.approx(5e-4)  # half-way through the cosine
+    assert lr_at(100, 100, cfg) == pytest.approx(0.0, abs=1e-15)
+    floor = TrainConfig(lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1)
+    assert lr_at(55, 100, floor) == pytest.approx(1e-4 + 9e-4 * 0.5)
+    assert lr_at(10_000, 100, floor) == pytest.approx(1e-4)  # past an estimated total: the floor
+    steps = TrainConfig(lr=1e-3, warmup_ratio=0.1, warmup_steps=5)  # steps override the ratio
+    assert warmup_steps(100, steps) == 5 and lr_at(0, 100, steps) == pytest.approx(2e-4)
+    assert warmup_steps(6, TrainConfig(warmup_ratio=0.04)) == 1  # ceil: never zero steps of warm-up by ratio
+    with pytest.raises(ValueError, match="total_steps"):
+        lr_at(0, 0, cfg)
+
+
+@settings(max_examples=40, deadline=None)
+@given(total=st.integers(1, 500), ratio=st.floats(0.0, 0.5), floor=st.floats(0.0, 0.9))
+def test_lr_schedule_shape(total, ratio, floor):
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=ratio, min_lr_ratio=floor)
+    lrs = [lr_at(s, total, cfg) for s in range(total)]
+    w = warmup_steps(total, cfg)
+    assert all(0 < x <= 1e-3 + 1e-15 for x in lrs)
+    assert all(x >= floor * 1e-3 - 1e-15 for x in lrs[w:])  # after warm-up never below the floor
+    assert all(a <= b + 1e-15 for a, b in zip(lrs[:w], lrs[1:w]))  # warm-up rises
+    assert all(a + 1e-15 >= b for a, b in zip(lrs[w:], lrs[w + 1:]))  # cosine falls
+
+
+def test_noise_schedule_is_the_configured_constant():
+    cfg = TrainConfig(noise=0.75)
+    assert [noise_at(s, cfg) for s in (0, 1, 1000)] == [0.75] * 3
+
+
+def test_plan_steps():
+    assert plan_steps(TrainConfig(steps=7), 100, 10_000, 1) == (7, None)
+    assert plan_steps(TrainConfig(epochs=1.5), 10, 10_000, 1) == (15, 15)
+    assert plan_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 1) == (7, 40)  # ceil(2000 / 300)
+    assert plan_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 2) == (4, 40)  # per rank
+    with pytest.raises(ConfigError, match="no batch"):
+        plan_steps(TrainConfig(epochs=1.0), 0, 0, 1)
+
+
+def test_bucket_of_uses_inclusive_upper_edges():
+    edges = [10, 20, 30]
+    assert [bucket_of(n, edges) for n in (1, 10, 11, 20, 30)] == [0, 0, 1, 1, 2]
+    assert bucket_of(99, []) == -1
+    with pytest.raises(ValueError, match="31 tokens exceeds the last bucket edge 30"):
+        bucket_of(31, edges)
+
+
+# -- small stand-ins for the store and the sampler -----------------------------------------------------------------
+
+
+class ListSampler:
+    """Fixed batches, reordered per epoch by a seeded permutation (the batch-sampler protocol the loop needs)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches, self.epoch, self.epochs_seen = batches, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs_seen.append(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        order = np.random.default_rng(self.epoch).permutation(len(self.batches))
+        return iter([self.batches[i] for i in order])
+
+
+def test_epoch_batches_cycles_epochs_and_stops():
+    s = ListSampler([[0], [1], [2]])
+    out = list(epoch_batches(s, 7))
+    assert [e for e, _ in out] == [0, 0, 0, 1, 1, 1, 2]
+    assert sorted(i for e, (i,) in out if e == 1) == [0, 1, 2]
+    assert s.epochs_seen == [0, 1, 2]
+    with pytest.raises(ValueError, match="no batch in epoch 0"):
+        next(epoch_batches(ListSampler([]), None))
+
+
+def make_store(n: int = 32, seed: int = 0) -> tuple[list, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(12, 60, size=n)
+    store = []
+    for length in lengths:
+        mask = np.zeros(length, np.uint8)
+        mask[length // 3:] = 1  # the last two thirds are the "assistant" part
+        store.append((rng.integers(0, 2000, size=length), mask))
+    return store, lengths.astype(np.int64)
+
+
+def tiny_config(**params):
+    base = dict(target_layers=2, hidden_size=32, num_features=1, num_anchors=8, block_size=4, steps=6,
+                log_every=2, prefetch=2, hs_queue=1, wandb_mode="disabled", full_run_epochs=2.0)
+    return from_params({**base, **params}, preset("smoke"))
+
+
+def tiny_models(config, seed: int = 0) -> tuple[TargetModel, DFlashDrafter]:
+    target = TargetModel.from_model_config(config.model, seed=seed)
+    torch.manual_seed(seed)
+    return target, DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_store()
+
+
+# -- one step ---------------------------------------------------------------------------------------------------
+
+
+def _item(target: TargetModel, store, indices) -> Item:
+    batch = collate_padded([store[i] for i in indices], pad_id=0, indices=indices)
+    return Item(0, batch, batch, target.features(batch))
+
+
+def test_accumulated_step_equals_one_big_batch(data):
+    """Two micro-batches normalised by their JOINT weight sum give the update of one batch holding both."""
+    store, _ = data
+    config = tiny_config()
+    updates = []
+    for split in ([[0, 1, 2], [3, 4]], [[0, 1, 2, 3, 4]]):
+        target, drafter = tiny_models(config)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        opt = torch.optim.SGD(params, lr=1.0)
+        items = [_item(target, store, idx) for idx in split]
+        res = train_step(drafter, items, params, opt, lr=1.0, noise=1.0,
+                         generator=torch.Generator().manual_seed(3), grad_clip=0.0, autocast=False,
+                         guard=BadStepGuard(3), step=1)
+        updates.append((torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res))
+    (u_split, r_split), (u_one, r_one) = updates
+    assert r_split.weight_sum == pytest.approx(r_one.weight_sum)
+    assert r_split.loss == pytest.approx(r_one.loss, rel=1e-5)
+    assert r_split.real_tokens == r_one.real_tokens == sum(len(store[i][0]) for i in range(5))
+    assert u_one.abs().max() > 0
+    torch.testing.assert_close(u_split, u_one, rtol=1e-4, atol=1e-7)
+
+
+def test_step_without_scored_tokens_is_skipped(data):
+    store, _ = data
+    config = tiny_config()
+    target, drafter = tiny_models(config)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    silent = [(tok, np.zeros_like(mask)) for tok, mask in store[:2]]  # no assistant token at all
+    batch = collate_padded(silent, pad_id=0, indices=[0, 1])
+    res = train_step(drafter, [Item(0, batch, batch, target.features(batch))], params,
+                     torch.optim.AdamW(params), 1e-3, 1.0, torch.Generator(), 1.0, False, BadStepGuard(3), 1)
+    assert res.skipped and math.isnan(res.loss) and res.weight_sum == 0.0
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+# -- the loop ---------------------------------------------------------------------------------------------------
+
+
+def run_loop(tmp_path, data, **params):
+    store, lengths = data
+    config = tiny_config(**params)
+    target, drafter = tiny_models(config)
+    sampler = ListSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
+    parts = TrainingParts(store, lengths, sampler, [target], drafter, pad_id=0, packed=False, row_len=0,
+                          edges=[30, 45, 60])
+    return run_training(config, parts, tmp_path), config, target
+
+
+def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
+    summary, config, target = run_loop(tmp_path, data, target_workers=2)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(JSONL_KEYS <= set(r) for r in rows)
+    assert all(len(r["q_pre"]) == 2 and len(r["q_hs"]) == 2 for r in rows)  # one queue per target worker
+    assert all(r["bucket"] in (0, 1, 2) for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, 6, config.train) for s in range(6)])
+    assert sum(r["real_tokens"] for r in rows) == summary["real_tokens"]
+    assert summary["padding_efficiency"] == pytest.approx(summary["real_tokens"] / summary["padded_tokens"])
+    assert SUMMARY_KEYS <= set(summary) and summary["steps"] == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
+    assert not summary["steady"] and summary["steady_ktok_s"] is None  # 6 steps: too short to call steady
+    DFlashDrafter.load(tmp_path / "drafter", target)  # the saved drafter loads back on its target
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in printed] == [2, 4, 6]  # log_every = 2
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_loop_accumulates_by_real_tokens(tmp_path, data):
+    summary, _, _ = run_loop(tmp_path, data, accum_tokens=300, steps=3)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["micro_batches"] >= 2 and r["real_tokens"] >= 300 for r in rows)  # 4 samples < 240 tokens
+    assert summary["steps"] == 3
+
+
+def test_loop_by_epochs_ends_with_the_data(tmp_path, data):
+    summary, _, _ = run_loop(tmp_path, data, steps=0, epochs=1.5)
+    assert summary["steps"] == summary["planned_steps"] == 12  # 8 batches per epoch x 1.5
+    assert summary["last_epoch"] == 1
+
+
+def test_bad_sample_surfaces_as_a_named_stage_error(tmp_path, data):
+    store, lengths = data
+    broken = list(store)
+    broken[5] = (store[5][0], store[5][1][:-3])  # loss mask shorter than its tokens
+    with pytest.raises(PipelineError, match="stage 'collate' failed"):
+        run_loop(tmp_path, (broken, lengths))
+
+
+# -- end to end on the real pieces (token store, samplers, models) ---------------------------------------------------
+
+
+def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
+    from dflash_lib.train import train
+
+    run_dir = tmp_path / "run"
+    summary = train(preset("smoke"), run_dir)
+    written = {p.name for p in run_dir.iterdir()}
+    assert {"config.json", "env.json", "metrics.jsonl", "summary.json", "drafter"} <= written
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == summary["steps"] == preset("smoke").train.steps
+    assert all(JSONL_KEYS <= set(r) for r in rows)
+    assert all(r["bucket"] >= 0 for r in rows)  # the smoke preset trains on buckets
+    assert 0 < summary["padding_efficiency"] <= 1 and math.isfinite(summary["final_loss"])
+    assert json.loads((run_dir / "config.json").read_text())["config_hash"] == summary["config_hash"]
+    assert not (run_dir / "wandb").exists()  # WANDB_MODE=disabled in tests
+
+
+@pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])
+def test_command_line_trains_every_strategy(tmp_path, strategy):
+    from dflash_lib.__main__ import main
+
+    run_dir = tmp_path / strategy
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
+                 "-p", "strategy", strategy]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if strategy == "packed":
+        assert all(r["bucket"] == -1 for r in rows) and summary["padding_efficiency"] > 0.9
+
+
+DDP_SCRIPT = """
+import json, sys
+from pathlib import Path
+from dflash_lib import distributed
+from dflash_lib.config import from_params, preset
+from dflash_lib.train import build_parts, run_training
+
+config = from_params({"steps": 3, "log_every": 1}, preset("smoke"))
+dist = distributed.init_distributed(timeout_s=60, device="cpu")
+parts = build_parts(config, dist.device)
+first = [parts.sampler.epoch_plan(0).batch(s, dist.rank) for s in range(3)]  # this rank's first batches
+summary = run_training(config, parts, Path(sys.argv[1]))
+checksum = sum(float(p.double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
+tokens = [int(parts.lengths[b].sum()) for b in first]
+print("RESULT " + json.dumps({"rank": dist.rank, "checksum": checksum, "steps": summary["steps"], "tokens": tokens}))
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_stay_in_sync(tmp_path):
+    """torchrun, 2 gloo ranks on different shards: statistics are summed over ranks, gradients too (the two
+    drafters end identical), and rank 0 alone logs and writes."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+                      if "RESULT " in line), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1] and all(r["steps"] == 3 for r in results)
+    assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["real_tokens"] for r in rows] == [a + b for a, b in zip(results[0]["tokens"], results[1]["tokens"])]
+    assert results[0]["tokens"] != results[1]["tokens"]  # the ranks really saw different data
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3  # printed by rank 0 only
