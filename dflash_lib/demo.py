@@ -19,6 +19,7 @@ Link = tuple[str, Callable[[dict[str, Path]], dict[str, Any]]]
 CHAIN: list[Link] = [
     ("01_length_analysis", lambda prev: {}),
     ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
+    ("04_train", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
 ]
 
 

@@ -1,0 +1,113 @@
+"""Figures of a training run, read from its `metrics.jsonl` (one JSON object per optimizer step).
+
+The loss of a bucketed run jumps from step to step because consecutive steps draw batches from different length
+buckets; colouring each step by its bucket and smoothing per bucket shows that the jumps are the bucket mix, not
+instability.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf")
+
+
+def load_metrics(path: str | Path) -> pd.DataFrame:
+    """metrics.jsonl (or a run folder holding it) as a frame, one row per step, sorted by step.
+
+    A torn last line (a run killed mid-write) is ignored; any other bad line is an error naming the line.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines):
+                break
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+    if not rows:
+        raise ValueError(f"{path}: no steps logged")
+    return pd.DataFrame(rows).sort_values("step").reset_index(drop=True)
+
+
+def smooth_by_bucket(df: pd.DataFrame, column: str = "loss", window: int = 5) -> pd.DataFrame:
+    """Per-bucket trailing mean of `column` over that bucket's last `window` steps.
+
+    Returns columns step, bucket, smooth: one row per step, the mean of the steps of the SAME bucket up to and
+    including it (so each curve follows one length range).
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out = df[["step", "bucket", column]].copy()
+    out["smooth"] = out.groupby("bucket")[column].transform(lambda s: s.rolling(window, min_periods=1).mean())
+    return out[["step", "bucket", "smooth"]]
+
+
+def steady_window(df: pd.DataFrame) -> tuple[int, int] | None:
+    """(first, last) step of the steady-state window the trainer's detector marked, or None if never steady."""
+    if "steady" not in df or not df["steady"].any():
+        return None
+    steady = df.loc[df["steady"].astype(bool), "step"]
+    return int(steady.iloc[0]), int(df["step"].iloc[-1])
+
+
+def loss_by_bucket(df: pd.DataFrame, window: int = 5, title: str = "Loss per step, coloured by bucket") -> go.Figure:
+    """Each step's loss as a dot coloured by its bucket, plus each bucket's smoothed curve."""
+    fig = go.Figure()
+    smooth = smooth_by_bucket(df, "loss", window)
+    for i, (bucket, part) in enumerate(df.groupby("bucket")):
+        color = PALETTE[i % len(PALETTE)]
+        name = "no bucket" if bucket < 0 else f"bucket {bucket}"
+        fig.add_trace(go.Scatter(x=part["step"], y=part["loss"], mode="markers", name=name, legendgroup=name,
+                                 marker=dict(color=color, size=6, opacity=0.6)))
+        s = smooth[smooth["bucket"] == bucket]
+        fig.add_trace(go.Scatter(x=s["step"], y=s["smooth"], mode="lines", name=f"{name} (mean of {window})",
+                                 legendgroup=name, line=dict(color=color, width=2)))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", template="plotly_white")
+    return fig
+
+
+def dashboard(df: pd.DataFrame, title: str = "Training run") -> go.Figure:
+    """Accuracy, learning rate, Ktok/s with the steady window shaded, queue depths, data wait and ETA vs step."""
+    fig = make_subplots(rows=3, cols=2, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("accuracy (top-1, weighted)", "learning rate", "throughput (Ktok/s, real)",
+                                        "queue depths", "data wait (%)", "ETA of the full run (days)"))
+    x = df["step"]
+    fig.add_trace(go.Scatter(x=x, y=df["acc"], name="acc", mode="lines"), 1, 1)
+    fig.add_trace(go.Scatter(x=x, y=df["lr"], name="lr", mode="lines"), 1, 2)
+    fig.add_trace(go.Scatter(x=x, y=df["ktok_s"], name="Ktok/s", mode="lines+markers", marker=dict(size=4)), 2, 1)
+    win = steady_window(df)
+    if win is not None:
+        fig.add_vrect(x0=win[0], x1=win[1], fillcolor="#2ca02c", opacity=0.12, line_width=0, row=2, col=1,
+                      annotation_text="steady state", annotation_position="top left")
+    q_pre = np.array([q if isinstance(q, list) else [q] for q in df["q_pre"]], dtype=float)  # (S, workers)
+    for w in range(q_pre.shape[1]):
+        fig.add_trace(go.Scatter(x=x, y=q_pre[:, w], name=f"q_pre[{w}]", mode="lines"), 2, 2)
+    q_hs = np.array([sum(q) if isinstance(q, list) else q for q in df["q_hs"]], dtype=float)
+    fig.add_trace(go.Scatter(x=x, y=q_hs, name="q_hs", mode="lines", line=dict(dash="dash")), 2, 2)
+    if "data_wait_pct" in df:
+        fig.add_trace(go.Scatter(x=x, y=df["data_wait_pct"], name="data wait %", mode="lines"), 3, 1)
+    if "eta_s" in df:
+        fig.add_trace(go.Scatter(x=x, y=df["eta_s"] / 86400.0, name="ETA (d)", mode="lines"), 3, 2)
+    fig.update_layout(title=title, template="plotly_white", height=900, showlegend=True)
+    return fig
+
+
+def summary_table(summary: Mapping[str, Any]) -> pd.DataFrame:
+    """The scalar entries of a run's summary.json as a two-column table (lists and dicts left out)."""
+    rows = [(k, v) for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None]
+    return pd.DataFrame(rows, columns=["metric", "value"]).set_index("metric")
