@@ -1,11 +1,13 @@
 """`make demo`: the study's notebooks executed in order on the bundled corpus, each a papermill run.
 
 Every notebook gets a run folder of its own; a `runs/<id>_demo/` folder records the chain (`chain.json`: which
-notebook ran in which folder, with what parameters) so a reader can find every piece.
+notebook ran in which folder, with what parameters), the per-strategy `summary.json` from the throughput probe,
+and `report.html`: one self-contained page with the summary table, the key figures and links to every run.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,7 +21,19 @@ Link = tuple[str, Callable[[dict[str, Path]], dict[str, Any]]]
 CHAIN: list[Link] = [
     ("01_length_analysis", lambda prev: {}),
     ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
+    ("03_throughput_probe", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
     ("04_train", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
+]
+
+# (notebook stem, figure name): the figures the demo report embeds, in order (plotly JSON the notebooks wrote)
+KEY_FIGURES = [
+    ("03_throughput_probe", "throughput"),
+    ("03_throughput_probe", "predicted_vs_realized"),
+    ("02_bucket_optimization", "efficiency_vs_randomness"),
+    ("02_bucket_optimization", "efficiency_vs_k"),
+    ("02_bucket_optimization", "lengths_edges"),
+    ("04_train", "loss_by_bucket"),
+    ("04_train", "dashboard"),
 ]
 
 
@@ -44,4 +58,18 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
                                "seconds": round(time.perf_counter() - t0, 1)})
         print(f"[demo] {stem} done in {time.perf_counter() - t0:.0f} s -> {run_dir}", flush=True)
         write_json(demo_dir / "chain.json", record)
+    build_report(demo_dir, done)
     return demo_dir
+
+
+def build_report(demo_dir: Path, done: dict[str, Path]) -> Path:
+    """summary.json (per strategy, from the probe) and report.html for a finished chain."""
+    from .report.demo import build_demo_report, write_demo_summary
+
+    probe = json.loads((done["03_throughput_probe"] / "summary.json").read_text())
+    write_demo_summary(demo_dir, probe["strategies"])
+    figures = [done[stem] / f"{name}.json" for stem, name in KEY_FIGURES]
+    missing = [str(f) for f in figures if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"the demo report needs figures its notebooks did not write: {missing}")
+    return build_demo_report(demo_dir, done, probe["strategies"], figures, title="DFlash Lab demo")

@@ -300,6 +300,16 @@ def _next_step_items(it: Iterator[Item], pipeline: Pipeline, accum_tokens: int) 
             return items, wait, False
 
 
+def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
+    """What a step's batches cost, for the step-time cost model: rows, longest row (tokens), and the attention
+    work in tokens^2 both as dense rows (R * T^2) and per document (sum of doc_len^2, varlen kernels)."""
+    rows = sum(int(b.input_ids.shape[0]) for b in batches)
+    row_len = max(int(b.input_ids.shape[1]) for b in batches)
+    dense = sum(float(b.input_ids.shape[0]) * float(b.input_ids.shape[1]) ** 2 for b in batches)
+    varlen = sum(float(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double() ** 2).sum()) for b in batches)
+    return dict(rows=rows, row_len=row_len, attn_dense=dense, attn_varlen=varlen)
+
+
 def _mean(values: list[float]) -> float | None:
     finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else None
@@ -355,6 +365,7 @@ class Trainer:
             run_eta_s=eta_seconds((self.total_steps - step) * done / step, rate.eta_tok_s),
             steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
+            **batch_shape([it.batch for it in items]),
         )
 
     def run(self) -> dict[str, Any]:

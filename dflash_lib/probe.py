@@ -1,0 +1,181 @@
+"""Throughput probes: every batching strategy trained briefly on the same data, model and token budget, measured
+side by side, and the step-time cost model calibrated on (and checked against) those measurements.
+
+Per strategy the probe reports real-token throughput at steady state (warm-up discarded by the trainer's
+steady-state detector), its ratio to sorted batches, the padding efficiency PREDICTED before running (bucketed:
+the analytic plan, as the seed did; the others: their epoch plans) and the one REALIZED on the probe's steps,
+steps per epoch, the ETA of a configurable full run, and the randomness figures of its sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .buckets import plan_for_edges
+from .config import Config, ConfigError, from_params
+from .costmodel import CostModelChoice, StepObservation, select_cost_model
+from .report.training import load_metrics
+from .sampler import packing_efficiency, padding_efficiency, randomness
+
+STRATEGIES = ("sorted", "random", "bucketed", "packed")
+
+
+@dataclass
+class StrategyProbe:
+    """One strategy's probe run and what it measured."""
+
+    strategy: str
+    run_dir: Path  # the strategy's training run folder
+    summary: dict[str, Any]  # the trainer's summary.json
+    observations: list[StepObservation]  # steady-state steps (or the last half when never steady)
+    steady: bool  # the detector found a steady state (else throughput is the last window's, provisional)
+    ktok_s: float  # real Ktok/s over the observed steps
+    predicted_efficiency: float  # real / padded tokens predicted before running
+    realized_efficiency: float  # real / padded tokens over the observed steps
+    steps_per_epoch: int  # batches in one epoch of this sampler
+    eta_days: float | None  # the full run (full_run_epochs over the corpus) at this throughput, days
+    co_batch_recurrence: float  # fraction of co-batched pairs batched together again next epoch
+    lag1: float  # lag-1 correlation of consecutive batch lengths
+
+
+def strategy_config(base: Config, strategy: str, steps: int) -> Config:
+    """`base` with the strategy and probe length replaced (everything else, budget included, identical)."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r} is not one of {list(STRATEGIES)}")
+    return from_params({"strategy": strategy, "steps": steps, "ckpt_every": 0}, base)
+
+
+def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
+    """Padding efficiency known before training. bucketed: the plan's analytic prediction (the objective of the
+    buckets section, the seed's kind of estimate); sorted / random / packed: exact, from the epoch-0 plan."""
+    s = config.sampler
+    if s.strategy == "bucketed":
+        q = config.buckets.q if config.buckets.cost == "quadratic" else None
+        plan = plan_for_edges(lengths, edges, max_len=config.data.max_len, objective=config.buckets.objective,
+                              cost=config.buckets.cost, q=q, token_budget=s.token_budget,
+                              policy=config.data.policy)
+        return float(plan.efficiency)
+    batches = sampler.epoch_plan(0).csr()
+    if s.strategy == "packed":
+        return float(packing_efficiency(batches, lengths, s.token_budget))
+    return float(padding_efficiency(batches, lengths))
+
+
+def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_dense",
+                 run: str = "probe") -> list[StepObservation]:
+    """Cost-model observations from a run's metrics: the steps from `start_step` on (warm-up left out).
+
+    attention: "attn_dense" (the backend pays R*T^2, e.g. SDPA with a mask) or "attn_varlen" (sum of doc^2).
+    """
+    if attention not in ("attn_dense", "attn_varlen"):
+        raise ConfigError(f"attention must be 'attn_dense' or 'attn_varlen', got {attention!r}")
+    missing = {"rows", "row_len", "real_tokens", "step_s", attention} - set(metrics.columns)
+    if missing:
+        raise ConfigError(f"metrics lack {sorted(missing)}: written by an older trainer?")
+    part = metrics[(metrics["step"] >= start_step) & (metrics["step_s"] > 0)]
+    return [StepObservation(rows=int(r.rows), row_len=int(r.row_len), real_tokens=int(r.real_tokens),
+                            attention=float(getattr(r, attention)), seconds=float(r.step_s), run=run)
+            for r in part.itertuples()]
+
+
+def probe_strategy(base: Config, strategy: str, steps: int, run_dir: Path, attention: str = "attn_dense"
+                   ) -> StrategyProbe:
+    """Train `strategy` for `steps` steps into `run_dir` and measure it."""
+    from .train import bucket_edges, build_sampler, train  # torch-heavy: imported on use
+
+    cfg = strategy_config(base, strategy, steps)
+    summary = train(cfg, run_dir)
+    metrics = load_metrics(run_dir)
+    steady = bool(summary["steady"])
+    start = int(summary["steady_start_step"]) if steady else int(metrics["step"].iloc[len(metrics) // 2])
+    obs = observations(metrics, start, attention, "probe")
+    if not obs:
+        raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
+    lengths = _lengths(cfg)
+    edges = bucket_edges(cfg, lengths) if strategy == "bucketed" else []
+    sampler = build_sampler(cfg, lengths, 0, 1, edges)
+    stats = randomness(sampler, edges or [int(lengths.max())])
+    real = sum(o.real_tokens for o in obs)
+    tok_s = real / sum(o.seconds for o in obs)
+    part = metrics[metrics["step"] >= start]
+    realized = float(part["real_tokens"].sum() / part["padded_tokens"].sum())
+    full_tokens = float(summary["full_run_tokens"])
+    return StrategyProbe(strategy, run_dir, summary, obs, steady, tok_s / 1000.0,
+                         predicted_efficiency(cfg, sampler, lengths, edges), realized, len(sampler),
+                         full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1))
+
+
+def _lengths(cfg: Config) -> np.ndarray:
+    from .data import build_token_store_from_config
+
+    return np.asarray(build_token_store_from_config(cfg.data, progress=False).lengths)
+
+
+def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = STRATEGIES,
+               attention: str = "attn_dense") -> list[StrategyProbe]:
+    """Probe each strategy in turn, each into out_dir/<strategy>/."""
+    return [probe_strategy(base, s, steps, Path(out_dir) / s, attention) for s in strategies]
+
+
+def calibrate(probes: Sequence[StrategyProbe]) -> CostModelChoice:
+    """Fit the step-time model on every strategy's steady steps; its leave-one-out says how well it predicts a
+    strategy it never saw."""
+    return select_cost_model({p.strategy: p.observations for p in probes})
+
+
+def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None = None) -> pd.DataFrame:
+    """One row per strategy, side by side (see the module docstring). With `choice`: the cost model's held-out
+    prediction and its error, next to the padding-only prediction the seed used (sorted throughput scaled by
+    predicted efficiency)."""
+    by = {p.strategy: p for p in probes}
+    if "sorted" not in by:
+        raise ConfigError("the probe needs the 'sorted' strategy as the reference")
+    ref = by["sorted"]
+    rows = []
+    for p in probes:
+        padding_only = ref.ktok_s * p.predicted_efficiency / ref.realized_efficiency
+        row = dict(strategy=p.strategy, ktok_s=p.ktok_s, ratio_to_sorted=p.ktok_s / ref.ktok_s, steady=p.steady,
+                   predicted_efficiency=p.predicted_efficiency, realized_efficiency=p.realized_efficiency,
+                   efficiency_gap_pts=100 * (p.predicted_efficiency - p.realized_efficiency),
+                   steps_per_epoch=p.steps_per_epoch, eta_days=p.eta_days,
+                   co_batch_recurrence=p.co_batch_recurrence, lag1=p.lag1,
+                   padding_only_ktok_s=padding_only, padding_only_error_pct=100 * (padding_only / p.ktok_s - 1))
+        if choice is not None:
+            held = choice.held_out[p.strategy]
+            row.update(cost_model_ktok_s=held.predicted_tok_s / 1000.0, cost_model_error_pct=100 * held.rel_error)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("strategy")
+
+
+def demo_summary(table: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """The per-strategy figures `runs/<id>_demo/summary.json` holds."""
+    keys = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
+    extra = [c for c in ("eta_days", "cost_model_error_pct", "padding_only_error_pct") if c in table.columns]
+    return {s: {k: float(table.loc[s, k]) for k in (*keys, *extra)} for s in table.index}
+
+
+def cost_model_json(choice: CostModelChoice) -> dict[str, Any]:
+    """The fitted model and its held-out errors, as plain JSON (written by notebook 03, read by notebook 02)."""
+    from .costmodel import attention_q_from_fit
+
+    q = attention_q_from_fit(choice.model)
+    return dict(model=dataclasses.asdict(choice.model), q=None if not np.isfinite(q) else float(q),
+                held_out={k: dataclasses.asdict(v) for k, v in choice.held_out.items()},
+                max_abs_error=choice.max_abs_error)
+
+
+def attention_term(device: str = "auto") -> str:
+    """Which attention work the target pays on this machine: per document ("attn_varlen") when flash-attn runs on
+    CUDA, else the dense row ("attn_dense": SDPA computes the whole T x T score matrix under a mask)."""
+    import importlib.util
+
+    import torch
+
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    return "attn_varlen" if cuda and importlib.util.find_spec("flash_attn") is not None else "attn_dense"

@@ -1,0 +1,39 @@
+"""The whole study chain (01 -> 02 -> 03 -> 04) on smoke parameters, its demo folder, and the report in a real
+headless browser."""
+
+import json
+
+import pytest
+
+from dflash_lib.browser import check_page, find_chromium
+from dflash_lib.demo import CHAIN, run_demo
+from dflash_lib.report.demo import STRATEGIES, SUMMARY_KEYS, external_references
+
+
+@pytest.mark.slow
+def test_demo_chain_on_smoke_parameters(tmp_path):
+    demo_dir = run_demo(preset_name="smoke", tag="test", root=tmp_path, overrides={"steps": 12, "limit": 300})
+    chain = json.loads((demo_dir / "chain.json").read_text())
+    assert [r["notebook"] for r in chain["runs"]] == [stem for stem, _ in CHAIN]
+    runs = {r["notebook"]: r["run_dir"] for r in chain["runs"]}
+    for stem, run in runs.items():
+        assert (tmp_path / run.split("/")[-1] / f"{stem}.ipynb").is_file()
+    # each notebook read the one before it
+    assert chain["runs"][1]["params"]["lengths_from"] == runs["01_length_analysis"]
+    assert chain["runs"][2]["params"]["plan"].startswith(runs["02_bucket_optimization"])
+    summary = json.loads((demo_dir / "summary.json").read_text())
+    assert set(STRATEGIES) <= set(summary)
+    for s in STRATEGIES:
+        assert set(SUMMARY_KEYS) <= set(summary[s]) and summary[s]["ktok_s"] > 0
+    assert summary["sorted"]["ratio_to_sorted"] == pytest.approx(1.0)
+    assert summary["sorted"]["co_batch_recurrence"] == pytest.approx(1.0)  # frozen batches: the seed's flaw
+    assert summary["bucketed"]["co_batch_recurrence"] < 0.5
+    page = (demo_dir / "report.html").read_text()
+    assert not external_references(page)
+    for run in runs.values():
+        assert run.split("/")[-1] in page  # every run folder is linked
+    if find_chromium() is None:
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium); report not opened in a browser")
+    check = check_page(demo_dir / "report.html", expected_plots=7)
+    assert not check.problems(7), check.problems(7)
+    assert check.plots_rendered == 7 and not check.network_requests and not check.js_errors
