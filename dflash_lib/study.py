@@ -49,6 +49,23 @@ def load_plan(plan: str) -> BucketPlan:
     return BucketPlan.from_json(path.read_text())
 
 
+def fitted_cost(cost_from: str) -> tuple[str, float]:
+    """("quadratic", q) from the step-time model notebook 03 fitted (q = b / c: the row length, in tokens, at
+    which attention costs as much as the per-token work). A cost_model.json path or a notebook-03 run folder."""
+    import json
+
+    path = Path(cost_from)
+    if path.is_dir():
+        path = path / "cost_model.json"
+    if not path.is_file():
+        raise ConfigError(f"cost_from: {path} does not exist (expected a notebook-03 run folder)")
+    q = json.loads(path.read_text()).get("q")
+    if q is None or not q > 0:
+        raise ConfigError(f"cost_from: {path} has no finite attention scale q (the fit found no attention cost); "
+                          f"use cost='linear'")
+    return "quadratic", float(q)
+
+
 def method_plans(lengths: np.ndarray, k_values: Sequence[int], *, max_len: int, token_budget: int,
                  cost: str = "linear", q: float | None = None, multiple: int = 1, policy: str = "truncate",
                  grid: int = 64) -> dict[str, list[BucketPlan]]:

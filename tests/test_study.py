@@ -85,3 +85,15 @@ def test_notebook_02_writes_a_plan(tmp_path, lengths):
     for fig in ("lengths_edges", "efficiency_vs_k", "efficiency_vs_randomness"):
         html = (out / f"{fig}.html").read_text()
         assert not external_references(html) and len(html) > 1_000_000  # plotly.js inlined, nothing fetched
+
+
+def test_fitted_cost_from_a_probe_folder(tmp_path):
+    from dflash_lib.study import fitted_cost
+
+    (tmp_path / "cost_model.json").write_text(json.dumps({"q": 4096.0, "model": {}}))
+    assert fitted_cost(str(tmp_path)) == ("quadratic", 4096.0)
+    (tmp_path / "cost_model.json").write_text(json.dumps({"q": None}))
+    with pytest.raises(ConfigError, match="no finite attention scale"):
+        fitted_cost(str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        fitted_cost(str(tmp_path / "nope"))
