@@ -48,6 +48,7 @@ class BucketConfig:
     cost: str = "linear"  # per-sample cost g(l): "linear" = l, "quadratic" = l + l^2/q
     q: float = 0.0  # quadratic cost scale in tokens (0 = unset; required when cost == "quadratic")
     multiple: int = 1  # round per-bucket batch sizes down to a multiple of this (kernel shapes)
+    cost_from: str = ""  # a notebook-03 run folder (cost_model.json): optimize under its fitted quadratic cost
     bucket_grid: int = 64  # batch_max: candidate edge positions; exact when the distinct lengths are fewer
     k_distance: float = 0.02  # choose k: the smallest k whose predicted efficiency is within this of packing
 
@@ -149,6 +150,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # non-finite losses in a row that abort the run (each one skips its step)
     fresh: bool = False  # delete the run folder's checkpoints and start over instead of resuming
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
+    stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
+    emulate_ranks: int = 0  # single process: train each step on the batches of this many ranks (torchrun's); 0 = off
 
     def __post_init__(self) -> None:
         _non_negative("steps", self.steps)
@@ -162,6 +165,8 @@ class TrainConfig:
         _positive("keep_checkpoints", self.keep_checkpoints)
         _positive("max_bad_steps", self.max_bad_steps)
         _positive("dist_timeout_s", self.dist_timeout_s)
+        _non_negative("stop_at_step", self.stop_at_step)
+        _non_negative("emulate_ranks", self.emulate_ranks)
 
 
 @dataclass
