@@ -1,0 +1,476 @@
+"""dflash_lib.data: readers, templates + loss mask, tokenizers, the token store and length statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+from dflash_lib.config import ConfigError, DataConfig  # noqa: E402
+from dflash_lib.data import (ChatMLTemplate, ChatTokenizer, DataError, LoadReport, TokenStore,  # noqa: E402
+                             build_token_store, build_token_store_from_config, get_template, load_conversations,
+                             load_tokenizer, render, skip_table, summarize_lengths, summarize_store)
+from dflash_lib.data import readers, store as store_mod  # noqa: E402
+from dflash_lib.report.lengths import length_histogram, length_tail  # noqa: E402
+
+CONV_A = {"id": "a", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                       {"from": "gpt", "value": "Hello! ü"}]}
+CONV_B = {"id": "b", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+CONV_C = {"id": "c", "conversations": [{"from": "human", "value": "Name a colour."},
+                                       {"from": "chatgpt", "value": "Blue, with a long explanation " * 20}]}
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_tokenizer("qwen")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Readers
+
+
+def test_sharegpt_json_array_maps_roles_and_keeps_system(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([CONV_A, CONV_C]))
+    stream = load_conversations(str(path))
+    convs = list(stream)
+    assert [c.id for c in convs] == ["a", "c"]
+    assert convs[0].turns == (("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello! ü"))
+    assert convs[1].turns[1][0] == "assistant"
+    assert stream.report.records_seen == 2 and stream.report.records_kept == 2
+    assert stream.report.trailing_bytes == 0 and stream.report.complete
+
+
+def test_json_array_across_tiny_read_chunks(tmp_path, monkeypatch):
+    """Records and multi-byte characters split across refills parse exactly as with one big read."""
+    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", 7)
+    records = [dict(CONV_A, id=f"r{i}", conversations=CONV_A["conversations"] + [
+        {"from": "human", "value": "日本語 " * i}, {"from": "gpt", "value": "ok"}]) for i in range(12)]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(records, ensure_ascii=False, indent=2))
+    convs = list(load_conversations(str(path)))
+    assert [c.id for c in convs] == [f"r{i}" for i in range(12)]
+    assert convs[5].turns[3] == ("user", "日本語 " * 5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cut=st.integers(min_value=1, max_value=400))
+def test_truncated_json_keeps_complete_records_and_counts_tail(tmp_path_factory, cut):
+    records = [dict(CONV_B, id=f"r{i}") for i in range(6)]
+    full = json.dumps(records, ensure_ascii=False, indent=1).encode()
+    data = full[: max(2, len(full) - cut)]
+    path = tmp_path_factory.mktemp("trunc") / "t.json"
+    path.write_bytes(data)
+    # Expected: the longest prefix of complete records, and every byte after its separator.
+    ends = [len(json.dumps(records[: r + 1], indent=1).encode()) - 2 for r in range(6)]  # minus the "\n]"
+    complete = [r for r in range(6) if ends[r] <= len(data)]
+    stream = load_conversations(str(path))
+    if not complete:
+        with pytest.raises(DataError, match="no usable conversation"):
+            list(stream)
+        return
+    assert [c.id for c in stream] == [f"r{i}" for i in complete]
+    rest = data[ends[len(complete) - 1]:].lstrip(b", \n")
+    expected_tail = 0 if rest.strip() in (b"", b"]") else len(rest)
+    assert stream.report.trailing_bytes == expected_tail
+
+
+def test_bundled_corpus_is_truncated_and_every_complete_record_is_read():
+    stream = load_conversations("sharegpt")
+    kept = sum(1 for _ in stream)
+    rep = stream.report
+    assert rep.complete and rep.trailing_bytes > 0
+    assert kept == rep.records_kept and rep.records_seen == kept + sum(rep.skipped.values())
+    data = stream.resolved.path.read_bytes()
+    tail = data[len(data) - rep.trailing_bytes:]
+    assert tail.startswith(b"{") and b'"conversations"' in tail
+    head = data[: len(data) - rep.trailing_bytes].rstrip().rstrip(b",")
+    assert len(json.loads(head + b"]")) == rep.records_seen  # independent full parse of the complete part
+
+
+def test_json_reader_memory_does_not_grow_with_file_size(tmp_path, monkeypatch):
+    import tracemalloc
+
+    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", 1 << 15)
+    record = dict(CONV_C, id="x")
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps([record] * 3000))  # ~2 MB
+    assert path.stat().st_size > 2_000_000
+    tracemalloc.start()
+    count = sum(1 for _ in load_conversations(str(path)))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert count == 3000 and peak < path.stat().st_size / 10
+
+
+def test_malformed_record_mid_array_is_refused_not_buffered(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", 64)
+    monkeypatch.setattr(readers, "MAX_RECORD_CHARS", 2000)
+    good = json.dumps(CONV_B)
+    path = tmp_path / "bad.json"
+    path.write_text("[" + good + ', {"id": "broken", ]x, ' + ", ".join([good] * 200) + "]")
+    with pytest.raises(DataError, match="bad.json: the record at character 1[0-9]+ is not valid JSON"):
+        list(load_conversations(str(path)))
+
+
+def test_jsonl_conversations_and_messages_and_invalid_line(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [CONV_A, CONV_B, '{"id": "broken", "conv'])
+    stream = load_conversations(str(path))
+    convs = list(stream)
+    assert [c.id for c in convs] == ["a", "b"]
+    assert convs[1].turns == (("user", "2+2?"), ("assistant", "4"))
+    assert stream.report.skipped == {readers.INVALID_JSON: 1}
+
+
+def test_parquet_messages_and_conversations(tmp_path):
+    msgs = pa.table({"id": ["b", "x"], "messages": [CONV_B["messages"], [{"role": "user", "content": "q"},
+                                                                        {"role": "assistant", "content": "a"}]]})
+    pq.write_table(msgs, tmp_path / "m.parquet")
+    convs = list(load_conversations(str(tmp_path / "m.parquet")))
+    assert [c.turns for c in convs] == [(("user", "2+2?"), ("assistant", "4")), (("user", "q"), ("assistant", "a"))]
+    sharegpt = pa.table({"id": ["a"], "conversations": [CONV_A["conversations"]]})
+    pq.write_table(sharegpt, tmp_path / "s.parquet")
+    (conv,) = load_conversations(str(tmp_path / "s.parquet"))
+    assert conv.turns[0] == ("system", "Be brief.")
+
+
+def test_limit_reads_a_prefix(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [dict(CONV_B, id=str(i)) for i in range(10)])
+    stream = load_conversations(str(path), limit=4)
+    assert [c.id for c in stream] == ["0", "1", "2", "3"]
+    assert stream.report.records_seen == 4 and not stream.report.complete
+
+
+SKIP_CASES = {
+    readers.INVALID_JSON: "{not json",
+    readers.NOT_AN_OBJECT: [1, 2],
+    readers.MISSING_CONVERSATION: {"id": "x", "text": "hello"},
+    readers.NOT_A_LIST: {"conversations": "hello"},
+    readers.EMPTY_CONVERSATION: {"conversations": []},
+    readers.TURN_NOT_AN_OBJECT: {"conversations": ["hello"]},
+    readers.MISSING_ROLE: {"conversations": [{"value": "hi"}]},
+    readers.MISSING_CONTENT: {"conversations": [{"from": "human"}]},
+    readers.UNKNOWN_ROLE: {"conversations": [{"from": "narrator", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+    readers.NON_STRING_CONTENT: {"messages": [{"role": "user", "content": ["hi"]}]},
+    readers.NO_ASSISTANT_TURN: {"conversations": [{"from": "human", "value": "hi"}]},
+}
+
+
+def test_every_skip_reason_is_counted(tmp_path):
+    records = [r if isinstance(r, str) else json.dumps(r) for r in SKIP_CASES.values()] + [json.dumps(CONV_B)]
+    stream = load_conversations(str(write_jsonl(tmp_path / "bad.jsonl", records)))
+    assert len(list(stream)) == 1
+    assert stream.report.skipped == {reason: 1 for reason in SKIP_CASES}
+    assert stream.report.records_seen == len(SKIP_CASES) + 1
+
+
+def test_zero_usable_records_names_the_source(tmp_path):
+    path = write_jsonl(tmp_path / "allbad.jsonl", [{"conversations": []}, "nope"])
+    with pytest.raises(DataError, match="allbad.jsonl.*no usable conversation"):
+        list(load_conversations(str(path)))
+
+
+def test_bad_sources_are_named(tmp_path):
+    with pytest.raises(DataError, match="missing.json.*no such file"):
+        load_conversations(str(tmp_path / "missing.json"))
+    (tmp_path / "c.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        load_conversations(str(tmp_path / "c.csv"))
+    (tmp_path / "obj.json").write_text(json.dumps(CONV_A))
+    with pytest.raises(DataError, match="obj.json: expected a JSON array"):
+        list(load_conversations(str(tmp_path / "obj.json")))
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match="no 'conversations' or 'messages' column"):
+        list(load_conversations(str(tmp_path / "t.parquet")))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Template, tokenizer and loss mask
+
+
+KNOWN_TURNS = (("system", "You are a helpful assistant."), ("user", "Hi!"), ("assistant", "Hello! How can I help?"),
+               ("user", "2+2?"), ("assistant", "\n\n4"))
+# Qwen ids of KNOWN_TURNS in ChatML: 151644 <|im_start|>, 151645 <|im_end|>, 198 "\n", 8948 "system",
+# 872 "user", 77091 "assistant", 1406 "\n\n\n" (the header's newline merged with the content's two).
+KNOWN_IDS = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198,
+             151644, 872, 198, 13048, 0, 151645, 198,
+             151644, 77091, 198, 9707, 0, 2585, 646, 358, 1492, 30, 151645, 198,
+             151644, 872, 198, 17, 10, 17, 30, 151645, 198,
+             151644, 77091, 1406, 19, 151645, 198]
+KNOWN_TRAINED = list(range(21, 29)) + [41, 42, 43]  # "Hello! How can I help?<|im_end|>", "\n\n\n4<|im_end|>"
+
+
+def test_chatml_known_conversation_exact_ids_and_mask(qwen):
+    segs = ChatMLTemplate().segments(KNOWN_TURNS)
+    ids, mask = qwen.encode_segments(segs)
+    assert ids.tolist() == KNOWN_IDS
+    assert np.flatnonzero(mask).tolist() == KNOWN_TRAINED
+    assert qwen._qwen.encode(render(segs)) == KNOWN_IDS  # the whole string with specials allowed
+    assert qwen.decode(ids[mask.astype(bool)]) == "Hello! How can I help?<|im_end|>\n\n\n4<|im_end|>"
+    assert (qwen.eos_id, qwen.pad_id, qwen.vocab_size) == (151645, 151643, 151936)
+    assert qwen.n_vocab <= qwen.vocab_size
+
+
+def _conversations(source: str, limit: int) -> list:
+    return list(load_conversations(source, limit=limit))
+
+
+def test_real_records_whole_string_equals_segment_path_and_fast_path(qwen):
+    template = ChatMLTemplate()
+    convs = _conversations("sharegpt", 60)
+    segs = [template.segments(tuple((r, qwen.prepare(c)) for r, c in conv.turns)) for conv in convs]
+    fast = qwen.encode_conversations(segs)  # one tiktoken call for the whole chunk
+    slow = ChatTokenizer.encode_conversations(qwen, segs)  # per text segment
+    np.testing.assert_array_equal(fast.ids, slow.ids)
+    np.testing.assert_array_equal(fast.mask, slow.mask)
+    np.testing.assert_array_equal(fast.lengths, slow.lengths)
+    starts = np.cumsum(fast.lengths) - fast.lengths
+    for i in range(0, len(convs), 7):
+        whole = qwen._qwen.encode(render(segs[i]))
+        assert fast.ids[starts[i]: starts[i] + fast.lengths[i]].tolist() == whole, convs[i].id
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]),
+                          st.lists(st.sampled_from(list(" \n\tab1é日<|>_") + ["<|im_end|>", "  \n", "e\u0301"]),
+                                   max_size=30).map("".join)),
+                min_size=1, max_size=5))
+def test_fast_path_equals_segment_path_on_any_text(qwen, turns):
+    """Including text that spells special tokens: it must stay plain text on both paths."""
+    segs = [ChatMLTemplate().segments(tuple(turns)), ChatMLTemplate().segments((("user", "x"), ("assistant", "y")))]
+    fast = qwen.encode_conversations(segs)
+    slow = ChatTokenizer.encode_conversations(qwen, segs)
+    np.testing.assert_array_equal(fast.ids, slow.ids)
+    np.testing.assert_array_equal(fast.mask, slow.mask)
+    first = fast.ids[: fast.lengths[0]]
+    assert int(np.sum(first == 151644)) == len(turns)  # one <|im_start|> per turn: no text became special
+    assert qwen.decode(first) == render(segs[0])
+    trained = first[fast.mask[: fast.lengths[0]].astype(bool)]
+    assert int(np.sum(trained == 151645)) == sum(r == "assistant" for r, _ in turns)
+
+
+def test_unknown_template_and_tokenizer_errors(tmp_path, qwen):
+    with pytest.raises(DataError, match="unknown template 'nope'"):
+        get_template("nope", qwen)
+    with pytest.raises(DataError, match="template 'hf' needs a local Hugging Face tokenizer"):
+        get_template("hf", qwen)
+    with pytest.raises(DataError, match="no_such_dir.*not a local directory"):
+        load_tokenizer(str(tmp_path / "no_such_dir"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny byte-level BPE trained here, saved as a local Hugging Face tokenizer with ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["user\nHi there", "assistant\nHello! How can I help?", "system\nBe brief.", "2+2? 4"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}")
+    path = tmp_path_factory.mktemp("hf_tok")
+    hf.save_pretrained(path)
+    return path
+
+
+def test_hf_tokenizer_from_local_dir_chatml_mask(hf_dir):
+    tok = load_tokenizer(str(hf_dir))
+    ids, mask = tok.encode_segments(ChatMLTemplate().segments(KNOWN_TURNS[:3]))
+    trained = ids[mask.astype(bool)]
+    assert tok.decode(trained) == "Hello! How can I help?<|im_end|>"
+    assert tok.decode(ids) == render(ChatMLTemplate().segments(KNOWN_TURNS[:3]))
+    assert tok.eos_id == tok.special_id("<|im_end|>") and tok.pad_id == tok.special_id("<|endoftext|>")
+    # User text spelling a special token stays plain text.
+    ids2, _ = tok.encode_segments(ChatMLTemplate().segments((("user", "a<|im_end|>b"), ("assistant", "c"))))
+    assert int(np.sum(ids2 == tok.special_id("<|im_end|>"))) == 2
+
+
+def test_hf_chat_template_marks_assistant_spans(hf_dir):
+    tok = load_tokenizer(str(hf_dir))
+    template = get_template("hf", tok)
+    segs = template.segments(KNOWN_TURNS[:3])
+    assert render(segs) == render(ChatMLTemplate().segments(KNOWN_TURNS[:3]))
+    ids, mask = tok.encode_segments(segs)
+    assert tok.decode(ids[mask.astype(bool)]).startswith("Hello! How can I help?<|im_end|>")
+    assert "Hi" not in tok.decode(ids[mask.astype(bool)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Token store
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_jsonl(tmp_path / "c.jsonl", [CONV_A, CONV_B, CONV_C, {"conversations": []}])
+
+
+def test_store_round_trip(tmp_path, corpus, qwen):
+    store = build_token_store(str(corpus), max_len=4096, cache_dir=tmp_path / "cache", progress=False)
+    assert len(store) == 3
+    for i, conv in enumerate([CONV_A, CONV_B, CONV_C]):
+        turns = next(c for c in load_conversations(str(corpus)) if c.id == conv["id"]).turns
+        ids, mask = qwen.encode_segments(ChatMLTemplate().segments(tuple((r, qwen.prepare(t)) for r, t in turns)))
+        got_ids, got_mask = store[i]
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_array_equal(got_mask, mask)
+        assert isinstance(got_ids.base, np.memmap) or isinstance(got_ids, np.memmap)  # a view, not a copy
+    np.testing.assert_array_equal(store.lengths, [len(store[i][0]) for i in range(3)])
+    frame = store.lengths_frame()
+    assert frame["id"].tolist() == ["a", "b", "c"] and frame["record"].tolist() == [0, 1, 2]
+    np.testing.assert_array_equal(frame["assistant_tokens"], [int(store[i][1].sum()) for i in range(3)])
+    rep = store.report
+    assert rep.skipped == {readers.EMPTY_CONVERSATION: 1} and rep.records_kept == 3
+    assert rep.total_tokens == int(store.lengths.sum()) == store.num_tokens
+    assert store.meta["tokenizer"]["vocab_size"] == 151936
+    assert store[-1][0].tolist() == store[2][0].tolist()
+    with pytest.raises(IndexError, match="sample 3 out of range"):
+        store[3]
+
+
+def test_store_cache_hit_and_key_changes(tmp_path, corpus, monkeypatch):
+    cache = tmp_path / "cache"
+    first = build_token_store(str(corpus), max_len=4096, cache_dir=cache, progress=False)
+
+    def no_tokenizer(spec):
+        raise AssertionError("a cache hit must not load the tokenizer")
+
+    monkeypatch.setattr(store_mod, "load_tokenizer", no_tokenizer)
+    again = build_token_store(str(corpus), max_len=4096, cache_dir=cache, progress=False, workers=1)
+    assert again.path == first.path and again.meta["key"] == first.meta["key"]
+    monkeypatch.undo()
+    other = build_token_store(str(corpus), max_len=16, cache_dir=cache, progress=False)
+    assert other.path != first.path
+    stat = corpus.stat()
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the source changed
+    assert build_token_store(str(corpus), max_len=4096, cache_dir=cache, progress=False).path != first.path
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []  # no temp dirs left
+
+
+def test_truncate_and_drop_policies_are_counted(tmp_path, corpus):
+    cache = tmp_path / "cache"
+    full = build_token_store(str(corpus), max_len=4096, cache_dir=cache, progress=False)
+    max_len = int(np.sort(full.lengths)[1])  # the longest sample is over, the others fit
+    cut = build_token_store(str(corpus), max_len=max_len, policy="truncate", cache_dir=cache, progress=False)
+    assert cut.lengths.max() == max_len and cut.report.truncated_max_len == 1
+    np.testing.assert_array_equal(cut.lengths_frame()["raw_length"], full.lengths)
+    longest = int(np.argmax(full.lengths))
+    np.testing.assert_array_equal(cut[longest][0], full[longest][0][:max_len])
+    drop = build_token_store(str(corpus), max_len=max_len, policy="drop", cache_dir=cache, progress=False)
+    assert len(drop) == 2 and drop.report.skipped[readers.OVER_MAX_LEN] == 1
+    rep = drop.report
+    assert rep.records_seen == rep.records_kept + sum(rep.skipped.values())
+    with pytest.raises(DataError, match="no sample left.*max_len=2"):
+        build_token_store(str(corpus), max_len=2, policy="drop", cache_dir=cache, progress=False)
+
+
+def test_failed_build_leaves_no_store(tmp_path, corpus, monkeypatch):
+    def explode(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(store_mod, "_write_chunk", explode)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_token_store(str(corpus), cache_dir=cache, progress=False)
+    assert list(cache.iterdir()) == []
+    with pytest.raises(DataError, match="not a complete token store"):
+        TokenStore.open(cache)
+
+
+def test_parameter_validation_names_the_parameter(tmp_path, corpus):
+    kw = dict(cache_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="policy must be one of"):
+        build_token_store(str(corpus), policy="cut", **kw)
+    with pytest.raises(ConfigError, match="max_len must be > 0"):
+        build_token_store(str(corpus), max_len=0, **kw)
+    with pytest.raises(ConfigError, match="limit must be >= 0"):
+        build_token_store(str(corpus), limit=-1, **kw)
+    with pytest.raises(ConfigError, match="workers must be > 0"):
+        build_token_store(str(corpus), workers=0, **kw)
+    with pytest.raises(DataError, match="unknown template 'zephyr'"):
+        build_token_store(str(corpus), template="zephyr", **kw)
+    with pytest.raises(DataError, match="nowhere.jsonl.*no such file"):
+        build_token_store(str(tmp_path / "nowhere.jsonl"), **kw)
+
+
+def test_store_from_config_with_hf_tokenizer(tmp_path, corpus, hf_dir):
+    cfg = DataConfig(source=str(corpus), tokenizer=str(hf_dir), template="hf", max_len=512,
+                     cache_dir=str(tmp_path / "cache"), workers=1)
+    store = build_token_store_from_config(cfg, progress=False)
+    tok = load_tokenizer(str(hf_dir))
+    assert len(store) == 3 and store.meta["tokenizer"]["name"] == str(hf_dir)
+    ids, mask = store[1]  # CONV_B: "2+2?" -> "4"
+    assert tok.decode(ids[mask.astype(bool)]).startswith("4<|im_end|>")
+
+
+def test_template_errors_are_skipped_and_counted(tmp_path, corpus, hf_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    hf.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    strict = tmp_path / "strict_tok"
+    hf.save_pretrained(strict)
+    store = build_token_store(str(corpus), tokenizer=str(strict), template="hf", max_len=512,
+                              cache_dir=tmp_path / "cache", progress=False)
+    assert store.lengths_frame()["id"].tolist() == ["b", "c"]  # CONV_A has a system prompt
+    assert store.report.skipped == {readers.TEMPLATE_ERROR: 1, readers.EMPTY_CONVERSATION: 1}
+    assert store.report.records_kept == 2 and store.report.records_seen == 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Length statistics and figures
+
+
+def test_summarize_lengths_numbers():
+    s = summarize_lengths(np.array([10, 20, 30, 40]), np.array([10, 20, 30, 90]), np.array([5, 5, 10, 20]), 40)
+    assert (s.samples, s.total_tokens, s.raw_tokens, s.assistant_tokens) == (4, 100, 150, 40)
+    assert s.assistant_share == pytest.approx(0.4) and s.mean == 25.0 and (s.min, s.max) == (10, 40)
+    assert s.percentiles["p50"] == 25.0 and s.raw_percentiles["p99"] == pytest.approx(88.2)
+    assert s.above_max_len == 1 and s.share_above_max_len == 0.25
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        summarize_lengths(np.array([1]), np.array([1, 2]), np.array([1]), 4)
+
+
+def test_skip_table_and_store_summary(tmp_path, corpus):
+    store = build_token_store(str(corpus), max_len=4096, cache_dir=tmp_path, progress=False)
+    table = skip_table(store.report)
+    assert table["outcome"].tolist() == ["kept", readers.EMPTY_CONVERSATION]
+    assert table["records"].tolist() == [3, 1] and table["share"].sum() == pytest.approx(1.0)
+    s = summarize_store(store)
+    assert s.samples == 3 and s.total_tokens == store.num_tokens and s.max_len == 4096
+    assert skip_table(LoadReport(source="x", records_seen=2, records_kept=2))["records"].tolist() == [2]
+
+
+def test_length_figures():
+    lengths = np.array([5, 50, 60, 500, 900, 4000])
+    fig = length_histogram(lengths, max_len=1000, bins=10)
+    assert fig.layout.xaxis.type == "log"
+    hist, cdf, line = fig.data
+    assert sum(hist.y[::2]) == len(lengths)  # each bin drawn twice (step line)
+    assert cdf.y[-1] == 1.0 and list(cdf.x) == sorted(cdf.x) and cdf.yaxis == "y2"
+    assert "16.7% above" in line.name
+    tail = length_tail(lengths, max_len=1000, quantile=0.5)
+    assert sorted(tail.data[0].x) == [500, 900, 4000]
+    with pytest.raises(ValueError, match="quantile"):
+        length_tail(lengths, quantile=1.0)
