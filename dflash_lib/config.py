@@ -144,6 +144,7 @@ class TrainConfig:
     ckpt_every: int = 0  # checkpoint every N steps (0 = only at the end)
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0  # model init and anchor generator seed
+    probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
     full_run_epochs: float = 6.0  # the full run the ETA is computed for
     full_run_samples: int = 0  # samples in that full run (0 = this corpus)
     keep_checkpoints: int = 3  # newest checkpoints kept in the run folder (older ones deleted after a save)
@@ -155,6 +156,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _non_negative("steps", self.steps)
+        _positive("probe_steps", self.probe_steps)
         if not 0.0 < self.noise <= 1.0:
             raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -294,7 +296,8 @@ def smoke() -> Config:
     return from_params(
         dict(
             limit=300, max_len=512, k=4, k_max=6, token_budget=2048, target_layers=2, hidden_size=32,
-            num_features=1, num_anchors=8, block_size=4, steps=6, log_every=1, prefetch=2, wandb_mode="disabled",
+            num_features=1, num_anchors=8, block_size=4, steps=6, probe_steps=6, log_every=1, prefetch=2,
+            wandb_mode="disabled",
         )
     )
 
@@ -303,7 +306,7 @@ def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models."""
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
-             num_features=2, num_anchors=32, block_size=8, steps=60, log_every=5, prefetch=4)
+             num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=30, log_every=5, prefetch=4)
     )
 
 
