@@ -34,7 +34,7 @@ LAB_PORT ?= 8888
 LAB_ARGS ?=
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=. --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-		--ServerApp.port_retries=0 --no-browser $(LAB_ARGS)
+		--ServerApp.port_retries=0 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -38,8 +38,8 @@ from dflash_lib.config import Config, from_params, preset  # noqa: E402
 from dflash_lib.data import build_token_store_from_config  # noqa: E402
 from dflash_lib.metrics import ThroughputMeter  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
-from dflash_lib.train import (TrainingParts, bucket_edges, build_optimizer, build_sampler, lr_at,  # noqa: E402
-                              make_collate, make_target_workers, run_training, train_step)
+from dflash_lib.train import (TrainingParts, Work, bucket_edges, build_optimizer, build_sampler,  # noqa: E402
+                              lr_at, make_collate, make_target_workers, run_training, train_step)
 from dflash_lib.validate import BadStepGuard  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def run_sequential(config: Config, store, batches, pad_id: int, edges: list[int]
     total = len(batches)
     for step, idx in enumerate(batches):
         t0 = time.perf_counter()
-        host = collate((0, idx))
+        host = collate(Work(0, step, 0, True, idx))
         collate_s.append(time.perf_counter() - t0)
         item = work(host)
         t1 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,34 @@ def _params(pairs: list[list[str]] | None) -> dict[str, str]:
     return out
 
 
+def _train(args: argparse.Namespace) -> int:
+    """The `train` subcommand: 0 when the run finished or stopped cleanly on SIGTERM/SIGINT (resumable),
+    1 when training failed (the message names the checkpoint, stage or rank at fault)."""
+    from .checkpoint import CheckpointError
+    from .distributed import DistributedError
+    from .pipeline import PipelineError
+    from .runs import load_config
+    from .sampler import SamplerError
+    from .train import train
+    from .validate import NonFiniteLossError
+
+    params = _params(args.param)
+    if args.fresh:
+        if "fresh" in params:
+            raise ConfigError("give --fresh or -p fresh, not both")
+        params["fresh"] = True
+    config = load_config(params, args.preset)
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
+    try:
+        summary = train(config, Path(args.run_dir) if args.run_dir else None, tag=args.tag)
+    except (CheckpointError, DistributedError, NonFiniteLossError, PipelineError, SamplerError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if main_rank:  # (a stop by signal or stop_at_step was reported by the trainer, with its checkpoint)
+        print(summary["run_dir"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -28,11 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default)")
     run.add_argument("--tag", default="", help="suffix for the run folder name")
 
-    tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation)")
+    tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation); "
+                        "resumes from the run folder's newest checkpoint of the same config")
     tr.add_argument("--preset", default="default")
     tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
     tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
     tr.add_argument("--tag", default="")
+    tr.add_argument("--fresh", action="store_true",
+                    help="delete the run folder's checkpoints and outputs and start over (same as -p fresh true)")
 
     demo = sub.add_parser("demo", help="the whole study on the bundled corpus with tiny models")
     demo.add_argument("--preset", default="demo")
@@ -45,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(execute(args.notebook, _params(args.param), preset_name=args.preset, tag=args.tag))
         elif args.cmd == "train":
-            from .runs import load_config, new_run_dir
-            from .train import train
-
-            config = load_config(_params(args.param), args.preset)
-            run_dir = Path(args.run_dir) if args.run_dir else new_run_dir("train", args.tag)
-            train(config, run_dir)
-            print(run_dir)
+            return _train(args)
         elif args.cmd == "demo":
             from .demo import run_demo
 

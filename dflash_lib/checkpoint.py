@@ -24,6 +24,8 @@ import os
 import re
 import secrets
 import shutil
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,12 @@ _HASH_CHUNK = 1 << 20  # bytes read per sha256 update when verifying
 RESUME_NEUTRAL_KEYS = frozenset({
     "fresh", "ckpt_every", "keep_checkpoints", "log_every", "max_bad_steps", "dist_timeout_s", "wandb_mode",
     "wandb_project", "out_dir", "queue_timeout_s", "close_timeout_s", "prefetch", "hs_queue", "workers",
-    "cache_dir", "full_run_epochs", "full_run_samples",
+    "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps",
 })
+# TEST HOOK, used only by the fault-injection tests (tests/test_faults.py): when set, every save pauses this many
+# seconds after writing state.pt and before the manifest and the rename, announcing it on stderr, so that a test
+# can `kill -9` the process in the middle of a save. Never set it in a real run.
+SAVE_DELAY_ENV = "DFLASH_TEST_SAVE_DELAY_S"
 
 
 class CheckpointError(RuntimeError):
@@ -173,6 +179,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, c
         _remove_stale_temps(ckpt_dir)
         tmp.mkdir()
         entry = _write_state(tmp / STATE_FILE, state)
+        _test_pause(step, tmp)
         manifest = Manifest(FORMAT_VERSION, step, config_hash, world_size, {STATE_FILE: entry}, meta,
                             _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
         _write_durable(tmp / MANIFEST_FILE, manifest.to_json().encode())
@@ -194,6 +201,20 @@ def save_checkpoint(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, c
     except OSError as e:  # the new checkpoint is durable; failing to delete old ones must not fail the save
         log.warning("checkpoint %s saved, but pruning older checkpoints in %s failed: %s", final, ckpt_dir, e)
     return final
+
+
+def _test_pause(step: int, tmp: Path) -> None:
+    """The SAVE_DELAY_ENV test hook (a no-op unless the variable is set)."""
+    raw = os.environ.get(SAVE_DELAY_ENV)
+    if not raw:
+        return
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise CheckpointError(f"{SAVE_DELAY_ENV}={raw!r} must be a number of seconds") from None
+    print(f"{SAVE_DELAY_ENV}: pausing {delay} s inside the save of step {step} ({tmp.name})", file=sys.stderr,
+          flush=True)
+    time.sleep(delay)
 
 
 def check_loadable(state: Any, path: str = "state") -> None:

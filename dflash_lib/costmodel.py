@@ -1,4 +1,5 @@
-"""A step-time model calibrated on measured steps: seconds = a + b * padded + c * attention (+ d * new shape).
+"""A step-time model calibrated on measured steps: seconds = a + b * padded + c * attention + e * blocks
+(+ d * new shape).
 
 The seed predicted throughput from padding efficiency alone and missed by ~10 points, because a step also pays
 a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding, and a
@@ -10,6 +11,10 @@ Terms of one step (one forward + backward of one batch of R rows x T token slots
 - b: seconds per padded token slot (R * T).
 - c: seconds per attention unit: the sum over attention blocks of len^2 (tokens^2). Padded rows pay R * T^2;
   packed rows pay sum(doc_len^2) with varlen attention, or T^2 per row when the backend cannot do varlen.
+- e: seconds per anchor block the drafter scores (its LM head + cross-entropy over the whole vocabulary): this
+  grows with the number of DOCUMENTS in a step (anchors per document are capped), not with its tokens, so a
+  strategy that puts many short documents in a step pays more per token. Fitted only when the observations
+  carry block counts.
 - d (optional): seconds paid the first time a run meets a new (R, T) shape (kernel selection, autotuning,
   allocator growth, recompiles). It is only worth having when it lowers the held-out error
   (`select_cost_model`).
@@ -22,12 +27,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-TERMS = ("a", "b", "c", "d")  # intercept, per padded token, per attention unit, per new shape
+TERMS = ("a", "b", "c", "e", "d")  # intercept, per padded token, per attention unit, per block, per new shape
 
 
 class CostModelError(ValueError):
@@ -42,6 +47,7 @@ class BatchShape:
     row_len: int  # T: token slots per row (padding included)
     real_tokens: int  # tokens that belong to a document
     attention: float  # sum over attention blocks of len^2, in tokens^2
+    blocks: int = field(default=0, kw_only=True)  # anchor blocks the drafter scores in the step (0 = unknown)
 
     @property
     def padded_tokens(self) -> int:
@@ -62,17 +68,26 @@ class StepObservation(BatchShape):
     run: str = ""  # which process the step ran in; a shape is "new" the first time it appears in its run
 
 
-def describe_padded(lengths: Sequence[int], pad_to: int = 0) -> BatchShape:
+def anchor_blocks(lengths: np.ndarray, anchors_per_doc: int) -> int:
+    """Blocks scored for documents of `lengths` tokens with at most `anchors_per_doc` anchors each (an anchor
+    needs a next token: at most len - 1 per document; assistant-only anchors make the real count lower)."""
+    return int(np.minimum(np.maximum(lengths - 1, 0), anchors_per_doc).sum()) if anchors_per_doc > 0 else 0
+
+
+def describe_padded(lengths: Sequence[int], pad_to: int = 0, anchors_per_doc: int = 0) -> BatchShape:
     """A padded batch: one document per row, right-padded to the longest (or to `pad_to` tokens if larger).
 
     `pad_to` prices a bucket padded to its upper edge (static shapes) rather than to its longest member.
+    `anchors_per_doc` (the drafter's num_anchors) prices the scored blocks; 0 leaves them out.
     """
     lens = _lengths(lengths, "describe_padded")
     R, T = len(lens), max(int(lens.max()), int(pad_to))
-    return BatchShape(rows=R, row_len=T, real_tokens=int(lens.sum()), attention=float(R) * T * T)
+    return BatchShape(rows=R, row_len=T, real_tokens=int(lens.sum()), attention=float(R) * T * T,
+                      blocks=anchor_blocks(lens, anchors_per_doc))
 
 
-def describe_packed(rows: Sequence[Sequence[int]], row_len: int, varlen: bool = True) -> BatchShape:
+def describe_packed(rows: Sequence[Sequence[int]], row_len: int, varlen: bool = True,
+                    anchors_per_doc: int = 0) -> BatchShape:
     """A packed batch: each inner list holds the document lengths laid end to end in one row of `row_len` slots.
 
     varlen=True prices attention per document (flash-attn varlen / a block-diagonal kernel); False prices the
@@ -87,22 +102,23 @@ def describe_packed(rows: Sequence[Sequence[int]], row_len: int, varlen: bool = 
             raise CostModelError(f"describe_packed row {r}: {int(lens.sum())} tokens do not fit row_len={row_len}")
         real += int(lens.sum())
         attn += float((lens.astype(np.float64) ** 2).sum()) if varlen else float(row_len) ** 2
-    return BatchShape(rows=len(rows), row_len=int(row_len), real_tokens=real, attention=attn)
+    blocks = sum(anchor_blocks(_lengths(r, "describe_packed"), anchors_per_doc) for r in rows)
+    return BatchShape(rows=len(rows), row_len=int(row_len), real_tokens=real, attention=attn, blocks=blocks)
 
 
 def describe_batches(batches: Iterable[Sequence[int]], layout: str = "padded", row_len: int = 0,
-                     varlen: bool = True) -> list[BatchShape]:
+                     varlen: bool = True, anchors_per_doc: int = 0) -> list[BatchShape]:
     """Shapes of a list of batches given as document lengths (tokens), one list per batch.
 
     layout="padded": each batch is padded to its longest document (or to `row_len` if larger).
     layout="packed": each batch is ONE row of `row_len` slots holding its documents end to end.
     """
     if layout == "padded":
-        return [describe_padded(b, pad_to=row_len) for b in batches]
+        return [describe_padded(b, pad_to=row_len, anchors_per_doc=anchors_per_doc) for b in batches]
     if layout == "packed":
         if row_len <= 0:
             raise CostModelError(f"describe_batches: layout='packed' needs row_len > 0, got {row_len}")
-        return [describe_packed([b], row_len, varlen) for b in batches]
+        return [describe_packed([b], row_len, varlen, anchors_per_doc) for b in batches]
     raise CostModelError(f"describe_batches: layout must be 'padded' or 'packed', got {layout!r}")
 
 
@@ -118,10 +134,12 @@ class CostModel:
     n_obs: int  # observations in the fit
     rmse_s: float  # in-sample root-mean-square residual, seconds per step
     rel_rmse: float  # in-sample root-mean-square of residual / measured seconds
+    e: float = 0.0  # seconds per scored anchor block (0 when the observations carried no block counts)
 
     def predict_step(self, shape: BatchShape, new_shape: bool = False) -> float:
         """Predicted seconds of one step on `shape` (plus d when it is the run's first step of that shape)."""
-        return self.a + self.b * shape.padded_tokens + self.c * shape.attention + (self.d if new_shape else 0.0)
+        return (self.a + self.b * shape.padded_tokens + self.c * shape.attention + self.e * shape.blocks
+                + (self.d if new_shape else 0.0))
 
     def predict_seconds(self, batches: Sequence[BatchShape], warm_shapes: Iterable[tuple[int, int]] = ()) -> float:
         """Predicted seconds for running `batches` in order in one run; `warm_shapes` were met before."""
@@ -160,7 +178,7 @@ def fit_cost_model(observations: Sequence[StepObservation], shape_overhead: bool
     obs = list(observations)
     for i, o in enumerate(obs):
         _check_observation(i, o)
-    X = _design(obs, shape_overhead)  # (N, P)
+    X, names = _design(obs, shape_overhead)  # (N, P)
     y = np.array([o.seconds for o in obs], dtype=np.float64)  # (N,)
     n, p = X.shape
     if n < p + 1:
@@ -174,16 +192,16 @@ def fit_cost_model(observations: Sequence[StepObservation], shape_overhead: bool
     Xs = X / scale  # (N, P)
     rank = np.linalg.matrix_rank(Xs, tol=1e-9 * max(Xs.shape))
     if rank < p:
-        names = ", ".join(TERMS[:p])
-        raise CostModelError(f"fit_cost_model: the {n} observations span only {rank} of the {p} terms ({names}): "
+        raise CostModelError(f"fit_cost_model: the {n} observations span only {rank} of the {p} terms "
+                             f"({', '.join(names)}): "
                              f"{len(shapes)} distinct shapes whose padded tokens and attention are collinear; "
                              "probe batches with more varied row counts and row lengths")
     coef = _nnls(Xs, y) / scale  # (P,)
     resid = y - X @ coef  # (N,)
-    a, b, c = (float(v) for v in coef[:3])
-    d = float(coef[3]) if shape_overhead else 0.0
-    return CostModel(a=a, b=b, c=c, d=d, shape_overhead=shape_overhead, n_obs=n,
-                     rmse_s=float(np.sqrt(np.mean(resid**2))), rel_rmse=float(np.sqrt(np.mean((resid / y) ** 2))))
+    w = dict(zip(names, (float(v) for v in coef)))
+    return CostModel(a=w["a"], b=w["b"], c=w["c"], d=w.get("d", 0.0), shape_overhead=shape_overhead, n_obs=n,
+                     rmse_s=float(np.sqrt(np.mean(resid**2))), rel_rmse=float(np.sqrt(np.mean((resid / y) ** 2))),
+                     e=w.get("e", 0.0))
 
 
 @dataclass(frozen=True)
@@ -286,11 +304,17 @@ def _new_shape_flags(obs: Sequence[StepObservation]) -> list[bool]:
     return flags
 
 
-def _design(obs: Sequence[StepObservation], shape_overhead: bool) -> np.ndarray:
+def _design(obs: Sequence[StepObservation], shape_overhead: bool) -> tuple[np.ndarray, list[str]]:
+    """The design matrix (N, P) and its term names: a, b, c, then e when blocks were counted, d when asked."""
     cols = [np.ones(len(obs)), [o.padded_tokens for o in obs], [o.attention for o in obs]]
+    names = ["a", "b", "c"]
+    if any(o.blocks for o in obs):
+        cols.append([o.blocks for o in obs])
+        names.append("e")
     if shape_overhead:
         cols.append(_new_shape_flags(obs))
-    return np.column_stack(cols).astype(np.float64)  # (N, P)
+        names.append("d")
+    return np.column_stack(cols).astype(np.float64), names
 
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -3,8 +3,8 @@
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
 joins a process group (gloo on CPU, NCCL on CUDA) whose collectives give up after `timeout_s`, so a dead peer
 makes the others fail with a DistributedError instead of hanging. Without torchrun it is a single process and
-every collective is a no-op. Call sites stay the same either way: `all_reduce_sum`, `is_main`, `print0`,
-`barrier`, `destroy`.
+every collective is a no-op. Call sites stay the same either way: `all_reduce_sum`, `all_gather_bytes`,
+`is_main`, `print0`, `barrier`, `destroy`.
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def info() -> DistInfo:
     return _info if _info is not None else DistInfo(0, 1, 0, torch.device("cpu"), None, 0.0)
 
 
+def initialized() -> bool:
+    """True once init_distributed has run (and destroy has not)."""
+    return _info is not None
+
+
 def is_main() -> bool:
     """True on rank 0 (and in a single process): the rank that logs, writes wandb and saves checkpoints."""
     return info().rank == 0
@@ -142,6 +147,29 @@ def all_reduce_sum(x: float | torch.Tensor) -> float | torch.Tensor:
         buf = torch.tensor([float(x)], dtype=torch.float64, device=_info.device)  # (1,)
     _collective("all_reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
     return buf.to(x.device) if isinstance(x, torch.Tensor) else float(buf.item())
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's `data`, in rank order (`[data]` in a single process). Plain bytes, so the caller picks a
+    serialisation it can read back safely (the trainer gathers per-rank state as torch.save bytes and reads
+    them with weights_only=True). Two collectives: the lengths, then the payloads padded to the longest."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise DistributedError(f"all_gather_bytes takes bytes, got {type(data).__name__}")
+    if not _group_active():
+        return [bytes(data)]
+    assert _info is not None
+    world, dev = _info.world_size, _info.device
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)  # (1,)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    _collective("all_gather", lambda: dist.all_gather(sizes, size))
+    lengths = [int(s.item()) for s in sizes]
+    buf = torch.zeros(max(1, *lengths), dtype=torch.uint8)  # (longest,) gloo refuses empty tensors
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(dev)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    _collective("all_gather", lambda: dist.all_gather(out, buf))
+    return [o[:n].cpu().numpy().tobytes() for o, n in zip(out, lengths)]
 
 
 def barrier() -> None:

@@ -10,6 +10,7 @@ steps per epoch, the ETA of a configurable full run, and the randomness figures 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,12 +76,13 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
     """
     if attention not in ("attn_dense", "attn_varlen"):
         raise ConfigError(f"attention must be 'attn_dense' or 'attn_varlen', got {attention!r}")
-    missing = {"rows", "row_len", "real_tokens", "step_s", attention} - set(metrics.columns)
+    missing = {"rows", "row_len", "real_tokens", "blocks", "step_s", attention} - set(metrics.columns)
     if missing:
         raise ConfigError(f"metrics lack {sorted(missing)}: written by an older trainer?")
     part = metrics[(metrics["step"] >= start_step) & (metrics["step_s"] > 0)]
     return [StepObservation(rows=int(r.rows), row_len=int(r.row_len), real_tokens=int(r.real_tokens),
-                            attention=float(getattr(r, attention)), seconds=float(r.step_s), run=run)
+                            attention=float(getattr(r, attention)), blocks=int(r.blocks), seconds=float(r.step_s),
+                            run=run)
             for r in part.itertuples()]
 
 
@@ -162,10 +164,14 @@ def demo_summary(table: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def cost_model_json(choice: CostModelChoice) -> dict[str, Any]:
     """The fitted model and its held-out errors, as plain JSON (written by notebook 03, read by notebook 02)."""
-    from .costmodel import attention_q_from_fit
+    from .costmodel import CostModelError, attention_q_from_fit
 
-    q = attention_q_from_fit(choice.model)
+    try:
+        q, why = attention_q_from_fit(choice.model), ""
+    except CostModelError as e:  # no per-token term fitted: the cost is not of the form l + l^2/q
+        q, why = math.nan, str(e)
     return dict(model=dataclasses.asdict(choice.model), q=None if not np.isfinite(q) else float(q),
+                q_note=why or ("attention cost not measurable: use cost='linear'" if not np.isfinite(q) else ""),
                 held_out={k: dataclasses.asdict(v) for k, v in choice.held_out.items()},
                 max_abs_error=choice.max_abs_error)
 

@@ -65,7 +65,8 @@ def restore_rng(state: dict[str, Any], generators: dict[str, NamedGenerator] | N
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise RngStateError(f"RNG state was captured with {len(cuda_states)} CUDA device(s); this process has {have}")
     for name, gen in generators.items():  # check everything before changing anything
-        kind = "torch" if isinstance(gen, torch.Generator) else "numpy" if isinstance(gen, np.random.Generator) else None
+        kind = ("torch" if isinstance(gen, torch.Generator)
+                else "numpy" if isinstance(gen, np.random.Generator) else None)
         if kind != saved[name]["kind"]:
             raise RngStateError(f"generator {name!r} was captured as {saved[name]['kind']}, got {type(gen).__name__}")
         if kind == "torch" and str(gen.device) != saved[name]["device"]:

@@ -1,19 +1,27 @@
 """`train(config, run_dir) -> summary`: the drafter training loop on top of the CSP pipeline.
 
-    store (tokens) -> sampler (index batches) -> pipeline [collate -> target workers] -> accumulate
+    store (tokens) -> sampler (index batches) -> pipeline [collate + validate -> target workers] -> accumulate
     micro-batches to `accum_tokens` real tokens -> anchors -> global weight sum -> loss/backward per
-    micro-batch -> clip -> AdamW -> metrics (log line, metrics.jsonl, wandb) -> summary.json + drafter/
+    micro-batch -> clip -> AdamW -> metrics (log line, metrics.jsonl, wandb) -> checkpoints -> summary.json + drafter/
 
 Schedules are pure functions of the optimizer step (`lr_at`, `noise_at`). The loss of a step is normalised by
 the weight sum of ALL its micro-batches on ALL ranks, sampled before any forward, so the update does not
 depend on how the tokens were split. On CUDA: the target runs in bf16, the drafter under bf16 autocast with
 fp32 weights, batches are pinned and copied non-blocking, AdamW is fused.
 
+Crash safety: every `ckpt_every` steps, on SIGTERM/SIGINT (after the current step) and at the end, rank 0
+writes an atomic checkpoint (`dflash_lib.checkpoint`) of everything the trajectory depends on: drafter weights,
+AdamW state, the step (the lr schedule is a function of it), every rank's data position (epoch, sampler step
+CONSUMED), every RNG including the anchor generators, and the guard, skip and token counters. `train()` on a
+folder holding a checkpoint of the same config resumes from it and continues with exactly the batches and
+anchors an uninterrupted run would have used (`dflash_lib.resume` says when a folder resumes or is refused).
+
 Steps are numbered from 1 in logs (step 1 = the first optimizer step); the schedules take the 0-based index.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import shutil
@@ -21,20 +29,29 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from dflash_lib import distributed
-from dflash_lib.batch import Batch, collate_packed, collate_padded
+from dflash_lib.batch import Batch
+from dflash_lib.checkpoint import CheckpointError, resume_config_hash, save_checkpoint
 from dflash_lib.config import Config, ConfigError, TrainConfig
+from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate, make_target_workers,  # noqa: F401
+                             next_step_items)  # Work, bucket_of: re-exported for this module's callers
 from dflash_lib.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                 format_log_line)
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
 from dflash_lib.pipeline import Pipeline
+from dflash_lib.resume import (CHECKPOINTS, CONFIG_FILE, METRICS_FILE, ResumePoint, clear_run_dir,
+                               find_resume_point, truncate_metrics)
+from dflash_lib.rng import capture_rng, restore_rng
 from dflash_lib.runs import environment, new_run_dir, write_json
-from dflash_lib.validate import BadStepGuard
+from dflash_lib.stop import StopRequest
+from dflash_lib.validate import BadStepGuard, SkipCounter
+
+TRAIN_STATE_FORMAT = 1  # layout of the trainer's checkpoint state; bump when it changes
 
 # -- schedules -------------------------------------------------------------------------------------------------
 
@@ -84,82 +101,37 @@ def all_reduce_floats(values: Sequence[float]) -> list[float]:
     return distributed.all_reduce_sum(torch.tensor(list(values), dtype=torch.float64)).tolist()
 
 
-# -- data side ---------------------------------------------------------------------------------------------------
+def any_rank(flag: bool) -> bool:
+    """True when `flag` is set on at least one rank (every rank gets the same answer)."""
+    return all_reduce_floats([float(flag)])[0] > 0
 
 
-@dataclass
-class Item:
-    """One micro-batch leaving the pipeline."""
-
-    epoch: int  # sampler epoch it came from
-    batch: Batch  # host copy (pinned on CUDA): anchors are sampled from it without a device sync
-    device_batch: Batch  # the same batch on the training device
-    features: torch.Tensor  # (R, T, num_features * H) target features on the training device
-
-
-def bucket_of(max_len: int, edges: Sequence[int]) -> int:
-    """Index of the first bucket whose upper edge (tokens) holds `max_len`; -1 without edges."""
-    if not len(edges):
-        return -1
-    k = int(np.searchsorted(np.asarray(edges), max_len, side="left"))
-    if k >= len(edges):
-        raise ValueError(f"a sample of {max_len} tokens exceeds the last bucket edge {edges[-1]}")
-    return k
+def gather_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `state` (tensors, numbers, strings, lists, dicts), in rank order; [state] in one process.
+    Sent as torch.save bytes and read back with weights_only=True (no object is ever unpickled)."""
+    if distributed.info().world_size == 1:
+        return [state]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in distributed.all_gather_bytes(buf.getvalue())]
 
 
-def make_collate(store: Any, packed: bool, pad_id: int, row_len: int,
-                 edges: Sequence[int] = ()) -> Callable[[tuple[int, list[int]]], tuple[int, Batch]]:
-    """(epoch, sample indices) -> (epoch, Batch): padded (bucket id from `edges`) or packed into `row_len`."""
-
-    def collate(work: tuple[int, list[int]]) -> tuple[int, Batch]:
-        epoch, indices = work
-        samples = [store[i] for i in indices]
-        if packed:
-            return epoch, collate_packed(samples, pad_id, row_len, indices)
-        bucket = bucket_of(max(len(t) for t, _ in samples), edges)
-        return epoch, collate_padded(samples, pad_id, indices, bucket)
-
-    return collate
-
-
-def epoch_batches(sampler: Any, max_batches: int | None) -> Iterator[tuple[int, list[int]]]:
-    """(epoch, indices) over successive epochs (`set_epoch` before each) until `max_batches` (None = endless)."""
-    n, epoch = 0, 0
-    while max_batches is None or n < max_batches:
-        sampler.set_epoch(epoch)
-        empty = True
-        for indices in sampler:
-            empty = False
-            yield epoch, list(indices)
-            n += 1
-            if max_batches is not None and n >= max_batches:
-                return
-        if empty:
-            raise ValueError(f"sampler {type(sampler).__name__} yielded no batch in epoch {epoch}")
-        epoch += 1
-
-
-def make_target_workers(targets: Sequence[Any], n_workers: int,
-                        main_device: torch.device) -> list[Callable[[tuple[int, Batch]], Item]]:
-    """`n_workers` callables (epoch, host batch) -> Item; worker w runs targets[w % len(targets)] (one replica
-    per device; on CPU several threads share one) and hands its features to `main_device`."""
-
-    def worker(target: Any) -> Callable[[tuple[int, Batch]], Item]:
-        def run(work: tuple[int, Batch]) -> Item:
-            epoch, batch = work
-            dev_batch = batch.to(target.device, non_blocking=True)
-            feats = target.features(dev_batch)  # (R, T, F*H)
-            if target.device != main_device:
-                dev_batch = batch.to(main_device, non_blocking=True)
-                feats = feats.to(main_device, non_blocking=True)
-            return Item(epoch, batch, dev_batch, feats)
-        return run
-
-    return [worker(targets[w % len(targets)]) for w in range(n_workers)]
+def rank_shards(cfg: TrainConfig, dist: distributed.DistInfo) -> list[int]:
+    """The ranks whose batches this process trains on: its own, or all W of `emulate_ranks` = W (one process
+    reproducing a W-rank torchrun run: same global batches, same per-rank anchor generators)."""
+    if cfg.emulate_ranks <= 1:
+        return [dist.rank]
+    if dist.world_size > 1:
+        raise ConfigError(f"emulate_ranks={cfg.emulate_ranks} reproduces a torchrun run in ONE process; this run "
+                          f"already has {dist.world_size} processes")
+    if cfg.accum_tokens > 0:
+        raise ConfigError(f"emulate_ranks={cfg.emulate_ranks} needs accum_tokens=0 (one micro-batch per rank per "
+                          f"step): with token accumulation every rank would cut its steps differently")
+    return list(range(cfg.emulate_ranks))
 
 
 def plan_steps(cfg: TrainConfig, batches_per_epoch: int, corpus_tokens: int, world: int) -> tuple[int, int | None]:
-    """(optimizer steps for the schedule, micro-batches to draw or None = until the steps are done).
+    """(optimizer steps for the schedule, sampler steps to draw or None = until the steps are done).
 
     steps > 0: exactly that many steps, the sampler cycling through epochs. Otherwise `epochs` epochs of
     micro-batches; with token accumulation the step count is estimated as epochs * corpus_tokens / world /
@@ -191,25 +163,30 @@ class StepResult:
     padded_tokens: int  # token slots paid for (R * T summed), all ranks
     grad_norm: float  # global gradient norm before clipping (nan when skipped)
     skipped: bool  # no optimizer update: nothing scored anywhere, or a non-finite loss
+    blocks: int = 0  # anchor blocks the drafter ran on this rank (the LM head + CE work scales with them)
 
 
 def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-               lr: float, noise: float, generator: torch.Generator, grad_clip: float, autocast: bool,
-               guard: BadStepGuard, step: int) -> StepResult:
+               lr: float, noise: float, generator: torch.Generator | Mapping[int, torch.Generator],
+               grad_clip: float, autocast: bool, guard: BadStepGuard, step: int) -> StepResult:
     """Anchors for every micro-batch first, then one forward/backward each with the global weight sum, then
     clip and update. Returns the step's statistics (floats, already summed over ranks).
 
-    No update when nothing was scored, or when the global loss is not finite (`guard` counts those and raises
-    after `max_bad_steps` in a row)."""
-    device = items[0].features.device
-    anchors = [drafter.sample_anchors(it.batch, generator, noise) for it in items]
+    generator: the anchor generator, or {shard: generator} when the items come from several ranks' shards.
+    Items whose batch is None (every sample failed validation) contribute nothing. No update when nothing was
+    scored, or when the global loss is not finite (`guard` counts those and raises after `max_bad_steps` in a
+    row)."""
+    device = params[0].device
+    live = [it for it in items if it.batch is not None]
+    gens = generator if isinstance(generator, Mapping) else None
+    anchors = [drafter.sample_anchors(it.batch, gens[it.shard] if gens else generator, noise) for it in live]
     local = [drafter.weight_sum(a) for a in anchors]
     n_pos = drafter.cfg.block_size - 1
     ce = correct = 0.0
     pos_correct, pos_count = [0.0] * n_pos, [0.0] * n_pos
     (weight_sum,) = all_reduce_floats([sum(local)])
-    for it, a, w in zip(items, anchors, local):
-        if w == 0:  # nothing scored in this micro-batch: its loss and gradient are zero, skip the forward
+    for it, a, w in zip(live, anchors, local):
+        if w == 0:  # nothing scored in this micro-batch (no valid anchor): zero loss and gradient, skip the forward
             continue
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             out = drafter.loss(it.device_batch, it.features, a, normalizer=weight_sum if weight_sum > 0 else None)
@@ -217,8 +194,8 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         ce, correct = ce + out.ce_sum, correct + out.correct_weight
         pos_correct = [x + y for x, y in zip(pos_correct, out.pos_correct)]
         pos_count = [x + y for x, y in zip(pos_count, out.pos_count)]
-    real = sum(it.batch.real_tokens for it in items)
-    padded = sum(it.batch.padded_tokens for it in items)
+    real = sum(it.batch.real_tokens for it in live)
+    padded = sum(it.batch.padded_tokens for it in live)
     sums = all_reduce_floats([ce, correct, real, padded, *pos_correct, *pos_count])
     ce, correct, real, padded = sums[:4]
     pos_correct, pos_count = sums[4:4 + n_pos], sums[4 + n_pos:]
@@ -239,7 +216,8 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
     return StepResult(
         loss=ce / weight_sum if weight_sum > 0 else math.nan, acc=correct / weight_sum if weight_sum > 0 else math.nan,
         acc_per_pos=acc_per_pos, eal=expected_acceptance(acc_per_pos), weight_sum=weight_sum,
-        real_tokens=int(real), padded_tokens=int(padded), grad_norm=grad_norm, skipped=skipped)
+        real_tokens=int(real), padded_tokens=int(padded), grad_norm=grad_norm, skipped=skipped,
+        blocks=sum(a.num_blocks for a in anchors))
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -268,7 +246,7 @@ class TrainingParts:
 
     store: Any  # store[i] -> (tokens (L,), loss_mask (L,)) numpy arrays
     lengths: np.ndarray  # (N,) tokens per sample of the store
-    sampler: Any  # iterable of sample-index lists, with set_epoch(e) and len() = batches per epoch (this rank)
+    sampler: Any  # batch sampler with set_epoch(e) and len() = steps per epoch (this rank); epoch_plan if any
     targets: list[TargetModel]  # one replica per target device; targets[0] is on the training device
     drafter: DFlashDrafter  # on the training device, sharing targets[0]'s embedding and LM head
     pad_id: int  # token id written into padding slots (never scored)
@@ -284,22 +262,6 @@ def full_run_tokens(cfg: TrainConfig, lengths: np.ndarray) -> float:
     return cfg.full_run_epochs * per_epoch
 
 
-def _next_step_items(it: Iterator[Item], pipeline: Pipeline, accum_tokens: int) -> tuple[list[Item], float, bool]:
-    """Micro-batches until `accum_tokens` real tokens (at least one): (items, seconds blocked, stream ended)."""
-    items: list[Item] = []
-    wait, tokens = 0.0, 0
-    while True:
-        try:
-            item = next(it)
-        except StopIteration:
-            return items, wait, True
-        wait += pipeline.last_wait_s
-        items.append(item)
-        tokens += item.batch.real_tokens
-        if tokens >= accum_tokens:
-            return items, wait, False
-
-
 def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
     """What a step's batches cost, for the step-time cost model: rows, longest row (tokens), and the attention
     work in tokens^2 both as dense rows (R * T^2) and per document (sum of doc_len^2, varlen kernels)."""
@@ -310,16 +272,28 @@ def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
     return dict(rows=rows, row_len=row_len, attn_dense=dense, attn_varlen=varlen)
 
 
-def _mean(values: list[float]) -> float | None:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else None
+@dataclass
+class RunningMean:
+    """Mean of the finite values added (a skipped step's NaN loss is left out)."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.total += value
+            self.count += 1
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
 
 
 class Trainer:
-    """One training run over `parts`: the loop, its metrics and its outputs (see `run_training`)."""
+    """One training run over `parts`: the loop, its metrics, its checkpoints and its outputs (see `run_training`)."""
 
     def __init__(self, config: Config, parts: TrainingParts, run_dir: Path, clock: Callable[[], float],
-                 setup_s: float) -> None:
+                 setup_s: float, resume: dict[str, Any] | None = None, stop: StopRequest | None = None) -> None:
         self.config, self.parts, self.run_dir, self.clock, self.setup_s = config, parts, run_dir, clock, setup_s
         self.t_start = clock()
         tc, self.dist = config.train, distributed.info()
@@ -327,65 +301,200 @@ class Trainer:
         self.device = parts.targets[0].device
         self.params = [p for p in parts.drafter.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.params, tc, self.device)
+        self.shards = rank_shards(tc, self.dist)
         self.total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
-                                                        self.dist.world_size)
-        self.generator = torch.Generator().manual_seed(tc.seed + 7919 * self.dist.rank)  # anchors, per rank
+                                                        max(self.dist.world_size, len(self.shards)))
+        # One anchor generator per rank whose batches this process trains on (seeded by that rank).
+        self.generators = {r: torch.Generator().manual_seed(tc.seed + 7919 * r) for r in self.shards}
         self.guard = BadStepGuard(tc.max_bad_steps)
+        self.skips = SkipCounter()
         self.full_tokens = full_run_tokens(tc, parts.lengths)
         self.meter = ThroughputMeter(clock=clock)
-        self.step = 0
-        self.losses: list[float] = []
-        self.accs: list[float] = []
-        self.last: dict[str, Any] = {}
+        self.step = 0  # optimizer steps completed
+        self.position = (0, 0)  # (epoch, sampler step) of the next batch to consume
+        self.batches_done = 0  # sampler steps consumed since the run began
+        self.skipped_all = 0  # samples skipped by validation since the run began, all ranks
+        self.loss_mean, self.acc_mean = RunningMean(), RunningMean()
+        self.last: dict[str, Any] = {}  # the latest step's metrics record
+        self.stop = stop if stop is not None else StopRequest()
+        self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
+        self.ckpt_dir = run_dir / CHECKPOINTS
+        self.resume_hash = resume_config_hash(config)
+        self.resumed_from = 0
+        self.saved_step = -1  # step of the newest checkpoint written or loaded
+        self.checkpoint: Path | None = None
+        if resume is not None:
+            self.load_state_dict(resume)
+
+    # -- checkpoint state -------------------------------------------------------------------------------------
+
+    def _gen_names(self) -> dict[str, torch.Generator]:
+        return {f"anchors_rank{r}": g for r, g in self.generators.items()}
+
+    def rank_state(self) -> dict[str, Any]:
+        """What differs between ranks: data position, RNG streams (anchor generators included), skip counts."""
+        epoch, step = self.position
+        state = {"rank": self.dist.rank, "position": {"epoch": epoch, "step": step, "done": self.batches_done},
+                 "rng": capture_rng(self._gen_names()), "skips": self.skips.state_dict()}
+        sampler_state = getattr(self.parts.sampler, "state_dict", None)
+        if sampler_state is not None:  # its fingerprint lets a resume refuse other data or sampler settings
+            state["sampler"] = {**sampler_state(), "epoch": epoch, "step": step}
+        return state
+
+    def state_dict(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole checkpoint: shared training state plus `ranks` (every rank's `rank_state`, in rank order)."""
+        m = self.meter
+        return {
+            "format": TRAIN_STATE_FORMAT, "step": self.step, "total_steps": self.total_steps,
+            "drafter": {n: p.detach().cpu() for n, p in self.parts.drafter.named_parameters() if p.requires_grad},
+            "optimizer": self.opt.state_dict(), "guard": self.guard.state_dict(),
+            "tokens": {"steps": m.steps, "real": m.real_tokens, "padded": m.padded_tokens,
+                       "skipped_samples": self.skipped_all},
+            "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
+                      "acc": [self.acc_mean.total, self.acc_mean.count]},
+            "last": self.last, "ranks": ranks,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (refusing one that does not fit this run, with CheckpointError)."""
+        where = f"checkpoint of step {state.get('step')!r}"
+        if state.get("format") != TRAIN_STATE_FORMAT:
+            raise CheckpointError(f"{where}: trainer state format {state.get('format')!r} is not "
+                                  f"{TRAIN_STATE_FORMAT}; use --fresh or another --run-dir")
+        if state["total_steps"] != self.total_steps:
+            raise CheckpointError(f"{where}: planned {state['total_steps']} steps, this run plans "
+                                  f"{self.total_steps} (the corpus or sampler changed); use --fresh")
+        ranks = state["ranks"]
+        if len(ranks) != self.dist.world_size:
+            raise CheckpointError(f"{where}: holds {len(ranks)} rank states for a world of {self.dist.world_size}")
+        own = {n: p for n, p in self.parts.drafter.named_parameters() if p.requires_grad}
+        saved = state["drafter"]
+        bad = sorted(set(own) ^ set(saved)) + [n for n in own if n in saved and saved[n].shape != own[n].shape]
+        if bad:
+            raise CheckpointError(f"{where}: drafter weights do not match this model ({bad[:5]})")
+        with torch.no_grad():
+            for name, p in own.items():
+                p.copy_(saved[name])
+        self.opt.load_state_dict(state["optimizer"])
+        self.guard.load_state_dict(state["guard"])
+        self.meter.steps, self.meter.real_tokens, self.meter.padded_tokens, self.skipped_all = (
+            int(state["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
+        self.loss_mean = RunningMean(*state["means"]["loss"])
+        self.acc_mean = RunningMean(*state["means"]["acc"])
+        self.last = dict(state["last"])
+        self.step = self.resumed_from = self.saved_step = int(state["step"])
+        mine = ranks[self.dist.rank]
+        pos = mine["position"]
+        self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])
+        if "sampler" in mine and hasattr(self.parts.sampler, "load_state_dict"):
+            self.parts.sampler.load_state_dict(mine["sampler"])  # SamplerError on other data or settings
+        restore_rng(mine["rng"], self._gen_names())
+        self.skips.load_state_dict(mine["skips"])
+
+    def save(self, say: Callable[[str], None]) -> None:
+        """Checkpoint the step just finished. Every rank contributes its own state; rank 0 writes. A failed
+        write (full disk) raises CheckpointError on every rank, the previous checkpoint being intact."""
+        tc, step = self.config.train, self.step
+        ranks = gather_states(self.rank_state())
+        error: CheckpointError | None = None
+        if self.main:
+            t0 = time.perf_counter()
+            meta = {"epoch": self.position[0], "resume_hash": self.resume_hash, "config": self.config.to_dict()}
+            try:
+                self.checkpoint = save_checkpoint(self.ckpt_dir, self.state_dict(ranks), step,
+                                                  config_hash=self.resume_hash, world_size=self.dist.world_size,
+                                                  keep_last=tc.keep_checkpoints, meta=meta)
+                say(f"checkpoint step {step}: {self.checkpoint} ({time.perf_counter() - t0:.2f} s)")
+            except CheckpointError as e:
+                error = e
+        failed = any_rank(error is not None) if self.dist.world_size > 1 else error is not None
+        if failed:
+            raise error or CheckpointError(f"rank 0 could not write the checkpoint of step {step} (see its error)")
+        self.saved_step = step
+
+    # -- the loop ------------------------------------------------------------------------------------------------
 
     def _pipeline(self) -> Pipeline:
         p, cfg = self.parts, self.config
-        collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges)
+        collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges, p.drafter.cfg.vocab_size)
         workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device)
-        return Pipeline(epoch_batches(p.sampler, self.max_batches), collate, workers, cfg.pipeline,
-                        pin_memory=self.device.type == "cuda", clock=self.clock)
+        source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards)
+        return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
+                        clock=self.clock)
 
     def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any]:
         """One optimizer step on `items`; returns its metrics record."""
         tc, step = self.config.train, self.step
         lr, noise = lr_at(step, self.total_steps, tc), noise_at(step, tc)
-        res = train_step(self.parts.drafter, items, self.params, self.opt, lr, noise, self.generator,
+        res = train_step(self.parts.drafter, items, self.params, self.opt, lr, noise, self.generators,
                          tc.grad_clip, self.device.type == "cuda", self.guard, step + 1)
         self.step = step = step + 1
+        self.position = (items[-1].epoch, items[-1].step + 1)
+        self.batches_done += sum(it.last_shard for it in items)
+        skipped_tokens = 0
+        for it in items:
+            for reason, index, tokens in it.skips:
+                self.skips.add(reason, index)
+                skipped_tokens += tokens
+        n_skipped, skipped_tokens = all_reduce_floats([sum(len(it.skips) for it in items), skipped_tokens])
+        self.skipped_all += int(n_skipped)
         rate = self.meter.step(step, res.real_tokens, res.padded_tokens, wait_s)
         done = self.meter.real_tokens
-        self.losses.append(res.loss)
-        self.accs.append(res.acc)
+        self.loss_mean.add(res.loss)
+        self.acc_mean.add(res.acc)
+        live = [it.batch for it in items if it.batch is not None]
         return dict(
             step=step, epoch=items[-1].epoch, loss=res.loss, acc=res.acc, lr=lr, noise=noise,
             real_tokens=res.real_tokens, padded_tokens=res.padded_tokens, ktok_s=rate.ktok_s,
             data_wait_pct=rate.data_wait_pct_window, data_wait_pct_total=rate.data_wait_pct,
-            **pipeline.depths(), bucket=items[0].batch.bucket,
+            **pipeline.depths(), bucket=live[0].bucket if live else -1,
             eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
             run_eta_s=eta_seconds((self.total_steps - step) * done / step, rate.eta_tok_s),
             steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
-            **batch_shape([it.batch for it in items]),
+            blocks=res.blocks,
+            bad_steps=self.guard.total, skipped_samples=self.skipped_all, skipped_tokens=int(skipped_tokens),
+            **(batch_shape(live) if live else {}),
         )
+
+    def _report_faults(self, items: list[Item], say: Callable[[str], None]) -> None:
+        """Log what this step skipped: samples failing validation, or the whole update for a non-finite loss."""
+        skipped = [f"{reason} (sample {index})" for it in items for reason, index, _ in it.skips]
+        if skipped:
+            say(f"step {self.step}: skipped {len(skipped)} sample(s) failing validation: {', '.join(skipped[:5])}"
+                f"{' ...' if len(skipped) > 5 else ''}")
+        if self.guard.last_bad_step == self.step:
+            say(f"step {self.step}: loss is not finite ({self.last['loss']}): update skipped "
+                f"({self.guard.in_a_row} in a row, {self.guard.total} in all; {self.guard.max_in_a_row} in a row "
+                f"abort the run)")
 
     def run(self) -> dict[str, Any]:
         tc = self.config.train
-        sinks = [JsonlSink(self.run_dir / "metrics.jsonl"),
+        sinks = [JsonlSink(self.run_dir / METRICS_FILE),
                  WandbSink(self.config.run.wandb_mode, self.config.run.wandb_project, self.run_dir,
                            self.config.to_dict(), self.run_dir.name)] if self.main else [NullSink()]
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.total_steps, unit="step", disable=not (self.main and in_notebook()))
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not (self.main and in_notebook()))
         say = bar.write if not bar.disable else distributed.print0
+        if self.resumed_from:
+            say(f"resuming at step {self.resumed_from} of {self.total_steps} (epoch {self.position[0]}, "
+                f"sampler step {self.position[1]})")
         self.parts.drafter.train()
         try:
             with self._pipeline() as pipeline:
                 stream = iter(pipeline)
                 self.meter.start()
                 while self.step < self.total_steps:
-                    items, wait_s, ended = _next_step_items(stream, pipeline, tc.accum_tokens)
+                    if 0 < tc.stop_at_step <= self.step:
+                        self.stop_reason = f"stop_at_step={tc.stop_at_step}"
+                        break
+                    if any_rank(self.stop.requested):  # every rank stops after the same step
+                        self.stop_reason = self.stop.reason or "a stop signal on another rank"
+                        break
+                    items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s, tc.accum_tokens)
                     if self.dist.world_size > 1:  # every rank stops at the same step (a partial one is dropped)
-                        ended = all_reduce_floats([float(ended or not items)])[0] > 0
+                        ended = any_rank(ended or not items)
                         items = [] if ended else items
                     if not items:
                         break
@@ -395,38 +504,66 @@ class Trainer:
                     bar.update(1)
                     if self.step % tc.log_every == 0 or self.step == self.total_steps or ended:
                         say(format_log_line(self.last))
-                    if self.main and tc.ckpt_every > 0 and self.step % tc.ckpt_every == 0:
-                        save_drafter(self.parts.drafter, self.run_dir / "checkpoints" / f"step_{self.step:08d}")
+                    self._report_faults(items, say)
+                    if tc.ckpt_every > 0 and self.step % tc.ckpt_every == 0:
+                        self.save(say)
                     if ended:
                         break
+                if self.step > max(self.saved_step, 0):  # the end, a stop signal or stop_at_step
+                    self.save(say)
         finally:
             bar.close()
             for sink in sinks:
                 sink.close()
-        if self.step == 0:
+        if self.step == 0 and self.stop_reason is None:
             raise ConfigError("training ran no step: the sampler produced no batch")
-        summary = self.summary()
+        skips = self.all_skips()
+        summary = self.summary(skips)
         if self.main:
-            save_drafter(self.parts.drafter, self.run_dir / "drafter")
+            if self.step > 0:
+                save_drafter(self.parts.drafter, self.run_dir / "drafter")
             write_json(self.run_dir / "summary.json", summary)
+        if self.stop_reason is not None:
+            say(f"stopped ({self.stop_reason}) after step {self.step} of {self.total_steps}; "
+                f"{'checkpoint ' + str(self.checkpoint) if self.checkpoint else 'nothing to checkpoint yet'}; "
+                f"run the same command again to resume")
+        if skips.total:
+            say(skips.summary())
         return summary
 
-    def summary(self) -> dict[str, Any]:
-        """The run in figures (see `run_training`)."""
+    def all_skips(self) -> SkipCounter:
+        """The samples skipped by every rank (a collective under torchrun: every rank calls it)."""
+        if self.dist.world_size == 1:
+            return self.skips
+        merged = SkipCounter()
+        for state in gather_states(self.skips.state_dict()):
+            rank = SkipCounter()
+            rank.load_state_dict(state)
+            merged.merge(rank)
+        return merged
+
+    def summary(self, skips: SkipCounter | None = None) -> dict[str, Any]:
+        """The run in figures (see `run_training`); `skips` = every rank's skipped samples (default: this rank's)."""
+        skips = skips if skips is not None else self.skips
         m, last, tc = self.meter, self.last, self.config.train
         steady = m.detector.steady
-        tok_s = m.steady_tok_s or last["ktok_s"] * 1000.0  # the last window's rate without a steady state
+        tok_s = m.steady_tok_s or (last.get("ktok_s") or 0.0) * 1000.0  # last window's rate without a steady state
         full_eta = eta_seconds(self.full_tokens, tok_s)
         return dict(
-            run_dir=str(self.run_dir), config_hash=self.config.hash(), strategy=self.config.sampler.strategy,
-            world_size=self.dist.world_size, device=str(self.device), steps=self.step,
-            planned_steps=self.total_steps, last_epoch=last["epoch"], real_tokens=m.real_tokens,
-            padded_tokens=m.padded_tokens, padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
-            final_loss=self.losses[-1], mean_loss=_mean(self.losses), final_acc=self.accs[-1],
-            mean_acc=_mean(self.accs), final_eal=last["eal"], bad_steps=self.guard.total,
+            run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.resume_hash,
+            strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
+            emulated_ranks=len(self.shards) if len(self.shards) > 1 else 0, device=str(self.device),
+            steps=self.step, planned_steps=self.total_steps, complete=self.stop_reason is None,
+            stop_reason=self.stop_reason, resumed_from_step=self.resumed_from,
+            checkpoint=str(self.checkpoint) if self.checkpoint else None, last_epoch=last.get("epoch"),
+            real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
+            padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
+            final_loss=last.get("loss"), mean_loss=self.loss_mean.mean, final_acc=last.get("acc"),
+            mean_acc=self.acc_mean.mean, final_eal=last.get("eal"), bad_steps=self.guard.total,
+            skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
             steady=steady, steady_start_step=m.detector.start_step,
-            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=last["ktok_s"],
-            data_wait_pct=last["data_wait_pct_total"], steady_data_wait_pct=m.steady_data_wait_pct,
+            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=last.get("ktok_s"),
+            data_wait_pct=last.get("data_wait_pct_total"), steady_data_wait_pct=m.steady_data_wait_pct,
             full_run_epochs=tc.full_run_epochs, full_run_tokens=self.full_tokens, full_run_eta_s=full_eta,
             full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
             setup_s=self.setup_s, loop_s=m.elapsed_s, wall_s=self.setup_s + self.clock() - self.t_start,
@@ -434,22 +571,28 @@ class Trainer:
 
 
 def run_training(config: Config, parts: TrainingParts, run_dir: Path,
-                 clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0) -> dict[str, Any]:
+                 clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0,
+                 resume: dict[str, Any] | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train on `parts`; returns the summary. `clock` (seconds) times steps and data waits; `setup_s` (seconds
-    spent building the parts) is recorded.
+    spent building the parts) is recorded. `resume`: a checkpoint's state to continue from (see `train`);
+    `stop`: an entered StopRequest whose signal ends the loop after the current step (default: none).
 
     Rank 0 writes into `run_dir`: metrics.jsonl, one object per step with step (1-based), epoch, loss (nats,
     globally normalised), acc, acc_per_pos, eal, lr, noise, real_tokens and padded_tokens (all ranks),
     ktok_s (real tokens, rolling window), data_wait_pct (rolling window) and data_wait_pct_total (cumulative),
     q_pre and q_hs (queue depths per target worker), bucket (of the step's first micro-batch; -1 = none),
     eta_s (seconds to the end of a full run of `full_run_epochs`, at the steady throughput or provisionally
-    at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since the loop began),
-    grad_norm, micro_batches, skipped, step_s and wait_s (this step's wall time and data wait, seconds);
-    the same scalars to wandb; drafter checkpoints every `ckpt_every` steps under checkpoints/; and at the
-    end drafter/ and summary.json (steps, tokens, padding efficiency, losses, accuracy, steady-state Ktok/s
-    and its first step, data-wait %, the full-run ETA, setup/loop/wall seconds, config hash).
+    at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since this invocation's
+    loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
+    skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks scored here),
+    step_s and wait_s (this step's wall time and data wait, seconds), and the step's batch shape (rows,
+    row_len, attn_dense, attn_varlen); the same scalars to wandb; checkpoints/ckpt-<step>/ every `ckpt_every`
+    steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and
+    summary.json (steps, complete / stop_reason / resumed_from_step, tokens, padding efficiency, losses,
+    accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
+    full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes).
     """
-    return Trainer(config, parts, run_dir, clock, setup_s).run()
+    return Trainer(config, parts, run_dir, clock, setup_s, resume, stop).run()
 
 
 # -- building the parts from a Config ------------------------------------------------------------------------------
@@ -492,7 +635,8 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
 
 
 def build_parts(config: Config, device: torch.device) -> TrainingParts:
-    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`."""
+    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. With
+    `emulate_ranks` = W the sampler is planned for W ranks (the trainer takes all of their batches)."""
     from dflash_lib.data import build_token_store_from_config
 
     dist = distributed.info()
@@ -502,7 +646,9 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
         raise ConfigError(f"the token store {store.path} holds no sample (source {config.data.source!r})")
     strategy = config.sampler.strategy
     edges = bucket_edges(config, lengths) if strategy == "bucketed" else []
-    sampler = build_sampler(config, lengths, dist.rank, dist.world_size, edges)
+    shards = rank_shards(config.train, dist)
+    world = max(dist.world_size, len(shards))
+    sampler = build_sampler(config, lengths, dist.rank, world, edges)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
     if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
         devices = [torch.device("cuda", i) for i in range(min(config.pipeline.target_workers,
@@ -521,23 +667,65 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
                          config.sampler.token_budget, edges)
 
 
-def train(config: Config, run_dir: Path | None = None) -> dict[str, Any]:
+def shared_new_run_dir(tag: str = "") -> Path:
+    """A new runs/<UTC>_train[_tag]/ folder created by rank 0; every rank gets rank 0's path."""
+    path = str(new_run_dir("train", tag)) if distributed.is_main() else ""
+    return Path(distributed.all_gather_bytes(path.encode())[0].decode())
+
+
+def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
+    """Decide (on every rank, reading only) whether the run resumes, starts, or is refused (`dflash_lib.resume`);
+    `fresh` first clears the folder (rank 0). Then rank 0 trims metrics.jsonl to the checkpoint's step and
+    writes config.json and env.json."""
+    dist = distributed.info()
+    resume_hash = resume_config_hash(config)
+    if config.train.fresh:
+        if dist.rank == 0:
+            removed = clear_run_dir(run_dir)
+            if removed:
+                distributed.print0(f"fresh start in {run_dir}: removed {', '.join(removed)}")
+        point = ResumePoint(None, None, 0)  # files the trainer did not write stay, as the user asked to start here
+    else:
+        point = find_resume_point(run_dir, resume_hash, dist.world_size)
+    distributed.barrier()  # every rank has looked (and rank 0 has cleared) before rank 0 writes
+    if dist.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dropped = truncate_metrics(run_dir / METRICS_FILE, point.step)
+        write_json(run_dir / CONFIG_FILE, {"config": config.to_dict(), "config_hash": config.hash(),
+                                           "resume_hash": resume_hash})
+        write_json(run_dir / "env.json", environment())
+        if point.path is not None:
+            distributed.print0(f"resuming from {point.path}" + (f" (dropped {dropped} metrics rows logged past "
+                                                                 f"it)" if dropped else ""))
+    return point
+
+
+def train(config: Config, run_dir: Path | None = None, tag: str = "") -> dict[str, Any]:
     """Train a drafter with `config`; returns the summary (also in run_dir/summary.json).
 
-    run_dir: the run folder (created if missing; default a new runs/<UTC>_train/). It receives config.json,
-    env.json, metrics.jsonl (every step), wandb's offline files, checkpoints/ (ckpt_every), drafter/ and
-    summary.json. Under torchrun every rank trains its shard; rank 0 writes.
+    run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
+    config.json, env.json, metrics.jsonl (every step), wandb's offline files, checkpoints/ (see run_training),
+    drafter/ and summary.json. A folder holding a checkpoint of the same config (resume hash) and world size
+    RESUMES from its newest good checkpoint; another config's checkpoints, another world size, or other
+    content without a checkpoint are refused with an error unless `fresh=True`, which clears it first.
+    SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns
+    (summary["complete"] is False; before the loop they keep their default effect: nothing to save yet).
+    Under torchrun every rank trains its shard; rank 0 writes.
     """
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a dflash_lib.config.Config, got {type(config).__name__}")
     t0 = time.perf_counter()
     tc = config.train
+    owned = not distributed.initialized()
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
-    device = dist.device
-    run_dir = Path(run_dir) if run_dir is not None else new_run_dir("train")
-    if dist.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / "config.json", {"config": config.to_dict(), "config_hash": config.hash()})
-        write_json(run_dir / "env.json", environment())
-    parts = build_parts(config, device)
-    return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0)
+    try:
+        rank_shards(tc, dist)  # refuse a bad emulate_ranks before any work
+        run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
+        point = prepare_run_dir(config, run_dir)
+        parts = build_parts(config, dist.device)
+        with StopRequest() as stop:
+            return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.state,
+                                stop=stop)
+    finally:
+        if owned:
+            distributed.destroy()

@@ -213,3 +213,22 @@ def test_nnls_meets_the_optimality_conditions(seed, n, p):
     assert (w >= 0).all()
     assert (grad >= -1e-8).all()
     assert np.allclose(grad[w > 0], 0.0, atol=1e-8)
+
+
+def test_block_term_is_recovered_when_blocks_vary_independently():
+    """The drafter's LM-head work scales with anchor blocks (documents), not tokens: fit it as its own term."""
+    from dflash_lib.costmodel import anchor_blocks, describe_padded
+
+    rng = np.random.default_rng(3)
+    true = dict(a=0.05, b=2e-5, c=1e-9, e=4e-4)
+    obs = []
+    for i in range(120):
+        docs = rng.integers(20, 900, size=int(rng.integers(1, 12)))
+        shape = describe_padded(docs, anchors_per_doc=int(rng.integers(4, 64)))
+        t = true["a"] + true["b"] * shape.padded_tokens + true["c"] * shape.attention + true["e"] * shape.blocks
+        obs.append(StepObservation(shape.rows, shape.row_len, shape.real_tokens, shape.attention,
+                                   blocks=shape.blocks, seconds=t))
+    model = fit_cost_model(obs)
+    assert (model.a, model.b, model.c, model.e) == pytest.approx(tuple(true.values()), rel=1e-6)
+    assert anchor_blocks(np.array([1, 5, 100]), 8) == 0 + 4 + 8
+    assert describe_padded([10, 20]).blocks == 0  # anchors unknown: the term is left out

@@ -30,9 +30,11 @@ WORKER = textwrap.dedent("""
     t = D.all_reduce_sum(x)
     if mode == "ok":
         D.print0("printed once, by rank", info.rank)
-        print("RESULT " + json.dumps({"rank": info.rank, "world": info.world_size, "local": info.local_rank,
-              "backend": info.backend, "sum": s, "tensor": t.tolist(), "input_kept": x.tolist(),
-              "main": D.is_main()}), flush=True)
+        # one file per rank: two ranks printing at once may interleave their lines on torchrun's stdout
+        with open(os.path.join(os.environ["RESULT_DIR"], f"rank{info.rank}.json"), "w") as f:
+            json.dump({"rank": info.rank, "world": info.world_size, "local": info.local_rank,
+                       "backend": info.backend, "sum": s, "tensor": t.tolist(), "input_kept": x.tolist(),
+                       "main": D.is_main()}, f)
         D.barrier()
         D.destroy()
         sys.exit(0)
@@ -106,10 +108,9 @@ def test_two_gloo_processes_under_torchrun_sum_correctly(tmp_path: Path) -> None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(_script(tmp_path)), "ok", str(TIMEOUT_S)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "RESULT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-                      if "RESULT " in line), key=lambda r: r["rank"])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in results] == [0, 1] and [r["local"] for r in results] == [0, 1]
     for r in results:
         assert (r["world"], r["backend"], r["sum"]) == (2, "gloo", 3.0)

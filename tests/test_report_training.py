@@ -59,10 +59,10 @@ def test_notebook_04_trains_and_writes_figures(tmp_path):
                   num_features=1, block_size=4, num_anchors=8, log_every=2, wandb_mode="disabled", out_dir=str(out))
     pm.execute_notebook(str(REPO_ROOT / "notebooks" / "04_train.ipynb"), str(out / "nb.ipynb"), parameters=params,
                         kernel_name="python3", cwd=str(REPO_ROOT), progress_bar=False)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "train" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["strategy"] == "bucketed"
-    df = load_metrics(out)
+    df = load_metrics(out / "train")
     assert list(df.step) == [1, 2, 3, 4, 5, 6]
     assert {"loss", "acc", "lr", "noise", "ktok_s", "bucket", "q_pre", "q_hs"} <= set(df.columns)
     assert (out / "loss_by_bucket.html").stat().st_size > 1_000_000 and (out / "dashboard.html").exists()
-    assert (out / "drafter" / "model.safetensors").exists()
+    assert (out / "train" / "drafter" / "model.safetensors").exists()

@@ -1,0 +1,179 @@
+"""What feeds the training loop: sampler positions -> work items -> validated batches -> target features.
+
+    epoch_batches (Work: epoch, step, shard, indices) -> make_collate (Collated: Batch or None, skipped samples)
+    -> make_target_workers (Item: batch + target features) -> the trainer
+
+Every item carries its sampler position (epoch, step within the epoch), so the trainer knows exactly which
+batches it has CONSUMED even though the pipeline reads ahead; a checkpoint records that position and a resume
+starts the source there. Samples that fail `validate_sample` (token id outside the vocabulary, empty, a loss mask
+with no assistant token, ...) are left out of their batch and reported with the item, so only consumed skips
+are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from dflash_lib.batch import Batch, collate_packed, collate_padded
+from dflash_lib.config import ConfigError
+from dflash_lib.validate import validate_sample
+
+Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
+
+
+@dataclass(frozen=True)
+class Work:
+    """One micro-batch of sample indices and its place in the sampler's sequence."""
+
+    epoch: int  # sampler epoch
+    step: int  # sampler step within the epoch (0-based): once consumed, a resume restarts at step + 1
+    shard: int  # the rank whose batch this is (this process's rank, or 0..W-1 when emulating W ranks)
+    last_shard: bool  # the last shard of its sampler step: the step is fully consumed with this item
+    indices: list[int]  # sample indices in the store
+
+
+@dataclass
+class Collated:
+    """A collated work item: `batch` is None when every one of its samples failed validation."""
+
+    work: Work
+    batch: Batch | None
+    skips: Skips  # samples left out
+
+    def pin_memory(self) -> "Collated":
+        return self if self.batch is None else replace(self, batch=self.batch.pin_memory())
+
+
+@dataclass
+class Item:
+    """One micro-batch leaving the pipeline (batch, device_batch and features are None for an all-invalid one)."""
+
+    epoch: int  # sampler epoch it came from
+    batch: Batch | None  # host copy (pinned on CUDA): anchors are sampled from it without a device sync
+    device_batch: Batch | None  # the same batch on the training device
+    features: torch.Tensor | None  # (R, T, num_features * H) target features on the training device
+    step: int = 0  # sampler step within the epoch (see Work)
+    shard: int = 0  # rank whose batch this is
+    last_shard: bool = True  # completes its sampler step
+    skips: Skips = ()  # samples of this micro-batch left out by validation
+
+
+def bucket_of(max_len: int, edges: Sequence[int]) -> int:
+    """Index of the first bucket whose upper edge (tokens) holds `max_len`; -1 without edges."""
+    if not len(edges):
+        return -1
+    k = int(np.searchsorted(np.asarray(edges), max_len, side="left"))
+    if k >= len(edges):
+        raise ValueError(f"a sample of {max_len} tokens exceeds the last bucket edge {edges[-1]}")
+    return k
+
+
+def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Sequence[int] = (),
+                 vocab_size: int | None = None) -> Callable[[Work], Collated]:
+    """Work -> Collated: the samples that pass `validate_sample` (not checked when `vocab_size` is None) padded
+    one per row or packed into one row of `row_len` tokens; the others are listed in `skips`. A padded batch's
+    bucket id (from `edges`) is that of the longest sample the sampler put in it, valid or not, so a skip never
+    relabels the batch."""
+
+    def collate(work: Work) -> Collated:
+        samples = [store[i] for i in work.indices]
+        skips: list[tuple[str, int, int]] = []
+        keep: list[int] = []
+        for k, (i, (tokens, mask)) in enumerate(zip(work.indices, samples)):
+            reason = None if vocab_size is None else validate_sample(tokens, mask, vocab_size)
+            if reason is None:
+                keep.append(k)
+            else:
+                skips.append((reason, int(i), len(tokens)))
+        if not keep:
+            return Collated(work, None, tuple(skips))
+        good, idx = [samples[k] for k in keep], [work.indices[k] for k in keep]
+        if packed:
+            return Collated(work, collate_packed(good, pad_id, row_len, idx), tuple(skips))
+        bucket = bucket_of(max(len(t) for t, _ in samples), edges)
+        return Collated(work, collate_padded(good, pad_id, idx, bucket), tuple(skips))
+
+    return collate
+
+
+def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = (0, 0), done: int = 0,
+                  shards: Sequence[int] | None = None) -> Iterator[Work]:
+    """Work items in training order from the sampler position `start` = (epoch, step within that epoch), over
+    successive epochs, until `max_steps` sampler steps in all (`done` of them were consumed before `start`;
+    None = endless).
+
+    A sampler with `epoch_plan` (every EpochBatchSampler) is read from its plan: step s yields
+    plan.batch(s, r) for each rank r in `shards` (default: the sampler's own rank), so one process can also
+    take the batches of several ranks. Any other batch sampler (set_epoch + iteration) yields its own batches,
+    skipping the first `step` of the start epoch.
+    """
+    epoch, first = start
+    plan_of = getattr(sampler, "epoch_plan", None)
+    shards = [int(getattr(sampler, "rank", 0))] if shards is None else [int(r) for r in shards]
+    if plan_of is None and len(shards) != 1:
+        raise ConfigError(f"taking the batches of {len(shards)} ranks needs a sampler with an epoch plan; "
+                          f"{type(sampler).__name__} has none")
+    n = done
+    while max_steps is None or n < max_steps:
+        if plan_of is not None:
+            plan = plan_of(epoch)
+            steps: Iterator[tuple[int, list[list[int]]]] = (
+                (s, [plan.batch(s, r) for r in shards]) for s in range(first, plan.num_steps))
+        else:
+            sampler.set_epoch(epoch)
+            steps = ((s, [list(b)]) for s, b in enumerate(sampler) if s >= first)
+        empty = True
+        for s, per_shard in steps:
+            empty = False
+            for k, (r, indices) in enumerate(zip(shards, per_shard)):
+                yield Work(epoch, s, r, k == len(shards) - 1, indices)
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                return
+        if empty and first == 0:
+            raise ValueError(f"sampler {type(sampler).__name__} yielded no batch in epoch {epoch}")
+        epoch, first = epoch + 1, 0
+
+
+def make_target_workers(targets: Sequence[Any], n_workers: int,
+                        main_device: torch.device) -> list[Callable[[Collated], Item]]:
+    """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
+    on CPU several threads share one) and hands its features to `main_device`."""
+
+    def worker(target: Any) -> Callable[[Collated], Item]:
+        def run(c: Collated) -> Item:
+            w = c.work
+            if c.batch is None:
+                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips)
+            dev_batch = c.batch.to(target.device, non_blocking=True)
+            feats = target.features(dev_batch)  # (R, T, F*H)
+            if target.device != main_device:
+                dev_batch = c.batch.to(main_device, non_blocking=True)
+                feats = feats.to(main_device, non_blocking=True)
+            return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips)
+        return run
+
+    return [worker(targets[w % len(targets)]) for w in range(n_workers)]
+
+
+def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float],
+                    accum_tokens: int) -> tuple[list[Item], float, bool]:
+    """The micro-batches of one optimizer step: whole sampler steps (every shard of one) until `accum_tokens`
+    real tokens (at least one sampler step). Returns (items, seconds blocked on data, stream ended);
+    `last_wait_s()` is the wait of the latest `next(it)` (the pipeline's `last_wait_s`)."""
+    items: list[Item] = []
+    wait, tokens = 0.0, 0
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return items, wait, True
+        wait += last_wait_s()
+        items.append(item)
+        tokens += item.batch.real_tokens if item.batch is not None else 0
+        if item.last_shard and tokens >= accum_tokens:
+            return items, wait, False

@@ -1,0 +1,333 @@
+"""Fault injection through the real command line: kill -9 (during training and during a checkpoint save),
+SIGTERM, a failing pipeline stage, a full disk; in process: non-finite losses and samples failing validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lib.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_latest, resume_config_hash
+from dflash_lib.config import from_params, preset
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.stop import StopRequest
+from dflash_lib.train import TrainingParts, run_training
+from dflash_lib.validate import NonFiniteLossError
+
+REPO = Path(__file__).resolve().parent.parent
+PARAMS = ["-p", "steps", "12", "-p", "lr", "0.01", "-p", "warmup_steps", "1", "-p", "ckpt_every", "3"]
+CONFIG = from_params({"steps": 12, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 3}, preset("smoke"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}  # the same threads in every run: same sums
+
+
+def cli(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(run_dir), *PARAMS,
+            *extra]
+
+
+def run_cli(run_dir: Path, *extra: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(run_dir, *extra), cwd=REPO, env=env or ENV, capture_output=True, text=True,
+                          timeout=240, **kw)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(table: list[dict]) -> np.ndarray:
+    return np.array([math.nan if r["loss"] is None else r["loss"] for r in table])
+
+
+def assert_same_run(run_dir: Path, reference: list[dict]) -> None:
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [r["real_tokens"] for r in got] == [r["real_tokens"] for r in reference]
+    np.testing.assert_allclose(losses(got), losses(reference), rtol=0, atol=1e-6)
+
+
+class Watched:
+    """A CLI training process whose merged stdout/stderr lines are collected by a reader thread."""
+
+    def __init__(self, run_dir: Path, env: dict) -> None:
+        self.proc = subprocess.Popen(cli(run_dir), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout_s: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hit = next((line for line in list(self.lines) if line.startswith(prefix)), None)
+            if hit is not None:
+                return hit
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"no line starting with {prefix!r}; output:\n" + "\n".join(self.lines[-30:]))
+
+    def finish(self, timeout_s: float = 60.0) -> int:
+        rc = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = run_cli(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return rows(run_dir)
+
+
+@pytest.mark.slow
+def test_kill_9_during_training_then_resume(tmp_path, reference):
+    w = Watched(tmp_path, ENV)
+    w.wait_for("step 7 |")  # checkpoints of steps 3 and 6 are behind it
+    w.kill()
+    assert w.proc.returncode == -signal.SIGKILL
+    state, path = load_latest(tmp_path / "checkpoints", resume_config_hash(CONFIG))
+    assert state["step"] >= 6 and path.name == f"ckpt-{state['step']:08d}"
+    proc = run_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {path}" in proc.stdout
+    assert_same_run(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_kill_9_in_the_middle_of_a_checkpoint_save_keeps_the_previous_one(tmp_path, reference):
+    first = run_cli(tmp_path, "-p", "stop_at_step", "4")  # checkpoints 3 and 4
+    assert first.returncode == 0, first.stderr[-3000:]
+    w = Watched(tmp_path, {**ENV, SAVE_DELAY_ENV: "60"})  # every save pauses after state.pt, before its manifest
+    w.wait_for(f"{SAVE_DELAY_ENV}: pausing 60.0 s inside the save of step 6")
+    w.kill()
+    ckpt_dir = tmp_path / "checkpoints"
+    (partial,) = [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]
+    assert partial.name.startswith(".tmp-ckpt-00000006-")  # state.pt written, manifest not yet
+    assert (partial / "state.pt").is_file() and not (partial / "manifest.json").exists()
+    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["ckpt-00000003", "ckpt-00000004"]
+    state, path = load_latest(ckpt_dir, resume_config_hash(CONFIG))
+    assert path.name == "ckpt-00000004" and state["step"] == 4  # the half-written step 6 is invisible
+    proc = run_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(tmp_path, reference)
+    assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]  # the dead save's temp was cleaned up
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path, reference):
+    w = Watched(tmp_path, ENV)
+    w.wait_for("step 4 |")
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.finish() == 0, "\n".join(w.lines[-20:])
+    out = "\n".join(w.lines)
+    assert "received SIGTERM: finishing the current step, then saving a checkpoint" in out
+    stopped = next(line for line in w.lines if line.startswith("stopped (SIGTERM) after step"))
+    step = int(stopped.split()[4])
+    assert step >= 4 and f"checkpoint {tmp_path / 'checkpoints' / f'ckpt-{step:08d}'}" in stopped
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["complete"], summary["stop_reason"], summary["steps"]) == (False, "SIGTERM", step)
+    state, _ = load_latest(tmp_path / "checkpoints", resume_config_hash(CONFIG))
+    assert state["step"] == step
+    proc = run_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["complete"]
+    assert_same_run(tmp_path, reference)
+
+
+STAGE_FAILURE = """
+import sys
+from dflash_lib.__main__ import main
+from dflash_lib.models import TargetModel
+
+original, calls = TargetModel.features, []
+
+def failing(self, batch):
+    calls.append(1)
+    if len(calls) == 3:
+        raise RuntimeError("injected fault in the target forward")
+    return original(self, batch)
+
+TargetModel.features = failing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_failing_stage_exits_non_zero_naming_the_stage(tmp_path):
+    cmd = [sys.executable, "-c", STAGE_FAILURE] + cli(tmp_path)[3:]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("error: PipelineError: stage 'target[0]' failed: RuntimeError: injected fault in the target forward"
+            in proc.stderr)
+    steps = [r["step"] for r in rows(tmp_path)]  # the failure aborts the queues: at most the 2 batches before it
+    assert steps in ([1], [1, 2])
+
+
+def _limit_file_size(limit_bytes: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_a_clear_error_and_the_previous_checkpoint_stays_valid(tmp_path, reference):
+    first = run_cli(tmp_path, "-p", "stop_at_step", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt_dir = tmp_path / "checkpoints"
+    size = (ckpt_dir / "ckpt-00000003" / "state.pt").stat().st_size
+    proc = run_cli(tmp_path, preexec_fn=_limit_file_size(size // 2))  # metrics rows etc. stay far below it
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (f"error: CheckpointError: could not write the checkpoint of step 6 to {ckpt_dir}: File too large "
+            f"[EFBIG]") in proc.stderr
+    assert "the previous checkpoints (ckpt-00000003) are untouched" in proc.stderr
+    assert [p.name for p in ckpt_dir.iterdir()] == ["ckpt-00000003"]  # no temp left behind
+    state, path = load_latest(ckpt_dir, resume_config_hash(CONFIG))
+    assert path.name == "ckpt-00000003"
+    again = run_cli(tmp_path)  # space again: resumes from step 3
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_run(tmp_path, reference)
+
+
+# -- in process: stop requests, non-finite losses, bad samples ----------------------------------------------------
+
+
+def test_stop_request_turns_the_first_signal_into_a_flag_and_the_second_into_an_abort():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert stop.installed and not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.reason == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="second stop signal"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before
+    inert = StopRequest()
+    threading.Thread(target=inert.__enter__).start()  # not the main thread: installs nothing
+    assert not inert.installed
+
+
+class ListSampler:
+    """Fixed batches in a fixed order every epoch (the batch-sampler protocol the loop needs)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def small_store(n: int = 24) -> list:
+    rng = np.random.default_rng(0)
+    store = []
+    for length in rng.integers(12, 40, size=n):
+        mask = np.zeros(length, np.uint8)
+        mask[length // 3:] = 1
+        store.append((rng.integers(0, 2000, size=length), mask))
+    return store
+
+
+def small_parts(config, store: list) -> TrainingParts:
+    target = TargetModel.from_model_config(config.model, seed=0)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+    lengths = np.array([len(t) for t, _ in store], dtype=np.int64)
+    sampler = ListSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
+    return TrainingParts(store, lengths, sampler, [target], drafter, 0, False, 0, [])
+
+
+def small_config(**params):
+    base = dict(steps=6, log_every=1, prefetch=2, hs_queue=1, wandb_mode="disabled", ckpt_every=2)
+    return from_params({**base, **params}, preset("smoke"))
+
+
+def poison(drafter: DFlashDrafter, bad_calls: set[int]) -> None:
+    """Make the drafter's loss NaN on the given (1-based) calls, as a numerical blow-up would."""
+    original, calls = drafter.loss, [0]
+
+    def loss(*args, **kwargs):
+        calls[0] += 1
+        out = original(*args, **kwargs)
+        if calls[0] in bad_calls:
+            out.loss = out.loss * math.nan
+            out.ce_sum = math.nan
+        return out
+
+    drafter.loss = loss
+
+
+def test_a_non_finite_loss_skips_the_step_and_is_counted(tmp_path, capsys):
+    config = small_config()
+    parts = small_parts(config, small_store())
+    poison(parts.drafter, {3})  # one micro-batch per step: call 3 = step 3
+    summary = run_training(config, parts, tmp_path)
+    table = rows(tmp_path)
+    assert summary["steps"] == 6 and summary["bad_steps"] == 1
+    assert [r["skipped"] for r in table] == [False, False, True, False, False, False]
+    assert table[2]["loss"] is None and table[2]["grad_norm"] is None and table[3]["bad_steps"] == 1
+    assert "step 3: loss is not finite (nan): update skipped (1 in a row, 1 in all" in capsys.readouterr().out
+
+
+def test_too_many_non_finite_losses_abort_with_the_last_good_checkpoint_intact(tmp_path):
+    config = small_config(max_bad_steps=2)
+    parts = small_parts(config, small_store())
+    poison(parts.drafter, {5, 6})  # steps 5 and 6 blow up; checkpoints every 2 steps
+    with pytest.raises(NonFiniteLossError, match="loss was nan for 2 steps in a row \\(up to step 6\\)"):
+        run_training(config, parts, tmp_path)
+    state, path = load_latest(tmp_path / "checkpoints", resume_config_hash(config))
+    assert path.name == "ckpt-00000004" and state["guard"] == {"in_a_row": 0, "total": 0, "last_bad_step": -1}
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_samples_failing_validation_are_skipped_and_counted(tmp_path):
+    store = small_store()
+    tok, mask = store[1]
+    store[1] = (np.where(np.arange(len(tok)) == 5, 10 ** 7, tok), mask)  # a token id outside the vocabulary
+    store[2] = (store[2][0], np.zeros_like(store[2][1]))  # no assistant token
+    store[6] = (store[6][0], store[6][1][:-2])  # loss mask shorter than its tokens
+    for i in range(8, 12):  # the whole third batch: nothing left to train on
+        store[i] = (store[i][0][:0], store[i][1][:0])
+    for i in range(12, 16):  # the fourth: valid samples, but one assistant token each, so no anchor to score
+        mask = np.zeros_like(store[i][1])
+        mask[3] = 1
+        store[i] = (store[i][0], mask)
+    config = small_config(steps=6, ckpt_every=0)
+    summary = run_training(config, small_parts(config, store), tmp_path)
+    assert summary["steps"] == 6 and summary["skipped_samples"] == {
+        "token_out_of_vocab": 1, "no_assistant_token": 1, "mask_length_mismatch": 1, "empty": 4}
+    assert summary["skipped_sample_examples"]["empty"] == ["8", "9", "10"]  # the first few record ids
+    table = rows(tmp_path)
+    assert [r["skipped_samples"] for r in table] == [2, 3, 7, 7, 7, 7]
+    assert table[2]["skipped"] and table[2]["real_tokens"] == 0 and table[2]["bucket"] == -1  # an all-bad batch
+    assert table[3]["skipped"] and table[3]["real_tokens"] > 0 and table[3]["blocks"] == 0  # nothing to score
+    assert [r["skipped"] for r in table[4:]] == [False, False] and summary["bad_steps"] == 0
+    clean = [len(t) for i, (t, _) in enumerate(store[:8]) if i not in (1, 2, 6)]
+    assert table[0]["real_tokens"] + table[1]["real_tokens"] == sum(clean)
+    assert table[0]["skipped_tokens"] + table[1]["skipped_tokens"] == sum(len(store[i][0]) for i in (1, 2, 6))

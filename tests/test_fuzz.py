@@ -1,0 +1,246 @@
+"""Fuzzing: parameter validation and the corpus readers meet random keys, values, bytes and JSON. Only the clear
+error classes (ConfigError, DataError) or clean, counted skips are allowed; never another exception, a hang, or a
+half-built token store that looks complete. Bugs found in modules owned elsewhere are pinned by strict xfails
+at the end (they start failing, as a reminder to drop the marker, once fixed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, coerce, from_params
+from dflash_lib.data import DataError, build_token_store, load_conversations
+from dflash_lib.data import readers
+from dflash_lib.data import store as store_mod
+
+REPO = Path(__file__).resolve().parent.parent
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+# -- parameters ------------------------------------------------------------------------------------------------
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 300, 10 ** 300), st.floats(), st.text(max_size=30),
+                    st.binary(max_size=8))
+values = st.one_of(scalars, st.lists(scalars, max_size=5), st.dictionaries(st.text(max_size=5), scalars, max_size=3),
+                   st.tuples(scalars, scalars))
+keys = st.one_of(st.sampled_from(sorted(FLAT_FIELDS)), st.text(max_size=12))
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(st.dictionaries(keys, values, max_size=6))
+def test_from_params_accepts_or_refuses_with_config_error_only(params):
+    try:
+        config = from_params(params)
+    except ConfigError as e:
+        assert str(e)  # a message, naming the parameter
+        return
+    assert isinstance(config, Config)
+    assert isinstance(from_params(config.to_params()), Config)  # what was accepted stays valid
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(key=st.sampled_from(sorted(FLAT_FIELDS)), text=st.text(max_size=40))
+def test_command_line_strings_parse_or_refuse_with_config_error_only(key, text):
+    try:
+        value = coerce(key, text)
+    except ConfigError as e:
+        assert key in str(e)
+        return
+    assert coerce(key, value) == value or value != value  # idempotent (NaN aside)
+
+
+# -- corpus readers --------------------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+turns = st.fixed_dictionaries(
+    {}, optional={"from": st.sampled_from(["human", "gpt", "system", "robot"]) | json_values,
+                  "role": st.sampled_from(["user", "assistant"]) | json_values,
+                  "value": st.text(max_size=30) | json_values, "content": st.text(max_size=30)})
+conversations = st.fixed_dictionaries(
+    {}, optional={"conversations": st.lists(turns, max_size=4) | json_values,
+                  "messages": st.lists(turns, max_size=4), "id": json_values})
+records = st.lists(st.one_of(conversations, json_values), max_size=8)
+
+
+def read(path: Path) -> tuple[int, readers.LoadReport] | DataError:
+    """Every conversation of `path`, or the DataError it raised (anything else fails the test)."""
+    stream = load_conversations(str(path))
+    try:
+        n = sum(1 for _ in stream)
+    except DataError as e:
+        assert str(path) in str(e) or path.name in str(e)
+        return e
+    report = stream.report
+    assert report.records_kept == n and report.records_seen == n + sum(report.skipped.values())
+    assert set(report.skipped) <= set(readers.SKIP_REASONS)
+    return n, report
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(data=st.binary(max_size=2000), suffix=st.sampled_from([".json", ".jsonl", ".parquet"]))
+def test_readers_on_random_bytes(tmp_path_factory, data, suffix):
+    path = tmp_path_factory.mktemp("bytes") / f"corpus{suffix}"
+    path.write_bytes(data)
+    read(path)
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(recs=records, cut=st.floats(0.0, 1.0), truncate=st.booleans())
+def test_readers_on_random_json_whole_or_truncated(tmp_path_factory, recs, cut, truncate):
+    folder = tmp_path_factory.mktemp("json")
+    array = json.dumps(recs).encode()
+    lines = b"".join(json.dumps(r).encode() + b"\n" for r in recs)
+    for name, data in (("corpus.json", array), ("corpus.jsonl", lines)):
+        path = folder / name
+        path.write_bytes(data[:int(len(data) * cut)] if truncate else data)
+        out = read(path)
+        if not truncate and not isinstance(out, DataError):
+            assert out[1].records_seen == len(recs)  # every record accounted for: kept or skipped by reason
+            assert out[1].trailing_bytes == 0
+
+
+def _parquet(path: Path, n: int = 50) -> Path:
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"},
+                                             {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(cut=st.floats(0.0, 0.999))
+def test_truncated_parquet_is_a_data_error(tmp_path_factory, cut):
+    path = _parquet(tmp_path_factory.mktemp("pq") / "corpus.parquet")
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * cut)])  # the footer is gone
+    assert isinstance(read(path), DataError)
+
+
+# -- token stores: a failed or killed build leaves nothing that looks complete --------------------------------------
+
+
+def _complete_stores(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob(store_mod.META_FILE)] if cache.exists() else []
+
+
+def test_a_corrupt_corpus_mid_build_leaves_no_store(tmp_path, monkeypatch):
+    """Valid records, then bytes that are not UTF-8: the reader fails after the first records were tokenized and
+    written (tiny read and tokenize chunks make sure of it)."""
+    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", 512)
+    monkeypatch.setattr(store_mod, "CHUNK_CHARS", 64)
+    good = [{"conversations": [{"from": "human", "value": f"q{i} " * 10}, {"from": "gpt", "value": f"a{i} " * 10}]}
+            for i in range(40)]
+    body = json.dumps(good).encode()
+    path = tmp_path / "corpus.json"
+    path.write_bytes(body[:-1] + b", \xff\xfe{\"conversations\": []}]")
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match="not valid UTF-8"):
+        build_token_store(str(path), max_len=256, cache_dir=cache, progress=False, workers=1)
+    assert _complete_stores(cache) == [] and list(cache.iterdir()) == []  # not even a temp directory remains
+    path.write_bytes(body)  # repaired: the same call now builds and opens a complete store
+    store = build_token_store(str(path), max_len=256, cache_dir=cache, progress=False, workers=1)
+    assert len(store) == 40 and _complete_stores(cache) == [store.path / store_mod.META_FILE]
+
+
+BUILD = """
+import sys
+from dflash_lib.data import build_token_store
+build_token_store(sys.argv[1], max_len=4096, cache_dir=sys.argv[2], progress=False, workers=1)
+print("BUILT", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_store_build_leaves_nothing_that_looks_complete(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(30_000):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"question {i} " * 8},
+                                                  {"from": "gpt", "value": f"answer {i} " * 12}]}) + "\n")
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(corpus), str(cache)], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the build has written tokens into its temp directory
+            written = [p for p in cache.rglob(store_mod.TOKENS_FILE) if p.stat().st_size > 0] if cache.exists() else []
+            if written or proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the build finished before it could be killed: make the corpus larger"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert _complete_stores(cache) == []  # a partial build never carries meta.json
+    assert all(p.name.startswith(".") for p in cache.iterdir())  # only under its temporary (hidden) name
+    store = build_token_store(str(corpus), max_len=4096, cache_dir=cache, progress=False, workers=1)
+    assert len(store) == 30_000
+
+
+# -- bugs found by this fuzzing in modules owned by others (config.py, data/readers.py) -------------------------------
+
+
+def _xfail(exc: type, reason: str):
+    return pytest.mark.xfail(strict=True, raises=exc, reason=reason)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda: from_params({1: 2}), marks=_xfail(TypeError, "coerce slices a non-str key (key[:3])"),
+                 id="non-str key"),
+    pytest.param(lambda: from_params([("steps", 1)]), marks=_xfail(AttributeError, "params is not checked to be "
+                                                                    "a dict"), id="params not a dict"),
+    pytest.param(lambda: from_params({"lr": 10 ** 400}), marks=_xfail(OverflowError, "int -> float conversion "
+                                                                       "overflows"), id="int too large for a float"),
+    pytest.param(lambda: coerce("edges", "[" * 100_000), marks=_xfail(RecursionError, "json.loads recursion on a "
+                                                                      "deeply nested literal"), id="deep literal"),
+    pytest.param(lambda: coerce("steps", "9" * 5000), marks=_xfail(ValueError, "json.loads refuses > 4300 digits "
+                                                                   "with a plain ValueError"), id="5000-digit int"),
+])
+def test_known_parameter_validation_bugs(call):
+    with pytest.raises(ConfigError):
+        call()
+
+
+@pytest.mark.parametrize("name, data", [
+    pytest.param("deep.jsonl", b"[" * 100_000 + b"\n", marks=_xfail(RecursionError, "deep nesting in a JSONL line"),
+                 id="jsonl deep nesting"),
+    pytest.param("deep.json", b"[" + b"[" * 100_000 + b"]" * 100_000 + b"]",
+                 marks=_xfail(RecursionError, "deep nesting in a JSON array record"), id="json deep nesting"),
+    pytest.param("digits.jsonl", b'{"id": ' + b"9" * 5000 + b"}\n",
+                 marks=_xfail(ValueError, "a 5000-digit integer escapes as ValueError"), id="5000-digit int"),
+])
+def test_known_reader_bugs(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    read(path)
+
+
+@pytest.mark.xfail(strict=True, raises=OSError, reason="corrupt Parquet pages raise pyarrow's OSError from "
+                                                       "iter_batches, outside the reader's DataError guard")
+def test_known_reader_bug_corrupt_parquet_pages(tmp_path):
+    path = _parquet(tmp_path / "corpus.parquet", n=200)
+    data = bytearray(path.read_bytes())
+    for i in range(40, len(data) // 2, 97):  # garble the data pages, leave the footer readable
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    read(path)

@@ -1,0 +1,196 @@
+"""Resume: (run k steps, stop, resume to n) is the uninterrupted run to n; run folders are never mixed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_lib.__main__ import main
+from dflash_lib.checkpoint import (CheckpointMismatchError, list_checkpoints, load_latest, resume_config_hash,
+                                   save_checkpoint)
+from dflash_lib.config import ConfigError, from_params, preset
+from dflash_lib.resume import truncate_metrics
+from dflash_lib.train import train
+
+# lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss
+BASE = dict(steps=8, lr=1e-2, warmup_steps=1, ckpt_every=3, log_every=100)
+EXACT_KEYS = ("step", "epoch", "real_tokens", "padded_tokens", "bucket", "micro_batches", "skipped_tokens")
+
+
+def config(**params):
+    return from_params({**BASE, **params}, preset("smoke"))
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_trajectory(got: list[dict], want: list[dict], atol: float = 1e-6) -> None:
+    """Same batches (tokens, bucket, epoch), same losses and accuracies step by step."""
+    assert [r["step"] for r in got] == list(range(1, len(want) + 1))
+    for key in EXACT_KEYS:
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    for key in ("loss", "acc", "grad_norm", "lr"):  # null (a skipped step's NaN) must match null
+        np.testing.assert_allclose(floats(got, key), floats(want, key), rtol=0, atol=atol, err_msg=key)
+
+
+def floats(table: list[dict], key: str) -> list[float]:
+    return [math.nan if r[key] is None else r[key] for r in table]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = train(config(), run_dir)
+    assert summary["complete"] and summary["steps"] == 8 and summary["resumed_from_step"] == 0
+    return run_dir, rows(run_dir)
+
+
+def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
+    ref_dir, ref_rows = reference
+    first = train(config(stop_at_step=4), tmp_path)
+    assert (first["complete"], first["stop_reason"], first["steps"]) == (False, "stop_at_step=4", 4)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000003", "ckpt-00000004"]
+    # resume-neutral settings may change between the two invocations
+    second = train(config(ckpt_every=5, log_every=1, keep_checkpoints=1), tmp_path)
+    assert (second["complete"], second["resumed_from_step"], second["steps"]) == (True, 4, 8)
+    assert_same_trajectory(rows(tmp_path), ref_rows)
+    assert second["real_tokens"] == sum(r["real_tokens"] for r in ref_rows)  # run totals carried over
+    assert second["skipped_samples"] == json.loads((ref_dir / "summary.json").read_text())["skipped_samples"]
+    assert second["mean_loss"] == pytest.approx(np.mean([r["loss"] for r in ref_rows]), abs=1e-6)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000008"]  # keep_checkpoints=1
+    got, want = weights(tmp_path), weights(ref_dir)
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+    # the finished run's folder resumes to "complete" without training a step
+    again = train(config(), tmp_path)
+    assert again["steps"] == 8 and again["resumed_from_step"] == 8 and len(rows(tmp_path)) == 8
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_drops_the_rows_logged_past_the_one_used(tmp_path, reference, caplog):
+    _, ref_rows = reference
+    train(config(stop_at_step=5), tmp_path)  # checkpoints at 3 and 5, rows 1..5
+    state = tmp_path / "checkpoints" / "ckpt-00000005" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 1')  # a row cut by a kill in mid-write
+    summary = train(config(), tmp_path)
+    assert summary["resumed_from_step"] == 3
+    assert "skipping checkpoint ckpt-00000005" in caplog.text and "fails its checksum" in caplog.text
+    assert_same_trajectory(rows(tmp_path), ref_rows)  # rows 4, 5 and the cut row 6 were dropped, then retrained
+
+
+def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
+    """40 samples: 12 sampler steps per epoch; 1.5 epochs = 18 steps; stop exactly at the end of epoch 0."""
+    params = dict(limit=40, steps=0, epochs=1.5, ckpt_every=0)
+    ref = train(config(**params), tmp_path / "ref")
+    assert ref["steps"] == 18 and ref["last_epoch"] == 1
+    stopped = train(config(**params, stop_at_step=12), tmp_path / "run")
+    assert stopped["last_epoch"] == 0 and [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
+        "ckpt-00000012"]
+    resumed = train(config(**params), tmp_path / "run")
+    assert resumed["steps"] == 18 and resumed["complete"]
+    assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
+
+
+def test_resume_inside_an_accumulated_step_sequence(tmp_path):
+    params = dict(steps=5, accum_tokens=3000, ckpt_every=0)
+    train(config(**params), tmp_path / "ref")
+    ref_rows = rows(tmp_path / "ref")
+    assert all(r["micro_batches"] >= 2 for r in ref_rows)  # each step really spans several sampler batches
+    train(config(**params, stop_at_step=2), tmp_path / "run")
+    train(config(**params), tmp_path / "run")
+    assert_same_trajectory(rows(tmp_path / "run"), ref_rows)
+
+
+def test_another_config_is_refused_and_fresh_starts_over(tmp_path):
+    train(config(steps=2, ckpt_every=1), tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"holds checkpoints of another config \(hash .* != .*\); "
+                                                      r"use --fresh or another --run-dir"):
+        train(config(steps=2, lr=5e-3), tmp_path)
+    summary = train(config(steps=2, lr=5e-3, fresh=True), tmp_path)
+    assert summary["resumed_from_step"] == 0 and summary["steps"] == 2
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2]  # the old run's rows were cleared, not appended to
+    state, _ = load_latest(tmp_path / "checkpoints", resume_config_hash(config(steps=2, lr=5e-3)))
+    assert state["step"] == 2
+
+
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
+    cfg = config(steps=2)
+    save_checkpoint(tmp_path / "checkpoints", {"step": 1}, 1, config_hash=resume_config_hash(cfg), world_size=2)
+    with pytest.raises(CheckpointMismatchError, match="written by 2 process.*this run has world size 1; resume with "
+                                                      "--nproc-per-node 2"):
+        train(cfg, tmp_path)
+
+
+def test_other_trainer_outputs_without_a_checkpoint_are_never_mixed_into(tmp_path):
+    (tmp_path / "nb.ipynb").write_text("{}")  # a notebook run's own file: neither inspected nor touched
+    summary = train(config(steps=1), tmp_path)
+    assert summary["steps"] == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"
+
+    for p in list_checkpoints(tmp_path / "checkpoints"):  # a finished run whose checkpoints were removed by hand
+        shutil.rmtree(p)
+    with pytest.raises(ConfigError, match=r"already holds drafter and summary.json of a finished run but no "
+                                          r"checkpoint of this config to resume; use --fresh"):
+        train(config(steps=1), tmp_path)
+    summary = train(config(steps=1, fresh=True), tmp_path)
+    assert summary["steps"] == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"  # fresh keeps foreign files
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match=r"a metrics.jsonl of an unknown run \(no config.json\)"):
+        train(config(steps=1), unknown)
+    assert os.listdir(unknown) == ["metrics.jsonl"]  # refused before writing anything
+
+
+def remove_outputs_but_traces(run_dir: Path) -> None:
+    """Leave what a run that died before its first checkpoint leaves: config.json, env.json, metrics.jsonl."""
+    shutil.rmtree(run_dir / "checkpoints")
+    shutil.rmtree(run_dir / "drafter")
+    (run_dir / "summary.json").unlink()
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_over(tmp_path):
+    cfg = config(steps=2)
+    train(cfg, tmp_path)
+    remove_outputs_but_traces(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # the dead run's only row
+    summary = train(cfg, tmp_path)
+    assert summary["resumed_from_step"] == 0 and [r["step"] for r in rows(tmp_path)] == [1, 2]
+    assert rows(tmp_path)[0]["loss"] != 9.0  # the dead run's row was dropped, not kept before the new ones
+    remove_outputs_but_traces(tmp_path)
+    with pytest.raises(ConfigError, match=r"already holds the outputs of another config \(resume hash"):
+        train(config(steps=2, lr=5e-3), tmp_path)
+
+
+def test_truncate_metrics_keeps_a_prefix(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert truncate_metrics(path, 3) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert truncate_metrics(path, 3) == 0 and truncate_metrics(tmp_path / "absent.jsonl", 3) == 0
+
+
+def test_command_line_fresh_flag(tmp_path, capsys):
+    args = ["train", "--preset", "smoke", "--run-dir", str(tmp_path), "-p", "steps", "1"]
+    assert main(args) == 0
+    assert main(args + ["-p", "lr", "0.005"]) == 1  # a mismatching checkpoint: a clear error, exit 1
+    assert "CheckpointMismatchError: run folder" in capsys.readouterr().err
+    assert main(args + ["-p", "lr", "0.005", "--fresh"]) == 0
+    assert "fresh start in" in capsys.readouterr().out
+    assert main(args + ["--fresh", "-p", "fresh", "true"]) == 2
+    assert "give --fresh or -p fresh, not both" in capsys.readouterr().err
