@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 class ConfigError(ValueError):
@@ -243,6 +244,8 @@ FLAT_FIELDS: dict[str, tuple[str, Any]] = _flat_fields()  # flat key -> (section
 
 def coerce(key: str, value: Any) -> Any:
     """Check (and for CLI strings, parse) one flat parameter against its field type."""
+    if not isinstance(key, str):
+        raise ConfigError(f"parameter names must be strings, got {type(key).__name__}: {key!r}")
     if key not in FLAT_FIELDS:
         close = [k for k in FLAT_FIELDS if k.startswith(key[:3])] if key else []
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -254,12 +257,12 @@ def coerce(key: str, value: Any) -> Any:
 
 
 def _parse_literal(key: str, text: str) -> Any:
+    if text in ("True", "False"):
+        return text == "True"
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
-        if text in ("True", "False"):
-            return text == "True"
-        raise ConfigError(f"parameter {key!r}: cannot parse {text!r} as a value") from None
+    except (ValueError, RecursionError):  # not JSON, nested too deep, or an integer of > 4300 digits
+        raise ConfigError(f"parameter {key!r}: cannot parse {text[:80]!r} as a value") from None
 
 
 def _check_type(key: str, value: Any, typ: Any) -> Any:
@@ -269,8 +272,14 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"parameter {key!r} must be a list, got {type(value).__name__}: {value!r}")
         return [_check_type(key, v, inner) for v in value]
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigError(f"parameter {key!r}: {str(value)[:40]}... is too large for a float") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"parameter {key!r} must be a finite number, got {value}")
+        return value
     if typ is Any or (isinstance(value, typ) and not (typ is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"parameter {key!r} must be {typ.__name__}, got {type(value).__name__}: {value!r}")
@@ -278,6 +287,8 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
 
 def from_params(params: dict[str, Any], base: Config | None = None) -> Config:
     """Build a validated Config from flat parameters laid over `base` (default: the defaults)."""
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"parameters must be a mapping of name -> value, got {type(params).__name__}")
     base = base or Config()
     sections = {s: dataclasses.asdict(getattr(base, s)) for s in SECTION_CLASSES}
     for key, value in params.items():

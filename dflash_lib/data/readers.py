@@ -261,6 +261,9 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
                 complete = end < len(buf) or eof  # a value touching the buffer's end may continue in the file
             except json.JSONDecodeError:
                 complete = False
+            except (RecursionError, ValueError) as e:  # nesting too deep, an integer of > 4300 digits, ...
+                raise DataError(f"{path}: the record at character {consumed + pos} cannot be parsed: "
+                                f"{type(e).__name__}: {str(e)[:200]}") from None
             if complete:
                 pos = end
                 yield obj
@@ -280,9 +283,10 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                yield _INVALID
+                record = json.loads(line)
+            except (ValueError, RecursionError):  # bad JSON or UTF-8, nesting too deep, a huge integer
+                record = _INVALID
+            yield record
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:
@@ -297,5 +301,14 @@ def _iter_parquet(path: Path) -> Iterator[Any]:
     if not {"conversations", "messages"} & names:
         raise DataError(f"{path}: Parquet file has no 'conversations' or 'messages' column "
                         f"(columns: {sorted(names)})")
-    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+    batches = pf.iter_batches(batch_size=1024, columns=columns)
+    done = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # corrupt pages: pyarrow raises OSError, ArrowInvalid, ...
+            raise DataError(f"{path}: Parquet data after row {done} cannot be read: {e}") from None
+        done += batch.num_rows
         yield from batch.to_pylist()
