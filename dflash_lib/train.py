@@ -293,8 +293,10 @@ class Trainer:
     """One training run over `parts`: the loop, its metrics, its checkpoints and its outputs (see `run_training`)."""
 
     def __init__(self, config: Config, parts: TrainingParts, run_dir: Path, clock: Callable[[], float],
-                 setup_s: float, resume: dict[str, Any] | None = None, stop: StopRequest | None = None) -> None:
+                 setup_s: float, resume: dict[str, Any] | None = None, stop: StopRequest | None = None,
+                 sinks: Sequence[Any] = ()) -> None:
         self.config, self.parts, self.run_dir, self.clock, self.setup_s = config, parts, run_dir, clock, setup_s
+        self.extra_sinks = list(sinks)  # more `log(metrics, step)` / `close()` sinks on rank 0 (e.g. a live figure)
         self.t_start = clock()
         tc, self.dist = config.train, distributed.info()
         self.main = self.dist.rank == 0
@@ -472,7 +474,7 @@ class Trainer:
         tc = self.config.train
         sinks = [JsonlSink(self.run_dir / METRICS_FILE),
                  WandbSink(self.config.run.wandb_mode, self.config.run.wandb_project, self.run_dir,
-                           self.config.to_dict(), self.run_dir.name)] if self.main else [NullSink()]
+                           self.config.to_dict(), self.run_dir.name), *self.extra_sinks] if self.main else [NullSink()]
         from tqdm.auto import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not (self.main and in_notebook()))
@@ -572,8 +574,10 @@ class Trainer:
 
 def run_training(config: Config, parts: TrainingParts, run_dir: Path,
                  clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0,
-                 resume: dict[str, Any] | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
-    """Train on `parts`; returns the summary. `clock` (seconds) times steps and data waits; `setup_s` (seconds
+                 resume: dict[str, Any] | None = None, stop: StopRequest | None = None,
+                 sinks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train on `parts`; returns the summary. `sinks`: more metric sinks on rank 0 (`log(metrics, step)`,
+    `close()`), e.g. `report.training.LiveFigure` in a notebook. `clock` (seconds) times steps and data waits; `setup_s` (seconds
     spent building the parts) is recorded. `resume`: a checkpoint's state to continue from (see `train`);
     `stop`: an entered StopRequest whose signal ends the loop after the current step (default: none).
 
@@ -592,7 +596,7 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
     full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes).
     """
-    return Trainer(config, parts, run_dir, clock, setup_s, resume, stop).run()
+    return Trainer(config, parts, run_dir, clock, setup_s, resume, stop, sinks).run()
 
 
 # -- building the parts from a Config ------------------------------------------------------------------------------
@@ -700,7 +704,7 @@ def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
     return point
 
 
-def train(config: Config, run_dir: Path | None = None, tag: str = "") -> dict[str, Any]:
+def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train a drafter with `config`; returns the summary (also in run_dir/summary.json).
 
     run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
@@ -725,7 +729,7 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "") -> dict[st
         parts = build_parts(config, dist.device)
         with StopRequest() as stop:
             return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.state,
-                                stop=stop)
+                                stop=stop, sinks=sinks)
     finally:
         if owned:
             distributed.destroy()

@@ -66,3 +66,19 @@ def test_notebook_04_trains_and_writes_figures(tmp_path):
     assert {"loss", "acc", "lr", "noise", "ktok_s", "bucket", "q_pre", "q_hs"} <= set(df.columns)
     assert (out / "loss_by_bucket.html").stat().st_size > 1_000_000 and (out / "dashboard.html").exists()
     assert (out / "train" / "drafter" / "model.safetensors").exists()
+    executed = (out / "nb.ipynb").read_text()
+    assert "(live, step 6)" in executed  # the live loss figure was redrawn up to the last step while training
+
+
+def test_live_figure_collects_and_redraws_outside_ipython():
+    from dflash_lib.report.training import LiveFigure
+
+    live = LiveFigure(every=2)
+    for r in _rows(6):
+        live.log(r, r["step"])
+    live.close()
+    fig = live.figure()
+    assert len(live.rows) == 6 and "step 6" in fig.layout.title.text
+    assert sum(len(t.x) for t in fig.data if t.mode == "markers") == 6
+    with pytest.raises(ValueError):
+        LiveFigure(every=0)

@@ -111,3 +111,48 @@ def summary_table(summary: Mapping[str, Any]) -> pd.DataFrame:
     """The scalar entries of a run's summary.json as a two-column table (lists and dicts left out)."""
     rows = [(k, v) for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None]
     return pd.DataFrame(rows, columns=["metric", "value"]).set_index("metric")
+
+
+class LiveFigure:
+    """A metrics sink that redraws the loss-by-bucket figure in a notebook while training runs.
+
+    Pass it to `train(..., sinks=[LiveFigure()])`: every `every` steps it rebuilds the figure from the steps
+    logged so far and replaces the notebook output in place (an IPython display handle); at close it draws the
+    final state. Outside IPython it only collects rows.
+    """
+
+    def __init__(self, every: int = 5, window: int = 5) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every, self.window = every, window
+        self.rows: list[dict[str, Any]] = []
+        self._handle = None
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        self.rows.append({k: metrics[k] for k in ("step", "loss", "bucket") if k in metrics})
+        if step % self.every == 0:
+            self._draw()
+
+    def close(self) -> None:
+        if self.rows:
+            self._draw()
+
+    def figure(self) -> go.Figure:
+        """The figure of the steps logged so far."""
+        frame = pd.DataFrame(self.rows).dropna(subset=["loss"])
+        return loss_by_bucket(frame, window=self.window, title=f"Loss per step, coloured by bucket "
+                                                                f"(live, step {self.rows[-1]['step']})")
+
+    def _draw(self) -> None:
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:  # pragma: no cover - IPython ships with the notebook stack
+            return
+        if get_ipython() is None:
+            return
+        fig = self.figure()
+        if self._handle is None:
+            self._handle = display(fig, display_id=True)
+        else:
+            self._handle.update(fig)
