@@ -120,6 +120,14 @@ def resolve_source(source: str) -> ResolvedSource:
     return ResolvedSource(path=path, label=str(path), identity=identity)
 
 
+def _first_present(obj: dict, *keys: str) -> Any:
+    """The value of the first of `keys` that `obj` holds with a non-null value, else None."""
+    for key in keys:
+        if obj.get(key) is not None:
+            return obj[key]
+    return None
+
+
 def normalize_record(raw: Any, index: int) -> Conversation | str:
     """A raw record -> Conversation, or the skip reason (a SKIP_REASONS string) when it is malformed.
 
@@ -128,9 +136,7 @@ def normalize_record(raw: Any, index: int) -> Conversation | str:
     """
     if not isinstance(raw, dict):
         return NOT_AN_OBJECT
-    turns_raw = raw.get("conversations")
-    if turns_raw is None:
-        turns_raw = raw.get("messages")
+    turns_raw = _first_present(raw, "conversations", "messages")
     if turns_raw is None:
         return MISSING_CONVERSATION
     if not isinstance(turns_raw, list):
@@ -141,14 +147,10 @@ def normalize_record(raw: Any, index: int) -> Conversation | str:
     for turn in turns_raw:
         if not isinstance(turn, dict):
             return TURN_NOT_AN_OBJECT
-        speaker = turn.get("from")
-        if speaker is None:
-            speaker = turn.get("role")
+        speaker = _first_present(turn, "from", "role")  # ShareGPT or OpenAI turn
         if speaker is None:
             return MISSING_ROLE
-        content = turn.get("value")
-        if content is None:
-            content = turn.get("content")
+        content = _first_present(turn, "value", "content")
         if content is None:
             return MISSING_CONTENT
         role = ROLE_MAP.get(speaker.lower()) if isinstance(speaker, str) else None
