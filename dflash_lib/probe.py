@@ -68,11 +68,12 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
     return float(padding_efficiency(batches, lengths))
 
 
-def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_dense",
+def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_varlen",
                  run: str = "probe") -> list[StepObservation]:
     """Cost-model observations from a run's metrics: the steps from `start_step` on (warm-up left out).
 
-    attention: "attn_dense" (the backend pays R*T^2, e.g. SDPA with a mask) or "attn_varlen" (sum of doc^2).
+    attention: "attn_varlen" (sum of doc_len^2: what the target pays with either backend, flash-attn varlen or
+    per-document SDPA) or "attn_dense" (R * T^2: a backend that computes whole rows under a mask).
     """
     if attention not in ("attn_dense", "attn_varlen"):
         raise ConfigError(f"attention must be 'attn_dense' or 'attn_varlen', got {attention!r}")
@@ -86,7 +87,7 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
             for r in part.itertuples()]
 
 
-def probe_strategy(base: Config, strategy: str, steps: int, run_dir: Path, attention: str = "attn_dense"
+def probe_strategy(base: Config, strategy: str, steps: int, run_dir: Path, attention: str = "attn_varlen"
                    ) -> StrategyProbe:
     """Train `strategy` for `steps` steps into `run_dir` and measure it."""
     from .train import bucket_edges, build_sampler, train  # torch-heavy: imported on use
@@ -120,7 +121,7 @@ def _lengths(cfg: Config) -> np.ndarray:
 
 
 def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = STRATEGIES,
-               attention: str = "attn_dense") -> list[StrategyProbe]:
+               attention: str = "attn_varlen") -> list[StrategyProbe]:
     """Probe each strategy in turn, each into out_dir/<strategy>/."""
     return [probe_strategy(base, s, steps, Path(out_dir) / s, attention) for s in strategies]
 
@@ -174,14 +175,3 @@ def cost_model_json(choice: CostModelChoice) -> dict[str, Any]:
                 q_note=why or ("attention cost not measurable: use cost='linear'" if not np.isfinite(q) else ""),
                 held_out={k: dataclasses.asdict(v) for k, v in choice.held_out.items()},
                 max_abs_error=choice.max_abs_error)
-
-
-def attention_term(device: str = "auto") -> str:
-    """Which attention work the target pays on this machine: per document ("attn_varlen") when flash-attn runs on
-    CUDA, else the dense row ("attn_dense": SDPA computes the whole T x T score matrix under a mask)."""
-    import importlib.util
-
-    import torch
-
-    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    return "attn_varlen" if cuda and importlib.util.find_spec("flash_attn") is not None else "attn_dense"

@@ -15,7 +15,8 @@ import dflash_lib.models.drafter as drafter_module
 from dflash_lib.batch import collate_packed, collate_padded
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.models import (DFlashDrafter, DrafterConfig, TargetModel, decay_weights, default_gamma,
-                               drafter_attention_mask, expected_acceptance, sample_anchors, tiny_qwen3_config)
+                               drafter_attention_mask, expected_acceptance, head_cross_entropy, sample_anchors,
+                               tiny_qwen3_config)
 
 VOCAB, MASK, H = 300, 299, 32
 
@@ -291,3 +292,42 @@ def test_real_qwen3_vocabulary_and_default_mask_id():
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(0))
     out = drafter.loss(batch, target.features(batch), anchors)
     assert out.weight_sum > 0 and out.loss.item() == pytest.approx(np.log(151936), rel=0.05)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3, 7, 50])
+def test_fused_head_ce_matches_plain_autograd(chunk):
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(16, 40, bias=True).requires_grad_(False)
+    hidden = torch.randn(7, 16, generator=g, requires_grad=True)
+    labels, w = torch.randint(0, 40, (7,), generator=g), torch.rand(7, generator=g)
+    ce, pred = head_cross_entropy(hidden, head, labels, chunk)
+    (w * ce).sum().backward()
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    logits = head(ref_hidden)
+    ref_ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    (w * ref_ce).sum().backward()
+    torch.testing.assert_close(ce, ref_ce, atol=1e-6, rtol=1e-6)
+    assert pred.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_head_ce_runs_the_head_once_per_chunk_and_never_in_backward(monkeypatch):
+    import dflash_lib.models.loss as loss_mod
+
+    calls = []
+    real_linear = loss_mod.F.linear
+    monkeypatch.setattr(loss_mod.F, "linear", lambda *a: calls.append(1) or real_linear(*a))
+    head = torch.nn.Linear(8, 30, bias=False).requires_grad_(False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    ce, _ = head_cross_entropy(hidden, head, torch.randint(0, 30, (10,)), chunk=4)
+    assert len(calls) == 3  # ceil(10 / 4) chunks
+    ce.sum().backward()
+    assert len(calls) == 3 and hidden.grad is not None  # the backward reuses the gradient: no recompute
+    with torch.no_grad():  # evaluation computes no gradient at all
+        head_cross_entropy(hidden, head, torch.randint(0, 30, (10,)), chunk=4)
+
+
+def test_fused_head_ce_refuses_a_trainable_head():
+    head = torch.nn.Linear(8, 30)
+    with pytest.raises(ValueError, match="frozen"):
+        head_cross_entropy(torch.randn(3, 8, requires_grad=True), head, torch.tensor([1, 2, 3]), 0)

@@ -8,8 +8,8 @@ import torch
 
 from dflash_lib.batch import collate_packed, collate_padded
 from dflash_lib.config import ConfigError, ModelConfig
-from dflash_lib.models import (TargetModel, feature_layer_ids, resolve_backend, segment_cu_seqlens,
-                               target_attention_mask, tiny_qwen3_config)
+from dflash_lib.models import (TargetModel, document_segments, feature_layer_ids, resolve_backend,
+                               segment_cu_seqlens, tiny_qwen3_config)
 
 VOCAB = 300
 
@@ -75,19 +75,11 @@ def test_step_logits_match_hf_and_greedy_matches_generate(target):
     assert target.greedy(ids.tolist(), 8) == gen.tolist()
 
 
-def test_target_mask_element_by_element():
-    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
-    m = target_attention_mask(doc)[0, 0]
-    for q in range(6):
-        for k in range(6):
-            want = (doc[0, q] == doc[0, k] and doc[0, q] >= 0 and k <= q) or q == k
-            assert bool(m[q, k]) == want, (q, k)
-
-
 def test_segment_boundaries_for_varlen():
     doc = torch.tensor([[0, 0, 1, 1, 1, -1], [2, 2, 2, 3, -1, -1]])
     cu, longest = segment_cu_seqlens(doc)
     assert cu.tolist() == [0, 2, 5, 6, 9, 10, 12] and longest == 3 and cu.dtype == torch.int32
+    assert document_segments(doc) == [(0, 2), (2, 5), (6, 9), (9, 10)]  # padding runs left out
 
 
 def test_backend_choice_and_bad_target_path(tmp_path):

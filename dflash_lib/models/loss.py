@@ -1,8 +1,10 @@
 """The drafter's loss: LM head + cross-entropy in chunks, decay-weighted, normalised by a given weight sum.
 
-Only scored positions (weight > 0) go through the LM head. With more than one chunk each chunk runs under
-activation checkpointing, so neither the forward nor the backward ever holds more than one chunk of logits
-(chunk x vocab floats).
+Only scored positions (weight > 0) go through the LM head, a chunk of positions at a time. The head is frozen
+(shared with the target), so the gradient of each position's CE with respect to its hidden state,
+(softmax - onehot) @ W, is computed in the same pass as the CE and kept (n x H floats); the backward only scales
+it. Neither pass ever holds more than one chunk of logits (chunk x vocab floats), and the LM head runs twice per
+position (logits, gradient), not three times as under activation checkpointing (LOG.md, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -38,28 +39,51 @@ def expected_acceptance(acc_per_pos: list[float]) -> float:
     return eal
 
 
-def _head_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()  # (n, V)
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+class _FusedHeadCE(torch.autograd.Function):
+    """CE and argmax of a frozen linear head, with d ce / d hidden computed chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                chunk: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (n,)
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
+        grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d ce_i / d hidden_i
+        for start in range(0, n, chunk):
+            part = slice(start, start + chunk)
+            y = labels[part]  # (c,)
+            logits = F.linear(hidden[part], weight, bias).float()  # (c, V)
+            pred[part] = logits.argmax(dim=-1)
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            ce[part] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
+            if need_grad:
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: (c, V)
+                probs[torch.arange(len(y), device=y.device), y] -= 1.0
+                grad[part] = (probs.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
+        ctx.save_for_backward(grad if need_grad else ce.new_empty(0))
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, grad_pred: torch.Tensor | None):
+        (grad,) = ctx.saved_tensors
+        return grad_ce.unsqueeze(1).to(grad.dtype) * grad, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
                        chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position CE (nats) and argmax of `head(hidden)`: hidden (n, H), labels (n,) -> ce (n,), pred (n,).
 
-    chunk: positions per LM-head call; 0 or >= n = a single plain call (logits for all n kept for backward).
+    chunk: positions per LM-head call (0 = all n at once). The head must be frozen: its weight gets no gradient
+    (the gradient with respect to `hidden` is exact; see the module docstring).
     """
+    if head.weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("head_cross_entropy: the LM head must be frozen (requires_grad=False); it is shared with "
+                         "the target and its weight gets no gradient here")
     n = hidden.shape[0]
-    if chunk <= 0 or chunk >= n:
-        return _head_ce(hidden, head.weight, head.bias, labels)
-    ces, preds = [], []
-    for start in range(0, n, chunk):
-        part = slice(start, start + chunk)
-        ce, pred = checkpoint(_head_ce, hidden[part], head.weight, head.bias, labels[part], use_reentrant=False)
-        ces.append(ce)
-        preds.append(pred)
-    return torch.cat(ces), torch.cat(preds)
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _FusedHeadCE.apply(hidden, head.weight, head.bias, labels, chunk if 0 < chunk < n else max(n, 1),
+                              need_grad)
 
 
 def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, weights: torch.Tensor,

@@ -1,24 +1,14 @@
 """Attention masks for both layouts (padded rows, packed rows), built only from `doc_ids` and `position_ids`.
 
-Convention: boolean, True = the query may attend to the key. Because every rule is phrased in terms of
-(document, document-local position), one builder serves padded and packed batches alike.
+The target never builds a mask: its documents are varlen segments of one flattened sequence (`segment_cu_seqlens`
+for flash-attn, `document_segments` for per-document SDPA). The drafter's mask is boolean, True = the query may
+attend to the key; because every rule is phrased in terms of (document, document-local position), one builder
+serves padded and packed batches alike.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def target_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal within a document, nothing across documents: (R, T) -> (R, 1, T, T).
-
-    A padding slot (doc -1) sees only itself, so its (unused) hidden state stays finite instead of NaN.
-    """
-    T = doc_ids.shape[1]
-    same_doc = (doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & (doc_ids >= 0).unsqueeze(2)  # (R, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-    itself = torch.eye(T, dtype=torch.bool, device=doc_ids.device)  # (T, T)
-    return ((same_doc & causal) | itself).unsqueeze(1)
 
 
 def segment_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -32,6 +22,16 @@ def segment_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     starts = torch.nonzero(change).flatten()
     cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def document_segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) slot ranges of the documents over the row-major flattened slots (padding runs left out),
+    in order. One host sync: call once per forward, not per layer."""
+    cu, _ = segment_cu_seqlens(doc_ids)
+    starts = cu[:-1].long()
+    real = (doc_ids.reshape(-1)[starts] >= 0).tolist()
+    bounds = cu.tolist()
+    return [(bounds[i], bounds[i + 1]) for i, keep in enumerate(real) if keep]
 
 
 def drafter_attention_mask(doc_ids: torch.Tensor, position_ids: torch.Tensor, anchor_doc: torch.Tensor,
