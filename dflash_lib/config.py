@@ -317,7 +317,7 @@ def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models."""
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
-             num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=30, log_every=5, prefetch=4)
+             num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=80, log_every=5, prefetch=4)
     )
 
 

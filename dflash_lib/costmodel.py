@@ -1,26 +1,31 @@
-"""A step-time model calibrated on measured steps: seconds = a + b * padded + c * attention + e * blocks
-(+ d * new shape).
+"""A step-time model calibrated on measured steps:
+seconds = a + b * padded + r * real + c * attention + e * blocks (+ d * new shape).
 
 The seed predicted throughput from padding efficiency alone and missed by ~10 points, because a step also pays
 a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding, and a
-quadratic attention cost that grows with row length. Fitting those three terms on probe steps lets any
-strategy, or any set of bucket edges, be priced without running it.
+quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any strategy, or
+any set of bucket edges, be priced without running it.
 
 Terms of one step (one forward + backward of one batch of R rows x T token slots):
-- a: seconds per step.
-- b: seconds per padded token slot (R * T).
+- a: seconds per step (always fitted).
+- b: seconds per padded token slot (R * T): dense work over every slot (linear layers, MLPs).
+- r: seconds per real (document) token: work that skips padding (collation, per-document attention calls,
+  gathers over document tokens).
 - c: seconds per attention unit: the sum over attention blocks of len^2 (tokens^2). Padded rows pay R * T^2;
   packed rows pay sum(doc_len^2) with varlen attention, or T^2 per row when the backend cannot do varlen.
 - e: seconds per anchor block the drafter scores (its LM head + cross-entropy over the whole vocabulary): this
   grows with the number of DOCUMENTS in a step (anchors per document are capped), not with its tokens, so a
-  strategy that puts many short documents in a step pays more per token. Fitted only when the observations
-  carry block counts.
-- d (optional): seconds paid the first time a run meets a new (R, T) shape (kernel selection, autotuning,
-  allocator growth, recompiles). It is only worth having when it lowers the held-out error
-  (`select_cost_model`).
+  strategy that puts many short documents in a step pays more per token. Only when observations carry blocks.
+- d: seconds paid the first time a run meets a new (R, T) shape (kernel selection, autotuning, allocator
+  growth, recompiles).
 
-numpy only: the fit is a non-negative least squares over at most four columns, solved exactly by trying every
-support set (2^4 small solves) instead of pulling in scipy.
+Which of b, r, c, e, d a fit uses is chosen by held-out error (`select_cost_model`): every strategy in turn is
+predicted from a fit on the others (leave-one-out) and the term set with the lowest mean error wins. Because
+that choice itself looks at the held-out strategies, the choice is also repeated inside each fold (nested
+leave-one-out), which gives the honest estimate of how well an unseen strategy is predicted.
+
+numpy only: the fit is a non-negative least squares over at most six columns, solved exactly by trying every
+support set (2^6 small solves) instead of pulling in scipy.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-TERMS = ("a", "b", "c", "e", "d")  # intercept, per padded token, per attention unit, per block, per new shape
+TERMS = ("a", "b", "r", "c", "e", "d")  # per step, per padded slot, per real token, per attention unit, per block,
+# per new shape; "a" is always fitted
+DEFAULT_TERMS = ("a", "b", "c", "e")
+OPTIONAL_TERMS = ("b", "r", "c", "e", "d")  # what select_cost_model chooses among
+TIE = 1e-4  # mean held-out errors closer than this (0.01 points) count as equal when choosing terms
 
 
 class CostModelError(ValueError):
@@ -124,22 +133,29 @@ def describe_batches(batches: Iterable[Sequence[int]], layout: str = "padded", r
 
 @dataclass(frozen=True)
 class CostModel:
-    """Fitted step time: a + b * padded_tokens + c * attention + d * [first step of a new shape], seconds."""
+    """Fitted step time, seconds: a + b * padded_tokens + r * real_tokens + c * attention + e * blocks
+    + d * [first step of a new shape]. A term left out of `terms` is 0."""
 
     a: float  # seconds per step
-    b: float  # seconds per padded token slot
-    c: float  # seconds per attention unit (tokens^2)
-    d: float  # seconds per new (R, T) shape met in a run (0 when fitted without the shape term)
-    shape_overhead: bool  # whether d was fitted
-    n_obs: int  # observations in the fit
-    rmse_s: float  # in-sample root-mean-square residual, seconds per step
-    rel_rmse: float  # in-sample root-mean-square of residual / measured seconds
-    e: float = 0.0  # seconds per scored anchor block (0 when the observations carried no block counts)
+    b: float = 0.0  # seconds per padded token slot
+    c: float = 0.0  # seconds per attention unit (tokens^2)
+    d: float = 0.0  # seconds per new (R, T) shape met in a run
+    e: float = 0.0  # seconds per scored anchor block
+    r: float = 0.0  # seconds per real (document) token
+    terms: tuple[str, ...] = DEFAULT_TERMS  # the terms that were fitted
+    n_obs: int = 0  # observations in the fit
+    rmse_s: float = 0.0  # in-sample root-mean-square residual, seconds per step
+    rel_rmse: float = 0.0  # in-sample root-mean-square of residual / measured seconds
+
+    @property
+    def shape_overhead(self) -> bool:
+        """Whether the per-new-shape term d was fitted."""
+        return "d" in self.terms
 
     def predict_step(self, shape: BatchShape, new_shape: bool = False) -> float:
         """Predicted seconds of one step on `shape` (plus d when it is the run's first step of that shape)."""
-        return (self.a + self.b * shape.padded_tokens + self.c * shape.attention + self.e * shape.blocks
-                + (self.d if new_shape else 0.0))
+        return (self.a + self.b * shape.padded_tokens + self.r * shape.real_tokens + self.c * shape.attention
+                + self.e * shape.blocks + (self.d if new_shape else 0.0))
 
     def predict_seconds(self, batches: Sequence[BatchShape], warm_shapes: Iterable[tuple[int, int]] = ()) -> float:
         """Predicted seconds for running `batches` in order in one run; `warm_shapes` were met before."""
@@ -168,17 +184,18 @@ def attention_q_from_fit(model: CostModel) -> float:
     return math.inf if model.c == 0 else model.b / model.c
 
 
-def fit_cost_model(observations: Sequence[StepObservation], shape_overhead: bool = False) -> CostModel:
-    """Non-negative least squares fit of step seconds on [1, padded_tokens, attention (, new shape)].
+def fit_cost_model(observations: Sequence[StepObservation], terms: Sequence[str] = DEFAULT_TERMS) -> CostModel:
+    """Non-negative least squares fit of step seconds on the columns of `terms` (see the module docstring).
 
-    Observations are taken in step order; with `shape_overhead` a step counts as a new shape the first time its
-    (R, T) appears within its `run`. Raises CostModelError naming the problem when the observations cannot
-    separate the terms (too few, every step the same shape, attention collinear with padding).
+    "a" is always fitted; "e" only when the observations carry block counts. Observations are taken in step
+    order; with "d" a step counts as a new shape the first time its (R, T) appears within its `run`. Raises
+    CostModelError naming the problem when the observations cannot separate the terms (too few, every step the
+    same shape, columns collinear).
     """
     obs = list(observations)
     for i, o in enumerate(obs):
         _check_observation(i, o)
-    X, names = _design(obs, shape_overhead)  # (N, P)
+    X, names = _design(obs, terms)  # (N, P)
     y = np.array([o.seconds for o in obs], dtype=np.float64)  # (N,)
     n, p = X.shape
     if n < p + 1:
@@ -186,22 +203,19 @@ def fit_cost_model(observations: Sequence[StepObservation], shape_overhead: bool
     shapes = {o.key for o in obs}
     if len(shapes) < 2:
         raise CostModelError(f"fit_cost_model: all {n} observations have the same (rows, row_len) = "
-                             f"{next(iter(shapes))}; steps of several shapes are needed to separate a, b, c")
+                             f"{next(iter(shapes))}; steps of several shapes are needed to separate the terms")
     scale = np.abs(X).max(axis=0)  # (P,) columns scaled to [0, 1] so the solve is well conditioned
     scale[scale == 0] = 1.0
     Xs = X / scale  # (N, P)
     rank = np.linalg.matrix_rank(Xs, tol=1e-9 * max(Xs.shape))
     if rank < p:
         raise CostModelError(f"fit_cost_model: the {n} observations span only {rank} of the {p} terms "
-                             f"({', '.join(names)}): "
-                             f"{len(shapes)} distinct shapes whose padded tokens and attention are collinear; "
+                             f"({', '.join(names)}): {len(shapes)} distinct shapes whose columns are collinear; "
                              "probe batches with more varied row counts and row lengths")
     coef = _nnls(Xs, y) / scale  # (P,)
     resid = y - X @ coef  # (N,)
-    w = dict(zip(names, (float(v) for v in coef)))
-    return CostModel(a=w["a"], b=w["b"], c=w["c"], d=w.get("d", 0.0), shape_overhead=shape_overhead, n_obs=n,
-                     rmse_s=float(np.sqrt(np.mean(resid**2))), rel_rmse=float(np.sqrt(np.mean((resid / y) ** 2))),
-                     e=w.get("e", 0.0))
+    return CostModel(**{k: float(v) for k, v in zip(names, coef)}, terms=tuple(names), n_obs=n,
+                     rmse_s=float(np.sqrt(np.mean(resid**2))), rel_rmse=float(np.sqrt(np.mean((resid / y) ** 2))))
 
 
 @dataclass(frozen=True)
@@ -213,11 +227,21 @@ class HeldOut:
     realized_tok_s: float  # measured real tokens / measured seconds
     predicted_tok_s: float  # measured real tokens / predicted seconds of the same batches
     rel_error: float  # predicted / realized - 1 (signed)
+    terms: tuple[str, ...] = DEFAULT_TERMS  # the terms of the model that predicted it
+
+
+def predict_held_out(model: CostModel, strategy: str, steps: Sequence[StepObservation]) -> HeldOut:
+    """`model`'s prediction of the measured steps of `strategy`, as throughput against the measurement."""
+    flags = _new_shape_flags(steps)
+    predicted_s = sum(model.predict_step(o, f) for o, f in zip(steps, flags))
+    real = sum(o.real_tokens for o in steps)
+    realized, predicted = real / sum(o.seconds for o in steps), real / predicted_s
+    return HeldOut(strategy, len(steps), realized, predicted, predicted / realized - 1.0, model.terms)
 
 
 def leave_one_out(obs_by_strategy: Mapping[str, Sequence[StepObservation]],
-                  shape_overhead: bool = False) -> dict[str, HeldOut]:
-    """For each strategy: fit on all OTHER strategies, predict its throughput, compare with the measurement."""
+                  terms: Sequence[str] = DEFAULT_TERMS) -> dict[str, HeldOut]:
+    """For each strategy: fit `terms` on all OTHER strategies, predict its throughput, compare with the measurement."""
     if len(obs_by_strategy) < 2:
         raise CostModelError(f"leave_one_out: needs at least 2 strategies, got {sorted(obs_by_strategy)}")
     out: dict[str, HeldOut] = {}
@@ -226,44 +250,90 @@ def leave_one_out(obs_by_strategy: Mapping[str, Sequence[StepObservation]],
             raise CostModelError(f"leave_one_out: strategy {held!r} has no observations")
         train = [o for name, obs in obs_by_strategy.items() if name != held for o in obs]
         try:
-            model = fit_cost_model(train, shape_overhead)
+            model = fit_cost_model(train, terms)
         except CostModelError as e:
             raise CostModelError(f"leave_one_out without {held!r}: {e}") from None
-        flags = _new_shape_flags(steps)
-        predicted_s = sum(model.predict_step(o, f) for o, f in zip(steps, flags))
-        real = sum(o.real_tokens for o in steps)
-        realized = real / sum(o.seconds for o in steps)
-        predicted = real / predicted_s
-        out[held] = HeldOut(held, len(steps), realized, predicted, predicted / realized - 1.0)
+        out[held] = predict_held_out(model, held, steps)
     return out
 
 
 @dataclass(frozen=True)
 class CostModelChoice:
-    """The model fitted on every strategy, with the shape term kept only if it lowered the held-out error."""
+    """The term set with the lowest mean held-out error, its model fitted on every strategy, and how well it
+    predicts strategies it never saw."""
 
-    model: CostModel  # fitted on all observations
-    held_out: dict[str, HeldOut]  # leave-one-out of the chosen variant
-    held_out_without_shape: dict[str, HeldOut]  # leave-one-out of a, b, c alone
-    held_out_with_shape: dict[str, HeldOut] | None  # leave-one-out with d too (None when it could not be fitted)
+    model: CostModel  # the chosen terms, fitted on all observations
+    held_out: dict[str, HeldOut]  # leave-one-out of the chosen terms
+    nested: dict[str, HeldOut]  # the term choice made again without each strategy, then that strategy predicted
+    candidates: dict[tuple[str, ...], float]  # every term set that could be fitted -> its mean |held-out error|
 
     @property
     def max_abs_error(self) -> float:
-        """Worst |predicted / realized - 1| over held-out strategies."""
+        """Worst |predicted / realized - 1| over held-out strategies (chosen terms)."""
         return max(abs(h.rel_error) for h in self.held_out.values())
 
+    @property
+    def nested_max_abs_error(self) -> float:
+        """Worst held-out error when the term choice never saw the predicted strategy (the honest figure)."""
+        return max(abs(h.rel_error) for h in self.nested.values())
 
-def select_cost_model(obs_by_strategy: Mapping[str, Sequence[StepObservation]]) -> CostModelChoice:
-    """Fit with and without the per-shape term; keep the shape term only if it lowers the mean held-out error."""
-    plain = leave_one_out(obs_by_strategy, shape_overhead=False)
-    try:
-        shaped: dict[str, HeldOut] | None = leave_one_out(obs_by_strategy, shape_overhead=True)
-    except CostModelError:
-        shaped = None  # e.g. no run ever repeats a shape: d is not identifiable
-    use_shape = shaped is not None and _mean_abs(shaped) < _mean_abs(plain)
-    every = [o for obs in obs_by_strategy.values() for o in obs]
-    model = fit_cost_model(every, shape_overhead=use_shape)
-    return CostModelChoice(model, shaped if use_shape else plain, plain, shaped)
+
+def candidate_terms(optional: Sequence[str] = OPTIONAL_TERMS) -> list[tuple[str, ...]]:
+    """Every term set: "a" plus any subset of `optional`, fewest terms first."""
+    bad = set(optional) - set(OPTIONAL_TERMS)
+    if bad:
+        raise CostModelError(f"candidate_terms: unknown terms {sorted(bad)}; optional terms are {OPTIONAL_TERMS}")
+    opts = [t for t in OPTIONAL_TERMS if t in optional]
+    return [("a", *sub) for k in range(len(opts) + 1) for sub in itertools.combinations(opts, k)]
+
+
+def choose_terms(obs_by_strategy: Mapping[str, Sequence[StepObservation]],
+                 optional: Sequence[str] = OPTIONAL_TERMS) -> tuple[tuple[str, ...], dict[tuple[str, ...], float]]:
+    """The term set with the lowest mean |leave-one-out error| (within TIE of it: the fewest terms, so a term the
+    fit zeroes anyway is not kept), and every candidate's error. Term sets the data cannot separate are skipped;
+    none fitting at all raises CostModelError."""
+    scores: dict[tuple[str, ...], float] = {}
+    for terms in candidate_terms(optional):
+        try:
+            scores[terms] = _mean_abs(leave_one_out(obs_by_strategy, terms))
+        except CostModelError:
+            continue
+    if not scores:
+        raise CostModelError(f"choose_terms: no term set can be fitted leaving one of {sorted(obs_by_strategy)} out")
+    low = min(scores.values())
+    best = min((t for t in scores if scores[t] <= low + TIE), key=lambda t: (len(t), scores[t]))
+    return best, scores
+
+
+def select_cost_model(obs_by_strategy: Mapping[str, Sequence[StepObservation]],
+                      optional: Sequence[str] = OPTIONAL_TERMS) -> CostModelChoice:
+    """Choose the terms by leave-one-out error, fit them on every strategy, and estimate the error on an unseen
+    strategy by nested leave-one-out (needs at least 3 strategies)."""
+    if len(obs_by_strategy) < 3:
+        raise CostModelError(f"select_cost_model: needs at least 3 strategies (nested leave-one-out), got "
+                             f"{sorted(obs_by_strategy)}")
+    terms, scores = choose_terms(obs_by_strategy, optional)
+    nested = {}
+    for held, steps in obs_by_strategy.items():
+        rest = {k: v for k, v in obs_by_strategy.items() if k != held}
+        inner, _ = choose_terms(rest, optional)
+        nested[held] = predict_held_out(fit_cost_model([o for v in rest.values() for o in v], inner), held, steps)
+    model = fit_cost_model([o for obs in obs_by_strategy.values() for o in obs], terms)
+    return CostModelChoice(model, leave_one_out(obs_by_strategy, terms), nested, scores)
+
+
+def throughput_rel_sd(steps: Sequence[StepObservation], rng: np.random.Generator | None = None,
+                      draws: int = 500) -> float:
+    """Relative standard deviation of measured tokens/s (sum real / sum seconds) over bootstrap resamples of the
+    steps: the noise floor below which a held-out error means nothing. `rng` defaults to a fixed seed."""
+    if not steps:
+        raise CostModelError("throughput_rel_sd: no steps given")
+    rng = rng if rng is not None else np.random.default_rng(0)
+    real = np.array([o.real_tokens for o in steps], dtype=np.float64)  # (S,)
+    sec = np.array([o.seconds for o in steps], dtype=np.float64)  # (S,)
+    idx = rng.integers(0, len(steps), (draws, len(steps)))  # (draws, S)
+    tok_s = real[idx].sum(axis=1) / sec[idx].sum(axis=1)  # (draws,)
+    return float(tok_s.std() / (real.sum() / sec.sum()))
 
 
 def _mean_abs(held: Mapping[str, HeldOut]) -> float:
@@ -304,17 +374,17 @@ def _new_shape_flags(obs: Sequence[StepObservation]) -> list[bool]:
     return flags
 
 
-def _design(obs: Sequence[StepObservation], shape_overhead: bool) -> tuple[np.ndarray, list[str]]:
-    """The design matrix (N, P) and its term names: a, b, c, then e when blocks were counted, d when asked."""
-    cols = [np.ones(len(obs)), [o.padded_tokens for o in obs], [o.attention for o in obs]]
-    names = ["a", "b", "c"]
-    if any(o.blocks for o in obs):
-        cols.append([o.blocks for o in obs])
-        names.append("e")
-    if shape_overhead:
-        cols.append(_new_shape_flags(obs))
-        names.append("d")
-    return np.column_stack(cols).astype(np.float64), names
+def _design(obs: Sequence[StepObservation], terms: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """The design matrix (N, P) and its term names, in TERMS order ("a" always; "e" only when blocks were
+    counted)."""
+    bad = set(terms) - set(TERMS)
+    if bad:
+        raise CostModelError(f"unknown cost-model terms {sorted(bad)}; known: {TERMS}")
+    column = {"a": lambda: np.ones(len(obs)), "b": lambda: [o.padded_tokens for o in obs],
+              "r": lambda: [o.real_tokens for o in obs], "c": lambda: [o.attention for o in obs],
+              "e": lambda: [o.blocks for o in obs], "d": lambda: _new_shape_flags(obs)}
+    names = [t for t in TERMS if t == "a" or (t in terms and (t != "e" or any(o.blocks for o in obs)))]
+    return np.column_stack([column[t]() for t in names]).astype(np.float64), names
 
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import pandas as pd
 
 from .buckets import plan_for_edges
 from .config import Config, ConfigError, from_params
-from .costmodel import CostModelChoice, StepObservation, select_cost_model
+from .costmodel import CostModelChoice, StepObservation, select_cost_model, throughput_rel_sd
 from .report.training import load_metrics
 from .sampler import packing_efficiency, padding_efficiency, randomness
 
@@ -70,7 +70,8 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
 
 def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_varlen",
                  run: str = "probe") -> list[StepObservation]:
-    """Cost-model observations from a run's metrics: the steps from `start_step` on (warm-up left out).
+    """Cost-model observations from a run's metrics: the steps from `start_step` on (warm-up left out), less the
+    steps that ran no batch (every sample failed validation: no shape, nothing to price).
 
     attention: "attn_varlen" (sum of doc_len^2: what the target pays with either backend, flash-attn varlen or
     per-document SDPA) or "attn_dense" (R * T^2: a backend that computes whole rows under a mask).
@@ -80,7 +81,7 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
     missing = {"rows", "row_len", "real_tokens", "blocks", "step_s", attention} - set(metrics.columns)
     if missing:
         raise ConfigError(f"metrics lack {sorted(missing)}: written by an older trainer?")
-    part = metrics[(metrics["step"] >= start_step) & (metrics["step_s"] > 0)]
+    part = metrics[(metrics["step"] >= start_step) & (metrics["step_s"] > 0) & metrics["rows"].notna()]
     return [StepObservation(rows=int(r.rows), row_len=int(r.row_len), real_tokens=int(r.real_tokens),
                             attention=float(getattr(r, attention)), blocks=int(r.blocks), seconds=float(r.step_s),
                             run=run)
@@ -133,9 +134,12 @@ def calibrate(probes: Sequence[StrategyProbe]) -> CostModelChoice:
 
 
 def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None = None) -> pd.DataFrame:
-    """One row per strategy, side by side (see the module docstring). With `choice`: the cost model's held-out
+    """One row per strategy, side by side (see the module docstring); `ktok_s_noise_pct`: two bootstrap standard
+    deviations of the measured throughput, in % (a held-out error below it is noise). With `choice`: the cost
+    model's held-out
     prediction and its error, next to the padding-only prediction the seed used (sorted throughput scaled by
-    predicted efficiency)."""
+    predicted efficiency). `nested_*`: the same prediction with the choice of terms also made without the
+    strategy (the honest estimate for a strategy nobody has run yet)."""
     by = {p.strategy: p for p in probes}
     if "sorted" not in by:
         raise ConfigError("the probe needs the 'sorted' strategy as the reference")
@@ -143,15 +147,17 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
     rows = []
     for p in probes:
         padding_only = ref.ktok_s * p.predicted_efficiency / ref.realized_efficiency
-        row = dict(strategy=p.strategy, ktok_s=p.ktok_s, ratio_to_sorted=p.ktok_s / ref.ktok_s, steady=p.steady,
+        row = dict(strategy=p.strategy, ktok_s=p.ktok_s, ktok_s_noise_pct=200 * throughput_rel_sd(p.observations),
+                   ratio_to_sorted=p.ktok_s / ref.ktok_s, steady=p.steady,
                    predicted_efficiency=p.predicted_efficiency, realized_efficiency=p.realized_efficiency,
                    efficiency_gap_pts=100 * (p.predicted_efficiency - p.realized_efficiency),
                    steps_per_epoch=p.steps_per_epoch, eta_days=p.eta_days,
                    co_batch_recurrence=p.co_batch_recurrence, lag1=p.lag1,
                    padding_only_ktok_s=padding_only, padding_only_error_pct=100 * (padding_only / p.ktok_s - 1))
         if choice is not None:
-            held = choice.held_out[p.strategy]
-            row.update(cost_model_ktok_s=held.predicted_tok_s / 1000.0, cost_model_error_pct=100 * held.rel_error)
+            held, nested = choice.held_out[p.strategy], choice.nested[p.strategy]
+            row.update(cost_model_ktok_s=held.predicted_tok_s / 1000.0, cost_model_error_pct=100 * held.rel_error,
+                       nested_error_pct=100 * nested.rel_error, nested_terms="+".join(nested.terms))
         rows.append(row)
     return pd.DataFrame(rows).set_index("strategy")
 
@@ -159,7 +165,8 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
 def demo_summary(table: pd.DataFrame) -> dict[str, dict[str, float]]:
     """The per-strategy figures `runs/<id>_demo/summary.json` holds."""
     keys = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
-    extra = [c for c in ("eta_days", "cost_model_error_pct", "padding_only_error_pct") if c in table.columns]
+    extra = [c for c in ("eta_days", "cost_model_error_pct", "nested_error_pct", "padding_only_error_pct")
+             if c in table.columns]
     return {s: {k: float(table.loc[s, k]) for k in (*keys, *extra)} for s in table.index}
 
 
@@ -174,4 +181,6 @@ def cost_model_json(choice: CostModelChoice) -> dict[str, Any]:
     return dict(model=dataclasses.asdict(choice.model), q=None if not np.isfinite(q) else float(q),
                 q_note=why or ("attention cost not measurable: use cost='linear'" if not np.isfinite(q) else ""),
                 held_out={k: dataclasses.asdict(v) for k, v in choice.held_out.items()},
-                max_abs_error=choice.max_abs_error)
+                nested={k: dataclasses.asdict(v) for k, v in choice.nested.items()},
+                candidates={"+".join(t): err for t, err in sorted(choice.candidates.items(), key=lambda kv: kv[1])},
+                max_abs_error=choice.max_abs_error, nested_max_abs_error=choice.nested_max_abs_error)

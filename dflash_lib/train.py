@@ -163,7 +163,8 @@ class StepResult:
     padded_tokens: int  # token slots paid for (R * T summed), all ranks
     grad_norm: float  # global gradient norm before clipping (nan when skipped)
     skipped: bool  # no optimizer update: nothing scored anywhere, or a non-finite loss
-    blocks: int = 0  # anchor blocks the drafter ran on this rank (the LM head + CE work scales with them)
+    blocks: int = 0  # anchor blocks the drafter ran on this rank
+    head_rows: int = 0  # scored positions this rank ran through the LM head + CE (its work scales with them)
 
 
 def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
@@ -196,6 +197,7 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         pos_count = [x + y for x, y in zip(pos_count, out.pos_count)]
     real = sum(it.batch.real_tokens for it in live)
     padded = sum(it.batch.padded_tokens for it in live)
+    head_rows = int(sum(pos_count))  # before the sum over ranks: this rank's work
     sums = all_reduce_floats([ce, correct, real, padded, *pos_correct, *pos_count])
     ce, correct, real, padded = sums[:4]
     pos_correct, pos_count = sums[4:4 + n_pos], sums[4 + n_pos:]
@@ -217,7 +219,7 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         loss=ce / weight_sum if weight_sum > 0 else math.nan, acc=correct / weight_sum if weight_sum > 0 else math.nan,
         acc_per_pos=acc_per_pos, eal=expected_acceptance(acc_per_pos), weight_sum=weight_sum,
         real_tokens=int(real), padded_tokens=int(padded), grad_norm=grad_norm, skipped=skipped,
-        blocks=sum(a.num_blocks for a in anchors))
+        blocks=sum(a.num_blocks for a in anchors), head_rows=head_rows)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -454,7 +456,7 @@ class Trainer:
             run_eta_s=eta_seconds((self.total_steps - step) * done / step, rate.eta_tok_s),
             steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
-            blocks=res.blocks,
+            blocks=res.blocks, head_rows=res.head_rows,
             bad_steps=self.guard.total, skipped_samples=self.skipped_all, skipped_tokens=int(skipped_tokens),
             **(batch_shape(live) if live else {}),
         )
@@ -588,7 +590,8 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     eta_s (seconds to the end of a full run of `full_run_epochs`, at the steady throughput or provisionally
     at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since this invocation's
     loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
-    skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks scored here),
+    skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
+    head_rows (scored positions run through the LM head + CE here),
     step_s and wait_s (this step's wall time and data wait, seconds), and the step's batch shape (rows,
     row_len, attn_dense, attn_varlen); the same scalars to wandb; checkpoints/ckpt-<step>/ every `ckpt_every`
     steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and

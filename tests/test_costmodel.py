@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dflash_lib.costmodel import (
-    BatchShape, CostModel, CostModelError, StepObservation, _nnls, attention_q_from_fit, describe_batches,
-    describe_packed, describe_padded, fit_cost_model, leave_one_out, select_cost_model,
+    BatchShape, CostModel, CostModelError, StepObservation, _nnls, attention_q_from_fit, candidate_terms,
+    describe_batches, describe_packed, describe_padded, fit_cost_model, leave_one_out, select_cost_model,
 )
 
 TRUE = dict(a=0.02, b=2e-6, c=1e-9)  # seconds/step, seconds/padded token, seconds/token^2
@@ -117,23 +117,23 @@ def test_shape_term_is_chosen_and_recovered_when_new_shapes_cost_time(shapes):
     choice = select_cost_model(obs)
     assert choice.model.shape_overhead
     assert choice.model.d == pytest.approx(0.05, rel=0.10)
-    assert choice.max_abs_error < 0.03
-    plain_worst = max(abs(h.rel_error) for h in choice.held_out_without_shape.values())
-    assert plain_worst > choice.max_abs_error
+    assert choice.max_abs_error < 0.03 and choice.nested_max_abs_error < 0.03
+    without_d = tuple(t for t in choice.model.terms if t != "d")
+    assert choice.candidates[without_d] > choice.candidates[choice.model.terms]
 
 
 def test_shape_term_is_left_out_when_it_does_not_help_held_out_error(shapes):
-    choice = select_cost_model(_observe(shapes, noise=0.05, seed=4))
-    plain = np.mean([abs(h.rel_error) for h in choice.held_out_without_shape.values()])
-    shaped = np.mean([abs(h.rel_error) for h in choice.held_out_with_shape.values()])
-    assert shaped >= plain  # on data without a shape cost the extra term only fits noise
+    obs = _observe(shapes, noise=0.05, seed=4)
+    choice = select_cost_model(obs)
     assert not choice.model.shape_overhead and choice.model.d == 0.0
-    assert choice.held_out == choice.held_out_without_shape
-    assert choice.max_abs_error < 0.03
+    with_d = tuple(sorted({*choice.model.terms, "d"}, key=("a", "b", "r", "c", "e", "d").index))
+    assert choice.candidates[with_d] >= choice.candidates[choice.model.terms]  # d only fits noise here
+    assert choice.held_out == leave_one_out(obs, choice.model.terms)
+    assert choice.max_abs_error < 0.03 and choice.nested_max_abs_error < 0.03
 
 
 def test_predict_throughput_matches_a_hand_computation():
-    model = CostModel(a=0.1, b=1e-3, c=1e-6, d=0.05, shape_overhead=True, n_obs=0, rmse_s=0.0, rel_rmse=0.0)
+    model = CostModel(a=0.1, b=1e-3, c=1e-6, d=0.05, terms=("a", "b", "c", "d"))
     padded = describe_padded([3, 5])  # R=2, T=5: 10 slots, attention 2*25 = 50, 8 real tokens
     packed = describe_packed([[4, 4]], row_len=10)  # 1 x 10 slots, attention 16 + 16 = 32, 8 real
     assert (padded.padded_tokens, padded.attention, padded.real_tokens) == (10, 50.0, 8)
@@ -152,7 +152,7 @@ def test_batch_descriptions_price_layouts_and_edges():
     assert describe_padded([3, 5], pad_to=8).attention == 2 * 64
     assert describe_packed([[4, 4], [9]], row_len=10, varlen=False).attention == 2 * 100
     assert describe_packed([[4, 4], [9]], row_len=10).attention == 16 + 16 + 81
-    model = CostModel(0.01, 1e-6, 1e-9, 0.0, False, 0, 0.0, 0.0)
+    model = CostModel(a=0.01, b=1e-6, c=1e-9)
     to_max = describe_batches([[100, 120], [300, 310]])
     to_edge = describe_batches([[100, 120], [300, 310]], row_len=512)
     assert model.predict_throughput(to_edge) < model.predict_throughput(to_max)
@@ -184,7 +184,11 @@ def test_degenerate_observations_are_refused_with_a_clear_error():
     with pytest.raises(CostModelError, match="needs at least 2 strategies"):
         leave_one_out({"sorted": [_obs(1, 10)]})
     with pytest.raises(CostModelError, match="no batches"):
-        CostModel(0.1, 0.0, 0.0, 0.0, False, 0, 0.0, 0.0).predict_throughput([])
+        CostModel(a=0.1).predict_throughput([])
+    with pytest.raises(CostModelError, match=r"unknown cost-model terms \['z'\]"):
+        fit_cost_model([_obs(i, 10 * i) for i in range(1, 6)], terms=("a", "z"))
+    with pytest.raises(CostModelError, match="needs at least 3 strategies"):
+        select_cost_model({"sorted": [_obs(1, 10)], "random": [_obs(2, 20)]})
 
 
 def test_fit_never_returns_negative_costs():
@@ -232,3 +236,51 @@ def test_block_term_is_recovered_when_blocks_vary_independently():
     assert (model.a, model.b, model.c, model.e) == pytest.approx(tuple(true.values()), rel=1e-6)
     assert anchor_blocks(np.array([1, 5, 100]), 8) == 0 + 4 + 8
     assert describe_padded([10, 20]).blocks == 0  # anchors unknown: the term is left out
+
+
+def test_real_token_term_is_chosen_and_recovered_when_padding_is_cheaper_than_documents(shapes):
+    """Work that skips padding (collation, per-document attention calls) costs per REAL token: with it in the
+    data, the chosen terms include r and every strategy, random (the only one with much padding) included, is
+    predicted within 3%, also when the term choice never saw it (nested)."""
+    rng = np.random.default_rng(6)
+    true = dict(a=0.02, b=5e-7, r=4e-6, c=1e-9)
+    obs = {name: [StepObservation(s.rows, s.row_len, s.real_tokens, s.attention, run=name,
+                                  seconds=(true["a"] + true["b"] * s.padded_tokens + true["r"] * s.real_tokens
+                                           + true["c"] * s.attention) * (1 + 0.01 * rng.standard_normal()))
+                   for s in batch_shapes] for name, batch_shapes in shapes.items()}
+    choice = select_cost_model(obs)
+    assert "r" in choice.model.terms
+    assert choice.model.r == pytest.approx(true["r"], rel=0.1)
+    assert choice.max_abs_error < 0.03 and choice.nested_max_abs_error < 0.03
+    assert choice.held_out["random"].rel_error == pytest.approx(
+        choice.held_out["random"].predicted_tok_s / choice.held_out["random"].realized_tok_s - 1)
+    assert set(choice.nested) == set(obs) and all("a" in h.terms for h in choice.nested.values())
+
+
+def test_candidate_terms_and_tie_break_towards_fewer_terms():
+    from dflash_lib.costmodel import choose_terms
+
+    sets = candidate_terms()
+    assert len(sets) == 32 and sets[0] == ("a",) and sets[-1] == ("a", "b", "r", "c", "e", "d")
+    assert candidate_terms(("c",)) == [("a",), ("a", "c")]
+    with pytest.raises(CostModelError, match="unknown terms"):
+        candidate_terms(("x",))
+    # exact data of a + b * padded: every superset of {a, b} predicts as well; the fewest terms win
+    obs = {f"s{k}": [_obs(R, T, seconds=0.01 + 1e-5 * R * T, run=f"s{k}") for R, T in shapes]
+           for k, shapes in enumerate([[(1, 10), (2, 30), (3, 50)], [(4, 20), (1, 70)], [(2, 90), (5, 15)]])}
+    best, scores = choose_terms(obs, ("b", "c", "d"))
+    assert best == ("a", "b") and scores[best] < 1e-9
+
+
+def test_throughput_noise_is_zero_for_identical_steps_and_grows_with_spread():
+    from dflash_lib.costmodel import throughput_rel_sd
+
+    same = [_obs(2, 100, seconds=0.1) for _ in range(20)]
+    assert throughput_rel_sd(same) == pytest.approx(0.0, abs=1e-12)
+    rng = np.random.default_rng(1)
+    noisy = [_obs(2, 100, seconds=0.1 * (1 + 0.1 * rng.standard_normal())) for _ in range(100)]
+    # 10% per-step noise over 100 steps: about 10% / sqrt(100) = 1% on the mean rate
+    assert 0.005 < throughput_rel_sd(noisy) < 0.02
+    assert throughput_rel_sd(noisy) == throughput_rel_sd(noisy)  # fixed seed: reproducible
+    with pytest.raises(CostModelError, match="no steps"):
+        throughput_rel_sd([])

@@ -1,0 +1,82 @@
+"""Probe bookkeeping: observations from trainer metrics, the side-by-side table, the JSON the demo reads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflash_lib.config import ConfigError
+from dflash_lib.costmodel import select_cost_model, throughput_rel_sd
+from dflash_lib.probe import StrategyProbe, cost_model_json, demo_summary, observations, probe_table
+
+
+def _metrics(n: int, rows: int, row_len: int, fill: float, blocks: int, seconds, seed: int = 0) -> pd.DataFrame:
+    """Trainer-like metrics rows: `rows` x `row_len` slots filled to `fill`, `seconds` per step (callable)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(1, n + 1):
+        R = max(1, rows + int(rng.integers(-1, 2)))
+        T = max(8, row_len + int(rng.integers(-row_len // 4, row_len // 4 + 1)))
+        real = int(R * T * fill)
+        varlen = float(R * (T * fill) ** 2)
+        out.append(dict(step=step, rows=R, row_len=T, real_tokens=real, padded_tokens=R * T, blocks=blocks * R,
+                        attn_varlen=varlen, attn_dense=float(R * T * T),
+                        step_s=seconds(R * T, real, varlen, blocks * R)))
+    return pd.DataFrame(out)
+
+
+def test_observations_skip_warm_up_and_steps_that_ran_no_batch():
+    m = _metrics(10, 4, 512, 0.9, 8, lambda *_: 0.2)
+    m.loc[6, ["rows", "row_len", "attn_varlen", "attn_dense"]] = np.nan  # every sample failed validation
+    m.loc[6, ["real_tokens", "padded_tokens", "blocks"]] = 0
+    obs = observations(m, start_step=3)
+    assert [o.seconds for o in obs] == [0.2] * 7  # steps 3..10 less step 7
+    assert obs[0].attention == m.loc[2, "attn_varlen"] and obs[0].blocks == m.loc[2, "blocks"]
+    assert observations(m, 3, attention="attn_dense")[0].attention == m.loc[2, "attn_dense"]
+    with pytest.raises(ConfigError, match="attn_dense' or 'attn_varlen"):
+        observations(m, 3, attention="flops")
+    with pytest.raises(ConfigError, match=r"metrics lack \['blocks'\]"):
+        observations(m.drop(columns="blocks"), 3)
+
+
+def _probe(name: str, m: pd.DataFrame, predicted: float) -> StrategyProbe:
+    obs = observations(m, 1, run=name)
+    real, sec = sum(o.real_tokens for o in obs), sum(o.seconds for o in obs)
+    realized = float(m["real_tokens"].sum() / m["padded_tokens"].sum())
+    return StrategyProbe(name, Path(name), {}, obs, True, real / sec / 1000, predicted, realized, 100,
+                         2e9 / (real / sec) / 86400, 0.01, 0.0)
+
+
+def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
+    cost = lambda pad, real, attn, blocks: 0.02 + 2e-6 * pad + 1e-9 * attn + 1e-3 * blocks  # noqa: E731
+    ms = {"sorted": _metrics(40, 8, 512, 0.99, 8, cost, 1), "random": _metrics(40, 4, 1024, 0.6, 8, cost, 2),
+          "bucketed": _metrics(40, 6, 700, 0.9, 8, cost, 3), "packed": _metrics(40, 1, 4096, 0.98, 40, cost, 4)}
+    predicted = {"sorted": 0.99, "random": 0.62, "bucketed": 0.92, "packed": 0.98}
+    probes = [_probe(k, m, predicted[k]) for k, m in ms.items()]
+    choice = select_cost_model({p.strategy: p.observations for p in probes})
+    table = probe_table(probes, choice)
+    assert list(table.index) == ["sorted", "random", "bucketed", "packed"]
+    assert table.loc["sorted", "ratio_to_sorted"] == 1.0
+    assert table.loc["random", "ratio_to_sorted"] == pytest.approx(probes[1].ktok_s / probes[0].ktok_s)
+    # no timing noise, but the batch mix varies: the bootstrap spread is that sampling noise of the rate
+    assert table.loc["packed", "ktok_s_noise_pct"] == pytest.approx(200 * throughput_rel_sd(probes[3].observations))
+    assert (table["ktok_s_noise_pct"] > 0).all() and (table["ktok_s_noise_pct"] < 10).all()
+    assert (table["cost_model_error_pct"].abs() < 1e-6).all() and (table["nested_error_pct"].abs() < 1e-6).all()
+    gap = table.loc["random", "efficiency_gap_pts"]
+    assert gap == pytest.approx(100 * (0.62 - probes[1].realized_efficiency))
+    # the seed's padding-only estimate misses random, the fitted model does not
+    assert abs(table.loc["random", "padding_only_error_pct"]) > 5
+    summary = demo_summary(table)
+    assert set(summary["packed"]) >= {"ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency",
+                                      "co_batch_recurrence", "cost_model_error_pct", "nested_error_pct"}
+    js = json.loads(json.dumps(cost_model_json(choice)))
+    assert js["model"]["terms"][0] == "a" and js["max_abs_error"] < 1e-6 and js["nested_max_abs_error"] < 1e-6
+    assert math.isclose(js["q"], choice.model.b / choice.model.c, rel_tol=1e-9)
+    assert list(js["candidates"].values()) == sorted(js["candidates"].values())
+    with pytest.raises(ConfigError, match="'sorted' strategy as the reference"):
+        probe_table(probes[1:])
