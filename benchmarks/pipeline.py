@@ -10,8 +10,11 @@ the collate + target time, which a sequential loop always waits for).
 
 torch intra-op threads: run with each of `--threads` (default 1 and 2). On a 2-core machine, 1 thread lets
 the target worker and the drafter step each own a core in (b); 2 threads give a sequential loop both cores.
+The pipeline is also run with its target worker limited to `--target-threads` (the `target_threads` setting;
+torch's thread count is per thread, so the drafter keeps all of its own). Every variant is measured
+`--repeats` times, the variants alternated, and pipeline / sequential is the median of ratios within a repeat.
 
-    .venv/bin/python benchmarks/pipeline.py [--steps 40] [--threads 1,2] [--limit 2000]
+    .venv/bin/python benchmarks/pipeline.py [--steps 40] [--threads 1,2] [--repeats 3] [--limit 2000]
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--budget", type=int, default=4096, help="token budget per batch, padding included")
     ap.add_argument("--workers", type=int, default=1, help="target worker threads in the pipeline")
+    ap.add_argument("--target-threads", default="0,1",
+                    help="torch threads of each pipeline target worker to try (0 = the same as the drafter's)")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements of every variant, alternated")
     ap.add_argument("--target-layers", type=int, default=8, help="tiny target depth")
     ap.add_argument("--hidden", type=int, default=128, help="tiny target (and drafter) hidden size")
     ap.add_argument("--anchors", type=int, default=8, help="anchors per document (the drafter's work)")
@@ -149,30 +155,49 @@ def main() -> None:
           f"model: target {config.model.target_layers}L/{config.model.hidden_size}H, drafter "
           f"{config.model.drafter_layers}L, {config.model.num_anchors} anchors/doc, {os.cpu_count()} CPUs, "
           f"pipeline target workers {args.workers}")
-    results = {}
+    variants = []  # (loop name, torch threads of the caller, target worker threads or 0)
     for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        results[("sequential", threads)] = run_sequential(config, store, batches, pad_id, edges)
-        results[("pipeline", threads)] = run_pipeline(config, store, lengths, batches, pad_id, edges)
-    print(f"{'loop':<11} {'threads':>7} {'Ktok/s':>8} {'steady from':>11} {'data wait':>9}")
-    for (loop, threads), r in results.items():
-        start = "step %d" % r["steady_start"] if r["steady_start"] is not None else "none*"
-        print(f"{loop:<11} {threads:>7} {r['tok_s'] / 1e3:>8.2f} {start:>11} {r['wait_pct']:>8.1f}%")
-    best = {loop: max((r["tok_s"], t) for (lp, t), r in results.items() if lp == loop)
+        variants.append(("sequential", threads, 0))
+        variants += [("pipeline", threads, tt) for tt in sorted({int(t) for t in args.target_threads.split(",")})
+                     if tt < threads]  # tt = 0: the same as the caller; tt = threads would repeat it
+    results: dict[tuple[str, int, int], list[dict]] = {v: [] for v in variants}
+    for rep in range(args.repeats):  # alternate the variants so that drift of the machine hits all alike
+        for loop, threads, tt in variants:
+            torch.set_num_threads(threads)
+            if loop == "sequential":
+                results[(loop, threads, tt)].append(run_sequential(config, store, batches, pad_id, edges))
+            else:
+                cfg = from_params({"target_threads": tt}, config)
+                results[(loop, threads, tt)].append(run_pipeline(cfg, store, lengths, batches, pad_id, edges))
+
+    def name(v: tuple[str, int, int]) -> str:
+        return v[0] if v[0] == "sequential" else f"pipeline, target {v[2] or v[1]} thr"
+
+    print(f"{'loop':<26} {'threads':>7} {'median Ktok/s':>13} {'range':>13} {'data wait':>9}")
+    for v, runs in results.items():
+        tok = [r["tok_s"] / 1e3 for r in runs]
+        print(f"{name(v):<26} {v[1]:>7} {np.median(tok):>13.2f} {min(tok):>6.2f}-{max(tok):<6.2f} "
+              f"{np.median([r['wait_pct'] for r in runs]):>8.2f}%")
+    seq = {t: np.array([r["tok_s"] for r in results[("sequential", t, 0)]]) for _, t, _ in variants}
+    for v, runs in results.items():
+        if v[0] != "pipeline":
+            continue
+        paired = np.array([r["tok_s"] for r in runs]) / seq[v[1]]  # (repeats,) same repeat, same machine state
+        p = runs[len(runs) // 2]
+        print(f"at {v[1]} thread(s), {name(v)}: pipeline / sequential = {np.median(paired):.2f}x median of "
+              f"{len(paired)} paired repeats (range {paired.min():.2f}-{paired.max():.2f}; goal >= 1.0x); data wait "
+              f"{np.median([r['wait_pct'] for r in runs]):.2f}% (goal <= 2%), q_pre {p['q_pre_mean']:.1f} "
+              f"q_hs {p['q_hs_mean']:.1f}")
+    best = {loop: max((np.median([r["tok_s"] for r in runs]), v) for v, runs in results.items() if v[0] == loop)
             for loop in ("sequential", "pipeline")}
-    ratio = best["pipeline"][0] / best["sequential"][0]
-    print(f"best pipeline ({best['pipeline'][1]} threads) / best sequential ({best['sequential'][1]} threads): "
-          f"{ratio:.2f}x  (goal >= 1.0x)")
-    for threads in sorted({t for _, t in results}):
-        p, s = results[("pipeline", threads)], results[("sequential", threads)]
-        print(f"at {threads} thread(s): pipeline / sequential = {p['tok_s'] / s['tok_s']:.2f}x, pipeline data "
-              f"wait {p['wait_pct']:.2f}% (goal <= 2%), mean q_pre {p['q_pre_mean']:.1f} q_hs {p['q_hs_mean']:.1f}")
-    collate = [r for (loop, _), r in results.items() if loop == "sequential"]
+    print(f"best pipeline ({name(best['pipeline'][1])}, {best['pipeline'][1][1]} threads) / best sequential "
+          f"({best['sequential'][1][1]} threads): {best['pipeline'][0] / best['sequential'][0]:.2f}x (goal >= 1.0x)")
+    collate = [r for v, runs in results.items() if v[0] == "sequential" for r in runs]
     print(f"collation: {np.mean([r['collate_ms'] for r in collate]):.1f} ms per batch, "
           f"{np.mean([r['collate_pct'] for r in collate]):.2f}% of a sequential step (threads suffice; a process "
           f"pool could save at most that share)")
-    if any(r["steady_start"] is None for r in results.values()):
-        print("* no steady state detected: rate over the second half of the steps")
+    if any(r["steady_start"] is None for runs in results.values() for r in runs):
+        print("* some measurement found no steady state: its rate is over the second half of the steps")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ class PipelineConfig:
     prefetch: int = 8  # q_pre capacity per target worker (batches)
     target_workers: int = 1  # target-model worker threads (one per device on GPU)
     hs_queue: int = 2  # q_hs capacity (hidden-state batches waiting for the drafter)
+    target_threads: int = 0  # torch intra-op threads of each CPU target worker thread (0 = torch's default)
     queue_timeout_s: float = 5.0  # a stage waiting longer than this re-checks for a failure elsewhere
     close_timeout_s: float = 30.0  # close() waits this long (seconds) for all stage threads before reporting one stuck
 
@@ -127,6 +128,7 @@ class PipelineConfig:
         _positive("close_timeout_s", self.close_timeout_s)
         _positive("target_workers", self.target_workers)
         _positive("hs_queue", self.hs_queue)
+        _non_negative("target_threads", self.target_threads)
 
 
 @dataclass

@@ -12,6 +12,8 @@ are counted.
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -139,13 +141,21 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
         epoch, first = epoch + 1, 0
 
 
-def make_target_workers(targets: Sequence[Any], n_workers: int,
-                        main_device: torch.device) -> list[Callable[[Collated], Item]]:
+def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
+                        threads: int = 0) -> list[Callable[[Collated], Item]]:
     """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
-    on CPU several threads share one) and hands its features to `main_device`."""
+    on CPU several threads share one) and hands its features to `main_device`.
+
+    threads > 0: torch intra-op threads of the thread that calls a worker, for a target on CPU (torch's thread
+    count is per calling thread, so the drafter's thread keeps its own once it has run a torch op: torch takes a
+    thread's count from the latest set_num_threads when that thread first runs one); 0 leaves torch's default."""
+    local = threading.local()
 
     def worker(target: Any) -> Callable[[Collated], Item]:
         def run(c: Collated) -> Item:
+            if threads > 0 and target.device.type == "cpu" and getattr(local, "threads", 0) != threads:
+                torch.set_num_threads(threads)  # this thread only
+                local.threads = threads
             w = c.work
             if c.batch is None:
                 return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips)

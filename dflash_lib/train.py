@@ -421,7 +421,8 @@ class Trainer:
     def _pipeline(self) -> Pipeline:
         p, cfg = self.parts, self.config
         collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges, p.drafter.cfg.vocab_size)
-        workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device)
+        workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device,
+                                      cfg.pipeline.target_threads)
         source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards)
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
                         clock=self.clock)

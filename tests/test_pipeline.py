@@ -295,3 +295,28 @@ def test_bounded_queue_abort_wakes_a_blocked_put():
     assert q.qsize() == 0
     with pytest.raises(ValueError, match="maxsize"):
         BoundedQueue(0, "bad")
+
+
+def test_target_worker_threads_are_set_per_thread_and_leave_the_caller_alone():
+    """torch's intra-op thread count is per calling thread: a CPU target worker can get its own budget while the
+    drafter's thread keeps all of its threads."""
+    from dflash_lib.feed import Collated, Work, make_target_workers
+
+    seen = []
+
+    class Target:
+        device = torch.device("cpu")
+
+        def features(self, batch):
+            seen.append(torch.get_num_threads())
+            return torch.zeros(batch.input_ids.shape + (4,))
+
+    batch = collate_padded([(np.arange(5), np.ones(5, bool))], pad_id=0)
+    before = torch.get_num_threads()
+    for threads, want in ((0, before), (1, 1)):  # (a thread started after a set_num_threads inherits its count)
+        (work,) = make_target_workers([Target()], 1, torch.device("cpu"), threads=threads)
+        t = threading.Thread(target=lambda: work(Collated(Work(0, 0, 0, True, [0]), batch, ())))
+        t.start()
+        t.join()
+        assert seen[-1] == want
+    assert torch.get_num_threads() == before
