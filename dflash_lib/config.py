@@ -148,6 +148,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0  # model init and anchor generator seed
     probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
+    probe_rounds: int = 1  # notebook 03: chunks each probe is trained in, the strategies taking turns (drift control)
     full_run_epochs: float = 6.0  # the full run the ETA is computed for
     full_run_samples: int = 0  # samples in that full run (0 = this corpus)
     keep_checkpoints: int = 3  # newest checkpoints kept in the run folder (older ones deleted after a save)
@@ -160,6 +161,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _non_negative("steps", self.steps)
         _positive("probe_steps", self.probe_steps)
+        _positive("probe_rounds", self.probe_rounds)
         if not 0.0 < self.noise <= 1.0:
             raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -319,7 +321,8 @@ def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models."""
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
-             num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=80, log_every=5, prefetch=4)
+             num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=80, probe_rounds=4, log_every=5,
+             prefetch=4)
     )
 
 

@@ -25,6 +25,7 @@ from .report.training import load_metrics
 from .sampler import packing_efficiency, padding_efficiency, randomness
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")
+RESUME_WARMUP = 2  # steps left out after a probe chunk resumes (pipeline refill, first-step allocations)
 
 
 @dataclass
@@ -45,11 +46,11 @@ class StrategyProbe:
     lag1: float  # lag-1 correlation of consecutive batch lengths
 
 
-def strategy_config(base: Config, strategy: str, steps: int) -> Config:
+def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int = 0) -> Config:
     """`base` with the strategy and probe length replaced (everything else, budget included, identical)."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy {strategy!r} is not one of {list(STRATEGIES)}")
-    return from_params({"strategy": strategy, "steps": steps, "ckpt_every": 0}, base)
+    return from_params({"strategy": strategy, "steps": steps, "ckpt_every": 0, "stop_at_step": stop_at_step}, base)
 
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
@@ -88,17 +89,25 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
             for r in part.itertuples()]
 
 
-def probe_strategy(base: Config, strategy: str, steps: int, run_dir: Path, attention: str = "attn_varlen"
-                   ) -> StrategyProbe:
-    """Train `strategy` for `steps` steps into `run_dir` and measure it."""
-    from .train import bucket_edges, build_sampler, train  # torch-heavy: imported on use
+def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, Any], last: dict[str, Any],
+                  resumed_at: Sequence[int] = (), attention: str = "attn_varlen") -> StrategyProbe:
+    """Measure the probe run of `strategy` in `run_dir` (config `cfg`): `first` and `last` are the trainer
+    summaries of its first and last invocations; `resumed_at` the steps after which it was stopped and resumed.
 
-    cfg = strategy_config(base, strategy, steps)
-    summary = train(cfg, run_dir)
+    Warm-up left out: the steps before the steady state the first invocation's detector found (without one:
+    the first half of the first invocation's steps), and the first RESUME_WARMUP steps after every resume."""
+    from .train import bucket_edges, build_sampler  # torch-heavy: imported on use
+
     metrics = load_metrics(run_dir)
-    steady = bool(summary["steady"])
-    start = int(summary["steady_start_step"]) if steady else int(metrics["step"].iloc[len(metrics) // 2])
-    obs = observations(metrics, start, attention, "probe")
+    steady = bool(first["steady"])
+    first_steps = metrics[metrics["step"] <= int(first["steps"])]
+    start = (int(first["steady_start_step"]) if steady
+             else int(first_steps["step"].iloc[len(first_steps) // 2]) if len(first_steps) else 1)
+    resumed = np.zeros(len(metrics), dtype=bool)
+    for step in resumed_at:
+        resumed |= (metrics["step"] > step).to_numpy() & (metrics["step"] <= step + RESUME_WARMUP).to_numpy()
+    measured = metrics[~resumed]
+    obs = observations(measured, start, attention, "probe")
     if not obs:
         raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
     lengths = _lengths(cfg)
@@ -107,10 +116,10 @@ def probe_strategy(base: Config, strategy: str, steps: int, run_dir: Path, atten
     stats = randomness(sampler, edges or [int(lengths.max())])
     real = sum(o.real_tokens for o in obs)
     tok_s = real / sum(o.seconds for o in obs)
-    part = metrics[metrics["step"] >= start]
+    part = measured[measured["step"] >= start]
     realized = float(part["real_tokens"].sum() / part["padded_tokens"].sum())
-    full_tokens = float(summary["full_run_tokens"])
-    return StrategyProbe(strategy, run_dir, summary, obs, steady, tok_s / 1000.0,
+    full_tokens = float(last["full_run_tokens"])
+    return StrategyProbe(strategy, run_dir, last, obs, steady, tok_s / 1000.0,
                          predicted_efficiency(cfg, sampler, lengths, edges), realized, len(sampler),
                          full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1))
 
@@ -122,9 +131,27 @@ def _lengths(cfg: Config) -> np.ndarray:
 
 
 def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = STRATEGIES,
-               attention: str = "attn_varlen") -> list[StrategyProbe]:
-    """Probe each strategy in turn, each into out_dir/<strategy>/."""
-    return [probe_strategy(base, s, steps, Path(out_dir) / s, attention) for s in strategies]
+               attention: str = "attn_varlen", rounds: int = 1) -> list[StrategyProbe]:
+    """Train every strategy for `steps` steps, each into out_dir/<strategy>/, then measure them.
+
+    rounds > 1: each run is trained in `rounds` chunks and the strategies take turns (every strategy's chunk 1,
+    then every strategy's chunk 2, ...), each chunk resuming its run from the checkpoint the previous one left.
+    A slow drift of the machine's speed (other jobs, heat) then falls on every strategy alike instead of on
+    whichever ran last; the steps right after each resume are left out (`measure_probe`)."""
+    from .train import train  # torch-heavy: imported on use
+
+    if not 1 <= rounds <= steps:
+        raise ConfigError(f"probe_rounds must be in [1, probe_steps={steps}], got {rounds}")
+    ends = [round(steps * (r + 1) / rounds) for r in range(rounds)]  # last step of each chunk
+    first: dict[str, dict[str, Any]] = {}
+    last: dict[str, dict[str, Any]] = {}
+    for end in ends:
+        for s in strategies:
+            cfg = strategy_config(base, s, steps, stop_at_step=end if end < steps else 0)
+            last[s] = train(cfg, Path(out_dir) / s)
+            first.setdefault(s, last[s])
+    return [measure_probe(strategy_config(base, s, steps), s, Path(out_dir) / s, first[s], last[s], ends[:-1],
+                          attention) for s in strategies]
 
 
 def calibrate(probes: Sequence[StrategyProbe]) -> CostModelChoice:

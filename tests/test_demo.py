@@ -13,7 +13,7 @@ from dflash_lib.report.demo import STRATEGIES, SUMMARY_KEYS, external_references
 @pytest.mark.slow
 def test_demo_chain_on_smoke_parameters(tmp_path):
     demo_dir = run_demo(preset_name="smoke", tag="test", root=tmp_path,
-                        overrides={"steps": 12, "probe_steps": 12, "limit": 300})
+                        overrides={"steps": 12, "probe_steps": 12, "probe_rounds": 2, "limit": 300})
     chain = json.loads((demo_dir / "chain.json").read_text())
     assert [r["notebook"] for r in chain["runs"]] == [stem for stem, _ in CHAIN]
     runs = {r["notebook"]: r["run_dir"] for r in chain["runs"]}

@@ -80,3 +80,30 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
     assert list(js["candidates"].values()) == sorted(js["candidates"].values())
     with pytest.raises(ConfigError, match="'sorted' strategy as the reference"):
         probe_table(probes[1:])
+
+
+def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tmp_path, monkeypatch):
+    import dflash_lib.train as train_mod
+    from dflash_lib.config import preset
+    from dflash_lib.probe import RESUME_WARMUP, run_probes
+    from dflash_lib.report.training import load_metrics
+
+    calls = []
+    real_train = train_mod.train
+
+    def spy(cfg, run_dir, *a, **kw):
+        calls.append((Path(run_dir).name, cfg.train.stop_at_step))
+        return real_train(cfg, run_dir, *a, **kw)
+
+    monkeypatch.setattr(train_mod, "train", spy)
+    probes = run_probes(preset("smoke"), tmp_path, steps=8, strategies=("sorted", "packed"), rounds=2)
+    assert calls == [("sorted", 4), ("packed", 4), ("sorted", 0), ("packed", 0)]  # turns, chunk by chunk
+    for p in probes:
+        m = load_metrics(tmp_path / p.strategy)
+        assert m["step"].tolist() == list(range(1, 9))  # one run, resumed: every step once
+        measured = {o.seconds for o in p.observations}
+        after_resume = set(m.loc[m["step"].between(5, 4 + RESUME_WARMUP), "step_s"])
+        assert not measured & after_resume and len(p.observations) <= 8 - RESUME_WARMUP
+        assert p.summary["complete"] and p.ktok_s > 0
+    with pytest.raises(ConfigError, match=r"probe_rounds must be in \[1, probe_steps=8\], got 9"):
+        run_probes(preset("smoke"), tmp_path / "x", steps=8, rounds=9)
