@@ -76,9 +76,13 @@ class SamplerConfig:
     plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
     sampler_seed: int = 0  # sampler seed; epoch e uses (sampler_seed, e)
     pack_window: int = 64  # packed: open rows the best-fit packer chooses among (larger = tighter, less random)
+    static_shapes: bool = False  # bucketed: budget // edge rows per batch, every row padded to its bucket's upper
+    # edge (k fixed shapes, as CUDA graphs / torch.compile want; what the "edge" objective prices exactly)
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, ("sorted", "random", "bucketed", "packed"))
+        if self.static_shapes and self.strategy != "bucketed":
+            raise ConfigError(f"static_shapes needs strategy 'bucketed', got strategy {self.strategy!r}")
         _positive("token_budget", self.token_budget)
         _positive("pack_window", self.pack_window)
         if any(b <= a for a, b in zip(self.edges, self.edges[1:])):

@@ -75,11 +75,13 @@ def bucket_of(max_len: int, edges: Sequence[int]) -> int:
 
 
 def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Sequence[int] = (),
-                 vocab_size: int | None = None) -> Callable[[Work], Collated]:
+                 vocab_size: int | None = None, pad_to_edge: bool = False) -> Callable[[Work], Collated]:
     """Work -> Collated: the samples that pass `validate_sample` (not checked when `vocab_size` is None) padded
-    one per row or packed into one row of `row_len` tokens; the others are listed in `skips`. A padded batch's
-    bucket id (from `edges`) is that of the longest sample the sampler put in it, valid or not, so a skip never
-    relabels the batch."""
+    one per row (to the longest, or with `pad_to_edge` to the bucket's upper edge: static shapes) or packed into
+    one row of `row_len` tokens; the others are listed in `skips`. A padded batch's bucket id (from `edges`) is
+    that of the longest sample the sampler put in it, valid or not, so a skip never relabels the batch."""
+    if pad_to_edge and not len(edges):
+        raise ConfigError("pad_to_edge needs bucket edges")
 
     def collate(work: Work) -> Collated:
         samples = [store[i] for i in work.indices]
@@ -97,7 +99,8 @@ def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Seq
         if packed:
             return Collated(work, collate_packed(good, pad_id, row_len, idx), tuple(skips))
         bucket = bucket_of(max(len(t) for t, _ in samples), edges)
-        return Collated(work, collate_padded(good, pad_id, idx, bucket), tuple(skips))
+        pad_to = int(edges[bucket]) if pad_to_edge else 0
+        return Collated(work, collate_padded(good, pad_id, idx, bucket, pad_to), tuple(skips))
 
     return collate
 

@@ -24,7 +24,10 @@ from .costmodel import CostModelChoice, StepObservation, select_cost_model, thro
 from .report.training import load_metrics
 from .sampler import packing_efficiency, padding_efficiency, randomness
 
-STRATEGIES = ("sorted", "random", "bucketed", "packed")
+STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary needs these four
+# plus bucketed with static shapes (rows padded to the bucket edge): the one strategy whose padding is
+# deliberate, so the fit can tell per-slot from per-real-token cost without leaning on random's steps
+PROBES = (*STRATEGIES, "static")
 RESUME_WARMUP = 2  # steps left out after a probe chunk resumes (pipeline refill, first-step allocations)
 
 
@@ -48,22 +51,29 @@ class StrategyProbe:
 
 def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int = 0) -> Config:
     """`base` with the strategy and probe length replaced (everything else, budget included, identical)."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy {strategy!r} is not one of {list(STRATEGIES)}")
-    return from_params({"strategy": strategy, "steps": steps, "ckpt_every": 0, "stop_at_step": stop_at_step}, base)
+    if strategy not in PROBES:
+        raise ConfigError(f"strategy {strategy!r} is not one of {list(PROBES)}")
+    sampler = dict(strategy="bucketed", static_shapes=True) if strategy == "static" else dict(strategy=strategy)
+    return from_params({**sampler, "steps": steps, "ckpt_every": 0, "stop_at_step": stop_at_step}, base)
 
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
     """Padding efficiency known before training. bucketed: the plan's analytic prediction (the objective of the
-    buckets section, the seed's kind of estimate); sorted / random / packed: exact, from the epoch-0 plan."""
+    buckets section, the seed's kind of estimate); sorted / random / packed / static shapes: exact, from the
+    epoch-0 plan."""
     s = config.sampler
+    batches = sampler.epoch_plan(0).csr()
+    if s.static_shapes:  # every row padded to its bucket's upper edge
+        idx, off = batches
+        longest = np.maximum.reduceat(lengths[idx], off[:-1])  # (S,) longest sample of each batch
+        edge = np.asarray(edges)[np.searchsorted(np.asarray(edges), longest, side="left")]  # (S,)
+        return float(lengths[idx].sum() / (edge * np.diff(off)).sum())
     if s.strategy == "bucketed":
         q = config.buckets.q if config.buckets.cost == "quadratic" else None
         plan = plan_for_edges(lengths, edges, max_len=config.data.max_len, objective=config.buckets.objective,
                               cost=config.buckets.cost, q=q, token_budget=s.token_budget,
                               policy=config.data.policy)
         return float(plan.efficiency)
-    batches = sampler.epoch_plan(0).csr()
     if s.strategy == "packed":
         return float(packing_efficiency(batches, lengths, s.token_budget))
     return float(padding_efficiency(batches, lengths))
@@ -111,7 +121,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
     if not obs:
         raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
     lengths = _lengths(cfg)
-    edges = bucket_edges(cfg, lengths) if strategy == "bucketed" else []
+    edges = bucket_edges(cfg, lengths) if cfg.sampler.strategy == "bucketed" else []
     sampler = build_sampler(cfg, lengths, 0, 1, edges)
     stats = randomness(sampler, edges or [int(lengths.max())])
     real = sum(o.real_tokens for o in obs)
@@ -130,7 +140,7 @@ def _lengths(cfg: Config) -> np.ndarray:
     return np.asarray(build_token_store_from_config(cfg.data, progress=False).lengths)
 
 
-def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = STRATEGIES,
+def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = PROBES,
                attention: str = "attn_varlen", rounds: int = 1) -> list[StrategyProbe]:
     """Train every strategy for `steps` steps, each into out_dir/<strategy>/, then measure them.
 

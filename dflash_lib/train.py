@@ -420,7 +420,8 @@ class Trainer:
 
     def _pipeline(self) -> Pipeline:
         p, cfg = self.parts, self.config
-        collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges, p.drafter.cfg.vocab_size)
+        collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges, p.drafter.cfg.vocab_size,
+                               pad_to_edge=cfg.sampler.static_shapes)
         workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device,
                                       cfg.pipeline.target_threads)
         source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards)
@@ -625,6 +626,15 @@ def bucket_edges(config: Config, lengths: np.ndarray) -> list[int]:
     return list(plan.edges)
 
 
+def static_batch_sizes(edges: Sequence[int], token_budget: int, q: float | None = None) -> list[int]:
+    """Rows per batch of each bucket when every row is padded to its bucket's upper edge: the most rows whose
+    cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget."""
+    from dflash_lib.sampler.budget import TokenBudget
+
+    cost = TokenBudget(token_budget, q).cost(np.asarray(edges, dtype=np.float64))  # (K,)
+    return [max(1, int(token_budget // c)) for c in cost]
+
+
 def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: int,
                   edges: Sequence[int]) -> Any:
     """The batch sampler named by `sampler.strategy`, sharded for (rank, world_size)."""
@@ -638,7 +648,9 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     if sc.strategy == "random":
         return samplers.RandomShuffleSampler(lengths, sc.token_budget, q=q, **common)
     if sc.strategy == "bucketed":
-        return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, **common)
+        sizes = static_batch_sizes(edges, sc.token_budget, q) if sc.static_shapes else None
+        return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
+                                               **common)
     return samplers.PackedSampler(lengths, sc.token_budget, **common)
 
 

@@ -107,3 +107,21 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
         assert p.summary["complete"] and p.ktok_s > 0
     with pytest.raises(ConfigError, match=r"probe_rounds must be in \[1, probe_steps=8\], got 9"):
         run_probes(preset("smoke"), tmp_path / "x", steps=8, rounds=9)
+
+
+def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly():
+    from dflash_lib.config import preset
+    from dflash_lib.probe import predicted_efficiency, strategy_config
+    from dflash_lib.train import build_sampler
+
+    cfg = strategy_config(preset("smoke"), "static", steps=5)
+    assert cfg.sampler.strategy == "bucketed" and cfg.sampler.static_shapes and cfg.train.stop_at_step == 0
+    lengths = np.random.default_rng(0).integers(10, 500, 400)
+    edges = [100, 250, 500]
+    sampler = build_sampler(cfg, lengths, 0, 1, edges)
+    idx, off = sampler.epoch_plan(0).csr()
+    slots = sum(edges[int(np.searchsorted(edges, lengths[idx[a:b]].max()))] * (b - a)
+                for a, b in zip(off[:-1], off[1:]))
+    assert predicted_efficiency(cfg, sampler, lengths, edges) == pytest.approx(lengths[idx].sum() / slots)
+    with pytest.raises(ConfigError, match="not one of"):
+        strategy_config(preset("smoke"), "megabatch", steps=5)

@@ -282,6 +282,25 @@ def test_command_line_trains_every_strategy(tmp_path, strategy):
         assert served / summary["padded_tokens"] > 0.9
 
 
+def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_path):
+    from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.train import bucket_edges, static_batch_sizes, train
+
+    assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
+    assert static_batch_sizes([100, 500], 2048, q=100.0) == [10, 1]  # costs 100 + 100^2/100 and 500 + 2500
+    with pytest.raises(ConfigError, match="static_shapes needs strategy 'bucketed'"):
+        from_params({"strategy": "sorted", "static_shapes": True}, preset("smoke"))
+    config = from_params({"static_shapes": True, "steps": 4}, preset("smoke"))
+    run_dir = tmp_path / "static"
+    train(config, run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    edges = bucket_edges(config, np.asarray(build_token_store_from_config(config.data, progress=False).lengths))
+    sizes = static_batch_sizes(edges, config.sampler.token_budget)
+    for r in rows:  # (a batch may lose rows to validation, never gain any)
+        assert r["row_len"] == edges[r["bucket"]] and r["rows"] <= sizes[r["bucket"]]
+        assert r["rows"] * r["row_len"] <= config.sampler.token_budget
+
+
 DDP_SCRIPT = """
 import json, sys
 from pathlib import Path
