@@ -40,26 +40,11 @@ import torch  # noqa: E402
 from dflash_lib.config import Config, from_params, preset  # noqa: E402
 from dflash_lib.data import build_token_store_from_config  # noqa: E402
 from dflash_lib.metrics import ThroughputMeter  # noqa: E402
+from dflash_lib.sampler import FixedBatchSampler  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
 from dflash_lib.train import (TrainingParts, Work, bucket_edges, build_optimizer, build_sampler,  # noqa: E402
                               lr_at, make_collate, make_target_workers, run_training, train_step)
 from dflash_lib.validate import BadStepGuard  # noqa: E402
-
-
-class FixedBatches:
-    """The same list of index batches every epoch (so both loops see exactly the same work)."""
-
-    def __init__(self, batches: list[list[int]]) -> None:
-        self.batches = batches
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
 
 
 def steady_rate(times: list[float], tokens: list[int], waits: list[float]) -> dict:
@@ -114,7 +99,7 @@ def run_sequential(config: Config, store, batches, pad_id: int, edges: list[int]
 
 def run_pipeline(config: Config, store, lengths, batches, pad_id: int, edges: list[int]) -> dict:
     target, drafter = models(config)
-    parts = TrainingParts(store, lengths, FixedBatches(batches), [target], drafter, pad_id, False, 0, edges)
+    parts = TrainingParts(store, lengths, FixedBatchSampler(batches), [target], drafter, pad_id, False, 0, edges)
     with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(io.StringIO()):  # no log lines here
         run_training(config, parts, Path(d))
         rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()]

@@ -21,6 +21,7 @@ import torch
 from dflash_lib.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_latest, resume_config_hash
 from dflash_lib.config import from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.sampler import FixedBatchSampler
 from dflash_lib.stop import StopRequest
 from dflash_lib.train import TrainingParts, run_training
 from dflash_lib.validate import NonFiniteLossError
@@ -228,22 +229,6 @@ def test_stop_request_turns_the_first_signal_into_a_flag_and_the_second_into_an_
     assert not inert.installed
 
 
-class ListSampler:
-    """Fixed batches in a fixed order every epoch (the batch-sampler protocol the loop needs)."""
-
-    def __init__(self, batches: list[list[int]]) -> None:
-        self.batches = batches
-
-    def set_epoch(self, epoch: int) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self):
-        return iter(self.batches)
-
-
 def small_store(n: int = 24) -> list:
     rng = np.random.default_rng(0)
     store = []
@@ -259,7 +244,7 @@ def small_parts(config, store: list) -> TrainingParts:
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
     lengths = np.array([len(t) for t, _ in store], dtype=np.int64)
-    sampler = ListSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
+    sampler = FixedBatchSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
     return TrainingParts(store, lengths, sampler, [target], drafter, 0, False, 0, [])
 
 

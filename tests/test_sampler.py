@@ -281,3 +281,14 @@ def test_dominance_needs_a_margin_beyond_measurement_noise():
     assert not dominates(worse_rec, ours) and not dominates(ours, worse_rec)
     exact = [StrategyPoint(n, True, e, r, 0.0, 0.0, 1, None) for n, e, r in [("a", 0.9, 0.1), ("b", 0.9, 0.2)]]
     assert dominates(exact[0], exact[1])  # without noise any strict gain counts
+
+
+def test_fixed_batch_sampler_replays_its_batches_every_epoch():
+    from dflash_lib.sampler import FixedBatchSampler, SamplerError
+
+    s = FixedBatchSampler([[3, 1], [2]])
+    first = list(s)
+    s.set_epoch(5)
+    assert first == list(s) == [[3, 1], [2]] and len(s) == 2
+    with pytest.raises(SamplerError, match="no empty batch"):
+        FixedBatchSampler([[1], []])

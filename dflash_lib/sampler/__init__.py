@@ -2,7 +2,8 @@
 the efficiency-vs-randomness frontier. One file per sampler; `budget` says when a batch is full, the samplers
 say in what order."""
 
-from dflash_lib.sampler.base import EpochBatchSampler, EpochPlan, SamplerError, shard_by_bucket, shard_in_order
+from dflash_lib.sampler.base import (EpochBatchSampler, EpochPlan, FixedBatchSampler, SamplerError, shard_by_bucket,
+                                     shard_in_order)
 from dflash_lib.sampler.bucketed import BucketedShuffleSampler, bucket_of
 from dflash_lib.sampler.budget import TokenBudget, greedy_fill
 from dflash_lib.sampler.frontier import (BASELINES, OURS, StrategyPoint, dominates, dominating_baselines,
@@ -15,7 +16,8 @@ from dflash_lib.sampler.random_shuffle import RandomShuffleSampler
 from dflash_lib.sampler.sorted_static import SortedStaticSampler
 
 __all__ = [
-    "BASELINES", "OURS", "BucketedShuffleSampler", "EpochBatchSampler", "EpochPlan", "LengthGroupedSampler",
+    "BASELINES", "OURS", "BucketedShuffleSampler", "EpochBatchSampler", "EpochPlan", "FixedBatchSampler",
+    "LengthGroupedSampler",
     "PackedSampler", "RandomShuffleSampler", "RandomnessStats", "SamplerError", "SortedStaticSampler",
     "StrategyPoint", "TokenBudget", "as_csr", "bucket_mix", "bucket_mix_kl", "bucket_of", "cobatch_recurrence",
     "cu_seqlens", "dominates", "dominating_baselines", "evaluate_strategies", "format_points", "greedy_fill",

@@ -226,3 +226,23 @@ class EpochBatchSampler(Sampler[list[int]]):
         if not (isinstance(step, (int, np.integer)) and 0 <= step <= steps):
             raise SamplerError(f"sampler state step must be an int in [0, {steps}] for epoch {epoch}, got {step!r}")
         self._epoch, self._step = int(epoch), int(step)
+
+
+class FixedBatchSampler:
+    """The same batches in the same order every epoch: replays a recorded list of index batches, so that two
+    training loops (or a loop and a fault) can be compared on exactly the same work. Plain batch-sampler
+    protocol (set_epoch, len, iteration); no sharding, no resume position."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        if not batches or any(len(b) == 0 for b in batches):
+            raise SamplerError("FixedBatchSampler: needs at least one batch and no empty batch")
+        self.batches = [list(b) for b in batches]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing changes between epochs."""
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
