@@ -313,10 +313,11 @@ dist = distributed.init_distributed(timeout_s=60, device="cpu")
 parts = build_parts(config, dist.device)
 first = [parts.sampler.epoch_plan(0).batch(s, dist.rank) for s in range(3)]  # this rank's first batches
 summary = run_training(config, parts, Path(sys.argv[1]))
-checksum = sum(float(p.double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
+checksum = sum(float(p.detach().double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
 tokens = [int(parts.lengths[b].sum()) for b in first]
 result = {"rank": dist.rank, "checksum": checksum, "steps": summary["steps"], "tokens": tokens}
 (Path(sys.argv[1]).parent / f"rank{dist.rank}.json").write_text(json.dumps(result))  # not stdout: ranks interleave
+distributed.destroy()  # as train() does: a process group left to interpreter exit can abort (SIGABRT) there
 """
 
 
