@@ -22,7 +22,7 @@ from .buckets import plan_for_edges
 from .config import Config, ConfigError, from_params
 from .costmodel import CostModelChoice, StepObservation, select_cost_model, throughput_rel_sd
 from .report.training import load_metrics
-from .sampler import packing_efficiency, padding_efficiency, randomness
+from .sampler import bucket_of, packing_efficiency, padding_efficiency, randomness
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary needs these four
 # plus bucketed with static shapes (rows padded to the bucket edge): the one strategy whose padding is
@@ -66,7 +66,7 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
     if s.static_shapes:  # every row padded to its bucket's upper edge
         idx, off = batches
         longest = np.maximum.reduceat(lengths[idx], off[:-1])  # (S,) longest sample of each batch
-        edge = np.asarray(edges)[np.searchsorted(np.asarray(edges), longest, side="left")]  # (S,)
+        edge = np.asarray(edges)[bucket_of(longest, edges)]  # (S,) the edge each batch is padded to
         return float(lengths[idx].sum() / (edge * np.diff(off)).sum())
     if s.strategy == "bucketed":
         q = config.buckets.q if config.buckets.cost == "quadratic" else None
@@ -115,7 +115,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
              else int(first_steps["step"].iloc[len(first_steps) // 2]) if len(first_steps) else 1)
     resumed = np.zeros(len(metrics), dtype=bool)
     for step in resumed_at:
-        resumed |= (metrics["step"] > step).to_numpy() & (metrics["step"] <= step + RESUME_WARMUP).to_numpy()
+        resumed |= metrics["step"].between(step + 1, step + RESUME_WARMUP).to_numpy()
     measured = metrics[~resumed]
     obs = observations(measured, start, attention, "probe")
     if not obs:

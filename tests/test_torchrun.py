@@ -3,6 +3,7 @@ size, refuse another; a rank killed mid-run makes the other exit with an error, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -31,9 +32,9 @@ def cli_params(params: dict) -> list[str]:
     return [x for k, v in params.items() for x in ("-p", k, json.dumps(v))]
 
 
-def torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def torchrun(run_dir: Path, *extra: str, params: dict = PARAMS) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(run_dir), *cli_params(PARAMS), *extra]
+           "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(run_dir), *cli_params(params), *extra]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -85,51 +86,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error_within_the_timeout(tmp_path):
-    """The two ranks are started by hand, as torchrun would (its agent would kill the survivor itself)."""
+@contextlib.contextmanager
+def two_ranks_at_step_3(run_dir: Path, params: dict):
+    """Two training ranks started by hand, as torchrun would start them; yields (rank0, rank1, rank 0's output
+    lines, read live) once rank 0 has logged step 3. Every rank is killed on the way out if still running."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(tmp_path),
-           *cli_params({**PARAMS, "steps": 500, "dist_timeout_s": TIMEOUT_S})]
-    procs = []
-    for rank in range(2):
-        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    rank0, rank1 = procs
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in rank0.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 180
-        while not any(line.startswith("step 3 |") for line in list(lines)) and time.monotonic() < deadline:
-            assert rank0.poll() is None, "\n".join(lines[-20:])
-            time.sleep(0.02)
-        rank1.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        rc = rank0.wait(timeout=TIMEOUT_S + 60)  # a hang would end here with TimeoutExpired
-        waited_s = time.monotonic() - killed_at
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=30)
-    reader.join(timeout=10)
-    out = "\n".join(lines)
-    assert rc == 1, out[-3000:]
-    assert "error: DistributedError: rank 0/2:" in out and "a peer died or did not answer within 8.0 s" in out
-    assert waited_s < TIMEOUT_S + 20  # the configured timeout plus process teardown, not a hang
-    assert list_checkpoints(tmp_path / "checkpoints")  # the checkpoints written before the failure remain
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
-    """A scheduler may signal one task first: the stop is agreed over all ranks at the step boundary, every rank
-    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it."""
-    port = _free_port()
-    params = {**PARAMS, "steps": 400}
-    cmd = [sys.executable, "-m", "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(run_dir),
            *cli_params(params)]
     procs = []
     for rank in range(2):
@@ -146,14 +108,39 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_an
         while not any(line.startswith("step 3 |") for line in list(lines)) and time.monotonic() < deadline:
             assert rank0.poll() is None, "\n".join(lines[-20:])
             time.sleep(0.02)
-        rank1.send_signal(signal.SIGTERM)  # rank 0 gets nothing
-        codes = [p.wait(timeout=120) for p in procs]
+        yield rank0, rank1, lines
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
-    reader.join(timeout=10)
+        reader.join(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error_within_the_timeout(tmp_path):
+    """The two ranks are started by hand, as torchrun would (its agent would kill the survivor itself)."""
+    params = {**PARAMS, "steps": 500, "dist_timeout_s": TIMEOUT_S}
+    with two_ranks_at_step_3(tmp_path, params) as (rank0, rank1, lines):
+        rank1.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        rc = rank0.wait(timeout=TIMEOUT_S + 60)  # a hang would end here with TimeoutExpired
+        waited_s = time.monotonic() - killed_at
+    out = "\n".join(lines)
+    assert rc == 1, out[-3000:]
+    assert "error: DistributedError: rank 0/2:" in out and "a peer died or did not answer within 8.0 s" in out
+    assert waited_s < TIMEOUT_S + 20  # the configured timeout plus process teardown, not a hang
+    assert list_checkpoints(tmp_path / "checkpoints")  # the checkpoints written before the failure remain
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
+    """A scheduler may signal one task first: the stop is agreed over all ranks at the step boundary, every rank
+    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it."""
+    params = {**PARAMS, "steps": 400}
+    with two_ranks_at_step_3(tmp_path, params) as (rank0, rank1, lines):
+        rank1.send_signal(signal.SIGTERM)  # rank 0 gets nothing
+        codes = [p.wait(timeout=120) for p in (rank0, rank1)]
     out = "\n".join(lines)
     assert codes == [0, 0], out[-3000:] + rank1.stdout.read()[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -162,11 +149,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_an
     assert summary["stop_reason"] == "a stop signal on another rank"  # rank 0 writes: it was not signalled
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, stopped + 1))
     assert list_checkpoints(tmp_path / "checkpoints")[-1].name == f"ckpt-{stopped:08d}"
-    resumed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash_lib",
-         "train", "--preset", "smoke", "--run-dir", str(tmp_path), *cli_params(params),
-         "-p", "stop_at_step", str(stopped + 2)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    resumed = torchrun(tmp_path, "-p", "stop_at_step", str(stopped + 2), params=params)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, stopped + 3))
