@@ -75,6 +75,7 @@ class SamplerConfig:
     edges: list[int] = field(default_factory=list)  # bucket upper edges; empty = optimal for the data
     plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
     sampler_seed: int = 0  # sampler seed; epoch e uses (sampler_seed, e)
+    block_budget: int = 0  # drafter query tokens (anchors x block_size) per micro-batch; 0 = derived (see sampler)
     pack_window: int = 64  # packed: open rows the best-fit packer chooses among (larger = tighter, less random)
     static_shapes: bool = False  # bucketed: budget // edge rows per batch, every row padded to its bucket's upper
     # edge (k fixed shapes, as CUDA graphs / torch.compile want; what the "edge" objective prices exactly)
@@ -85,6 +86,7 @@ class SamplerConfig:
             raise ConfigError(f"static_shapes needs strategy 'bucketed', got strategy {self.strategy!r}")
         _positive("token_budget", self.token_budget)
         _positive("pack_window", self.pack_window)
+        _non_negative("block_budget", self.block_budget)
         if any(b <= a for a, b in zip(self.edges, self.edges[1:])):
             raise ConfigError(f"edges must be strictly ascending, got {self.edges}")
 
@@ -103,6 +105,8 @@ class ModelConfig:
     ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory); 0 = one unchunked pass
     target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the dflash.md rule
     attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
+    drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
+    drafter_checkpointing: str = "auto"  # activation checkpointing per drafter layer: "auto" (on for CUDA) | "true" | "false"
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -112,6 +116,8 @@ class ModelConfig:
         _non_negative("ce_chunk_blocks", self.ce_chunk_blocks)
         _non_negative("gamma", self.gamma)
         _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
+        _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
+        _choice("drafter_checkpointing", self.drafter_checkpointing, ("auto", "true", "false"))
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
