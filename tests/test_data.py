@@ -67,26 +67,90 @@ def test_json_array_across_tiny_read_chunks(tmp_path, monkeypatch):
     assert convs[5].turns[3] == ("user", "日本語 " * 5)
 
 
-@settings(max_examples=25, deadline=None)
-@given(cut=st.integers(min_value=1, max_value=400))
-def test_truncated_json_keeps_complete_records_and_counts_tail(tmp_path_factory, cut):
-    records = [dict(CONV_B, id=f"r{i}") for i in range(6)]
-    full = json.dumps(records, ensure_ascii=False, indent=1).encode()
-    data = full[: max(2, len(full) - cut)]
-    path = tmp_path_factory.mktemp("trunc") / "t.json"
-    path.write_bytes(data)
-    # Expected: the longest prefix of complete records, and every byte after its separator.
-    ends = [len(json.dumps(records[: r + 1], indent=1).encode()) - 2 for r in range(6)]  # minus the "\n]"
-    complete = [r for r in range(6) if ends[r] <= len(data)]
+# (head, separator, tail) of a JSON array as writers lay it out: compact, one record per line, spaced commas
+ARRAY_LAYOUTS = [(b"[", b",", b"]"), (b"[\n ", b",\n ", b"\n]\n"), (b" [ ", b" , ", b" ] ")]
+
+
+def json_array(records: list[dict], layout: tuple[bytes, bytes, bytes]) -> tuple[bytes, list[int]]:
+    """The UTF-8 bytes of `records` as a JSON array, and the byte offset just past each record's closing brace."""
+    head, sep, tail = layout
+    data, ends = bytearray(head), []
+    for i, record in enumerate(records):
+        data += (sep if i else b"") + json.dumps(record, ensure_ascii=False).encode()
+        ends.append(len(data))
+    return bytes(data + tail), ends
+
+
+def message_record(i: int, question: str, answer: str) -> dict:
+    return {"id": f"r{i}", "messages": [{"role": "user", "content": question},
+                                        {"role": "assistant", "content": answer}]}
+
+
+def check_cut(path: Path, data: bytes, ends: list[int], records: list[dict], cut: int) -> None:
+    """Read `data[:cut]`: exactly the records whose closing brace survived, in order and with their content, and
+    every byte after the last one's separator counted as trailing (a closing bracket and blanks are not)."""
+    path.write_bytes(data[:cut])
     stream = load_conversations(str(path))
-    if not complete:
-        with pytest.raises(DataError, match="no usable conversation"):
+    n = sum(end <= cut for end in ends)  # records that end inside the cut
+    if b"[" not in data[:cut]:
+        with pytest.raises(DataError, match="expected a JSON array"):
             list(stream)
         return
-    assert [c.id for c in stream] == [f"r{i}" for i in complete]
-    rest = data[ends[len(complete) - 1]:].lstrip(b", \n")
-    expected_tail = 0 if rest.strip() in (b"", b"]") else len(rest)
-    assert stream.report.trailing_bytes == expected_tail
+    if n == 0:
+        with pytest.raises(DataError, match="no usable conversation among 0 records"):
+            list(stream)
+        return
+    got = [(c.record, c.id, c.turns) for c in stream]
+    expected = [(i, r["id"], tuple((t["role"], t["content"]) for t in r["messages"])) for i, r in enumerate(records)]
+    assert got == expected[:n], f"cut at byte {cut} of {len(data)}"
+    rest = data[ends[n - 1]:cut].lstrip(b" \n,")
+    tail = len(rest[1:].strip()) if rest.startswith(b"]") else len(rest)
+    assert (stream.report.records_seen, stream.report.trailing_bytes) == (n, tail), f"cut at byte {cut}"
+
+
+@pytest.mark.parametrize("layout", ARRAY_LAYOUTS, ids=["compact", "lines", "spaced"])
+@pytest.mark.parametrize("chunk", [3, 1 << 22], ids=["3-byte reads", "one read"])
+def test_every_cut_of_a_small_array_keeps_exactly_the_complete_records(tmp_path, monkeypatch, layout, chunk):
+    """Every byte position, including right after each closing brace, right after each separator and inside the
+    2-, 3- and 4-byte characters (a cut character is tail, not a UTF-8 error)."""
+    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", chunk)
+    records = [message_record(0, "2+2?", "4"), message_record(1, "ü?", "日本語 🙂"), message_record(2, "x", "}]")]
+    data, ends = json_array(records, layout)
+    for cut in range(len(data) + 1):
+        check_cut(tmp_path / "t.json", data, ends, records, cut)
+
+
+texts = st.text(st.characters(codec="utf-8"), max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.lists(st.tuples(texts, texts), min_size=1, max_size=5), layout=st.sampled_from(ARRAY_LAYOUTS),
+       chunk=st.sampled_from([4, 64, 1 << 22]), random_cuts=st.lists(st.integers(0, 10 ** 6), max_size=4))
+def test_truncated_json_keeps_exactly_the_complete_records(tmp_path_factory, pairs, layout, chunk, random_cuts):
+    """Random records and layouts; always cut right after each record's closing brace, right after the first
+    byte of its separator and after the whole separator, one byte before the brace, and at random."""
+    records = [message_record(i, q, a) for i, (q, a) in enumerate(pairs)]
+    data, ends = json_array(records, layout)
+    sep = len(layout[1])
+    cuts = {c for end in ends for c in (end - 1, end, end + 1, end + sep)} | {c % (len(data) + 1) for c in random_cuts}
+    path = tmp_path_factory.mktemp("trunc") / "t.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(readers, "READ_CHUNK_BYTES", chunk)
+        for cut in sorted(c for c in cuts if c <= len(data)):
+            check_cut(path, data, ends, records, cut)
+
+
+def test_a_number_cut_by_the_end_of_the_file_is_tail_not_a_record(tmp_path):
+    """`[{...}, 123` cut to `[{...}, 12`: the 12 may have lost digits, so it is not read as a record."""
+    path = tmp_path / "n.json"
+    path.write_bytes(b"[" + json.dumps(CONV_B).encode() + b", 12")
+    stream = load_conversations(str(path))
+    assert [c.id for c in stream] == ["b"]
+    assert (stream.report.records_seen, stream.report.trailing_bytes) == (1, 2)
+    path.write_bytes(b"[" + json.dumps(CONV_B).encode() + b", 12]")  # closed: a complete (skipped) record
+    stream = load_conversations(str(path))
+    assert [c.id for c in stream] == ["b"]
+    assert stream.report.records_seen == 2 and stream.report.skipped == {readers.NOT_AN_OBJECT: 1}
 
 
 def test_bundled_corpus_is_truncated_and_every_complete_record_is_read():

@@ -229,15 +229,18 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
     utf8 = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as fh:
         buf, pos, eof, consumed = "", 0, False, 0  # consumed: characters dropped from the front of buf
+        cut_char = 0  # bytes of a multi-byte character that the end of a truncated file cut off (part of the tail)
 
         def refill(at_least: int) -> None:
-            nonlocal buf, pos, eof, consumed
+            nonlocal buf, pos, eof, consumed, cut_char
             data = fh.read(max(READ_CHUNK_BYTES, at_least))
             eof = not data
             try:
-                text = utf8.decode(data, final=eof)
+                text = utf8.decode(data)  # not final at EOF either: a cut-off character is tail, not bad UTF-8
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}: not valid UTF-8 near character {consumed + len(buf)}: {e}") from None
+            if eof:
+                cut_char = len(utf8.getstate()[0])
             consumed += pos
             buf, pos = buf[pos:] + text, 0
 
@@ -252,15 +255,18 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
             pos = _SEPARATORS.match(buf, pos).end()
             if pos == len(buf):
                 if eof:
-                    return  # truncated right after a complete record: nothing lost
+                    report.trailing_bytes = cut_char  # truncated right after a complete record: nothing lost
+                    return
                 refill(0)
                 continue
             if buf[pos] == "]":
-                report.trailing_bytes = len(buf[pos + 1:].strip().encode())  # junk after the array, if any
+                report.trailing_bytes = len(buf[pos + 1:].strip().encode()) + cut_char  # junk after the array
                 return
             try:
                 obj, end = decoder.raw_decode(buf, pos)
-                complete = end < len(buf) or eof  # a value touching the buffer's end may continue in the file
+                # A value touching the buffer's end may continue in the file; at EOF only a number may have lost
+                # digits (objects, arrays, strings and literals end in a character that closes them).
+                complete = end < len(buf) or (eof and not buf[end - 1].isdigit())
             except json.JSONDecodeError:
                 complete = False
             except (RecursionError, ValueError) as e:  # nesting too deep, an integer of > 4300 digits, ...
@@ -271,7 +277,7 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
                 yield obj
                 continue
             if eof:
-                report.trailing_bytes = len(buf[pos:].encode())
+                report.trailing_bytes = len(buf[pos:].encode()) + cut_char
                 return
             if len(buf) - pos > MAX_RECORD_CHARS:
                 raise DataError(f"{path}: the record at character {consumed + pos} is not valid JSON "
