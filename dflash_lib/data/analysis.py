@@ -1,4 +1,5 @@
-"""Length statistics of a token store: counts, totals, percentiles, share above max_len, skips by reason."""
+"""Length statistics of a token store: counts, totals, percentiles, share above max_len, skips by reason; and
+what each sample costs the drafter: its valid anchor positions and drafter query tokens. numpy only."""
 
 from __future__ import annotations
 
@@ -57,6 +58,56 @@ def summarize_store(store) -> LengthSummary:
     frame = store.lengths_frame()
     return summarize_lengths(frame["length"].to_numpy(), frame["raw_length"].to_numpy(),
                              frame["assistant_tokens"].to_numpy(), store.meta["settings"]["max_len"])
+
+
+def valid_anchor_counts(loss_mask: np.ndarray, offsets: np.ndarray, max_len: int | None = None,
+                        chunk_tokens: int = 1 << 24) -> np.ndarray:
+    """(N,) int64 valid anchor positions of each sample, the candidates `models.anchors.sample_anchors` draws from.
+
+    Position a (sample-local) is valid when loss_mask[a] and loss_mask[a + 1] are set and a + 1 < length.
+    loss_mask: (T,) bool/uint8 of all samples back to back; offsets: (N + 1,) int64, sample i is
+    [offsets[i], offsets[i + 1]). max_len (tokens): count each sample as cut to its first max_len tokens, the
+    store's "truncate" policy (None: as stored). Vectorised, O(T), memory bounded by `chunk_tokens` per pass.
+    """
+    off = np.asarray(offsets, dtype=np.int64)
+    if off.ndim != 1 or off.size < 1 or off[0] != 0 or (np.diff(off) < 0).any():
+        raise ValueError(f"offsets must be (N + 1,) ascending from 0, got shape {off.shape}")
+    if len(loss_mask) != off[-1]:
+        raise ValueError(f"loss_mask has {len(loss_mask)} tokens, offsets say {int(off[-1])}")
+    if max_len is not None and not (isinstance(max_len, (int, np.integer)) and max_len >= 1):
+        raise ValueError(f"max_len must be an int >= 1 (tokens) or None, got {max_len!r}")
+    start = off[:-1]
+    end = off[1:] if max_len is None else np.minimum(off[1:], start + max_len)  # (N,) exclusive
+    counts = np.zeros(len(start), dtype=np.int64)
+    i = 0
+    while i < len(start):  # samples [i, j) in one pass of about chunk_tokens tokens
+        j = max(i + 1, int(np.searchsorted(off, off[i] + chunk_tokens, side="right")) - 1)
+        j = min(j, len(start))
+        lo, hi = int(off[i]), int(off[j])
+        m = np.asarray(loss_mask[lo:hi]) != 0  # (t,)
+        pair = np.concatenate([[0], np.cumsum(m[:-1] & m[1:], dtype=np.int64)])  # (t,) pairs starting before p
+        s, e = start[i:j] - lo, end[i:j] - lo  # (n,) chunk-local
+        top = max(hi - lo - 1, 0)  # clamps the indices of empty samples (their count is 0 anyway)
+        counts[i:j] = np.where(e > s, pair[np.minimum(np.maximum(e - 1, s), top)] - pair[np.minimum(s, top)], 0)
+        i = j
+    return counts
+
+
+def drafter_queries(anchor_counts: np.ndarray, num_anchors: int, block_size: int) -> np.ndarray:
+    """(N,) int64 drafter query tokens of each sample per step: min(num_anchors, valid anchors) * block_size."""
+    if num_anchors < 1 or block_size < 1:
+        raise ValueError(f"num_anchors and block_size must be >= 1, got {num_anchors}, {block_size}")
+    return np.minimum(np.asarray(anchor_counts, dtype=np.int64), num_anchors) * block_size
+
+
+def store_drafter_queries(store, num_anchors: int, block_size: int) -> np.ndarray:
+    """drafter_queries of every sample of a TokenStore (read from its memmapped loss mask), (N,) int64."""
+    from dflash_lib.data.store import MASK_FILE, OFFSETS_FILE
+
+    offsets = np.load(store.path / OFFSETS_FILE, mmap_mode="r")  # (N + 1,) int64
+    mask = (np.memmap(store.path / MASK_FILE, dtype=np.uint8, mode="r") if int(offsets[-1])
+            else np.zeros(0, np.uint8))  # (T,); mmap refuses empty files
+    return drafter_queries(valid_anchor_counts(mask, offsets), num_anchors, block_size)
 
 
 def skip_table(report: LoadReport):
