@@ -130,9 +130,15 @@ class EpochBatchSampler(Sampler[list[int]]):
     a DataLoader prefetches, so a trainer that resumes exactly should save the number of steps it consumed
     instead, e.g. `state = sampler.state_dict() | {"step": consumed}`. `__len__` is the steps per epoch of one
     rank (equal on all ranks).
+
+    Block budget (optional, every subclass that batches under a budget): `queries` (N,) drafter query tokens per
+    sample (anchors x block_size, `dflash_lib.data.analysis.store_drafter_queries`) and `block_budget` (query
+    tokens per batch) bound every batch's summed queries too; both None = tokens only. The budget and a hash of
+    the queries enter the state fingerprint, so a resume with other ones is refused.
     """
 
-    def __init__(self, lengths: Any, *, seed: int, rank: int, world_size: int) -> None:
+    def __init__(self, lengths: Any, *, seed: int, rank: int, world_size: int, queries: Any = None,
+                 block_budget: int | None = None) -> None:
         super().__init__()
         try:
             self.lengths = check_lengths(lengths)
@@ -145,6 +151,9 @@ class EpochBatchSampler(Sampler[list[int]]):
         if not (isinstance(rank, (int, np.integer)) and 0 <= rank < world_size):
             raise SamplerError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        from dflash_lib.sampler.budget import check_queries  # budget imports SamplerError from here
+
+        self.queries, self.blocks = check_queries(queries, len(self.lengths), block_budget)  # (N,) | None
         self._epoch, self._step = 0, 0
         self._cached: tuple[int, EpochPlan] | None = None
 
@@ -199,14 +208,24 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     # -- resume
 
+    @property
+    def block_budget(self) -> int | None:
+        """Drafter query tokens per batch, or None when batches are bounded by tokens only."""
+        return None if self.blocks is None else int(self.blocks.queries)
+
     def _fingerprint(self) -> str:
         h = hashlib.sha256(self.lengths.tobytes())
-        h.update(json.dumps({"kind": type(self).__name__, **self._settings()}, sort_keys=True).encode())
+        settings = self._settings()
+        if self.queries is not None:  # tokens-only samplers keep the fingerprint they always had
+            h.update(self.queries.tobytes())
+            settings = settings | {"block_budget": self.block_budget}
+        h.update(json.dumps({"kind": type(self).__name__, **settings}, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": type(self).__name__, "epoch": self._epoch, "step": self._step, "seed": self.seed,
-                "world_size": self.world_size, "fingerprint": self._fingerprint()}
+                "world_size": self.world_size, "block_budget": self.block_budget,
+                "fingerprint": self._fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at (state["epoch"], state["step"]) exactly; refuses a state from other data or settings."""
@@ -214,7 +233,7 @@ class EpochBatchSampler(Sampler[list[int]]):
             if key not in state:
                 raise SamplerError(f"sampler state lacks {key!r} (has {sorted(state)})")
         checks = {"sampler": type(self).__name__, "seed": self.seed, "world_size": self.world_size,
-                  "fingerprint": self._fingerprint()}
+                  "block_budget": self.block_budget, "fingerprint": self._fingerprint()}
         for key, mine in checks.items():
             if key in state and state[key] != mine:
                 raise SamplerError(f"sampler state {key}={state[key]!r} does not match this sampler's {mine!r}: "

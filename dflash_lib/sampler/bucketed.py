@@ -32,14 +32,17 @@ def bucket_of(lengths: np.ndarray, edges: Sequence[int]) -> np.ndarray:
 
 
 class BucketedShuffleSampler(EpochBatchSampler):
-    """Per epoch: shuffle each bucket, fill batches while (n + 1) * g(max) <= token_budget (or use fixed
-    `batch_sizes`, one per bucket, e.g. BucketPlan.batch_sizes for kernel-friendly static shapes), then order
-    the batches by proportional bucket choice (`bucket_choice="uniform"` exists only to show its flaw)."""
+    """Per epoch: shuffle each bucket, fill batches while (n + 1) * g(max) <= token_budget and (given `queries`)
+    their drafter query tokens stay <= block_budget (or use fixed `batch_sizes`, one per bucket, e.g.
+    BucketPlan.batch_sizes for kernel-friendly static shapes; with `queries` each size must keep the bucket's
+    worst batch, its b costliest samples, within block_budget), then order the batches by proportional bucket
+    choice (`bucket_choice="uniform"` exists only to show its flaw)."""
 
     def __init__(self, lengths: Any, edges: Sequence[int], token_budget: int, seed: int = 0, *, rank: int = 0,
                  world_size: int = 1, q: float | None = None, batch_sizes: Sequence[int] | None = None,
-                 bucket_choice: str = "proportional") -> None:
-        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size)
+                 bucket_choice: str = "proportional", queries: Any = None, block_budget: int | None = None) -> None:
+        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size, queries=queries,
+                         block_budget=block_budget)
         if bucket_choice not in ("proportional", "uniform"):
             raise SamplerError(f"bucket_choice must be 'proportional' or 'uniform', got {bucket_choice!r}")
         buckets = bucket_of(self.lengths, edges)  # validates edges first
@@ -62,6 +65,13 @@ class BucketedShuffleSampler(EpochBatchSampler):
                 i = int(over[0])
                 raise SamplerError(f"batch_sizes[{i}] = {int(sizes[i])} rows of {self.edges[i]} tokens exceed "
                                    f"token_budget {self.budget.tokens}")
+            if self.queries is not None:
+                for i, members in enumerate(self._members):
+                    worst = int(np.sort(self.queries[members])[::-1][:sizes[i]].sum())  # its b costliest samples
+                    if worst > self.block_budget:
+                        raise SamplerError(f"batch_sizes[{i}] = {int(sizes[i])} rows of bucket {i} can hold {worst} "
+                                           f"drafter query tokens (its {int(sizes[i])} costliest samples), more "
+                                           f"than block_budget {self.block_budget}: lower the batch size")
             self.batch_sizes = tuple(int(b) for b in sizes)
 
     @property
@@ -81,7 +91,8 @@ class BucketedShuffleSampler(EpochBatchSampler):
                 continue
             perm = members[rng.permutation(members.size)]  # (n_k,) this epoch's order inside bucket k
             if self.batch_sizes is None:
-                offs = greedy_fill(self.lengths[perm], self._capacity)
+                offs = greedy_fill(self.lengths[perm], self._capacity,
+                                   None if self.queries is None else self.queries[perm], self.block_budget)
             else:
                 offs = np.append(np.arange(0, members.size, self.batch_sizes[k]), members.size)
             orders.append(perm)

@@ -17,27 +17,44 @@ import numpy as np
 from dflash_lib.sampler.base import EpochBatchSampler, EpochPlan, SamplerError, shard_in_order
 
 
-def pack_rows(lengths: np.ndarray, budget: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack samples of `lengths` tokens (n,), in the given order, into rows of <= budget tokens.
+def pack_rows(lengths: np.ndarray, budget: int, window: int, queries: np.ndarray | None = None,
+              block_budget: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pack samples of `lengths` tokens (n,), in the given order, into rows of <= budget tokens and, given
+    `queries` (n,) drafter query tokens, <= block_budget query tokens (each sample must fit on its own).
 
+    With two budgets, best fit runs on the one the data fills faster (sum(queries) / block_budget against
+    sum(lengths) / budget), and the open rows are scanned from the tightest fit for room in the other one: the
+    scan stays short because the other one rarely binds. Without queries, exactly the tokens-only packer.
     Returns (positions (n,), offsets (R + 1,)): row r holds positions[offsets[r]:offsets[r+1]] (indices into
     `lengths`), rows in the order they were closed.
     """
     x = lengths.tolist()
-    smallest = min(x)
-    open_rows: list[tuple[int, int]] = []  # (room left in tokens, row id), ascending
+    if queries is None:
+        first, second, cap1, cap2 = x, [0] * len(x), budget, 0  # the second budget never binds
+    elif int(queries.sum()) * budget > int(lengths.sum()) * block_budget:  # drafter queries fill rows first
+        first, second, cap1, cap2 = queries.tolist(), x, int(block_budget), budget
+    else:
+        first, second, cap1, cap2 = x, queries.tolist(), budget, int(block_budget)
+    smallest1, smallest2 = min(first), min(second)
+    open_rows: list[tuple[int, int]] = []  # (room left in the first budget, row id), ascending
+    room2: list[int] = []  # room left in the second budget, by row id
     rows: list[list[int]] = []
     closed: list[int] = []
-    for pos, length in enumerate(x):
-        i = bisect_left(open_rows, (length, -1))  # the tightest open row with room >= length
+    for pos, (need1, need2) in enumerate(zip(first, second)):
+        i = bisect_left(open_rows, (need1, -1))  # the tightest open row with room >= need1 ...
+        if need2:
+            while i < len(open_rows) and room2[open_rows[i][1]] < need2:  # ... and room for need2
+                i += 1
         if i < len(open_rows):
             room, rid = open_rows.pop(i)
             rows[rid].append(pos)
-            room -= length
+            room -= need1
+            room2[rid] -= need2
         else:
-            rid, room = len(rows), budget - length
+            rid, room = len(rows), cap1 - need1
             rows.append([pos])
-        if room < smallest:
+            room2.append(cap2 - need2)
+        if room < smallest1 or room2[rid] < smallest2:
             closed.append(rid)
             continue
         insort(open_rows, (room, rid))
@@ -55,11 +72,13 @@ def cu_seqlens(batch: list[int] | np.ndarray, lengths: np.ndarray) -> np.ndarray
 
 
 class PackedSampler(EpochBatchSampler):
-    """Each batch is ONE row: a list of sample indices whose lengths sum to <= token_budget tokens."""
+    """Each batch is ONE row: a list of sample indices whose lengths sum to <= token_budget tokens and (given
+    `queries`) whose drafter query tokens sum to <= block_budget."""
 
     def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
-                 window: int = 64) -> None:
-        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size)
+                 window: int = 64, queries: Any = None, block_budget: int | None = None) -> None:
+        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size, queries=queries,
+                         block_budget=block_budget)
         if not (isinstance(token_budget, (int, np.integer)) and token_budget >= 1):
             raise SamplerError(f"token_budget must be an int >= 1, got {token_budget!r}")
         if not (isinstance(window, (int, np.integer)) and window >= 1):
@@ -75,5 +94,6 @@ class PackedSampler(EpochBatchSampler):
 
     def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
         perm = rng.permutation(len(self.lengths))
-        positions, offsets = pack_rows(self.lengths[perm], self.token_budget, self.window)
+        positions, offsets = pack_rows(self.lengths[perm], self.token_budget, self.window,
+                                       None if self.queries is None else self.queries[perm], self.block_budget)
         return shard_in_order(perm[positions], offsets, self.world_size, rng.permutation(len(offsets) - 1))

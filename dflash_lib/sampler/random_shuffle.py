@@ -12,11 +12,13 @@ from dflash_lib.sampler.budget import TokenBudget, greedy_fill
 
 
 class RandomShuffleSampler(EpochBatchSampler):
-    """Uniform permutation per epoch; each batch grows while (n + 1) * g(max) <= token_budget."""
+    """Uniform permutation per epoch; each batch grows while (n + 1) * g(max) <= token_budget and (given
+    `queries`) its drafter query tokens stay <= block_budget."""
 
     def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
-                 q: float | None = None) -> None:
-        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size)
+                 q: float | None = None, queries: Any = None, block_budget: int | None = None) -> None:
+        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size, queries=queries,
+                         block_budget=block_budget)
         self.budget = TokenBudget(token_budget, q)
         self.budget.check_longest(self.lengths)
         self._capacity = self.budget.capacity_table(int(self.lengths.max()))
@@ -26,4 +28,6 @@ class RandomShuffleSampler(EpochBatchSampler):
 
     def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
         order = rng.permutation(len(self.lengths))
-        return shard_in_order(order, greedy_fill(self.lengths[order], self._capacity), self.world_size)
+        q = None if self.queries is None else self.queries[order]
+        return shard_in_order(order, greedy_fill(self.lengths[order], self._capacity, q, self.block_budget),
+                              self.world_size)
