@@ -15,6 +15,7 @@ from dflash_lib.sampler import (BucketedShuffleSampler, LengthGroupedSampler, Pa
 
 BUDGET = 256
 EDGES = (16, 40, 64)
+FIXED_SIZES = (5, 3, 2)  # "bucketed_fixed": rows per batch of each bucket, under BUDGET (80, 120, 128 tokens)
 
 
 def make(kind, lengths, seed=0, rank=0, world_size=1, **kw):
@@ -24,12 +25,15 @@ def make(kind, lengths, seed=0, rank=0, world_size=1, **kw):
         return RandomShuffleSampler(lengths, BUDGET, seed, rank=rank, world_size=world_size, **kw)
     if kind == "bucketed":
         return BucketedShuffleSampler(lengths, EDGES, BUDGET, seed, rank=rank, world_size=world_size, **kw)
+    if kind == "bucketed_fixed":
+        return BucketedShuffleSampler(lengths, EDGES, BUDGET, seed, rank=rank, world_size=world_size,
+                                      batch_sizes=FIXED_SIZES, **kw)
     if kind == "packed":
         return PackedSampler(lengths, BUDGET, seed, rank=rank, world_size=world_size, window=4, **kw)
     return LengthGroupedSampler(lengths, 5, seed, rank=rank, world_size=world_size, mega_batch_mult=3, **kw)
 
 
-KINDS = ["sorted", "random", "bucketed", "packed", "grouped"]
+KINDS = ["sorted", "random", "bucketed", "bucketed_fixed", "packed", "grouped"]
 
 
 def lognormal_lengths(n, seed=0, mu=6.0, sigma=1.0, max_len=3072):
@@ -78,7 +82,7 @@ def test_every_sample_once_equal_steps_budget_and_determinism(kind, lengths, wor
     assert all(batches_fit(kind, lengths, b) for r in per_rank for b in r)
     if kind == "grouped":
         assert sum(len(b) < 5 for r in per_rank for b in r) <= 1
-    if kind == "bucketed":  # all ranks at step s draw from the same bucket, and every batch is one bucket
+    if kind.startswith("bucketed"):  # all ranks at step s draw from the same bucket, and every batch is one bucket
         buckets = [[set(np.searchsorted(EDGES, lengths[b]).tolist()) for b in r] for r in per_rank]
         assert all(len(s) == 1 for r in buckets for s in r)
         assert all(len({next(iter(r[s])) for r in buckets}) == 1 for s in range(plan.num_steps))
@@ -107,6 +111,47 @@ def test_resume_equals_the_rest_of_an_uninterrupted_epoch(kind, seed, world_size
     resumed.set_epoch(epoch)  # a trainer calling set_epoch after the load keeps the position
     assert list(resumed) == expected[step:]
     assert resumed.epoch == epoch + 1 and resumed.step == 0  # a finished epoch moves on by itself
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=150),
+       sizes=st.tuples(st.integers(1, 16), st.integers(1, 6), st.integers(1, 4)), world_size=st.integers(1, 4),
+       seed=st.integers(0, 2**31), epoch=st.integers(0, 3))
+def test_fixed_batch_sizes_serve_every_sample_once_and_count_every_drop(lengths, sizes, world_size, seed, epoch):
+    """The documented rule, computed here on its own: bucket k (EDGES[k-1], EDGES[k]] of n_k samples makes
+    ceil(n_k / b_k) batches, all of b_k rows but a last partial one; its batches are dealt in groups of world_size
+    and only the last incomplete group is left out, counted in `dropped`. One rank: every sample exactly once."""
+    lengths = np.array(lengths)
+    bucket = np.searchsorted(EDGES, lengths)  # (N,)
+    n_k, b_k = np.bincount(bucket, minlength=3), np.array(sizes)
+    count_k = -(-n_k // b_k)  # (3,) batches per bucket
+    groups_k = count_k // world_size  # (3,) steps per bucket
+    fill = [[int(b)] * (c - 1) + [int(n - b * (c - 1))] if c else [] for n, b, c in zip(n_k, b_k, count_k)]
+    kept = [sorted(f[:g * world_size]) for f, g in zip(fill, groups_k)]  # row counts of the batches served
+    samplers = [BucketedShuffleSampler(lengths, EDGES, BUDGET, seed, rank=r, world_size=world_size,
+                                       batch_sizes=sizes) for r in range(world_size)]
+    if world_size > count_k.sum() or groups_k.sum() == 0:
+        with pytest.raises(SamplerError, match="world_size"):
+            samplers[0].epoch_plan(epoch)
+        return
+    per_rank = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        per_rank.append(list(s))
+    assert [len(r) for r in per_rank] == [int(groups_k.sum())] * world_size
+    for step in range(int(groups_k.sum())):  # one bucket per step, on every rank
+        assert len({int(bucket[i]) for r in per_rank for i in r[step]}) == 1
+    served = [np.asarray(b) for r in per_rank for b in r]
+    got = [sorted(len(b) for b in served if bucket[b[0]] == k) for k in range(3)]
+    assert got == kept
+    flat = np.concatenate(served)
+    assert len(flat) == len(set(flat.tolist()))  # no sample twice, across ranks
+    dropped = int(n_k.sum() - sum(map(sum, kept)))
+    assert samplers[0].dropped == dropped and len(flat) + dropped == len(lengths)
+    left_out = np.setdiff1d(np.arange(len(lengths)), flat)  # the dropped samples: whole batches of the tails
+    assert np.bincount(bucket[left_out], minlength=3).tolist() == [n - sum(k) for n, k in zip(n_k, kept)]
+    if world_size == 1:
+        assert sorted(flat.tolist()) == list(range(len(lengths))) and dropped == 0
 
 
 def test_dataloader_uses_the_sampler_as_batch_sampler():
