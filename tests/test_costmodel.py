@@ -281,6 +281,19 @@ def test_throughput_noise_is_zero_for_identical_steps_and_grows_with_spread():
     noisy = [_obs(2, 100, seconds=0.1 * (1 + 0.1 * rng.standard_normal())) for _ in range(100)]
     # 10% per-step noise over 100 steps: about 10% / sqrt(100) = 1% on the mean rate
     assert 0.005 < throughput_rel_sd(noisy) < 0.02
-    assert throughput_rel_sd(noisy) == throughput_rel_sd(noisy)  # fixed seed: reproducible
+    shapes = [(1, 50), (4, 300), (2, 900), (8, 64)]
+    mixed = [_obs(*shapes[i % 4], real_tokens=int(np.prod(shapes[i % 4]) * rng.uniform(0.5, 1.0)),
+                  seconds=(0.01 + 1e-5 * np.prod(shapes[i % 4])) * (1 + 0.2 * rng.standard_normal()))
+             for i in range(120)]
+    for steps in (noisy, mixed):
+        # Independent of the bootstrap: the delta method for a ratio of sums R = sum(r) / sum(s) gives a relative
+        # sd of sqrt(n) * sd(r_i - R s_i) / sum(r). 500 resamples estimate an sd to about 3%.
+        r = np.array([o.real_tokens for o in steps], dtype=np.float64)  # (S,)
+        sec = np.array([o.seconds for o in steps])  # (S,)
+        delta = math.sqrt(len(r)) * np.std(r - r.sum() / sec.sum() * sec) / r.sum()
+        assert throughput_rel_sd(steps) == pytest.approx(delta, rel=0.1)
+        other = throughput_rel_sd(steps, np.random.default_rng(7))
+        assert other == pytest.approx(delta, rel=0.1) and other != throughput_rel_sd(steps)
+        assert throughput_rel_sd(steps) == throughput_rel_sd(steps, np.random.default_rng(0))  # documented default
     with pytest.raises(CostModelError, match="no steps"):
         throughput_rel_sd([])
