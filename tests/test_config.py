@@ -58,6 +58,54 @@ def test_unknown_preset_names_the_known_ones():
         C.preset("nope")
 
 
+# A valid value besides the default, for the flat fields whose generic change (see _other) validation refuses.
+OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", "strategy": "random",
+               "device": "cpu", "wandb_mode": "disabled", "attn_backend": "sdpa", "drafter_attention": "dense",
+               "drafter_checkpointing": "true", "edges": [8, 16], "target_layer_ids": [0, 1]}
+HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
+
+
+def _other(key: str, value):
+    if key in OTHER_VALUE:
+        return OTHER_VALUE[key]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 if value else 0.5
+    if isinstance(value, str):
+        return value + "x"
+    raise AssertionError(f"no other value for {key}={value!r}: add one to OTHER_VALUE")
+
+
 def test_hash_changes_with_any_setting():
-    assert C.Config().hash() != C.from_params({"lr": 1e-4}).hash()
-    assert C.Config().hash() == C.Config().hash()
+    """Every flat field of every section, changed alone, changes the hash."""
+    base = C.from_params(HASH_BASE)
+    flat = base.to_params()
+    assert set(flat) == set(C.FLAT_FIELDS)
+    hashes = {base.hash()}
+    for key, value in flat.items():
+        changed = C.from_params({key: _other(key, value)}, base)  # a ConfigError here names the key
+        assert [k for k, v in changed.to_params().items() if v != flat[k]] == [key]
+        assert changed.hash() != base.hash(), f"{key} does not enter the hash"
+        hashes.add(changed.hash())
+    assert len(hashes) == len(flat) + 1  # no two single changes collide either
+
+
+def test_hash_is_the_same_in_another_interpreter():
+    """What a resumed run computes in a new process (other PYTHONHASHSEED) equals what the first one stored."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    altered = {"lr": 1e-4, "edges": [8, 16], "source": "données ü.json", "gamma": 0.1}
+    here = [C.from_params(altered).hash()] + [C.preset(name).hash() for name in sorted(C.PRESETS)]
+    code = ("import json, sys; from dflash_lib import config as C; altered = json.loads(sys.argv[1]); "
+            "print(json.dumps([C.from_params(altered).hash()] + [C.preset(n).hash() for n in sorted(C.PRESETS)]))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(altered)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == here
+    assert len(set(here)) == len(here)
