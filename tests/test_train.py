@@ -15,7 +15,7 @@ from dflash_lib.batch import collate_padded
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.pipeline import PipelineError
-from dflash_lib.train import (Item, TrainingParts, bucket_of, epoch_batches, lr_at, noise_at, plan_steps,
+from dflash_lib.train import (Item, TrainingParts, bucket_of, epoch_batches, lr_at, plan_steps,
                               run_training, train_step, warmup_steps)
 from dflash_lib.validate import BadStepGuard
 
@@ -58,9 +58,36 @@ def test_lr_schedule_shape(total, ratio, floor):
     assert all(a + 1e-15 >= b for a, b in zip(lrs[w:], lrs[w + 1:]))  # cosine falls
 
 
-def test_noise_schedule_is_the_configured_constant():
-    cfg = TrainConfig(noise=0.75)
-    assert [noise_at(s, cfg) for s in (0, 1, 1000)] == [0.75] * 3
+def test_training_feeds_blocks_masked_at_the_configured_noise(tmp_path, data):
+    """What the drafter is fed, seen at the target's embedding (which embeds the blocks): with blocks of 4 tokens,
+    noise = 1 masks all 3 positions after the anchor, noise = 1/3 exactly one of them (plus the positions past a
+    document's end, always MASK: a few blocks near the end). metrics.jsonl records the noise of every step."""
+    store, lengths = data
+    for noise, masked in ((1.0, 3), (1 / 3, 1)):
+        config = tiny_config(noise=noise, steps=2)
+        target, drafter = tiny_models(config)
+        mask_id, B = config.model.mask_id, config.model.block_size
+        fed = []  # (n, B) token ids of the blocks embedded for the drafter
+
+        def keep_blocks(module, args):
+            if (args[0] == mask_id).any():  # the corpus (ids < 2000) never holds MASK: these are drafter blocks
+                fed.append(args[0].detach().reshape(-1, B).clone())
+
+        handle = target.embed_tokens.register_forward_pre_hook(keep_blocks)
+        sampler = ListSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
+        parts = TrainingParts(store, lengths, sampler, [target], drafter, pad_id=0, packed=False, row_len=0,
+                              edges=[30, 45, 60])
+        try:
+            run_training(config, parts, tmp_path / f"noise{masked}")
+        finally:
+            handle.remove()
+        rows = [json.loads(line) for line in (tmp_path / f"noise{masked}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["noise"] for r in rows] == [pytest.approx(noise)] * 2
+        blocks = torch.cat(fed)  # (n, B)
+        assert len(blocks) >= 2 * 8 and (blocks[:, 0] < 2000).all()  # 2 steps of >= 8 blocks; anchors are real
+        n_mask = (blocks[:, 1:] == mask_id).sum(dim=1)  # (n,)
+        assert (n_mask >= masked).all()
+        assert (n_mask == masked).float().mean() > 0.75, n_mask.tolist()
 
 
 def test_plan_steps():
