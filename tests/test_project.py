@@ -13,8 +13,20 @@ from dflash_lib.runs import REPO_ROOT, notebook_parameters
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_notebooks():
-    assert NOTEBOOKS, "notebooks/ holds no notebook"
+def test_notebooks_are_the_demo_chain_and_the_readme_table():
+    """notebooks/ holds exactly the notebooks `make demo` chains (sorted names = run order) and the README's table
+    describes, and every parameter the chain hands a notebook is one it declares (the demo drops others silently)."""
+    from dflash_lib.demo import CHAIN, KEY_FIGURES
+
+    stems = [p.stem for p in NOTEBOOKS]
+    assert stems == [stem for stem, _ in CHAIN]
+    assert re.findall(r"^\| `(\d\d_\w+)` \|", (REPO_ROOT / "README.md").read_text(), re.M) == stems
+    assert {stem for stem, _ in KEY_FIGURES} <= set(stems)
+    folders = {stem: Path("runs") / stem for stem in stems}
+    for stem, derive in CHAIN:
+        handed = derive(folders)
+        assert handed.keys() <= notebook_parameters(REPO_ROOT / "notebooks" / f"{stem}.ipynb").keys(), stem
+    assert all(derive(folders) for _, derive in CHAIN[1:])  # each later notebook reads a folder before it
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
