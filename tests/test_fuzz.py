@@ -77,18 +77,32 @@ conversations = st.fixed_dictionaries(
 records = st.lists(st.one_of(conversations, json_values), max_size=8)
 
 
-def read(path: Path) -> tuple[int, readers.LoadReport] | DataError:
-    """Every conversation of `path`, or the DataError it raised (anything else fails the test)."""
+def read(path: Path) -> tuple[int | DataError, readers.LoadReport]:
+    """(conversations read, report), or (the DataError raised, the report so far); anything else fails the test."""
     stream = load_conversations(str(path))
     try:
         n = sum(1 for _ in stream)
     except DataError as e:
         assert str(path) in str(e) or path.name in str(e)
-        return e
+        return e, stream.report
     report = stream.report
     assert report.records_kept == n and report.records_seen == n + sum(report.skipped.values())
     assert set(report.skipped) <= set(readers.SKIP_REASONS)
     return n, report
+
+
+def _check_jsonl(data: bytes, out: int | DataError, report: readers.LoadReport) -> None:
+    """Every non-blank line is one record, and each that json cannot parse is an INVALID_JSON skip."""
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    invalid = 0
+    for line in lines:
+        try:
+            json.loads(line)
+        except (ValueError, RecursionError):
+            invalid += 1
+    assert report.records_seen == len(lines) and report.skipped.get(readers.INVALID_JSON, 0) == invalid
+    if isinstance(out, DataError):
+        assert f"no usable conversation among {len(lines)} records" in str(out)
 
 
 @pytest.mark.timeout(120)
@@ -97,7 +111,29 @@ def read(path: Path) -> tuple[int, readers.LoadReport] | DataError:
 def test_readers_on_random_bytes(tmp_path_factory, data, suffix):
     path = tmp_path_factory.mktemp("bytes") / f"corpus{suffix}"
     path.write_bytes(data)
-    read(path)
+    out, report = read(path)
+    if suffix == ".jsonl":
+        _check_jsonl(data, out, report)
+    elif suffix == ".parquet":  # no valid Parquet file without the PAR1 magic at both ends
+        assert isinstance(out, DataError) and "cannot read as Parquet" in str(out)
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if not (e.end == len(data) and e.reason == "unexpected end of data"):  # a character cut by the end
+                assert isinstance(out, DataError) and "not valid UTF-8" in str(out)
+                return
+            text = data[:e.start].decode("utf-8")
+        if not text.lstrip().startswith("["):
+            assert isinstance(out, DataError) and "expected a JSON array" in str(out)
+            return
+        try:
+            whole = json.loads(text)
+        except (ValueError, RecursionError):
+            whole = None
+        if isinstance(whole, list):  # a complete array: every element is a record
+            assert report.records_seen == len(whole) and report.trailing_bytes == len(data) - len(text.encode())
+        assert not isinstance(out, DataError) or "no usable conversation" in str(out) or "cannot be parsed" in str(out)
 
 
 @pytest.mark.timeout(120)
@@ -105,15 +141,37 @@ def test_readers_on_random_bytes(tmp_path_factory, data, suffix):
 @given(recs=records, cut=st.floats(0.0, 1.0), truncate=st.booleans())
 def test_readers_on_random_json_whole_or_truncated(tmp_path_factory, recs, cut, truncate):
     folder = tmp_path_factory.mktemp("json")
+    pieces = [json.dumps(r).encode() for r in recs]
     array = json.dumps(recs).encode()
-    lines = b"".join(json.dumps(r).encode() + b"\n" for r in recs)
-    for name, data in (("corpus.json", array), ("corpus.jsonl", lines)):
-        path = folder / name
-        path.write_bytes(data[:int(len(data) * cut)] if truncate else data)
-        out = read(path)
-        if not truncate and not isinstance(out, DataError):
-            assert out[1].records_seen == len(recs)  # every record accounted for: kept or skipped by reason
-            assert out[1].trailing_bytes == 0
+    assert array == b"[" + b", ".join(pieces) + b"]"
+    ends = [1 + sum(len(p) for p in pieces[:i + 1]) + 2 * i for i in range(len(recs))]  # past each record
+    lines = b"".join(p + b"\n" for p in pieces)
+    c = int(len(array) * cut) if truncate else len(array)
+    path = folder / "corpus.json"
+    path.write_bytes(array[:c])
+    out, report = read(path)
+    if c == 0:
+        assert isinstance(out, DataError) and "expected a JSON array" in str(out)
+    else:
+        # complete: records that end before the cut; one touching the cut only if a final digit cannot be lost
+        n = sum(e < c or (e == c and not pieces[i][-1:].isdigit()) for i, e in enumerate(ends))
+        rest = array[ends[n - 1] if n else 1:c].lstrip(b", ")
+        tail = len(rest[1:]) if rest.startswith(b"]") else len(rest)
+        if report.records_seen == n + 1:  # a number cut after '.', 'e' or '-' still parses as a shorter number
+            assert pieces[n][:1] in b"-0123456789" and c < ends[n]
+        else:
+            assert (report.records_seen, report.trailing_bytes) == (n, tail)
+        if not truncate or c == len(array):
+            assert (report.records_seen, report.trailing_bytes) == (len(recs), 0)
+        if isinstance(out, DataError):
+            assert f"no usable conversation among {report.records_seen} records" in str(out)
+    path = folder / "corpus.jsonl"
+    data = lines[:int(len(lines) * cut)] if truncate else lines
+    path.write_bytes(data)
+    out, report = read(path)
+    _check_jsonl(data, out, report)
+    if not truncate:
+        assert report.records_seen == len(recs)  # every record accounted for: kept or skipped by reason
 
 
 def _parquet(path: Path, n: int = 50) -> Path:
@@ -130,7 +188,8 @@ def test_truncated_parquet_is_a_data_error(tmp_path_factory, cut):
     path = _parquet(tmp_path_factory.mktemp("pq") / "corpus.parquet")
     data = path.read_bytes()
     path.write_bytes(data[:int(len(data) * cut)])  # the footer is gone
-    assert isinstance(read(path), DataError)
+    out, _ = read(path)
+    assert isinstance(out, DataError) and "cannot read as Parquet" in str(out)
 
 
 # -- token stores: a failed or killed build leaves nothing that looks complete --------------------------------------
@@ -222,11 +281,11 @@ def test_parameter_validation_refuses_hostile_values_with_config_error(call):
 def test_readers_turn_hostile_records_into_skips_or_data_errors(tmp_path, name, data, skipped):
     path = tmp_path / name
     path.write_bytes(data)
-    out = read(path)
+    out, report = read(path)
     if skipped is None:
         assert isinstance(out, DataError) and "cannot be parsed" in str(out)
     else:
-        assert isinstance(out, DataError) or sum(out[1].skipped.values()) >= skipped
+        assert report.skipped.get(readers.INVALID_JSON) == skipped
 
 
 def test_corrupt_parquet_pages_are_a_data_error(tmp_path):
@@ -235,4 +294,5 @@ def test_corrupt_parquet_pages_are_a_data_error(tmp_path):
     for i in range(40, len(data) // 2, 97):  # garble the data pages, leave the footer readable
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))
-    assert isinstance(read(path), DataError)
+    out, _ = read(path)
+    assert isinstance(out, DataError) and "cannot be read" in str(out)
