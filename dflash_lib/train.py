@@ -626,29 +626,45 @@ def bucket_edges(config: Config, lengths: np.ndarray) -> list[int]:
     return list(plan.edges)
 
 
-def static_batch_sizes(edges: Sequence[int], token_budget: int, q: float | None = None) -> list[int]:
+def static_batch_sizes(edges: Sequence[int], token_budget: int, q: float | None = None,
+                       block_budget: int | None = None, bucket_queries: Sequence[int] | None = None) -> list[int]:
     """Rows per batch of each bucket when every row is padded to its bucket's upper edge: the most rows whose
-    cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget."""
+    cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget and, given block_budget and
+    bucket_queries (K,) (drafter query tokens of each bucket's costliest sample), whose drafter queries fit
+    it even when every row is that costliest sample: block_budget // bucket_queries[k] rows at most."""
     from dflash_lib.sampler.budget import TokenBudget
 
     cost = TokenBudget(token_budget, q).cost(np.asarray(edges, dtype=np.float64))  # (K,)
-    return [max(1, int(token_budget // c)) for c in cost]
+    sizes = [max(1, int(token_budget // c)) for c in cost]
+    if block_budget is not None and bucket_queries is not None:
+        sizes = [min(b, max(1, block_budget // int(mq))) if mq > 0 else b for b, mq in zip(sizes, bucket_queries)]
+    return sizes
 
 
 def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: int,
-                  edges: Sequence[int]) -> Any:
-    """The batch sampler named by `sampler.strategy`, sharded for (rank, world_size)."""
+                  edges: Sequence[int], queries: np.ndarray | None = None) -> Any:
+    """The batch sampler named by `sampler.strategy`, sharded for (rank, world_size). Given `queries` (N,),
+    drafter query tokens per sample (`data.analysis.store_drafter_queries`), every batch also stays within
+    `sampler.resolve_block_budget(config)` query tokens; None bounds target tokens only."""
     from dflash_lib import sampler as samplers
 
     sc = config.sampler
     q = config.buckets.q if config.buckets.cost == "quadratic" else None
     common = dict(seed=sc.sampler_seed, rank=rank, world_size=world_size)
+    if queries is not None:
+        common |= dict(queries=queries, block_budget=samplers.resolve_block_budget(config))
     if sc.strategy == "sorted":
         return samplers.SortedStaticSampler(lengths, sc.token_budget, q=q, **common)
     if sc.strategy == "random":
         return samplers.RandomShuffleSampler(lengths, sc.token_budget, q=q, **common)
     if sc.strategy == "bucketed":
-        sizes = static_batch_sizes(edges, sc.token_budget, q) if sc.static_shapes else None
+        sizes = None
+        if sc.static_shapes:
+            bucket_max = None
+            if queries is not None:  # (K,) the costliest sample of each bucket, drafter query tokens
+                bucket_max = np.zeros(len(edges), dtype=np.int64)
+                np.maximum.at(bucket_max, samplers.bucket_of(np.asarray(lengths), edges), queries)
+            sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
         return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
                                                **common)
     return samplers.PackedSampler(lengths, sc.token_budget, **common)
@@ -658,6 +674,7 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. With
     `emulate_ranks` = W the sampler is planned for W ranks (the trainer takes all of their batches)."""
     from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.data.analysis import store_drafter_queries
 
     dist = distributed.info()
     store = build_token_store_from_config(config.data, progress=dist.rank == 0)
@@ -668,7 +685,8 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     edges = bucket_edges(config, lengths) if strategy == "bucketed" else []
     shards = rank_shards(config.train, dist)
     world = max(dist.world_size, len(shards))
-    sampler = build_sampler(config, lengths, dist.rank, world, edges)
+    queries = store_drafter_queries(store, config.model.num_anchors, config.model.block_size)  # (N,) query tokens
+    sampler = build_sampler(config, lengths, dist.rank, world, edges, queries)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
     if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
         devices = [torch.device("cuda", i) for i in range(min(config.pipeline.target_workers,
