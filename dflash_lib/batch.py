@@ -25,11 +25,16 @@ class Batch:
     indices: list[int] = field(default_factory=list)  # sample indices in the store, one per document
     bucket: int = -1  # bucket id of a bucketed batch, -1 otherwise
     packed: bool = False  # True when documents share rows
+    num_real: int = -1  # real tokens, counted once where the batch is made (host); -1 = count now
+
+    def __post_init__(self) -> None:
+        if self.num_real < 0:
+            self.num_real = int((self.doc_ids >= 0).sum())
 
     @property
     def real_tokens(self) -> int:
-        """Tokens that belong to a document (not padding)."""
-        return int((self.doc_ids >= 0).sum())
+        """Tokens that belong to a document (not padding); a host int (no device sync)."""
+        return self.num_real
 
     @property
     def padded_tokens(self) -> int:
@@ -43,12 +48,12 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(move(self.input_ids), move(self.loss_mask), move(self.position_ids), move(self.doc_ids),
-                     move(self.cu_seqlens), self.indices, self.bucket, self.packed)
+                     move(self.cu_seqlens), self.indices, self.bucket, self.packed, self.num_real)
 
     def pin_memory(self) -> "Batch":
         pin = lambda t: t.pin_memory()  # noqa: E731
         return Batch(pin(self.input_ids), pin(self.loss_mask), pin(self.position_ids), pin(self.doc_ids),
-                     pin(self.cu_seqlens), self.indices, self.bucket, self.packed)
+                     pin(self.cu_seqlens), self.indices, self.bucket, self.packed, self.num_real)
 
 
 Sample = tuple[np.ndarray, np.ndarray]  # (tokens (L,) int, loss_mask (L,) bool/uint8)

@@ -12,6 +12,7 @@ are counted.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ import torch
 
 from dflash_lib.batch import Batch, collate_packed, collate_padded
 from dflash_lib.config import ConfigError
+from dflash_lib.models.layout import DraftLayout
 from dflash_lib.validate import validate_sample
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
@@ -36,6 +38,7 @@ class Work:
     shard: int  # the rank whose batch this is (this process's rank, or 0..W-1 when emulating W ranks)
     last_shard: bool  # the last shard of its sampler step: the step is fully consumed with this item
     indices: list[int]  # sample indices in the store
+    index: int = 0  # sampler steps drawn before this one since the run began (the noise schedule's clock)
 
 
 @dataclass
@@ -45,9 +48,13 @@ class Collated:
     work: Work
     batch: Batch | None
     skips: Skips  # samples left out
+    layout: DraftLayout | None = None  # the drafter's host-side work for `batch` (anchors drawn), if prepared
 
     def pin_memory(self) -> "Collated":
-        return self if self.batch is None else replace(self, batch=self.batch.pin_memory())
+        if self.batch is None:
+            return self
+        return replace(self, batch=self.batch.pin_memory(),
+                       layout=None if self.layout is None else self.layout.pin_memory())
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Item:
     shard: int = 0  # rank whose batch this is
     last_shard: bool = True  # completes its sampler step
     skips: Skips = ()  # samples of this micro-batch left out by validation
+    layout: DraftLayout | None = None  # host layout of the drafter's work (anchors, scored positions)
+    device_layout: DraftLayout | None = None  # the same on the training device
 
 
 def bucket_of(max_len: int, edges: Sequence[int]) -> int:
@@ -74,12 +83,30 @@ def bucket_of(max_len: int, edges: Sequence[int]) -> int:
     return k
 
 
+def anchor_seed(seed: int, shard: int, epoch: int, step: int) -> int:
+    """Seed of the anchor draw of one micro-batch: a pure function of its sampler position, so anchors can be
+    drawn ahead in the feed stage and a resume draws exactly the anchors an uninterrupted run would."""
+    digest = hashlib.sha256(f"anchors:{seed}:{shard}:{epoch}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def make_prepare(drafter: Any, seed: int, noise_of: Callable[[int], float]) -> Callable[[Batch, Work], DraftLayout]:
+    """(host batch, work) -> the drafter's host layout: anchors drawn from `anchor_seed(seed, shard, epoch,
+    step)` with noise `noise_of(work.index)`, laid out for the drafter's attention backend."""
+    def prepare(batch: Batch, work: Work) -> DraftLayout:
+        gen = torch.Generator().manual_seed(anchor_seed(seed, work.shard, work.epoch, work.step))
+        return drafter.layout(batch, drafter.sample_anchors(batch, gen, noise_of(work.index)))
+    return prepare
+
+
 def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Sequence[int] = (),
-                 vocab_size: int | None = None, pad_to_edge: bool = False) -> Callable[[Work], Collated]:
+                 vocab_size: int | None = None, pad_to_edge: bool = False,
+                 prepare: Callable[[Batch, Work], DraftLayout] | None = None) -> Callable[[Work], Collated]:
     """Work -> Collated: the samples that pass `validate_sample` (not checked when `vocab_size` is None) padded
     one per row (to the longest, or with `pad_to_edge` to the bucket's upper edge: static shapes) or packed into
     one row of `row_len` tokens; the others are listed in `skips`. A padded batch's bucket id (from `edges`) is
-    that of the longest sample the sampler put in it, valid or not, so a skip never relabels the batch."""
+    that of the longest sample the sampler put in it, valid or not, so a skip never relabels the batch.
+    `prepare` (e.g. `make_prepare`) lays out the drafter's work on the host here, off the training thread."""
     if pad_to_edge and not len(edges):
         raise ConfigError("pad_to_edge needs bucket edges")
 
@@ -97,10 +124,12 @@ def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Seq
             return Collated(work, None, tuple(skips))
         good, idx = [samples[k] for k in keep], [work.indices[k] for k in keep]
         if packed:
-            return Collated(work, collate_packed(good, pad_id, row_len, idx), tuple(skips))
-        bucket = bucket_of(max(len(t) for t, _ in samples), edges)
-        pad_to = int(edges[bucket]) if pad_to_edge else 0
-        return Collated(work, collate_padded(good, pad_id, idx, bucket, pad_to), tuple(skips))
+            batch = collate_packed(good, pad_id, row_len, idx)
+        else:
+            bucket = bucket_of(max(len(t) for t, _ in samples), edges)
+            pad_to = int(edges[bucket]) if pad_to_edge else 0
+            batch = collate_padded(good, pad_id, idx, bucket, pad_to)
+        return Collated(work, batch, tuple(skips), None if prepare is None else prepare(batch, work))
 
     return collate
 
@@ -135,7 +164,7 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
         for s, per_shard in steps:
             empty = False
             for k, (r, indices) in enumerate(zip(shards, per_shard)):
-                yield Work(epoch, s, r, k == len(shards) - 1, indices)
+                yield Work(epoch, s, r, k == len(shards) - 1, indices, n)
             n += 1
             if max_steps is not None and n >= max_steps:
                 return
@@ -167,7 +196,9 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
             if target.device != main_device:
                 dev_batch = c.batch.to(main_device, non_blocking=True)
                 feats = feats.to(main_device, non_blocking=True)
-            return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips)
+            dev_layout = None if c.layout is None else c.layout.to(main_device, non_blocking=True)
+            return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
+                        dev_layout)
         return run
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]

@@ -1,8 +1,9 @@
 """`train(config, run_dir) -> summary`: the drafter training loop on top of the CSP pipeline.
 
-    store (tokens) -> sampler (index batches) -> pipeline [collate + validate -> target workers] -> accumulate
-    micro-batches to `accum_tokens` real tokens -> anchors -> global weight sum -> loss/backward per
-    micro-batch -> clip -> AdamW -> metrics (log line, metrics.jsonl, wandb) -> checkpoints -> summary.json + drafter/
+    store (tokens) -> sampler (index batches) -> pipeline [collate + validate + anchors and drafter layout on the
+    host -> target workers] -> accumulate micro-batches to `accum_tokens` real tokens -> global weight sum ->
+    loss/backward per micro-batch -> clip -> AdamW -> metrics (log line, metrics.jsonl, wandb) -> checkpoints
+    -> summary.json + drafter/
 
 Schedules are pure functions of the optimizer step (`lr_at`, `noise_at`). The loss of a step is normalised by
 the weight sum of ALL its micro-batches on ALL ranks, sampled before any forward, so the update does not
@@ -12,7 +13,8 @@ fp32 weights, batches are pinned and copied non-blocking, AdamW is fused.
 Crash safety: every `ckpt_every` steps, on SIGTERM/SIGINT (after the current step) and at the end, rank 0
 writes an atomic checkpoint (`dflash_lib.checkpoint`) of everything the trajectory depends on: drafter weights,
 AdamW state, the step (the lr schedule is a function of it), every rank's data position (epoch, sampler step
-CONSUMED), every RNG including the anchor generators, and the guard, skip and token counters. `train()` on a
+CONSUMED), every global RNG (anchors need none: each micro-batch's draw is seeded by its sampler position),
+and the guard, skip and token counters. `train()` on a
 folder holding a checkpoint of the same config resumes from it and continues with exactly the batches and
 anchors an uninterrupted run would have used (`dflash_lib.resume` says when a folder resumes or is refused).
 
@@ -38,8 +40,8 @@ from dflash_lib import distributed
 from dflash_lib.batch import Batch
 from dflash_lib.checkpoint import CheckpointError, resume_config_hash, save_checkpoint
 from dflash_lib.config import Config, ConfigError, TrainConfig
-from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate, make_target_workers,  # noqa: F401
-                             next_step_items)  # Work, bucket_of: re-exported for this module's callers
+from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate, make_prepare,  # noqa: F401
+                             make_target_workers, next_step_items)  # Work, bucket_of: re-exported for this module's callers
 from dflash_lib.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                 format_log_line)
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
@@ -51,7 +53,7 @@ from dflash_lib.runs import environment, new_run_dir, write_json
 from dflash_lib.stop import StopRequest
 from dflash_lib.validate import BadStepGuard, SkipCounter
 
-TRAIN_STATE_FORMAT = 1  # layout of the trainer's checkpoint state; bump when it changes
+TRAIN_STATE_FORMAT = 2  # layout of the trainer's checkpoint state; bump when it changes
 
 # -- schedules -------------------------------------------------------------------------------------------------
 
@@ -79,9 +81,10 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def noise_at(step: int, cfg: TrainConfig) -> float:
-    """Fraction of block positions fed as MASK at optimizer step `step` (0-based). Constant `cfg.noise` for
-    now; a function of the step so a schedule can replace it without touching the loop."""
+def noise_at(index: int, cfg: TrainConfig) -> float:
+    """Fraction of block positions fed as MASK for the sampler step with 0-based run index `index` (the feed
+    stage lays anchors out ahead of the optimizer, so the schedule's clock is the sampler step). Constant
+    `cfg.noise` for now; a function of the index so a schedule can replace it without touching the loop."""
     return cfg.noise
 
 
@@ -168,48 +171,48 @@ class StepResult:
 
 
 def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-               lr: float, noise: float, generator: torch.Generator | Mapping[int, torch.Generator],
-               grad_clip: float, autocast: bool, guard: BadStepGuard, step: int) -> StepResult:
-    """Anchors for every micro-batch first, then one forward/backward each with the global weight sum, then
-    clip and update. Returns the step's statistics (floats, already summed over ranks).
+               lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int) -> StepResult:
+    """One optimizer step over `items`, whose drafter work was laid out on the host in the feed stage
+    (`Item.layout`, `Item.device_layout`): the global weight sum first (host floats), then one forward/backward
+    per micro-batch normalised by it, then clip and update. Returns the step's statistics (summed over ranks).
 
-    generator: the anchor generator, or {shard: generator} when the items come from several ranks' shards.
-    Items whose batch is None (every sample failed validation) contribute nothing. No update when nothing was
-    scored, or when the global loss is not finite (`guard` counts those and raises after `max_bad_steps` in a
-    row)."""
+    The device work makes ONE device-to-host transfer (the step's statistics and gradient norm together) and no
+    other sync. Items whose batch is None (every sample failed validation) contribute nothing. No update when
+    nothing was scored, or when the global loss is not finite (`guard` counts those and raises after
+    `max_bad_steps` in a row)."""
     device = params[0].device
     live = [it for it in items if it.batch is not None]
-    gens = generator if isinstance(generator, Mapping) else None
-    anchors = [drafter.sample_anchors(it.batch, gens[it.shard] if gens else generator, noise) for it in live]
-    local = [drafter.weight_sum(a) for a in anchors]
+    if any(it.layout is None or it.device_layout is None for it in live):
+        raise ValueError("train_step: every item needs its drafter layout (make_collate(prepare=...))")
+    local = [it.layout.weight_sum for it in live]
     n_pos = drafter.cfg.block_size - 1
-    ce = correct = 0.0
-    pos_correct, pos_count = [0.0] * n_pos, [0.0] * n_pos
     (weight_sum,) = all_reduce_floats([sum(local)])
-    for it, a, w in zip(live, anchors, local):
+    stats = torch.zeros(2 + 2 * n_pos, dtype=torch.float64, device=device)  # ce, correct, pos_correct, pos_count
+    for it, w in zip(live, local):
         if w == 0:  # nothing scored in this micro-batch (no valid anchor): zero loss and gradient, skip the forward
             continue
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = drafter.loss(it.device_batch, it.features, a, normalizer=weight_sum if weight_sum > 0 else None)
+            out = drafter.loss(it.device_batch, it.features, it.device_layout, normalizer=weight_sum)
         out.loss.backward()
-        ce, correct = ce + out.ce_sum, correct + out.correct_weight
-        pos_correct = [x + y for x, y in zip(pos_correct, out.pos_correct)]
-        pos_count = [x + y for x, y in zip(pos_count, out.pos_count)]
+        stats = stats + out.stats()
     real = sum(it.batch.real_tokens for it in live)
     padded = sum(it.batch.padded_tokens for it in live)
-    head_rows = int(sum(pos_count))  # before the sum over ranks: this rank's work
-    sums = all_reduce_floats([ce, correct, real, padded, *pos_correct, *pos_count])
-    ce, correct, real, padded = sums[:4]
-    pos_correct, pos_count = sums[4:4 + n_pos], sums[4 + n_pos:]
+    head_rows = sum(it.layout.num_scored for it in live)  # this rank's work
+    if distributed.info().world_size > 1:
+        for p in params:  # every rank reduces every tensor in the same order, even where it saw no data
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = distributed.all_reduce_sum(grad)  # losses are globally normalised already: sum
+    have_grads = any(p.grad is not None for p in params)
+    norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if have_grads
+            else torch.zeros((), device=device))
+    host = torch.cat([stats, norm.double().reshape(1)]).tolist()  # the step's one device-to-host transfer
+    sums = all_reduce_floats([*host[:-1], real, padded])
+    ce, correct = sums[0], sums[1]
+    pos_correct, pos_count = sums[2:2 + n_pos], sums[2 + n_pos:2 + 2 * n_pos]
+    real, padded = sums[-2], sums[-1]
     skipped = not weight_sum > 0 or not guard.ok(ce, step)
-    grad_norm = math.nan
+    grad_norm = math.nan if skipped else host[-1]
     if not skipped:
-        if distributed.info().world_size > 1:
-            for p in params:  # every rank reduces every tensor in the same order, even where it saw no data
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                p.grad = distributed.all_reduce_sum(grad)  # losses are globally normalised already: sum
-        max_norm = grad_clip if grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
@@ -219,7 +222,7 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         loss=ce / weight_sum if weight_sum > 0 else math.nan, acc=correct / weight_sum if weight_sum > 0 else math.nan,
         acc_per_pos=acc_per_pos, eal=expected_acceptance(acc_per_pos), weight_sum=weight_sum,
         real_tokens=int(real), padded_tokens=int(padded), grad_norm=grad_norm, skipped=skipped,
-        blocks=sum(a.num_blocks for a in anchors), head_rows=head_rows)
+        blocks=sum(it.layout.num_blocks for it in live), head_rows=head_rows)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -308,8 +311,6 @@ class Trainer:
         self.shards = rank_shards(tc, self.dist)
         self.total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
                                                         max(self.dist.world_size, len(self.shards)))
-        # One anchor generator per rank whose batches this process trains on (seeded by that rank).
-        self.generators = {r: torch.Generator().manual_seed(tc.seed + 7919 * r) for r in self.shards}
         self.guard = BadStepGuard(tc.max_bad_steps)
         self.skips = SkipCounter()
         self.full_tokens = full_run_tokens(tc, parts.lengths)
@@ -332,14 +333,12 @@ class Trainer:
 
     # -- checkpoint state -------------------------------------------------------------------------------------
 
-    def _gen_names(self) -> dict[str, torch.Generator]:
-        return {f"anchors_rank{r}": g for r, g in self.generators.items()}
-
     def rank_state(self) -> dict[str, Any]:
-        """What differs between ranks: data position, RNG streams (anchor generators included), skip counts."""
+        """What differs between ranks: data position, global RNG streams, skip counts. (Anchors need no
+        state: each micro-batch's draw is seeded by its sampler position, `feed.anchor_seed`.)"""
         epoch, step = self.position
         state = {"rank": self.dist.rank, "position": {"epoch": epoch, "step": step, "done": self.batches_done},
-                 "rng": capture_rng(self._gen_names()), "skips": self.skips.state_dict()}
+                 "rng": capture_rng(), "skips": self.skips.state_dict()}
         sampler_state = getattr(self.parts.sampler, "state_dict", None)
         if sampler_state is not None:  # its fingerprint lets a resume refuse other data or sampler settings
             state["sampler"] = {**sampler_state(), "epoch": epoch, "step": step}
@@ -392,7 +391,7 @@ class Trainer:
         self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])
         if "sampler" in mine and hasattr(self.parts.sampler, "load_state_dict"):
             self.parts.sampler.load_state_dict(mine["sampler"])  # SamplerError on other data or settings
-        restore_rng(mine["rng"], self._gen_names())
+        restore_rng(mine["rng"])
         self.skips.load_state_dict(mine["skips"])
 
     def save(self, say: Callable[[str], None]) -> None:
@@ -420,8 +419,9 @@ class Trainer:
 
     def _pipeline(self) -> Pipeline:
         p, cfg = self.parts, self.config
+        prepare = make_prepare(p.drafter, cfg.train.seed, lambda index: noise_at(index, cfg.train))
         collate = make_collate(p.store, p.packed, p.pad_id, p.row_len, p.edges, p.drafter.cfg.vocab_size,
-                               pad_to_edge=cfg.sampler.static_shapes)
+                               pad_to_edge=cfg.sampler.static_shapes, prepare=prepare)
         workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device,
                                       cfg.pipeline.target_threads)
         source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards)
@@ -431,9 +431,10 @@ class Trainer:
     def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any]:
         """One optimizer step on `items`; returns its metrics record."""
         tc, step = self.config.train, self.step
-        lr, noise = lr_at(step, self.total_steps, tc), noise_at(step, tc)
-        res = train_step(self.parts.drafter, items, self.params, self.opt, lr, noise, self.generators,
-                         tc.grad_clip, self.device.type == "cuda", self.guard, step + 1)
+        lr = lr_at(step, self.total_steps, tc)
+        noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(self.batches_done, tc))
+        res = train_step(self.parts.drafter, items, self.params, self.opt, lr, tc.grad_clip,
+                         self.device.type == "cuda", self.guard, step + 1)
         self.step = step = step + 1
         self.position = (items[-1].epoch, items[-1].step + 1)
         self.batches_done += sum(it.last_shard for it in items)
@@ -670,6 +671,11 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     return samplers.PackedSampler(lengths, sc.token_budget, **common)
 
 
+def drafter_checkpointing(setting: str, device: torch.device) -> bool:
+    """`drafter_checkpointing` resolved: "auto" = on for CUDA (memory is the limit there), off on CPU."""
+    return setting == "true" or (setting == "auto" and torch.device(device).type == "cuda")
+
+
 def build_parts(config: Config, device: torch.device) -> TrainingParts:
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. With
     `emulate_ranks` = W the sampler is planned for W ranks (the trainer takes all of their batches)."""
@@ -697,7 +703,9 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed)
                for d in devices]
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0])
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
+                            attention=config.model.drafter_attention,
+                            checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device))
     pad_id = store.meta.get("tokenizer", {}).get("pad_id")
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")

@@ -262,7 +262,7 @@ def poison(drafter: DFlashDrafter, bad_calls: set[int]) -> None:
         out = original(*args, **kwargs)
         if calls[0] in bad_calls:
             out.loss = out.loss * math.nan
-            out.ce_sum = math.nan
+            out.ce_total = out.ce_total * math.nan
         return out
 
     drafter.loss = loss

@@ -172,9 +172,12 @@ def data():
 # -- one step ---------------------------------------------------------------------------------------------------
 
 
-def _item(target: TargetModel, store, indices) -> Item:
-    batch = collate_padded([store[i] for i in indices], pad_id=0, indices=indices)
-    return Item(0, batch, batch, target.features(batch))
+def _item(target: TargetModel, drafter: DFlashDrafter, store, indices, gen: torch.Generator,
+          samples=None) -> Item:
+    """A ready micro-batch: host batch, features and the drafter layout of anchors drawn from `gen`."""
+    batch = collate_padded(samples or [store[i] for i in indices], pad_id=0, indices=indices)
+    layout = drafter.layout(batch, drafter.sample_anchors(batch, gen))
+    return Item(0, batch, batch, target.features(batch), layout=layout, device_layout=layout)
 
 
 def test_accumulated_step_equals_one_big_batch(data):
@@ -187,9 +190,9 @@ def test_accumulated_step_equals_one_big_batch(data):
         params = [p for p in drafter.parameters() if p.requires_grad]
         before = [p.detach().clone() for p in params]
         opt = torch.optim.SGD(params, lr=1.0)
-        items = [_item(target, store, idx) for idx in split]
-        res = train_step(drafter, items, params, opt, lr=1.0, noise=1.0,
-                         generator=torch.Generator().manual_seed(3), grad_clip=0.0, autocast=False,
+        gen = torch.Generator().manual_seed(3)  # one stream in document order: the same anchors either way
+        items = [_item(target, drafter, store, idx, gen) for idx in split]
+        res = train_step(drafter, items, params, opt, lr=1.0, grad_clip=0.0, autocast=False,
                          guard=BadStepGuard(3), step=1)
         updates.append((torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res))
     (u_split, r_split), (u_one, r_one) = updates
@@ -207,9 +210,8 @@ def test_step_without_scored_tokens_is_skipped(data):
     params = [p for p in drafter.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     silent = [(tok, np.zeros_like(mask)) for tok, mask in store[:2]]  # no assistant token at all
-    batch = collate_padded(silent, pad_id=0, indices=[0, 1])
-    res = train_step(drafter, [Item(0, batch, batch, target.features(batch))], params,
-                     torch.optim.AdamW(params), 1e-3, 1.0, torch.Generator(), 1.0, False, BadStepGuard(3), 1)
+    item = _item(target, drafter, store, [0, 1], torch.Generator(), samples=silent)
+    res = train_step(drafter, [item], params, torch.optim.AdamW(params), 1e-3, 1.0, False, BadStepGuard(3), 1)
     assert res.skipped and math.isnan(res.loss) and res.weight_sum == 0.0
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 

@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_lib.batch import Batch
 from dflash_lib.config import ConfigError
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
+from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
+from dflash_lib.models.layout import DraftLayout, build_layout
 from dflash_lib.models.loss import DrafterLoss, weighted_loss
-from dflash_lib.models.masks import drafter_attention_mask
-from dflash_lib.models.regroup import document_view
 from dflash_lib.models.target import TargetModel
 
 if TYPE_CHECKING:
@@ -123,7 +124,8 @@ class DrafterConfig:
 class DFlashDrafter(nn.Module):
     """Block drafter. The target is referenced, not owned: its weights are neither parameters nor saved here."""
 
-    def __init__(self, cfg: DrafterConfig, target: TargetModel):
+    def __init__(self, cfg: DrafterConfig, target: TargetModel, attention: str = "auto",
+                 checkpointing: bool = False):
         super().__init__()
         if cfg.hidden_size != target.hidden_size:
             raise ConfigError(f"drafter hidden_size {cfg.hidden_size} differs from the target's {target.hidden_size}")
@@ -135,6 +137,9 @@ class DFlashDrafter(nn.Module):
             raise ConfigError(f"drafter target_layer_ids {cfg.target_layer_ids} differ from the target's "
                               f"feature layers {target.layer_ids}")
         self.cfg = cfg
+        self.attention = attention  # drafter attention backend: auto | flex | blocks | dense (attention.py)
+        self.checkpointing = checkpointing  # recompute each layer in the backward (activation checkpointing)
+        resolve_attention(attention, target.device)  # refuse an unknown backend now
         object.__setattr__(self, "target", target)  # plain attribute: keeps the target out of parameters()
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
@@ -151,17 +156,29 @@ class DFlashDrafter(nn.Module):
 
     # -- shared math ------------------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """(..., S, F*H) target features -> (..., S, H) context."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        """(..., F*H) target features in the target's dtype -> (..., H) context. Under autocast `fc` runs in the
+        autocast dtype straight from the features; outside it they are cast to fc's dtype."""
+        dev = self.fc.weight.device.type
+        if not torch.is_autocast_enabled(dev):
+            features = features.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(features))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's frozen LM head on drafter states, in the head's dtype (bf16 head, fp32 drafter)."""
+        return self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
 
     def _layers(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """block_ids, block_pos (R, Q); ctx (R, S, H); ctx_pos (R, S); mask (R, Q, S+Q) -> (R, Q, H) normed."""
-        x = self.target.embed_tokens(block_ids).to(ctx.dtype)  # (R, Q, H)
-        rope_q = self.rotary(block_pos, x.dtype)  # (R, Q, d) each
-        rope_k = self.rotary(torch.cat([ctx_pos, block_pos], dim=1), x.dtype)  # (R, S+Q, d) each
+                attend: Attend, checkpointing: bool = False) -> torch.Tensor:
+        """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states."""
+        dtype = self.fc.weight.dtype
+        x = self.target.embed_tokens(block_ids).to(dtype)  # (Q, H)
+        rope_q = self.rotary(block_pos, dtype)  # (Q, d) each
+        rope_ctx = self.rotary(ctx_pos, dtype)  # (C, d) each
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask)
+            if checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_ctx, attend, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_ctx, attend)
         return self.norm(x)
 
     # -- training ---------------------------------------------------------------------------------------
@@ -170,71 +187,75 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         return sample_anchors(batch, c.num_anchors, c.block_size, c.gamma, c.mask_id, generator, noise)
 
+    def attention_backend(self) -> str:
+        """The attention backend this drafter runs (`auto` resolved for its device)."""
+        return resolve_attention(self.attention, self.fc.weight.device)
+
+    def layout(self, batch: Batch, anchors: Anchors) -> DraftLayout:
+        """Host-side layout of a host batch and its anchors for this drafter's attention backend."""
+        return build_layout(batch.to("cpu"), anchors.to("cpu"), self.attention_backend())
+
     @staticmethod
-    def weight_sum(anchors: Anchors) -> float:
-        """Sum of this batch's loss weights, known before the forward (for global normalisation)."""
-        return float(anchors.weights.sum())
+    def weight_sum(work: Anchors | DraftLayout) -> float:
+        """Sum of a batch's loss weights, known before the forward (for global normalisation)."""
+        return work.weight_sum if isinstance(work, DraftLayout) else float(work.weights.sum())
 
-    def forward_hidden(self, batch: Batch, features: torch.Tensor, anchors: Anchors) -> torch.Tensor:
-        """Training forward of all blocks of a padded or packed batch.
+    def _as_layout(self, batch: Batch, work: Anchors | DraftLayout) -> DraftLayout:
+        if isinstance(work, DraftLayout):
+            return work
+        return self.layout(batch, work).to(self.fc.weight.device)  # convenience for tests: syncs
 
-        Runs on the document-major view (`regroup`): each document's blocks attend over that document's
-        context only, so a packed row costs what its documents cost, not (row tokens x row blocks).
-        features (R, T, F*H) from `TargetModel.features(batch)` -> final-normed states (R, M*B, H), zero on
-        padding blocks.
+    def forward_hidden(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout) -> torch.Tensor:
+        """Training forward of all real blocks of a padded or packed batch.
+
+        features (R, T, F*H) from `TargetModel.features(batch)`; `work` the device layout (or anchors, laid out
+        here) -> final-normed states (n*B, H) of the layout's n blocks, in layout order. Runs tensor ops only.
         """
-        dev = self.fc.weight.device
-        b, a = batch.to(dev), anchors.to(dev)
-        R, M, B = a.block_ids.shape
-        T = b.doc_ids.shape[1]
-        if a.num_blocks == 0:
-            return torch.zeros(R, M * B, self.cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype)
-        view = document_view(b.doc_ids, a)
-        D, N = view.block_index.shape
-        ctx = self.fuse(features.to(dev).reshape(R * T, -1)[view.ctx_index])  # (D, L, H)
-        block_ids = a.block_ids.reshape(R * M, B)[view.block_index]  # (D, N, B)
-        anchor_pos = a.pos.reshape(R * M)[view.block_index]  # (D, N)
-        anchor_doc = torch.where(view.block_valid, torch.arange(D, device=dev).unsqueeze(1), -1)  # (D, N)
-        block_pos = (anchor_pos.unsqueeze(-1) + torch.arange(B, device=dev)).reshape(D, N * B)  # (D, N*B)
-        mask = drafter_attention_mask(view.ctx_doc, view.ctx_pos, anchor_doc, anchor_pos, view.block_valid,
-                                      B)  # (D, N*B, L+N*B)
-        h = self._layers(block_ids.reshape(D, N * B), block_pos, ctx, view.ctx_pos, mask)  # (D, N*B, H)
-        out = h.new_zeros(R * M, B, h.shape[-1])  # (R*M, B, H)
-        out[view.block_index[view.block_valid]] = h.reshape(D, N, B, -1)[view.block_valid]
-        return out.reshape(R, M * B, -1)
+        layout = self._as_layout(batch, work)
+        if layout.num_blocks == 0:
+            return torch.zeros(0, self.cfg.hidden_size, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        ctx = self.fuse(features.reshape(-1, features.shape[-1]))  # (R*T, H)
+        attend = make_attend(layout, self.attention_backend())
+        return self._layers(layout.block_ids.reshape(-1), layout.block_pos.reshape(-1), ctx, layout.ctx_pos,
+                            attend, self.checkpointing)
 
-    def block_logits(self, batch: Batch, features: torch.Tensor, anchors: Anchors) -> torch.Tensor:
-        """All logits of a training forward, (R, M, B, V): for tests and inspection (holds M*B x V floats)."""
-        R, M, B = anchors.block_ids.shape
-        return self.target.lm_head(self.forward_hidden(batch, features, anchors)).reshape(R, M, B, -1)
+    def block_logits(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout) -> torch.Tensor:
+        """All logits of a training forward, (n, B, V) in layout order: for tests (holds n*B x V floats)."""
+        layout = self._as_layout(batch, work)
+        h = self.forward_hidden(batch, features, layout)
+        return self._head(h).reshape(layout.num_blocks, layout.block_size, -1)
 
-    def loss(self, batch: Batch, features: torch.Tensor, anchors: Anchors,
+    def loss(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout,
              normalizer: float | None = None) -> DrafterLoss:
         """sum(w * ce) / normalizer; normalizer None = this batch's own weight sum. The trainer passes the
         GLOBAL weight sum (all ranks, all accumulated micro-batches) so the update ignores the data split."""
-        hidden = self.forward_hidden(batch, features, anchors)  # (R, M*B, H)
-        B = self.cfg.block_size
-        out = weighted_loss(hidden, self.target.lm_head, anchors.labels, anchors.weights, B,
-                            self.cfg.ce_chunk_blocks * B, normalizer)
-        if anchors.num_blocks == 0:
+        layout = self._as_layout(batch, work)
+        if layout.num_blocks == 0:
             # No block at all: a zero that still reaches every parameter, so distributed backward stays in step.
-            out.loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-        return out
+            z = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            zeros = torch.zeros(self.cfg.block_size - 1, device=z.device)
+            if normalizer is not None and not float(normalizer) > 0:
+                raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
+            return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
+        hidden = self.forward_hidden(batch, features, layout)  # (n*B, H)
+        return weighted_loss(hidden, self.target.lm_head, layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
+                             normalizer)
 
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
         """Per-block inference forward for one document: no mask, the context is exactly the positions
-        0 .. anchor_pos-1 and the block sees itself fully.
+        0 .. anchor_pos-1 and the block sees itself fully. Runs under bf16 autocast on CUDA.
 
         features (>= anchor_pos, F*H) of the document; block_ids (B,) -> logits (B, V).
         """
         dev = self.fc.weight.device
-        ctx = self.fuse(features[:anchor_pos].to(dev)).unsqueeze(0)  # (1, a, H)
-        ctx_pos = torch.arange(anchor_pos, device=dev).unsqueeze(0)  # (1, a)
-        B = block_ids.shape[0]
-        block_pos = (anchor_pos + torch.arange(B, device=dev)).unsqueeze(0)  # (1, B)
-        h = self._layers(block_ids.to(dev).unsqueeze(0), block_pos, ctx, ctx_pos, None)  # (1, B, H)
-        return self.target.lm_head(h[0])
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            ctx = self.fuse(features[:anchor_pos].to(dev))  # (a, H)
+            ctx_pos = torch.arange(anchor_pos, device=dev)  # (a,)
+            B = block_ids.shape[0]
+            block_pos = anchor_pos + torch.arange(B, device=dev)  # (B,)
+            h = self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, unmasked_attend)  # (B, H)
+            return self._head(h).float()
 
     @torch.no_grad()
     def draft(self, features: torch.Tensor, anchor_pos: int, anchor_token: int) -> list[int]:

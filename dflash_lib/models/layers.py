@@ -34,36 +34,27 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (R, N) -> cos, sin (R, N, head_dim)."""
-        angles = positions.unsqueeze(-1).float() * self.inv_freq  # (R, N, d/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (R, N, d)
+        """positions (N,) -> cos, sin (N, head_dim)."""
+        angles = positions.unsqueeze(-1).float() * self.inv_freq  # (N, d/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (N, d)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (R, heads, N, d); cos, sin (R, N, d)."""
+    """x (1, heads, N, d); cos, sin (N, d)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (R, heads, N, d)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (1, heads, N, d)
+    return x * cos + rotated * sin
 
 
-def guarded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with a boolean mask (R, Q, K), True = attend. Query rows that may see no key (padding blocks)
-    would give NaN; they attend to everything instead and their output is zeroed.
-
-    q (R, h, Q, d); k, v (R, h, K, d) -> (R, h, Q, d).
-    """
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v)
-    blind = ~mask.any(dim=-1)  # (R, Q)
-    if not bool(blind.any()):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=(mask | blind.unsqueeze(-1)).unsqueeze(1))
-    return out.masked_fill(blind[:, None, :, None], 0.0)
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class ContextAttention(nn.Module):
-    """Block queries over keys/values of [context ; block], with the SAME k/v projections for both."""
+    """Block queries over keys/values of [context ; block], with the SAME k/v projections for both.
+
+    Which keys a query sees is the `attend` callable's business (`attention.py`); this module only projects,
+    norms and rotates, so every backend shares the same math."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -75,21 +66,24 @@ class ContextAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
-        """x (R, Q, H) normed block states; ctx (R, S, H) fused target context; rope_q over Q positions,
-        rope_k over S + Q positions; mask (R, Q, S + Q) or None (all visible). Returns (R, Q, H)."""
-        R, Q, _ = x.shape
-        kv_in = torch.cat([ctx, x], dim=1)  # (R, S+Q, H)
-        K = kv_in.shape[1]
-        q = self.q_norm(self.q_proj(x).view(R, Q, self.heads, self.head_dim)).transpose(1, 2)  # (R, h, Q, d)
-        k = self.k_norm(self.k_proj(kv_in).view(R, K, self.kv_heads, self.head_dim)).transpose(1, 2)  # (R, kv, K, d)
-        v = self.v_proj(kv_in).view(R, K, self.kv_heads, self.head_dim).transpose(1, 2)  # (R, kv, K, d)
-        q, k = apply_rotary(q, *rope_q), apply_rotary(k, *rope_k)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (R, h, K, d)
-        out = guarded_attention(q, k, v, mask)  # (R, h, Q, d)
-        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
+    def _kv(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (N, H) -> rotated, normed keys and values, each (1, kv, N, d)."""
+        N = h.shape[0]
+        k = self.k_norm(self.k_proj(h).view(N, self.kv_heads, self.head_dim)).transpose(0, 1).unsqueeze(0)
+        v = self.v_proj(h).view(N, self.kv_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
+        return apply_rotary(k, *rope), v
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Rope, rope_ctx: Rope, attend) -> torch.Tensor:
+        """x (Q, H) normed block states; ctx (C, H) fused target context (un-normed by this layer); rope_q over
+        the Q block positions, rope_ctx over the C context positions; attend(q, kc, vc, kb, vb) -> (1, h, Q, d).
+        Returns (Q, H)."""
+        Q = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(Q, self.heads, self.head_dim)).transpose(0, 1).unsqueeze(0)
+        q = apply_rotary(q, *rope_q)  # (1, h, Q, d)
+        kc, vc = self._kv(ctx, rope_ctx)  # (1, kv, C, d)
+        kb, vb = self._kv(x, rope_q)  # (1, kv, Q, d)
+        out = attend(q, kc, vc, kb, vb)  # (1, h, Q, d)
+        return self.o_proj(out[0].transpose(0, 1).reshape(Q, self.heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -113,8 +107,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = SwiGLU(hidden, intermediate)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
-        """x (R, Q, H) -> (R, Q, H)."""
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Rope, rope_ctx: Rope, attend) -> torch.Tensor:
+        """x (Q, H) -> (Q, H); see ContextAttention.forward."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, attend)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -10,24 +10,61 @@ position (logits, gradient), not three times as under activation checkpointing (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from dflash_lib.models.layout import DraftLayout
+
 
 @dataclass
 class DrafterLoss:
-    """One batch's loss and statistics; `loss` is the only tensor, the rest are Python floats."""
+    """One micro-batch's loss and statistics. The statistics stay tensors on the device (no host sync in the
+    step); the properties read them (one sync each), `stats()` stacks them for ONE transfer."""
 
     loss: torch.Tensor  # scalar, differentiable: sum(w * ce) / normalizer
-    weight_sum: float  # sum of w over scored positions of this batch
-    ce_sum: float  # sum of w * ce (nats) over this batch
-    acc: float  # weighted top-1 accuracy: correct_weight / weight_sum (nan with no scored position)
-    acc_per_pos: list[float]  # (B-1) unweighted top-1 accuracy at block positions k = 1..B-1 (nan if none)
-    eal: float  # expected acceptance length 1 + sum_k prod_{i<=k} acc_i (nan positions count as 0)
-    correct_weight: float  # sum of w over correct top-1 predictions (for globally normalised accuracy)
-    pos_correct: list[float]  # (B-1) correct predictions per block position (to aggregate acc_per_pos)
-    pos_count: list[float]  # (B-1) scored positions per block position
+    weight_sum: float  # sum of w over scored positions (host float, known from the layout)
+    ce_total: torch.Tensor  # 0-d: sum of w * ce (nats)
+    correct_total: torch.Tensor  # 0-d: sum of w over correct top-1 predictions
+    pos_correct_t: torch.Tensor  # (B-1,) correct predictions per block position k = 1..B-1
+    pos_count_t: torch.Tensor  # (B-1,) scored positions per block position
+
+    def stats(self) -> torch.Tensor:
+        """(2 + 2(B-1),) float64 on the device: ce_total, correct_total, pos_correct, pos_count."""
+        return torch.cat([self.ce_total.double().reshape(1), self.correct_total.double().reshape(1),
+                          self.pos_correct_t.double(), self.pos_count_t.double()])
+
+    @property
+    def ce_sum(self) -> float:
+        return float(self.ce_total)
+
+    @property
+    def correct_weight(self) -> float:
+        return float(self.correct_total)
+
+    @property
+    def pos_correct(self) -> list[float]:
+        return self.pos_correct_t.tolist()
+
+    @property
+    def pos_count(self) -> list[float]:
+        return self.pos_count_t.tolist()
+
+    @property
+    def acc(self) -> float:
+        """Weighted top-1 accuracy (nan with no scored position)."""
+        return self.correct_weight / self.weight_sum if self.weight_sum > 0 else float("nan")
+
+    @property
+    def acc_per_pos(self) -> list[float]:
+        """Unweighted top-1 accuracy at block positions k = 1..B-1 (nan where none was scored)."""
+        return [c / n if n else float("nan") for c, n in zip(self.pos_correct, self.pos_count)]
+
+    @property
+    def eal(self) -> float:
+        return expected_acceptance(self.acc_per_pos)
 
 
 def expected_acceptance(acc_per_pos: list[float]) -> float:
@@ -86,33 +123,28 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torc
                               need_grad)
 
 
-def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, weights: torch.Tensor,
-                  block_size: int, chunk_positions: int, normalizer: float | None) -> DrafterLoss:
-    """hidden (R, M*B, H) drafter outputs; labels, weights (R, M, B). See `DrafterLoss`."""
-    B = block_size
-    w = weights.reshape(-1).to(hidden.device)  # (R*M*B,)
-    scored = torch.nonzero(w > 0).flatten()  # (n,)
-    h = hidden.reshape(-1, hidden.shape[-1])[scored]  # (n, H)
-    y = labels.reshape(-1).to(hidden.device)[scored]  # (n,)
-    ws = w[scored].float()  # (n,)
-    ce, pred = head_cross_entropy(h, head, y, chunk_positions)
-    total = (ws * ce).sum()
-    weight_sum = float(ws.sum())
-    norm = weight_sum if normalizer is None else float(normalizer)
-    if normalizer is not None and not norm > 0:
+def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLayout", chunk_positions: int,
+                  normalizer: float | None) -> DrafterLoss:
+    """hidden (n*B, H) drafter outputs of the layout's queries -> `DrafterLoss`. Only the layout's m scored
+    positions (host-known indices) go through the head; no device-to-host sync."""
+    B = layout.block_size
+    if normalizer is not None and not float(normalizer) > 0:
         raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
-    # An empty batch still returns a graph-connected zero so a distributed backward stays in step.
-    loss = total / norm if norm > 0 else hidden.sum() * 0.0
+    norm = layout.weight_sum if normalizer is None else float(normalizer)
+    dev = hidden.device
+    zeros = torch.zeros(B - 1, dtype=torch.float32, device=dev)
+    if layout.num_scored == 0:  # nothing scored: a graph-connected zero keeps a distributed backward in step
+        z = hidden.sum() * 0.0
+        return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
+    h = hidden.index_select(0, layout.scored).to(head.weight.dtype)  # (m, H), in the head's dtype
+    y, w = layout.labels, layout.weights.float()  # (m,)
+    ce, pred = head_cross_entropy(h, head, y, chunk_positions)
+    total = (w * ce).sum()
     with torch.no_grad():
-        correct = (pred == y).float()  # (n,)
-        k = (scored % B).long()  # block position of each scored slot
-        pos_correct = torch.bincount(k, weights=correct, minlength=B)[1:].tolist()
-        pos_count = torch.bincount(k, minlength=B)[1:].float().tolist()
-        correct_weight = float((ws * correct).sum())
-    acc_per_pos = [c / n if n else float("nan") for c, n in zip(pos_correct, pos_count)]
-    return DrafterLoss(
-        loss=loss, weight_sum=weight_sum, ce_sum=float(total.detach()),
-        acc=correct_weight / weight_sum if weight_sum > 0 else float("nan"),
-        acc_per_pos=acc_per_pos, eal=expected_acceptance(acc_per_pos), correct_weight=correct_weight,
-        pos_correct=pos_correct, pos_count=pos_count,
-    )
+        correct = (pred == y).float()  # (m,)
+        k = layout.scored_k - 1  # (m,) 0-based block position of each scored slot
+        pos_correct = zeros.index_add(0, k, correct)
+        pos_count = zeros.index_add(0, k, torch.ones_like(correct))
+        correct_total = (w * correct).sum()
+    return DrafterLoss(loss=total / norm, weight_sum=layout.weight_sum, ce_total=total.detach(),
+                       correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count)

@@ -1,0 +1,161 @@
+"""The drafter's attention backends: block queries over [document context ; own block], by the dflash.md rules.
+
+Every backend takes, for one micro-batch in the flat layout of `layout.py`:
+    q (1, h, Q, d) block queries; kc, vc (1, kv, C, d) context keys/values of the C = R*T batch slots;
+    kb, vb (1, kv, Q, d) block keys/values; grouped-query heads are shared (enable_gqa), never copied,
+and returns (1, h, Q, d). A query of block i sees context slots of its document with position < anchor_i and
+all of block i.
+
+- `dense`: one SDPA call under the full boolean (Q, C + Q) mask. The reference the others are tested against;
+  its work and its mask grow with the whole batch, so it is for tests and small batches.
+- `blocks` (any device, trains on CPU): runs of consecutive blocks of one document (`layout.BlockGroups`), each
+  one SDPA call over its document's context prefix up to its last anchor plus its own blocks. Exact (same
+  softmax over the same visible keys); work ~ what the mask allows (`layout.attention_work`).
+- `flex` (CUDA; forward also on CPU): FlexAttention with a block mask built from (document, position) over the
+  flat layout: packed rows attend in place, tiles no query may see are skipped. `create_block_mask` is built once
+  per micro-batch with H=None, indices clamped (it rounds lengths up to its 128 tile), compiled on CUDA.
+- `auto`: flex on CUDA, blocks elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dflash_lib.models.layout import DraftLayout
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BACKENDS = ("dense", "blocks", "flex")
+
+
+def resolve_attention(name: str, device: torch.device | str) -> str:
+    """`auto` -> flex on CUDA, blocks elsewhere; a named backend is returned as is (checked)."""
+    if name == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "blocks"
+    if name not in BACKENDS:
+        raise ValueError(f"drafter_attention must be one of {['auto', *BACKENDS]}, got {name!r}")
+    return name
+
+
+def dense_mask(layout: DraftLayout) -> torch.Tensor:
+    """(Q, C + Q) bool: the whole visibility of the micro-batch (True = attend), built on the layout's device."""
+    B = layout.block_size
+    Q = layout.num_queries
+    blk = torch.arange(Q, device=layout.block_doc.device) // B  # (Q,) block of each query
+    ctx = ((layout.ctx_doc.unsqueeze(0) == layout.block_doc[blk].unsqueeze(1))
+           & (layout.ctx_pos.unsqueeze(0) < layout.anchor_pos[blk].unsqueeze(1)))  # (Q, C)
+    return torch.cat([ctx, blk.unsqueeze(1) == blk.unsqueeze(0)], dim=1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def unmasked_attend(q, kc, vc, kb, vb) -> torch.Tensor:
+    """Every query sees every context and block key: one block drafted over exactly its context (inference)."""
+    return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), None)
+
+
+def dense_attend(layout: DraftLayout) -> Attend:
+    mask = dense_mask(layout)  # built once, shared by every layer
+
+    def attend(q, kc, vc, kb, vb):
+        return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
+
+    return attend
+
+
+def blocks_attend(layout: DraftLayout) -> Attend:
+    g = layout.groups
+    if g is None:
+        raise ValueError("the blocks backend needs a layout built with attention='blocks' (block groups)")
+    B = layout.block_size
+
+    def attend(q, kc, vc, kb, vb):
+        outs = []
+        for i in range(g.count):
+            qs = slice(g.first[i] * B, (g.first[i] + g.size[i]) * B)
+            cs = slice(g.ctx_start[i], g.ctx_start[i] + g.ctx_len[i])
+            mask = g.mask[g.offset[i]:g.offset[i + 1]].view(g.size[i] * B, g.ctx_len[i] + g.size[i] * B)
+            k = torch.cat([kc[:, :, cs], kb[:, :, qs]], dim=2)  # (1, kv, L + G*B, d)
+            v = torch.cat([vc[:, :, cs], vb[:, :, qs]], dim=2)
+            outs.append(_sdpa(q[:, :, qs], k, v, mask))  # (1, h, G*B, d)
+        return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape)
+
+    return attend
+
+
+def flex_block_mask(layout: DraftLayout, compile_mask: bool):
+    """FlexAttention BlockMask of the micro-batch over keys [C context slots ; Q block queries]."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, n, Q = layout.block_size, layout.num_blocks, layout.num_queries
+    C = int(layout.ctx_doc.shape[0])
+    dev = layout.block_doc.device
+    key_doc = torch.cat([layout.ctx_doc, torch.full((Q,), -2, dtype=torch.long, device=dev)])  # (C+Q,)
+    key_pos = torch.cat([layout.ctx_pos, torch.zeros(Q, dtype=torch.long, device=dev)])
+    key_blk = torch.cat([torch.full((C,), -1, dtype=torch.long, device=dev),
+                         torch.arange(Q, device=dev) // B])
+    q_doc, q_anchor = layout.block_doc, layout.anchor_pos
+
+    def mask_mod(b, h, qi, ki):
+        blk = torch.clamp(qi // B, max=n - 1)  # create_block_mask pads Q and KV up to its tile: clamp
+        kk = torch.clamp(ki, max=C + Q - 1)
+        ctx = (key_doc[kk] == q_doc[blk]) & (key_pos[kk] < q_anchor[blk])
+        return ctx | (key_blk[kk] == blk)
+
+    return create_block_mask(mask_mod, None, None, Q, C + Q, device=dev, _compile=compile_mask)
+
+
+_COMPILED_FLEX = None
+
+
+def flex_attend(layout: DraftLayout) -> Attend:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX
+    cuda = layout.block_doc.device.type == "cuda"
+    block_mask = flex_block_mask(layout, compile_mask=cuda)
+    fn = flex_attention
+    if cuda:  # eager FlexAttention on CUDA is a slow reference; the compiled kernel is the real one
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+        fn = _COMPILED_FLEX
+
+    def attend(q, kc, vc, kb, vb):
+        k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+def make_attend(layout: DraftLayout, backend: str) -> Attend:
+    """The attention of every drafter layer for this micro-batch (masks built once here, not per layer)."""
+    if layout.num_blocks == 0:
+        raise ValueError("make_attend: the layout has no block")
+    if backend == "dense":
+        return dense_attend(layout)
+    if backend == "blocks":
+        return blocks_attend(layout)
+    if backend == "flex":
+        return flex_attend(layout)
+    raise ValueError(f"unknown drafter attention backend {backend!r}; known: {list(BACKENDS)}")
+
+
+def sdpa_flop_mapping() -> dict:
+    """`FlopCounterMode(custom_mapping=...)` entries for SDPA's CPU flash kernel, which torch's counter does not
+    count: forward 2 matmuls (QK^T, PV) = 4*b*h*Sq*Sk*d FLOPs, backward 4 matmuls = twice that (GQA: h = query
+    heads, the kernel broadcasts K/V heads)."""
+    aten = torch.ops.aten
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        b, h, sq, d = query_shape
+        return 4 * b * h * sq * key_shape[-2] * d
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * forward(query_shape, key_shape, value_shape)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}

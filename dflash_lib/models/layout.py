@@ -1,0 +1,187 @@
+"""What the drafter computes for one micro-batch, laid out on the HOST before the step.
+
+A `DraftLayout` is built from the host copy of a batch and its anchors (numpy/CPU tensors, in the feed stage)
+and moved to the device once (`to(device, non_blocking=True)`). The step on the device then runs tensor ops
+only: every shape, offset and index it needs is already here, so it makes no device-to-host sync and runs
+unchanged under `FakeTensorMode` (the dry run).
+
+Flat layout, the same for padded and packed batches (no padding block, no padding to the longest document):
+- context: the R*T slots of the batch, row-major (`ctx_doc`, `ctx_pos`); padding slots have doc -1;
+- blocks: the n real blocks of the batch in document order, then anchor order; query i*B + k is position k of
+  block i, at document-local position anchor_i + k;
+- scored: the m positions with a loss weight > 0, as flat indices into the n*B queries.
+
+A query of block i sees the context slots of its own document at positions STRICTLY below anchor_i and every
+position of block i (dflash.md). `groups` cuts each document's blocks into runs of consecutive blocks for the
+`blocks` attention backend: a run attends to the context prefix its last anchor needs plus its own blocks, so the
+attention work stays close to what the mask allows (see `attention.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from dflash_lib.batch import Batch
+from dflash_lib.models.anchors import Anchors
+
+GROUP_BLOCK_SHARE = 4  # a run of blocks spans at most 1/4 of its mean context: in-run keys <= 25% extra work
+
+
+@dataclass(frozen=True)
+class BlockGroups:
+    """Runs of consecutive blocks of one document (host ints) for the `blocks` backend.
+
+    Run g covers blocks first[g] .. first[g] + size[g] - 1 and the context slots ctx_start[g] ..
+    ctx_start[g] + ctx_len[g] - 1 (its document's first slot up to the largest anchor of the run); its mask
+    (size*B, ctx_len + size*B) is mask[offset[g]: offset[g + 1]] reshaped (True = attend).
+    """
+
+    first: tuple[int, ...]
+    size: tuple[int, ...]
+    ctx_start: tuple[int, ...]
+    ctx_len: tuple[int, ...]
+    offset: tuple[int, ...]  # (G + 1,) into `mask`
+    mask: torch.Tensor  # (sum of mask sizes,) bool
+
+    @property
+    def count(self) -> int:
+        return len(self.first)
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """One micro-batch's drafter work (shapes in the field comments; n blocks of B, m scored positions)."""
+
+    block_ids: torch.Tensor  # (n, B) int64: drafter input tokens (anchor, then MASK or revealed tokens)
+    block_pos: torch.Tensor  # (n, B) int64: document-local position of every query, anchor_i + k
+    block_doc: torch.Tensor  # (n,) int64: batch document id of each block
+    anchor_pos: torch.Tensor  # (n,) int64: document-local anchor position
+    ctx_doc: torch.Tensor  # (R*T,) int64: document id of each context slot, -1 on padding
+    ctx_pos: torch.Tensor  # (R*T,) int64: document-local position of each context slot
+    scored: torch.Tensor  # (m,) int64: flat query index i*B + k of each scored position
+    labels: torch.Tensor  # (m,) int64: the token at anchor + k
+    weights: torch.Tensor  # (m,) float32: loss weight (decay x label valid x masked)
+    scored_k: torch.Tensor  # (m,) int64: block position k (1..B-1) of each scored position
+    groups: BlockGroups | None  # runs for the `blocks` backend (None when another backend was asked for)
+    block_size: int  # B
+    noise: float  # fraction of block positions fed MASK
+    weight_sum: float  # sum of `weights` (host float: the loss normaliser, known before any forward)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    @property
+    def num_queries(self) -> int:
+        """Drafter query tokens n * B."""
+        return int(self.block_ids.numel())
+
+    @property
+    def num_scored(self) -> int:
+        return int(self.scored.shape[0])
+
+    def _map(self, fn) -> "DraftLayout":
+        tensors = {f.name: fn(getattr(self, f.name)) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        groups = None if self.groups is None else replace(self.groups, mask=fn(self.groups.mask))
+        return replace(self, groups=groups, **tensors)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "DraftLayout":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "DraftLayout":
+        return self._map(lambda t: t.pin_memory())
+
+
+def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.ndarray, block_size: int,
+                 max_group: int = 0) -> BlockGroups:
+    """Cut the blocks (sorted by document, then anchor) into runs for the `blocks` backend.
+
+    anchor_pos, block_doc: (n,); doc_start: (D,) flat slot of each document's first token. A document's run
+    length G = clamp(floor(mean anchor / (GROUP_BLOCK_SHARE * B)), 1, its blocks) (`max_group` > 0 caps it):
+    the run's own G*B keys then add at most ~1/GROUP_BLOCK_SHARE to the context each query needs.
+    """
+    B = block_size
+    firsts, sizes, starts, lens, offsets, masks = [], [], [], [], [0], []
+    n = len(anchor_pos)
+    bounds = np.flatnonzero(np.diff(block_doc)) + 1
+    for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [n]])):
+        if hi <= lo:
+            continue
+        a = anchor_pos[lo:hi]
+        G = max(1, min(hi - lo, int(a.mean() // (GROUP_BLOCK_SHARE * B))))
+        if max_group > 0:
+            G = min(G, max_group)
+        for s in range(lo, hi, G):
+            e = min(s + G, hi)
+            ga = a[s - lo:e - lo]  # (g,)
+            g, L = e - s, int(ga.max())
+            ctx = np.arange(L)[None, :] < np.repeat(ga, B)[:, None]  # (g*B, L): strictly before the anchor
+            own = (np.arange(g * B)[:, None] // B) == (np.arange(g * B)[None, :] // B)  # (g*B, g*B)
+            masks.append(np.concatenate([ctx, own], axis=1).reshape(-1))
+            firsts.append(int(s))
+            sizes.append(int(g))
+            starts.append(int(doc_start[block_doc[s]]))
+            lens.append(L)
+            offsets.append(offsets[-1] + masks[-1].size)
+    mask = torch.from_numpy(np.concatenate(masks)) if masks else torch.zeros(0, dtype=torch.bool)
+    return BlockGroups(tuple(firsts), tuple(sizes), tuple(starts), tuple(lens), tuple(offsets), mask)
+
+
+def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_group: int = 0) -> DraftLayout:
+    """The host-side layout of `batch` (host tensors) and its `anchors`; `attention` is the backend that will run
+    (the `blocks` backend needs `groups`, the others do not)."""
+    B = anchors.block_size
+    doc_ids = batch.doc_ids.cpu()
+    R, T = doc_ids.shape
+    valid = anchors.valid.cpu().reshape(-1).numpy()  # (R*M,)
+    take = np.flatnonzero(valid)  # real blocks, row-major = document order (anchors are laid out per document)
+    pos = anchors.pos.cpu().reshape(-1).numpy()[take]  # (n,)
+    doc = anchors.doc.cpu().reshape(-1).numpy()[take]  # (n,)
+    if np.any(np.diff(doc) < 0):
+        raise ValueError("anchors: blocks must be laid out document by document in row-major order")
+    ids = anchors.block_ids.cpu().reshape(-1, B).numpy()[take]  # (n, B)
+    labels = anchors.labels.cpu().reshape(-1, B).numpy()[take].reshape(-1)  # (n*B,)
+    weights = anchors.weights.cpu().reshape(-1, B).numpy()[take].reshape(-1)  # (n*B,)
+    scored = np.flatnonzero(weights > 0)  # (m,)
+    flat_doc = doc_ids.reshape(-1).numpy()
+    groups = None
+    if attention == "blocks":
+        D = int(flat_doc.max()) + 1 if flat_doc.size and flat_doc.max() >= 0 else 0
+        doc_start = np.full(D, -1, dtype=np.int64)
+        real = np.flatnonzero(flat_doc >= 0)
+        first = np.unique(flat_doc[real], return_index=True)
+        doc_start[first[0]] = real[first[1]]
+        groups = block_groups(pos, doc, doc_start, B, max_group)
+    w = torch.from_numpy(np.ascontiguousarray(weights[scored], dtype=np.float32))
+    return DraftLayout(
+        block_ids=torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
+        block_pos=torch.from_numpy((pos[:, None] + np.arange(B)[None, :]).astype(np.int64)),
+        block_doc=torch.from_numpy(doc.astype(np.int64)), anchor_pos=torch.from_numpy(pos.astype(np.int64)),
+        ctx_doc=doc_ids.reshape(-1).clone(), ctx_pos=batch.position_ids.cpu().reshape(-1).clone(),
+        scored=torch.from_numpy(scored.astype(np.int64)),
+        labels=torch.from_numpy(labels[scored].astype(np.int64)), weights=w,
+        scored_k=torch.from_numpy((scored % B).astype(np.int64)), groups=groups, block_size=B,
+        noise=anchors.noise, weight_sum=float(w.double().sum()),
+    )
+
+
+def attention_work(layout: DraftLayout, backend: str) -> dict[str, float]:
+    """Query-key pairs per head: what the mask allows (`allowed`) and what `backend` computes (`computed`).
+    allowed = sum over blocks of B * (anchor + B); dense computes n*B x (R*T + n*B); blocks sums its runs."""
+    B, n = layout.block_size, layout.num_blocks
+    allowed = float(B * (layout.anchor_pos.double() + B).sum())
+    if backend == "dense":
+        computed = float(n * B) * float(layout.ctx_doc.numel() + n * B)
+    elif backend == "blocks":
+        g = layout.groups
+        if g is None:
+            raise ValueError("attention_work: this layout was built without block groups")
+        computed = float(sum(s * B * (L + s * B) for s, L in zip(g.size, g.ctx_len)))
+    else:
+        raise ValueError(f"attention_work: unknown backend {backend!r}")
+    return dict(allowed=allowed, computed=computed, ratio=computed / allowed if allowed else math.nan)

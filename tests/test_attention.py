@@ -1,0 +1,226 @@
+"""Drafter attention backends (dense, blocks, flex) against each other and against per-block inference.
+
+The per-block inference forward (`draft_logits`) slices the context to exactly positions 0..anchor-1 and uses
+no mask at all: an independent statement of the `<` rule that every training backend is checked against."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash_lib.batch import collate_packed, collate_padded
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping
+from dflash_lib.models.layout import attention_work, block_groups, build_layout
+
+VOCAB, MASK, H, B = 300, 299, 32, 4
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=6, vocab_size=VOCAB), 2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> DFlashDrafter:
+    cfg = DrafterConfig(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
+                        block_size=B, mask_id=MASK, num_anchors=64, ce_chunk_blocks=2)
+    torch.manual_seed(0)
+    return DFlashDrafter(cfg, target, attention="dense")
+
+
+def _docs(lengths, seed=0, prompt=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, VOCAB - 1, n), np.arange(n) >= min(prompt, n - 2)) for n in lengths]
+
+
+def _batch(docs, packed):
+    return collate_packed(docs, 0, row_len=sum(len(t) for t, _ in docs) + 5) if packed else collate_padded(docs, 0)
+
+
+def _run(drafter, backend, batch, feats, layout, grad=False):
+    drafter.attention = backend
+    try:
+        if not grad:
+            with torch.no_grad():
+                return drafter.block_logits(batch, feats, layout)
+        drafter.zero_grad(set_to_none=True)
+        out = drafter.loss(batch, feats, layout)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    finally:
+        drafter.attention = "dense"
+
+
+def _per_block_reference(drafter, batch, feats, layout):
+    refs = []
+    flat_doc = batch.doc_ids.reshape(-1)
+    flat_feats = feats.reshape(-1, feats.shape[-1])
+    with torch.no_grad():
+        for i in range(layout.num_blocks):
+            doc_feats = flat_feats[flat_doc == layout.block_doc[i]]
+            refs.append(drafter.draft_logits(doc_feats, int(layout.anchor_pos[i]), layout.block_ids[i]))
+    return torch.stack(refs)  # (n, B, V)
+
+
+# Documents shorter than a block (3 < B... and 2 tokens: one anchor whose block runs past the end), anchors at
+# the very end of a document (num_anchors 64 takes every valid anchor), a long one.
+LENGTHS = [14, 3, 9, 2, 23]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("backend", ["dense", "blocks", "flex"])
+def test_every_backend_equals_per_block_inference(target, drafter, backend, packed):
+    docs = _docs(LENGTHS, seed=3)
+    batch = _batch(docs, packed)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(1)), "blocks")
+    last = [len(t) - 2 for t, _ in docs]  # the last valid anchor of every document
+    assert all(any(int(layout.anchor_pos[i]) == a and int(layout.block_doc[i]) == d for i in range(layout.num_blocks))
+               for d, a in enumerate(last))
+    feats = target.features(batch)
+    got = _run(drafter, backend, batch, feats, layout)
+    ref = _per_block_reference(drafter, batch, feats, layout)
+    assert got.shape == ref.shape == (layout.num_blocks, B, VOCAB)
+    assert float((got - ref).abs().max()) < 1e-5
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(2, 30), min_size=1, max_size=5), seed=st.integers(0, 10**6),
+       num_anchors=st.integers(1, 12), packed=st.booleans(), max_group=st.integers(0, 3))
+def test_backends_equal_dense_on_random_anchors(target, drafter, lengths, seed, num_anchors, packed, max_group):
+    docs = _docs(lengths, seed=seed)
+    batch = _batch(docs, packed)
+    drafter.cfg.num_anchors = num_anchors
+    try:
+        anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
+    finally:
+        drafter.cfg.num_anchors = 64
+    layout = build_layout(batch, anchors, "blocks", max_group=max_group)
+    if layout.num_blocks == 0:
+        return
+    feats = target.features(batch)
+    dense = _run(drafter, "dense", batch, feats, layout)
+    for backend in ("blocks", "flex"):
+        assert float((_run(drafter, backend, batch, feats, layout) - dense).abs().max()) < 1e-5, backend
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocks_gradients_equal_dense(target, drafter, packed):
+    docs = _docs(LENGTHS, seed=5)
+    batch = _batch(docs, packed)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(2)), "blocks",
+                          max_group=2)
+    feats = target.features(batch)
+    loss_d, grads_d = _run(drafter, "dense", batch, feats, layout, grad=True)
+    loss_b, grads_b = _run(drafter, "blocks", batch, feats, layout, grad=True)
+    assert abs(float(loss_d - loss_b)) < 1e-6
+    for name, g in grads_d.items():
+        torch.testing.assert_close(grads_b[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    drafter.zero_grad(set_to_none=True)
+
+
+def _leaky(layout):
+    """The public `<=` bug: a block also sees the context slot of its own anchor (positions < anchor + 1)."""
+    shifted = layout.anchor_pos + 1
+    doc_start = {int(d): int(np.flatnonzero(layout.ctx_doc.numpy() == d)[0]) for d in layout.block_doc.unique()}
+    starts = np.array([doc_start.get(d, 0) for d in range(int(layout.block_doc.max()) + 1)])
+    groups = block_groups(shifted.numpy(), layout.block_doc.numpy(), starts, layout.block_size)
+    return dataclasses.replace(layout, anchor_pos=shifted, groups=groups)
+
+
+@pytest.mark.parametrize("backend", ["dense", "blocks", "flex"])
+def test_the_leaky_mask_mutant_fails_the_inference_check(target, drafter, backend):
+    docs = _docs([14, 9, 17], seed=3)
+    batch = _batch(docs, packed=True)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(1)), "blocks")
+    feats = target.features(batch)
+    ref = _per_block_reference(drafter, batch, feats, layout)
+    assert float((_run(drafter, backend, batch, feats, layout) - ref).abs().max()) < 1e-5
+    assert float((_run(drafter, backend, batch, feats, _leaky(layout)) - ref).abs().max()) > 1e-3
+
+
+def test_dense_mask_element_by_element():
+    docs = [(np.arange(5), np.array([0, 1, 1, 1, 1], bool)), (np.arange(4), np.array([0, 1, 1, 1], bool))]
+    batch = collate_packed(docs, 0, row_len=11)
+    cfg_anchors = dict(num_anchors=9, block_size=2, gamma=1.0, mask_id=99)
+    from dflash_lib.models.anchors import sample_anchors
+    layout = build_layout(batch, sample_anchors(batch, generator=torch.Generator().manual_seed(0), **cfg_anchors))
+    m = dense_mask(layout)
+    C, Q = 11, layout.num_queries
+    assert m.shape == (Q, C + Q)
+    doc, pos = batch.doc_ids[0], batch.position_ids[0]
+    for q in range(Q):
+        i = q // 2
+        for key in range(C + Q):
+            if key < C:  # context: same document, position STRICTLY before the anchor; padding never
+                want = int(doc[key]) == int(layout.block_doc[i]) and int(pos[key]) < int(layout.anchor_pos[i])
+            else:  # its own block, both directions
+                want = (key - C) // 2 == i
+            assert bool(m[q, key]) == want, (q, key)
+
+
+def test_attention_uses_grouped_kv_heads_without_copies(target, drafter):
+    """GQA through SDPA's enable_gqa: no repeat_interleave / expand+reshape copy of K or V."""
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    docs = _docs([14, 9], seed=1)
+    batch = _batch(docs, packed=False)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks")
+    feats = target.features(batch)
+    for backend in ("dense", "blocks"):
+        with Ops() as ops:
+            _run(drafter, backend, batch, feats, layout, grad=True)
+        assert not any("repeat_interleave" in n for n in ops.names), backend
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_blocks_attention_work_is_close_to_what_the_mask_allows(target):
+    """Counted with torch's FLOP counter: blocks stays within 1.5x of the allowed work at the paper's anchor
+    density; dense pays for the whole (Q, C + Q) grid."""
+    n_tok, Bp = 600, 16
+    tokens = np.arange(n_tok) % (VOCAB - 1)
+    docs = [(tokens, np.arange(n_tok) >= 40)]
+    batch = collate_padded(docs, 0)
+    from dflash_lib.models.anchors import sample_anchors
+    anchors = sample_anchors(batch, 100, Bp, 7.0, MASK, torch.Generator().manual_seed(0))
+    layout = build_layout(batch, anchors, "blocks")
+    cfg = DrafterConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
+                        block_size=Bp, mask_id=MASK, num_anchors=100)
+    d = DFlashDrafter(cfg, target)
+    feats = target.features(batch)
+    flops = {}
+    for backend in ("dense", "blocks"):
+        d.attention = backend
+        with FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping()) as fc:
+            d.loss(batch, feats, layout).loss.backward()
+        counts = fc.get_flop_counts()["Global"]
+        flops[backend] = sum(v for k, v in counts.items() if "scaled_dot_product" in str(k))
+    per_pair = 4 * 4 * 8 * 3  # fwd + bwd FLOPs per (query, key) pair: 4 * heads * head_dim, x3 with backward
+    work = attention_work(layout, "blocks")
+    assert flops["blocks"] == pytest.approx(work["computed"] * per_pair)
+    assert flops["dense"] == pytest.approx(attention_work(layout, "dense")["computed"] * per_pair)
+    assert work["ratio"] <= 1.5
+    assert flops["blocks"] <= 0.5 * flops["dense"]
+
+
+def test_auto_backend_and_unknown_names():
+    assert resolve_attention("auto", "cpu") == "blocks" and resolve_attention("auto", "cuda") == "flex"
+    assert resolve_attention("dense", "cpu") == "dense"
+    with pytest.raises(ValueError, match="drafter_attention"):
+        resolve_attention("sparse", "cpu")
