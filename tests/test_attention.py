@@ -224,3 +224,48 @@ def test_auto_backend_and_unknown_names():
     assert resolve_attention("dense", "cpu") == "dense"
     with pytest.raises(ValueError, match="drafter_attention"):
         resolve_attention("sparse", "cpu")
+
+
+def test_activation_checkpointing_gives_the_same_gradients(target, drafter):
+    docs = _docs(LENGTHS, seed=8)
+    batch = _batch(docs, packed=True)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(4)), "blocks")
+    feats = target.features(batch)
+    results = []
+    for ckpt in (False, True):
+        drafter.checkpointing = ckpt
+        results.append(_run(drafter, "blocks", batch, feats, layout, grad=True))
+    drafter.checkpointing = False
+    (loss0, g0), (loss1, g1) = results
+    assert float(loss0) == float(loss1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-7, rtol=1e-6, msg=name)
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_bf16_target_with_fp32_drafter_trains_under_autocast_and_drafts_without(drafter):
+    """The CUDA recipe's dtypes on CPU: a bf16 target (features and LM head in bf16), fp32 master weights,
+    bf16 autocast for the training step; drafting (no autocast on CPU) feeds the bf16 head from fp32 states."""
+    hf = tiny_qwen3_config(hidden_size=H, num_layers=6, vocab_size=VOCAB)
+    t32 = TargetModel.from_hf_config(hf, 2, seed=0)
+    t16 = TargetModel.from_hf_config(hf, 2, seed=0, dtype=torch.bfloat16)
+    cfg = drafter.cfg
+    torch.manual_seed(0)
+    d32 = DFlashDrafter(cfg, t32, attention="blocks")
+    d16 = DFlashDrafter(cfg, t16, attention="blocks")
+    d16.load_state_dict(d32.state_dict())
+    docs = _docs([20, 11], seed=9)
+    batch = _batch(docs, packed=False)
+    layout = build_layout(batch, d32.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks")
+    f32, f16 = t32.features(batch), t16.features(batch)
+    assert f16.dtype == torch.bfloat16 and d16.fc.weight.dtype == torch.float32
+    ref = d32.loss(batch, f32, layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = d16.loss(batch, f16, layout)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and abs(out.loss.item() - ref.loss.item()) < 0.02 * ref.loss.item()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+               for p in d16.parameters() if p.requires_grad)
+    with torch.no_grad():
+        logits = d16.draft_logits(f16[0, :20], 9, layout.block_ids[0])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
