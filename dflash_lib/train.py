@@ -45,6 +45,7 @@ from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate,
 from dflash_lib.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                 format_log_line)
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
+from dflash_lib.models.attention import resolve_attention
 from dflash_lib.pipeline import Pipeline
 from dflash_lib.resume import (CHECKPOINTS, CONFIG_FILE, METRICS_FILE, ResumePoint, clear_run_dir,
                                find_resume_point, truncate_metrics)
@@ -703,6 +704,9 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed)
                for d in devices]
     torch.manual_seed(config.train.seed)
+    if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
+        raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
+                          f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,
                             checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device))
