@@ -683,6 +683,9 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     from dflash_lib.data import build_token_store_from_config
     from dflash_lib.data.analysis import store_drafter_queries
 
+    if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
+        raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
+                          f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
     dist = distributed.info()
     store = build_token_store_from_config(config.data, progress=dist.rank == 0)
     lengths = np.asarray(store.lengths)
@@ -704,9 +707,6 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed)
                for d in devices]
     torch.manual_seed(config.train.seed)
-    if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
-        raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
-                          f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,
                             checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device))
