@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dflash_lib.models.layout import DraftLayout
 
@@ -67,6 +68,11 @@ def dense_attend(layout: DraftLayout) -> Attend:
     return attend
 
 
+def _run_attention(q, kc, vc, kb, vb, mask) -> torch.Tensor:
+    """One run of the blocks backend: its queries over [its context prefix ; its own blocks]."""
+    return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
+
+
 def blocks_attend(layout: DraftLayout) -> Attend:
     g = layout.groups
     if g is None:
@@ -75,13 +81,16 @@ def blocks_attend(layout: DraftLayout) -> Attend:
 
     def attend(q, kc, vc, kb, vb):
         outs = []
+        recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kc, vc, kb, vb))
         for i in range(g.count):
             qs = slice(g.first[i] * B, (g.first[i] + g.size[i]) * B)
             cs = slice(g.ctx_start[i], g.ctx_start[i] + g.ctx_len[i])
             mask = g.mask[g.offset[i]:g.offset[i + 1]].view(g.size[i] * B, g.ctx_len[i] + g.size[i] * B)
-            k = torch.cat([kc[:, :, cs], kb[:, :, qs]], dim=2)  # (1, kv, L + G*B, d)
-            v = torch.cat([vc[:, :, cs], vb[:, :, qs]], dim=2)
-            outs.append(_sdpa(q[:, :, qs], k, v, mask))  # (1, h, G*B, d)
+            args = (q[:, :, qs], kc[:, :, cs], vc[:, :, cs], kb[:, :, qs], vb[:, :, qs], mask)
+            # Recomputed in the backward: only views of the layer's q/k/v are kept, never a run's own copy of
+            # its context keys (runs overlap: kept, those copies would sum to several times the context).
+            outs.append(checkpoint(_run_attention, *args, use_reentrant=False) if recompute
+                        else _run_attention(*args))  # (1, h, G*B, d)
         return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape)
 
     return attend
