@@ -12,6 +12,7 @@ are counted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 
@@ -71,6 +72,33 @@ class Item:
     skips: Skips = ()  # samples of this micro-batch left out by validation
     layout: DraftLayout | None = None  # host layout of the drafter's work (anchors, scored positions)
     device_layout: DraftLayout | None = None  # the same on the training device
+    ready: torch.cuda.Event | None = None  # recorded on the target worker's stream once every device tensor above
+    # is written (CUDA); None where the worker ran on the consumer's stream (CPU)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of device_batch, features and device_layout (the ones written on the worker's stream)."""
+        out: list[torch.Tensor] = []
+        if self.device_batch is not None:
+            b = self.device_batch
+            out += [b.input_ids, b.loss_mask, b.position_ids, b.doc_ids, b.cu_seqlens]
+        if self.features is not None:
+            out.append(self.features)
+        if self.device_layout is not None:
+            self.device_layout._map(lambda t: out.append(t) or t)
+        return out
+
+    def wait_ready(self) -> None:
+        """Make the CURRENT stream wait (on the device, no host sync) until the worker's copies and target forward
+        are done, and mark the item's device tensors as used by the current stream, so the caching allocator does
+        not hand their memory back to the worker's stream before this stream is done with them. A no-op when
+        `ready` is None (CPU). Call it once, on the consumer's thread, before the first use of the tensors."""
+        if self.ready is None:
+            return
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.ready)
+        for t in self.device_tensors():
+            t.record_stream(stream)
+        self.ready = None  # waited: a second call is a no-op
 
 
 def bucket_of(max_len: int, edges: Sequence[int]) -> int:
@@ -174,16 +202,32 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
 
 
 def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
-                        threads: int = 0) -> list[Callable[[Collated], Item]]:
+                        threads: int = 0, streams: bool | None = None) -> list[Callable[[Collated], Item]]:
     """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
     on CPU several threads share one) and hands its features to `main_device`.
 
     threads > 0: torch intra-op threads of the thread that calls a worker, for a target on CPU (torch's thread
     count is per calling thread, so the drafter's thread keeps its own once it has run a torch op: torch takes a
-    thread's count from the latest set_num_threads when that thread first runs one); 0 leaves torch's default."""
+    thread's count from the latest set_num_threads when that thread first runs one); 0 leaves torch's default.
+
+    streams (None = when the target is on CUDA): each worker enqueues its host-to-device copies and the target
+    forward on a CUDA stream of its own (one on the target's device, and one on `main_device` for the hand-over
+    when that differs), so on one GPU the target of the next micro-batch overlaps the drafter's step on the
+    default stream. The worker records `Item.ready` after the last copy; the consumer calls `Item.wait_ready()`
+    (a device-side wait) before it touches the item. No host sync is made: the segments of the target's varlen
+    attention come from the HOST batch, and every copy is non_blocking from pinned memory."""
     local = threading.local()
 
     def worker(target: Any) -> Callable[[Collated], Item]:
+        use_streams = target.device.type == "cuda" if streams is None else streams
+        lanes: dict[str, Any] = {}  # this worker's streams, created on first use (in the thread that runs it)
+
+        def lane(device: torch.device) -> Any:
+            key = str(device)
+            if key not in lanes:
+                lanes[key] = torch.cuda.Stream(device=device)
+            return lanes[key]
+
         def run(c: Collated) -> Item:
             if threads > 0 and target.device.type == "cpu" and getattr(local, "threads", 0) != threads:
                 torch.set_num_threads(threads)  # this thread only
@@ -191,14 +235,26 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
             w = c.work
             if c.batch is None:
                 return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips)
-            dev_batch = c.batch.to(target.device, non_blocking=True)
-            feats = target.features(dev_batch)  # (R, T, F*H)
-            if target.device != main_device:
-                dev_batch = c.batch.to(main_device, non_blocking=True)
-                feats = feats.to(main_device, non_blocking=True)
-            dev_layout = None if c.layout is None else c.layout.to(main_device, non_blocking=True)
+            with contextlib.ExitStack() as on:
+                hand_over = None
+                if use_streams:
+                    on.enter_context(torch.cuda.stream(lane(target.device)))
+                    hand_over = lane(main_device)
+                    if main_device != target.device:
+                        on.enter_context(torch.cuda.stream(hand_over))
+                segments = target.segments(c.batch.doc_ids)  # from the host doc_ids: no device read
+                dev_batch = c.batch.to(target.device, non_blocking=True)
+                feats = target.features(dev_batch, segments)  # (R, T, F*H)
+                if target.device != main_device:
+                    dev_batch = c.batch.to(main_device, non_blocking=True)
+                    feats = feats.to(main_device, non_blocking=True)
+                dev_layout = None if c.layout is None else c.layout.to(main_device, non_blocking=True)
+                ready = None
+                if hand_over is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(hand_over)  # after the features and every copy above
             return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
-                        dev_layout)
+                        dev_layout, ready)
         return run
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]

@@ -185,6 +185,8 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
     live = [it for it in items if it.batch is not None]
     if any(it.layout is None or it.device_layout is None for it in live):
         raise ValueError("train_step: every item needs its drafter layout (make_collate(prepare=...))")
+    for it in live:  # CUDA: this stream waits (on the device) for the target worker's stream; CPU: no-op
+        it.wait_ready()
     local = [it.layout.weight_sum for it in live]
     n_pos = drafter.cfg.block_size - 1
     (weight_sum,) = all_reduce_floats([sum(local)])

@@ -307,7 +307,10 @@ def test_target_worker_threads_are_set_per_thread_and_leave_the_caller_alone():
     class Target:
         device = torch.device("cpu")
 
-        def features(self, batch):
+        def segments(self, host_doc_ids):
+            return {}
+
+        def features(self, batch, segments=None):
             seen.append(torch.get_num_threads())
             return torch.zeros(batch.input_ids.shape + (4,))
 
