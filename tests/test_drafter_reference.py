@@ -187,8 +187,10 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("backend", ["dense", "blocks", "flex"])
+# flex (eager on CPU, ~0.3 s a call) runs the packed batch only: there the documents share a row, so (d) is the
+# harder case; flex on padded rows is held to dense by tests/test_attention.py.
+@pytest.mark.parametrize("backend, packed", [("dense", False), ("dense", True), ("blocks", False),
+                                             ("blocks", True), ("flex", True)])
 def test_training_logits_depend_on_the_anchor_and_the_context_before_it_only(target, drafter, backend, packed):
     batch = _batch(packed)
     layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks")
@@ -216,10 +218,9 @@ def test_training_logits_depend_on_the_anchor_and_the_context_before_it_only(tar
         for p in (0, ANCHOR - 1):
             got = logits(_perturbed(feats, [_slot(batch, DOC, p)], seed=p))
             assert _max_diff(got[i], base[i]) > 1e-4, p
-        # (c) a feature at or after the anchor: at the anchor, inside the block's span, the document's last
-        for p in (ANCHOR, ANCHOR + 1, LENGTHS[DOC] - 1):
-            got = logits(_perturbed(feats, [_slot(batch, DOC, p)], seed=p))
-            assert _max_diff(got[i], base[i]) < 1e-6, p
+        # (c) every feature at or after the anchor at once (the anchor's own slot, the block's span, beyond)
+        got = logits(_perturbed(feats, [_slot(batch, DOC, p) for p in range(ANCHOR, LENGTHS[DOC])], seed=7))
+        assert _max_diff(got[i], base[i]) < 1e-6
         # (d) every feature of the other documents at once
         other_slots = [_slot(batch, d, p) for d in range(len(LENGTHS)) if d != DOC for p in range(LENGTHS[d])]
         got = logits(_perturbed(feats, other_slots, seed=99))
@@ -249,7 +250,6 @@ def test_inference_logits_depend_on_the_anchor_and_the_context_before_it_only(ta
         f = feats.clone()
         f[p] += 2.0 * torch.randn(f.shape[-1], generator=torch.Generator().manual_seed(p))
         assert _max_diff(logits(f), base) > 1e-4, p
-    for p in (ANCHOR, ANCHOR + 1, LENGTHS[DOC] - 1):  # (c)
-        f = feats.clone()
-        f[p] += 2.0 * torch.randn(f.shape[-1], generator=torch.Generator().manual_seed(p))
-        assert _max_diff(logits(f), base) < 1e-6, p
+    f = feats.clone()  # (c) every feature at or after the anchor at once
+    f[ANCHOR:] += 2.0 * torch.randn(f[ANCHOR:].shape, generator=torch.Generator().manual_seed(7))
+    assert _max_diff(logits(f), base) < 1e-6
