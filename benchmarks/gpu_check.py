@@ -1,0 +1,458 @@
+"""The GPU check of issue 11: one command, at most 8 minutes on one H200, one JSON summary on the last stdout line.
+
+    PYTHONPATH=. python3 benchmarks/gpu_check.py            # the check (CUDA)
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --quick    # tiny shapes, 3 steps; runs on CPU too
+
+Wheels to carry: none. It imports torch, numpy, transformers (and their own dependencies: safetensors, tqdm,
+pyyaml) and dflash_lib.{batch, config, feed, pipeline, models, train, validate, dryrun}; none of these imports
+pandas, plotly or wandb at import time (train imports them lazily, in functions this script does not call).
+Runs on torch 2.11 (the GPU image) and 2.13.
+
+Sections, each guarded (a failure is reported under its name as {"ok": false, "error": ...}, the others run):
+  parity    flex / blocks / dense on padded and packed batches of a tiny random target: loss, final drafter states
+            and every parameter gradient against `dense`, in fp32 (TF32 off; max |diff| / max |ref| <= 1e-4) and
+            under bf16 autocast (<= 3e-2: bf16 keeps 8 mantissa bits, ~4e-3 per rounding, summed over layers).
+            flex needs CUDA for its backward: skipped elsewhere.
+  train     a Qwen3-0.6B-SHAPED random target (hidden 1024, 28 layers, 16 heads, 8 kv heads, head_dim 128,
+            intermediate 3072, vocab 151936, bf16 weights on the GPU), the paper drafter (5 layers, 5 features,
+            block 16, 512 anchors, flex, checkpointing, bf16 autocast over fp32 master weights, fused AdamW), 30
+            optimizer steps through the library's Pipeline (one packed row of ROW_LEN tokens per step) after
+            WARMUP untimed steps (compilation). Documents are synthesized: lengths ~ lognormal(median 900, sigma
+            0.8) clipped to [64, 3072] tokens, random token ids, the first U(10 %, 50 %) of each document is the
+            "user" turn (loss mask off), the rest the assistant's (loss mask on). Reports Ktok/s (real tokens),
+            MFU = (FLOPs per real token, counted by torch.utils.flop_counter.FlopCounterMode over one full step) x
+            tokens/s / 989 TFLOP/s (H200 dense bf16 peak), the peak memory (`torch.cuda.max_memory_allocated`) of
+            the run and of one step on the costliest batch alone, and the dry run's prediction for that same
+            batch (`dflash_lib.dryrun.measure_step` in fake mode on the CPU, run BEFORE any GPU step).
+  pipeline  the same models and batches: a plain loop (collate -> target -> step, one thread, default stream)
+            vs the Pipeline (a target worker thread on its own CUDA stream); Ktok/s of each and their ratio.
+  drafting  `acceptance_length` with the bf16 target and the trained drafter (bf16 autocast) on a few prompts;
+            its outputs must equal the target's own greedy decoding token for token.
+--quick: tiny shapes everywhere, 3 steps, for any device (CUDA-only parts are skipped with a reason).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent  # benchmarks/tokenize.py would shadow the standard library's tokenize
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse
+import json
+import math
+import platform
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dflash_lib.batch import collate_packed, collate_padded  # noqa: E402
+from dflash_lib.config import Config, ModelConfig, PipelineConfig  # noqa: E402
+from dflash_lib.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length  # noqa: E402
+from dflash_lib.pipeline import Pipeline  # noqa: E402
+from dflash_lib.train import train_step  # noqa: E402
+from dflash_lib.validate import BadStepGuard  # noqa: E402
+
+H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s): the MFU denominator
+GIB = 2 ** 30
+TOL = {"fp32": 1e-4, "bf16": 3e-2}  # max |x - dense| / max |dense| (see the module docstring)
+
+
+def qwen3_shape(quick: bool):
+    """(transformers.Qwen3Config, drafter settings, run settings) for the train/pipeline/drafting sections."""
+    import transformers
+
+    if quick:
+        hf = transformers.Qwen3Config(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, intermediate_size=192,
+                                      max_position_embeddings=4096, attn_implementation="sdpa")
+        model = ModelConfig(drafter_layers=1, num_features=2, block_size=4, num_anchors=16, mask_id=1023)
+        run = dict(row_len=512, steps=3, warmup=1, median_len=90, max_len=300, seq_steps=2)
+    else:  # Qwen3-0.6B's published config.json shapes
+        hf = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                      intermediate_size=3072, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="sdpa")
+        model = ModelConfig(drafter_layers=5, num_features=5, block_size=16, num_anchors=512)
+        run = dict(row_len=8192, steps=30, warmup=3, median_len=900, max_len=3072, seq_steps=10)
+    return hf, model, run
+
+
+def synth_docs(n: int, vocab: int, median: int, max_len: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """n documents: lengths ~ lognormal(log median, 0.8) clipped to [64 (quick: 16), max_len]; the first
+    U(0.1, 0.5) of each is the user turn (loss mask False), the rest the assistant's (True)."""
+    rng = np.random.default_rng(seed)
+    lo = min(64, median // 4)
+    lens = np.clip(rng.lognormal(math.log(median), 0.8, n), lo, max_len).astype(int)
+    docs = []
+    for L in lens:
+        user = int(L * rng.uniform(0.1, 0.5))
+        docs.append((rng.integers(0, min(vocab, 151643), L), np.arange(L) >= user))
+    return docs
+
+
+def pack(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Greedy first-fit in order: index lists of documents whose lengths sum to <= row_len."""
+    rows, cur, used = [], [], 0
+    for i, L in enumerate(lengths):
+        if used + L > row_len and cur:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += L
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def small_models(device: torch.device, target_dtype: torch.dtype, attention: str, vocab: int = 512):
+    from dflash_lib.models import tiny_qwen3_config
+
+    target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=vocab), 2,
+                                        device=device, dtype=target_dtype)
+    cfg = DrafterConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                        vocab_size=vocab, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
+                        block_size=8, mask_id=vocab - 1, num_anchors=12, ce_chunk_blocks=4)
+    torch.manual_seed(0)
+    return target, DFlashDrafter(cfg, target, attention=attention, checkpointing=True)
+
+
+# -- a. parity --------------------------------------------------------------------------------------------------
+
+
+def section_parity(device: torch.device, quick: bool) -> dict[str, Any]:
+    backends = ["dense", "blocks"] + (["flex"] if device.type == "cuda" else [])
+    out: dict[str, Any] = {"backends": backends, "tolerance": TOL, "cases": []}
+    if device.type != "cuda":
+        out["skipped_flex"] = "flex needs CUDA for its backward (FlexAttention has no CPU backward)"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    vocab = 512
+    rng = np.random.default_rng(0)
+    # documents shorter than a block, long ones, and ones with no assistant token in the first block
+    docs = [(rng.integers(0, vocab - 1, n), np.arange(n) >= s) for n, s in ((5, 1), (40, 3), (23, 10), (61, 2))]
+    batches = {"padded": collate_padded(docs, 0), "packed": collate_packed(docs, 0, 160)}
+    worst_ok = True
+    for precision in ("fp32", "bf16"):
+        tdtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        autocast = precision == "bf16"
+        ref_state = None
+        for kind, batch in batches.items():
+            results: dict[str, dict[str, Any]] = {}
+            for backend in backends:
+                target, drafter = small_models(device, tdtype, backend, vocab)
+                if ref_state is None:
+                    ref_state = {k: v.clone() for k, v in drafter.state_dict().items()}
+                drafter.load_state_dict(ref_state)
+                anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(7))
+                layout = drafter.layout(batch, anchors).to(device)
+                dev_batch = batch.to(device)
+                feats = target.features(dev_batch, target.segments(batch.doc_ids))
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    hidden = drafter.forward_hidden(dev_batch, feats, layout)
+                    loss = drafter.loss(dev_batch, feats, layout).loss
+                loss.backward()
+                grads = {n: p.grad.detach().float().clone() for n, p in drafter.named_parameters()
+                         if p.grad is not None}
+                results[backend] = dict(loss=loss.detach().float(), hidden=hidden.detach().float(), grads=grads)
+            ref = results["dense"]
+            for backend in backends[1:]:
+                got = results[backend]
+
+                def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+                    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+                errs = dict(loss=rel(got["loss"], ref["loss"]), hidden=rel(got["hidden"], ref["hidden"]),
+                            grads=max(rel(got["grads"][n], ref["grads"][n]) for n in ref["grads"]))
+                ok = all(v <= TOL[precision] for v in errs.values()) and set(got["grads"]) == set(ref["grads"])
+                worst_ok &= ok
+                out["cases"].append(dict(precision=precision, batch=kind, backend=backend, ok=ok,
+                                         **{f"rel_err_{k}": v for k, v in errs.items()}))
+    out["ok"] = worst_ok
+    return out
+
+
+# -- b, c, d: the 0.6B-shaped run -------------------------------------------------------------------------------
+
+
+class Run:
+    """The models, batches and step of the train / pipeline / drafting sections (built once, shared)."""
+
+    def __init__(self, device: torch.device, quick: bool):
+        self.device, self.quick = device, quick
+        self.hf, self.mc, self.rs = qwen3_shape(quick)
+        cuda = device.type == "cuda"
+        self.autocast = cuda  # bf16 autocast on CUDA (on CPU: fp32, the tiny check is about running at all)
+        self.attention = "flex" if cuda else "blocks"
+        self.target_dtype = torch.bfloat16 if cuda else torch.float32
+        docs = synth_docs(4000 if not quick else 200, self.hf.vocab_size, self.rs["median_len"], self.rs["max_len"], 1)
+        self.store = docs
+        rows = pack([len(t) for t, _ in docs], self.rs["row_len"])
+        need = self.rs["warmup"] + self.rs["steps"] + 2 * self.rs["seq_steps"] + 2
+        if len(rows) < need:
+            raise RuntimeError(f"synthesized {len(rows)} packed rows, need {need}")
+        self.rows = rows[:need]
+        self.mode = dict(row_len=self.rs["row_len"], doc_len="lognormal(median %d, sigma 0.8) clipped to [%d, %d]"
+                         % (self.rs["median_len"], min(64, self.rs["median_len"] // 4), self.rs["max_len"]),
+                         user_share="U(0.1, 0.5)", attention=self.attention, autocast_bf16=self.autocast,
+                         target_dtype=str(self.target_dtype).replace("torch.", ""), checkpointing=True,
+                         drafter_layers=self.mc.drafter_layers, block_size=self.mc.block_size,
+                         num_anchors=self.mc.num_anchors, num_features=self.mc.num_features)
+        self.models_built = False
+
+    def config(self) -> Config:
+        return Config(model=self.mc)
+
+    def build(self) -> None:
+        t0 = time.perf_counter()
+        self.target = TargetModel.from_hf_config(self.hf, self.mc.num_features, None, self.device, self.target_dtype)
+        self.mc.target_layer_ids = list(self.target.layer_ids)
+        torch.manual_seed(0)
+        self.drafter = DFlashDrafter(DrafterConfig.from_model_config(self.mc, self.target), self.target,
+                                     attention=self.attention, checkpointing=True)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=self.device.type == "cuda")
+        self.collate = make_collate(self.store, True, 0, self.rs["row_len"], vocab_size=self.hf.vocab_size,
+                                    prepare=make_prepare(self.drafter, 0, lambda index: 1.0))
+        self.guard = BadStepGuard(1000)
+        self.step_no = 0
+        self.models_built = True
+        self.build_s = time.perf_counter() - t0
+
+    def works(self, first: int, n: int) -> list[Work]:
+        return [Work(0, s, 0, True, self.rows[s], s) for s in range(first, first + n)]
+
+    def step(self, item) -> Any:
+        self.step_no += 1
+        return train_step(self.drafter, [item], self.params, self.opt, 1e-4, 1.0, self.autocast, self.guard,
+                          self.step_no)
+
+    def run_pipeline(self, works: list[Work], on_item: Callable[[Any], None] | None = None) -> tuple[float, int, list]:
+        """(seconds, real tokens, step results) of `works` through the library's Pipeline (worker thread)."""
+        workers = make_target_workers([self.target], 1, self.device)
+        results, tokens = [], 0
+        sync(self.device)
+        t0 = time.perf_counter()
+        with Pipeline(iter(works), self.collate, workers, PipelineConfig(), pin_memory=self.device.type == "cuda") as p:
+            for item in p:
+                if on_item is not None:
+                    on_item(item)
+                res = self.step(item)
+                results.append(res)
+                tokens += res.real_tokens
+        sync(self.device)
+        return time.perf_counter() - t0, tokens, results
+
+    def run_sequential(self, works: list[Work]) -> tuple[float, int, list]:
+        """The same work in one thread on the default stream: collate -> pin -> target -> step."""
+        (worker,) = make_target_workers([self.target], 1, self.device, streams=False)
+        results, tokens = [], 0
+        sync(self.device)
+        t0 = time.perf_counter()
+        for w in works:
+            c = self.collate(w)
+            if self.device.type == "cuda":
+                c = c.pin_memory()
+            res = self.step(worker(c))
+            results.append(res)
+            tokens += res.real_tokens
+        sync(self.device)
+        return time.perf_counter() - t0, tokens, results
+
+
+def dry_prediction(run: Run, batch) -> dict[str, Any]:
+    """The dry run's peak for `batch` at the run's shapes, in fake mode on the CPU (before any GPU step)."""
+    try:
+        from dflash_lib import dryrun
+    except Exception as e:  # noqa: BLE001 (reported, not fatal)
+        return {"available": False, "reason": f"import dflash_lib.dryrun: {type(e).__name__}: {e}"}
+    if not all(hasattr(dryrun, n) for n in ("StepSettings", "build_step_models", "measure_step")):
+        return {"available": False, "reason": "dflash_lib.dryrun lacks StepSettings/build_step_models/measure_step"}
+    t0 = time.perf_counter()
+    settings = dryrun.StepSettings(attention="flex", checkpointing=True, target_dtype=torch.bfloat16, autocast=True)
+    cfg = run.config()
+    models = dryrun.build_step_models(cfg, run.hf, settings, fake=True)
+    fig = dryrun.measure_step(models, batch, seed=0)
+    out = dict(available=True, peak_gib=fig.peak_bytes / GIB, kernel_allowance_gib=fig.kernel_allowance / GIB,
+               memory_gib={k: v / GIB for k, v in fig.memory.items()}, flops=fig.flops, seconds=time.perf_counter() - t0)
+    reserve = getattr(dryrun, "Reserve", None)
+    if reserve is not None:
+        out["required_gib"] = reserve().required_bytes(fig.peak_bytes, fig.kernel_allowance) / GIB
+    return out
+
+
+def count_flops(run: Run, work: Work) -> tuple[int, int, str]:
+    """(FLOPs, real tokens) of one full training step on `work`, counted by FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash_lib.models.attention import sdpa_flop_mapping
+
+    (worker,) = make_target_workers([run.target], 1, run.device, streams=False)
+    item = worker(run.collate(work))
+    counter = FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping())
+    with counter:
+        res = run.step(item)
+    return int(counter.get_total_flops()), res.real_tokens, "FlopCounterMode over one step (target forward, " \
+        "drafter forward + checkpoint recompute + backward, LM head + CE; optimizer not counted)"
+
+
+def section_train(run: Run) -> dict[str, Any]:
+    dev = run.device
+    out: dict[str, Any] = {"settings": run.mode, "shape": {k: getattr(run.hf, k) for k in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size")}}
+    # the costliest row by drafter queries, its anchors drawn as the feed stage draws them (seed 0 here)
+    run_rows = run.rows[run.rs["warmup"]:run.rs["warmup"] + run.rs["steps"]]
+    worst = max(range(len(run_rows)), key=lambda i: sum(min(run.mc.num_anchors, len(run.store[j][0]))
+                                                          for j in run_rows[i]))
+    worst_batch = collate_packed([run.store[j] for j in run_rows[worst]], 0, run.rs["row_len"], run_rows[worst])
+    try:
+        out["dryrun"] = dry_prediction(run, worst_batch)  # on the CPU, in fake mode, before any GPU step
+    except Exception as e:  # noqa: BLE001
+        out["dryrun"] = {"available": False, "reason": f"{type(e).__name__}: {e}"}
+    run.build()
+    out["build_s"] = run.build_s
+    if dev.type == "cuda":
+        out["params_gib"] = torch.cuda.memory_allocated(dev) / GIB
+    t_warm, _, _ = run.run_pipeline(run.works(0, run.rs["warmup"]))
+    out["warmup_steps"], out["warmup_s"] = run.rs["warmup"], t_warm
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    seconds, tokens, results = run.run_pipeline(run.works(run.rs["warmup"], run.rs["steps"]))
+    out.update(steps=len(results), seconds=seconds, real_tokens=tokens, ktok_s=tokens / seconds / 1e3,
+               step_s=seconds / len(results), loss_first=results[0].loss, loss_last=results[-1].loss,
+               skipped_steps=sum(r.skipped for r in results), drafter_queries_mean=float(np.mean(
+                   [r.blocks * run.mc.block_size for r in results])))
+    if dev.type == "cuda":
+        out["peak_gib_run"] = torch.cuda.max_memory_allocated(dev) / GIB
+        out["peak_note"] = ("peak_gib_run includes the pipeline's read-ahead (items in q_hs hold their features); "
+                            "peak_gib_worst_step is one step on the costliest batch alone, the dry run's case")
+        torch.cuda.reset_peak_memory_stats(dev)
+        item = make_target_workers([run.target], 1, dev, streams=False)[0](
+            run.collate(Work(0, 0, 0, True, run_rows[worst], 0)))
+        run.step(item)
+        del item
+        sync(dev)
+        out["peak_gib_worst_step"] = torch.cuda.max_memory_allocated(dev) / GIB
+        if out["dryrun"].get("available"):
+            out["peak_over_dryrun"] = out["peak_gib_worst_step"] / out["dryrun"]["peak_gib"]
+    try:
+        flops, ftok, source = count_flops(run, run.works(len(run.rows) - 1, 1)[0])
+        out["flops_per_real_token"] = flops / ftok
+        out["flops_source"] = source
+        if dev.type == "cuda":
+            out["mfu"] = out["flops_per_real_token"] * tokens / seconds / (H200_BF16_TFLOPS * 1e12)
+            out["mfu_peak_tflops"] = H200_BF16_TFLOPS
+        else:
+            out["mfu"], out["mfu_reason"] = None, "no MFU on CPU (the peak is the H200's)"
+    except Exception as e:  # noqa: BLE001
+        out["flops_error"] = f"{type(e).__name__}: {e}"
+    out["ok"] = out["skipped_steps"] == 0 and all(math.isfinite(r.loss) for r in results)
+    return out
+
+
+def section_pipeline(run: Run) -> dict[str, Any]:
+    if not run.models_built:
+        raise RuntimeError("the train section did not build the models")
+    n, first = run.rs["seq_steps"], run.rs["warmup"] + run.rs["steps"]
+    works_a, works_b = run.works(first, n), run.works(first + n, n)
+    overlap = {"ready_events": 0}
+
+    def seen(item):
+        overlap["ready_events"] += item.ready is not None
+
+    t_seq, tok_seq, _ = run.run_sequential(works_a)
+    t_pipe, tok_pipe, _ = run.run_pipeline(works_b, seen)
+    seq, pipe = tok_seq / t_seq / 1e3, tok_pipe / t_pipe / 1e3
+    return dict(steps_each=n, sequential_ktok_s=seq, pipeline_ktok_s=pipe, ratio=pipe / seq,
+                items_with_ready_event=overlap["ready_events"], ok=True,
+                note="different rows of the same synthesized corpus for each (similar length mix); ratio > 1 = "
+                     "the target of the next batch overlapped the drafter step")
+
+
+def section_drafting(run: Run) -> dict[str, Any]:
+    if not run.models_built:
+        raise RuntimeError("the train section did not build the models")
+    rng = np.random.default_rng(3)
+    n_new = 12 if run.quick else 32
+    prompts = [rng.integers(0, min(run.hf.vocab_size, 151643), int(L)).tolist() for L in (17, 40, 95)]
+    run.drafter.eval()
+    t0 = time.perf_counter()
+    res = acceptance_length(run.target, run.drafter, prompts, n_new)
+    seconds = time.perf_counter() - t0
+    greedy = [run.target.greedy(p, n_new) for p in prompts]
+    equal = [a == b for a, b in zip(res.outputs, greedy)]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(res.outputs, greedy)]
+    run.drafter.train()
+    return dict(prompts=len(prompts), new_tokens=n_new, tau=res.tau, cycles=res.cycles, histogram=res.histogram,
+                equals_target_greedy=equal, first_difference=first_diff, seconds=seconds, ok=all(equal),
+                dtypes=dict(target=str(run.target_dtype).replace("torch.", ""),
+                            drafter="fp32 weights, bf16 autocast" if run.device.type == "cuda" else "fp32"))
+
+
+def guarded(name: str, fn: Callable[[], dict[str, Any]], summary: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
+    try:
+        summary[name] = fn()
+    except Exception as e:  # noqa: BLE001 (one section's failure is reported; the others still run)
+        traceback.print_exc()
+        summary[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    summary[name]["section_s"] = round(time.perf_counter() - t0, 2)
+    print(f"[gpu_check] {name}: ok={summary[name].get('ok')} in {summary[name]['section_s']} s", file=sys.stderr,
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 3 steps; runs on CPU too")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    if device.type != "cuda" and not args.quick:
+        print(json.dumps({"ok": False, "error": "the full check needs CUDA; use --quick on CPU"}))
+        return 2
+    t0 = time.perf_counter()
+    summary: dict[str, Any] = dict(
+        quick=args.quick, device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+        or "cpu", torch=torch.__version__, python=platform.python_version())
+    try:
+        import transformers
+        summary["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    torch.manual_seed(0)
+    guarded("parity", lambda: section_parity(device, args.quick), summary)
+    run_box: dict[str, Run] = {}
+
+    def train() -> dict[str, Any]:
+        run_box["run"] = Run(device, args.quick)
+        return section_train(run_box["run"])
+
+    guarded("train", train, summary)
+    if device.type == "cuda":
+        guarded("pipeline", lambda: section_pipeline(run_box["run"]), summary)
+    else:
+        summary["pipeline"] = {"ok": None, "skipped": "one-GPU overlap of the target stream needs CUDA"}
+        guarded("pipeline", lambda: section_pipeline(run_box["run"]), summary)  # still runs: the code path works
+        summary["pipeline"]["ratio_meaning"] = "CPU: both paths share the same cores; the ratio says nothing"
+    guarded("drafting", lambda: section_drafting(run_box["run"]), summary)
+    sections = ("parity", "train", "pipeline", "drafting")
+    summary["ok"] = all(summary[s].get("ok") is not False for s in sections)
+    summary["total_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(summary, default=lambda o: o if not isinstance(o, torch.Tensor) else o.tolist()))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""benchmarks/gpu_check.py --quick runs on CPU and prints one JSON summary whose sections report real figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_check_quick_on_cpu_prints_one_json_summary():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--quick", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["quick"] is True and summary["ok"] is True
+    parity = summary["parity"]
+    assert parity["ok"] and "flex" not in parity["backends"] and "CUDA" in parity["skipped_flex"]
+    cases = {(c["precision"], c["batch"]) for c in parity["cases"]}
+    assert cases == {(p, b) for p in ("fp32", "bf16") for b in ("padded", "packed")}
+    assert all(c["rel_err_grads"] <= parity["tolerance"][c["precision"]] for c in parity["cases"])
+    assert max(c["rel_err_hidden"] for c in parity["cases"] if c["precision"] == "fp32") < 1e-5
+    train = summary["train"]
+    assert train["steps"] == 3 and train["skipped_steps"] == 0 and train["real_tokens"] > 0
+    assert math.isfinite(train["loss_last"]) and train["ktok_s"] > 0 and train["flops_per_real_token"] > 0
+    assert train["mfu"] is None and "dryrun" in train  # available or the reason it is not
+    assert summary["pipeline"]["items_with_ready_event"] == 0  # CPU: no stream hand-over
+    assert summary["pipeline"]["sequential_ktok_s"] > 0 and summary["pipeline"]["pipeline_ktok_s"] > 0
+    drafting = summary["drafting"]
+    assert drafting["equals_target_greedy"] == [True] * drafting["prompts"] and 1 <= drafting["tau"]
