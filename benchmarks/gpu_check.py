@@ -355,8 +355,12 @@ def section_train(run: Run) -> dict[str, Any]:
             out["mfu_peak_tflops"] = H200_BF16_TFLOPS
         else:
             out["mfu"], out["mfu_reason"] = None, "no MFU on CPU (the peak is the H200's)"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 (e.g. the compiled flex kernel under FlopCounterMode): the dry run's count
         out["flops_error"] = f"{type(e).__name__}: {e}"
+        if out["dryrun"].get("available") and dev.type == "cuda":
+            out["flops_per_real_token"] = sum(out["dryrun"]["flops"].values()) / worst_batch.real_tokens
+            out["flops_source"] = "the dry run's FlopCounterMode count for the costliest batch (an upper bound)"
+            out["mfu"] = out["flops_per_real_token"] * tokens / seconds / (H200_BF16_TFLOPS * 1e12)
     out["ok"] = out["skipped_steps"] == 0 and all(math.isfinite(r.loss) for r in results)
     return out
 
