@@ -85,11 +85,11 @@ def step_seconds(target, drafter, batches: list[Batch], steps: int) -> tuple[flo
         t0 = time.perf_counter()
         feats = [target.features(b) for b in batches]
         t1 = time.perf_counter()
-        anchors = [drafter.sample_anchors(b, gen) for b in batches]
-        total_w = sum(drafter.weight_sum(a) for a in anchors)
+        layouts = [drafter.layout(b, drafter.sample_anchors(b, gen)) for b in batches]  # the feed stage's work
+        total_w = sum(lay.weight_sum for lay in layouts)
         opt.zero_grad()
-        for b, f, a in zip(batches, feats, anchors):
-            drafter.loss(b, f, a, normalizer=total_w).loss.backward()
+        for b, f, lay in zip(batches, feats, layouts):
+            drafter.loss(b, f, lay, normalizer=total_w).loss.backward()
         opt.step()
         t2 = time.perf_counter()
         times.append(t2 - t0)
@@ -131,7 +131,7 @@ def memory_case(chunk: int, docs: int) -> None:
     target, drafter = build(chunk)
     batch = collate_padded(synthetic_docs(docs, 512, seed=1), 0)
     feats = target.features(batch)
-    anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(0))
+    layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)))
     before, peak, done = _rss_bytes(), [0], threading.Event()
 
     def sample() -> None:
@@ -141,11 +141,11 @@ def memory_case(chunk: int, docs: int) -> None:
 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
-    out = drafter.loss(batch, feats, anchors)
+    out = drafter.loss(batch, feats, layout)
     out.loss.backward()
     done.set()
     watcher.join()
-    print(json.dumps(dict(chunk=chunk, positions=int((anchors.weights > 0).sum()), loss=out.loss.item(),
+    print(json.dumps(dict(chunk=chunk, positions=layout.num_scored, loss=out.loss.item(),
                           peak_growth_mib=(max(peak[0], _rss_bytes()) - before) / 2**20)))
 
 

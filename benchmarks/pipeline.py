@@ -39,11 +39,13 @@ import torch  # noqa: E402
 
 from dflash_lib.config import Config, from_params, preset  # noqa: E402
 from dflash_lib.data import build_token_store_from_config  # noqa: E402
+from dflash_lib.data.analysis import store_drafter_queries  # noqa: E402
 from dflash_lib.metrics import ThroughputMeter  # noqa: E402
 from dflash_lib.sampler import FixedBatchSampler  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
 from dflash_lib.train import (TrainingParts, Work, bucket_edges, build_optimizer, build_sampler,  # noqa: E402
-                              lr_at, make_collate, make_target_workers, run_training, train_step)
+                              drafter_checkpointing, lr_at, make_collate, make_prepare, make_target_workers,
+                              noise_at, run_training, train_step)
 from dflash_lib.validate import BadStepGuard  # noqa: E402
 
 
@@ -68,26 +70,30 @@ def steady_rate(times: list[float], tokens: list[int], waits: list[float]) -> di
 def models(config: Config) -> tuple[TargetModel, DFlashDrafter]:
     target = TargetModel.from_model_config(config.model, seed=config.train.seed)
     torch.manual_seed(config.train.seed)
-    return target, DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+    return target, DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target,
+                                 attention=config.model.drafter_attention,
+                                 checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, target.device))
 
 
 def run_sequential(config: Config, store, batches, pad_id: int, edges: list[int]) -> dict:
     target, drafter = models(config)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = build_optimizer(params, config.train, target.device)
-    collate = make_collate(store, False, pad_id, 0, edges)
+    # the trainer's feed stage: anchors drawn and the drafter's layout built in the collate step
+    prepare = make_prepare(drafter, config.train.seed, lambda index: noise_at(index, config.train))
+    collate = make_collate(store, False, pad_id, 0, edges, prepare=prepare)
     (work,) = make_target_workers([target], 1, target.device)
-    gen, guard = torch.Generator().manual_seed(config.train.seed), BadStepGuard(config.train.max_bad_steps)
+    guard = BadStepGuard(config.train.max_bad_steps)
     times, tokens, waits, collate_s = [], [], [], []
     total = len(batches)
     for step, idx in enumerate(batches):
         t0 = time.perf_counter()
-        host = collate(Work(0, step, 0, True, idx))
+        host = collate(Work(0, step, 0, True, idx, step))
         collate_s.append(time.perf_counter() - t0)
         item = work(host)
         t1 = time.perf_counter()
-        res = train_step(drafter, [item], params, opt, lr_at(step, total, config.train), config.train.noise, gen,
-                         config.train.grad_clip, False, guard, step + 1)
+        res = train_step(drafter, [item], params, opt, lr_at(step, total, config.train), config.train.grad_clip,
+                         False, guard, step + 1)
         times.append(time.perf_counter() - t0)
         waits.append(t1 - t0)  # a sequential loop waits for all of its data work
         tokens.append(res.real_tokens)
@@ -132,7 +138,8 @@ def main() -> None:
     store = build_token_store_from_config(config.data, progress=False)
     lengths = np.asarray(store.lengths)
     edges = bucket_edges(config, lengths)
-    sampler = build_sampler(config, lengths, 0, 1, edges)
+    queries = store_drafter_queries(store, config.model.num_anchors, config.model.block_size)  # as build_parts
+    sampler = build_sampler(config, lengths, 0, 1, edges, queries)
     batches = [b for _, b in zip(range(args.steps), sampler)]
     pad_id = int(store.meta["tokenizer"]["pad_id"])
     real = sum(int(lengths[b].sum()) for b in batches)

@@ -120,9 +120,9 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
     obs = observations(measured, start, attention, "probe")
     if not obs:
         raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
-    lengths = _lengths(cfg)
+    lengths, queries = _lengths_and_queries(cfg)
     edges = bucket_edges(cfg, lengths) if cfg.sampler.strategy == "bucketed" else []
-    sampler = build_sampler(cfg, lengths, 0, 1, edges)
+    sampler = build_sampler(cfg, lengths, 0, 1, edges, queries)  # the block budget too, as training's sampler
     stats = randomness(sampler, edges or [int(lengths.max())])
     real = sum(o.real_tokens for o in obs)
     tok_s = real / sum(o.seconds for o in obs)
@@ -134,10 +134,14 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
                          full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1))
 
 
-def _lengths(cfg: Config) -> np.ndarray:
+def _lengths_and_queries(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) tokens and (N,) drafter query tokens per sample of the store, as `train.build_parts` reads them."""
     from .data import build_token_store_from_config
+    from .data.analysis import store_drafter_queries
 
-    return np.asarray(build_token_store_from_config(cfg.data, progress=False).lengths)
+    store = build_token_store_from_config(cfg.data, progress=False)
+    queries = store_drafter_queries(store, cfg.model.num_anchors, cfg.model.block_size)
+    return np.asarray(store.lengths), queries
 
 
 def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str] = PROBES,
