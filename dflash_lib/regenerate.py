@@ -1,0 +1,453 @@
+"""Response regeneration: the target answers every assistant turn of a corpus again (DFlash trains on what the
+target would say, dflash.md).
+
+For each conversation of `source` (any reader format), turn by turn, each assistant turn is replaced by the
+target's answer to the conversation so far (later turns see the regenerated answers). Turns after the last
+assistant turn are dropped (nothing answers them). Output: JSONL, one record per conversation, in source order,
+in the `messages` format `load_conversations` reads:
+
+    {"id": ..., "record": <source index>, "messages": [{"role", "content"}...],
+     "regen": {"finish": ["stop" | "length" | ...], "truncated": bool, "refused": bool,
+               "completion_tokens": int, "source_tokens": int, "answer_tokens": int}}
+
+Two backends answer a batch of prompts: `LocalBackend` (the target in-process: prompts rendered with the data
+template, batched `generate` with a KV cache) and `OpenAIBackend` (any chat-completions server: SGLang, vLLM),
+with bounded concurrency and retries. Resume: every record is appended with ONE write of its whole line; on a
+rerun the records already in OUT are skipped and a torn last line (a kill mid-write) is cut off and redone.
+A report (counts, mean answer length before/after in tokens, time) is written to `<OUT stem>.report.json`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+from dflash_lib.config import Config, ConfigError
+from dflash_lib.data.readers import Conversation, load_conversations
+from dflash_lib.data.templates import THINK_END, THINK_START, get_template
+
+# An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
+REFUSAL = re.compile(r"^\s*(I'm sorry|I am sorry|I apologi[sz]e|Sorry, (but )?I|I can(no|')t (help|assist|do|provide)|"
+                     r"I'm (not able|unable) to|I am (not able|unable) to|As an AI)", re.IGNORECASE)
+
+
+class RegenerateError(RuntimeError):
+    """Regeneration cannot go on (a 4xx from the server, retries exhausted, a corrupt OUT); names the record."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str  # the assistant message as stored (reasoning inline as <think>...</think> when kept)
+    finish_reason: str  # "stop", "length", "content_filter", ...
+    completion_tokens: int  # tokens the target generated for it
+    refusal: bool = False  # the server said so (OpenAI `refusal` field / content_filter)
+
+
+class Backend(Protocol):
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
+        """One answer per conversation-so-far (turns ending before the assistant turn to write)."""
+        ...
+
+
+def is_refusal(answer: Answer) -> bool:
+    text = answer.text.split(THINK_END)[-1] if THINK_END in answer.text else answer.text
+    return answer.refusal or answer.finish_reason == "content_filter" or not text.strip() or bool(REFUSAL.match(text))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local backend
+
+
+class LocalBackend:
+    """The target in this process: prompts rendered by the data template (`DataConfig.template`, `thinking`),
+    left-padded into one batch, and `generate` (KV cache) greedy or sampled; stops at the tokenizer's eos."""
+
+    def __init__(self, config: Config, target=None, tokenizer=None, device: str = "cpu") -> None:
+        import torch
+
+        from dflash_lib.data.tokenizers import load_tokenizer
+        from dflash_lib.models.target import TargetModel
+
+        self.cfg = config.regenerate
+        self.tok = tokenizer or load_tokenizer(config.data.tokenizer)
+        self.template = get_template(config.data.template, self.tok, config.data.thinking)
+        self.target = target or TargetModel.from_model_config(config.model, device=device)
+        self.model = self.target.model
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self._torch = torch
+
+    def prompt_ids(self, turns: tuple[tuple[str, str], ...]) -> list[int]:
+        prepared = tuple((r, self.tok.prepare(c)) for r, c in turns)
+        ids, _ = self.tok.encode_segments(self.template.prompt_segments(prepared))
+        return [int(i) for i in ids]
+
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
+        torch, cfg = self._torch, self.cfg
+        ids = [self.prompt_ids(p) for p in prompts]
+        limit = self.max_positions - cfg.max_new_tokens
+        too_long = [i for i, x in enumerate(ids) if len(x) > limit]
+        if too_long:
+            raise RegenerateError(f"record {records[too_long[0]]}: prompt of {len(ids[too_long[0]])} tokens + "
+                                  f"max_new_tokens {cfg.max_new_tokens} exceeds the target's {self.max_positions} "
+                                  f"positions (lower max_new_tokens or max_turns)")
+        width = max(len(x) for x in ids)
+        pad = self.tok.pad_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.target.device)  # (N, W)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.target.device)  # (N, W)
+        sample = cfg.temperature > 0
+        kwargs = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if sample else dict(
+            do_sample=False, temperature=None, top_p=None, top_k=None)
+        if sample:  # the same records sample the same answers on a resumed run
+            torch.manual_seed(1_000_003 * int(records[0]) + len(records))
+        with torch.no_grad():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                                      eos_token_id=self.tok.eos_id, pad_token_id=pad, **kwargs)  # (N, W + new)
+        answers = []
+        for row in out[:, width:].tolist():
+            stop = row.index(self.tok.eos_id) if self.tok.eos_id in row else -1
+            gen = row[:stop] if stop >= 0 else row
+            answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen)))
+        return answers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OpenAI-compatible backend
+
+
+class OpenAIBackend:
+    """A chat-completions endpoint (`base_url`/chat/completions). `thinking` goes to the server's chat template
+    as `chat_template_kwargs.enable_thinking` (SGLang and vLLM pass it on; "keep" sends nothing). A reasoning
+    parser's separate `reasoning_content` is put back inline as <think>...</think> unless thinking is "off".
+    Transport errors, 429 and 5xx are retried with doubling backoff; any other 4xx raises naming the record."""
+
+    def __init__(self, config: Config) -> None:
+        self.cfg = config.regenerate
+        self.thinking = config.data.thinking
+        self.url = self.cfg.base_url.rstrip("/")
+        self.key = os.environ.get("OPENAI_API_KEY", "")  # sent when set (servers started with --api-key)
+        self.model = self.cfg.model or self._first_model()
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.key:
+            h["Authorization"] = f"Bearer {self.key}"
+        return h
+
+    def _request(self, path: str, body: dict | None, what: str) -> dict:
+        cfg = self.cfg
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in range(cfg.retries + 1):
+            req = urllib.request.Request(self.url + path, data=data, headers=self._headers(),
+                                         method="GET" if body is None else "POST")
+            try:
+                with urllib.request.urlopen(req, timeout=cfg.request_timeout_s) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:500].decode(errors="replace")
+                if e.code != 429 and e.code < 500:
+                    raise RegenerateError(f"{what}: HTTP {e.code} from {self.url + path}: {detail}") from None
+                last = f"HTTP {e.code}: {detail}"
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout,
+                    TimeoutError, json.JSONDecodeError) as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < cfg.retries:
+                time.sleep(cfg.retry_backoff_s * 2 ** attempt)
+        raise RegenerateError(f"{what}: {self.url + path} failed {cfg.retries + 1} times, last: {last}")
+
+    def _first_model(self) -> str:
+        models = self._request("/models", None, "listing models").get("data") or []
+        if not models:
+            raise RegenerateError(f"{self.url}/models lists no model; give -p model NAME")
+        return str(models[0]["id"])
+
+    def complete(self, turns: tuple[tuple[str, str], ...], what: str) -> Answer:
+        cfg = self.cfg
+        body: dict[str, Any] = dict(model=self.model, messages=[{"role": r, "content": c} for r, c in turns],
+                                    max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        if self.thinking != "keep":
+            body["chat_template_kwargs"] = {"enable_thinking": self.thinking == "on"}
+        doc = self._request("/chat/completions", body, what)
+        try:
+            choice = doc["choices"][0]
+            msg = choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise RegenerateError(f"{what}: the server's answer has no choices[0].message: {str(doc)[:300]}") from None
+        text = msg.get("content") or ""
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+        if reasoning and self.thinking != "off":
+            text = f"{THINK_START}\n{reasoning.strip()}\n{THINK_END}\n\n{text.lstrip()}"
+        tokens = int((doc.get("usage") or {}).get("completion_tokens") or 0)
+        return Answer(text, str(choice.get("finish_reason") or "stop"), tokens, bool(msg.get("refusal")))
+
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
+        return [self.complete(p, f"record {r}") for p, r in zip(prompts, records)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Turn-by-turn driver
+
+
+@dataclass
+class _Work:
+    conv: Conversation
+    turns: list[tuple[str, str]]  # the conversation being rewritten (assistant turns replaced as they come)
+    todo: list[int]  # indices of the assistant turns still to answer, in order
+    answers: list[Answer] = field(default_factory=list)
+
+
+def _plan(conv: Conversation, max_turns: int) -> _Work:
+    turns = list(conv.turns)
+    todo = [i for i, (role, _) in enumerate(turns) if role == "assistant"]
+    if max_turns:
+        todo = todo[:max_turns]
+    return _Work(conv, turns[: todo[-1] + 1], todo)  # (readers guarantee one assistant turn)
+
+
+def regenerate_batch(backend: Backend, convs: Sequence[Conversation], max_turns: int = 0) -> list[_Work]:
+    """Answer every planned assistant turn of `convs` in waves: wave k asks the backend for the k-th answer of
+    every conversation that has one (one batched call), so later turns see the regenerated earlier ones."""
+    works = [_plan(c, max_turns) for c in convs]
+    while True:
+        active = [w for w in works if len(w.answers) < len(w.todo)]
+        if not active:
+            return works
+        at = [w.todo[len(w.answers)] for w in active]
+        answers = backend.answer([tuple(w.turns[:i]) for w, i in zip(active, at)], [w.conv.record for w in active])
+        for w, i, a in zip(active, at, answers):
+            w.turns[i] = ("assistant", a.text)
+            w.answers.append(a)
+
+
+def _record_line(work: _Work, count_tokens) -> bytes:
+    source = [c for r, c in work.conv.turns if r == "assistant"][: len(work.todo)]
+    finish = [a.finish_reason for a in work.answers]
+    regen = dict(finish=finish, truncated="length" in finish, refused=any(is_refusal(a) for a in work.answers),
+                 completion_tokens=sum(a.completion_tokens for a in work.answers),
+                 source_tokens=sum(count_tokens(t) for t in source),
+                 answer_tokens=sum(count_tokens(a.text) for a in work.answers))
+    rec = dict(id=work.conv.id, record=work.conv.record,
+               messages=[{"role": r, "content": c} for r, c in work.turns], regen=regen)
+    return (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output file: resume and atomic appends
+
+
+def scan_output(path: Path) -> tuple[set[int], int]:
+    """(source indices already written, bytes of the complete lines). Bytes after the last newline are a torn
+    line (a kill mid-write): not counted; the caller cuts them off and redoes that record. A complete line
+    that does not parse is not a kill's doing: RegenerateError."""
+    done: set[int] = set()
+    if not path.is_file():
+        return done, 0
+    lines = path.read_bytes().split(b"\n")  # lines[-1]: what follows the last newline (b"" unless torn)
+    good = 0
+    for n, line in enumerate(lines[:-1]):
+        try:
+            done.add(int(json.loads(line)["record"]))
+        except (ValueError, KeyError, TypeError):
+            raise RegenerateError(f"{path}: line {n + 1} is not a record of this command; refusing to append "
+                                  "(give another --out)") from None
+        good += len(line) + 1
+    return done, good
+
+
+class _Appender:
+    """OUT opened for appending; each record goes down in one os.write of its whole line."""
+
+    def __init__(self, path: Path, keep_bytes: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file() and path.stat().st_size != keep_bytes:
+            os.truncate(path, keep_bytes)  # cut the torn tail
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, line: bytes) -> None:
+        n = os.write(self.fd, line)
+        if n != len(line):  # a short write leaves a torn line that the next run redoes
+            raise RegenerateError(f"short write ({n} of {len(line)} bytes)")
+
+    def close(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class Progress:
+    """records/s and generated tokens/s of this invocation (what the progress bar shows)."""
+
+    records: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def rates(self) -> tuple[float, float]:
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        return self.records / dt, self.tokens / dt
+
+
+def report_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + ".report.json")
+
+
+def _settings(config: Config, backend_name: str) -> dict[str, Any]:
+    r = config.regenerate
+    return dict(source=config.data.source, backend=backend_name, template=config.data.template,
+                thinking=config.data.thinking, tokenizer=config.data.tokenizer,
+                target=config.model.target if backend_name == "local" else r.model or r.base_url,
+                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, max_turns=r.max_turns,
+                gen_batch=r.gen_batch if backend_name == "local" else 0)  # (local batches decide the numerics)
+
+
+def _source(source: str, limit: int, stats: dict) -> Iterator[Conversation]:
+    stream = load_conversations(source, limit)
+    yield from stream
+    stats["source_report"] = stream.report.to_dict()
+
+
+def regenerate(config: Config, out: str | Path, backend: Backend | None = None, progress: bool = True,
+               stop_after: int = 0) -> dict[str, Any]:
+    """Regenerate `config.data.source` (first `config.data.limit` records) into `out`; returns the report.
+
+    backend: None = build the one `config.regenerate.backend` names. stop_after: stop after writing this many
+    records (0 = all; what a kill would do, without the kill). Resumes from what `out` holds."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    r = config.regenerate
+    settings = _settings(config, r.backend)
+    rep_file = report_path(out)
+    if out.is_file() and rep_file.is_file():
+        before = json.loads(rep_file.read_text()).get("settings", {})
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            raise ConfigError(f"{out} was written with other settings {changed} (old, new); "
+                              f"give another --out or delete it")
+    done, keep = scan_output(out)
+    torn = (out.stat().st_size - keep) if out.is_file() else 0  # bytes of a torn last line, redone below
+    if backend is None:
+        backend = LocalBackend(config) if r.backend == "local" else OpenAIBackend(config)
+    tok = getattr(backend, "tok", None)
+    if tok is None:
+        from dflash_lib.data.tokenizers import load_tokenizer
+
+        tok = load_tokenizer(config.data.tokenizer)
+    count = lambda text: len(tok.encode_texts([text], [None])[0][0])  # noqa: E731 (tokens of plain text)
+    stats: dict[str, Any] = {}
+    _write_report(rep_file, settings, dict(status="running"), out)
+    appender = _Appender(out, keep)
+    prog = Progress()
+    bar = tqdm(total=config.data.limit or None, initial=len(done), unit="rec", desc="regenerate",
+               disable=not progress, smoothing=0.1)
+    try:
+        convs = _source(config.data.source, config.data.limit, stats)
+        if isinstance(backend, OpenAIBackend):
+            works = _run_concurrent(backend, (c for c in convs if c.record not in done), r)
+        else:
+            works = _run_batched(backend, convs, done, r.gen_batch, r.max_turns)
+        for work in works:
+            appender.write(_record_line(work, count))
+            prog.records += 1
+            prog.tokens += sum(a.completion_tokens for a in work.answers)
+            rec_s, tok_s = prog.rates()
+            bar.update(1)
+            bar.set_postfix_str(f"{rec_s:.2f} rec/s, {tok_s:.0f} tok/s", refresh=False)
+            if stop_after and prog.records >= stop_after:
+                break
+    finally:
+        bar.close()
+        appender.close()
+    seconds = time.perf_counter() - prog.start
+    run = dict(status="stopped" if stop_after and prog.records >= stop_after else "complete",
+               written_now=prog.records, generated_tokens_now=prog.tokens, seconds=round(seconds, 3),
+               records_per_s=prog.records / max(seconds, 1e-9), tokens_per_s=prog.tokens / max(seconds, 1e-9),
+               already_done=len(done), torn_bytes_cut=torn,
+               source_report=stats.get("source_report"))
+    return _write_report(rep_file, settings, run, out)
+
+
+def _run_batched(backend: Backend, convs: Iterator[Conversation], done: set[int], batch: int,
+                 max_turns: int) -> Iterator[_Work]:
+    """Batches of `batch` CONSECUTIVE valid conversations, the same ones on every run: a batch that a stopped
+    run wrote in part is generated again whole and only its missing records are yielded, because a batch's
+    padding changes the numerics, and a random target's greedy answers with them."""
+    chunk: list[Conversation] = []
+    for conv in convs:
+        chunk.append(conv)
+        if len(chunk) == batch:
+            yield from _answer_missing(backend, chunk, done, max_turns)
+            chunk = []
+    if chunk:
+        yield from _answer_missing(backend, chunk, done, max_turns)
+
+
+def _answer_missing(backend: Backend, chunk: list[Conversation], done: set[int], max_turns: int) -> Iterator[_Work]:
+    if all(c.record in done for c in chunk):
+        return
+    yield from (w for w in regenerate_batch(backend, chunk, max_turns) if w.conv.record not in done)
+
+
+def _run_concurrent(backend: OpenAIBackend, pending: Iterator[Conversation], cfg) -> Iterator[_Work]:
+    """Conversations on `concurrency` threads (each one's turns in order), yielded in SOURCE order: at most
+    2 x concurrency conversations are in flight or waiting for an earlier one. On an error the conversations
+    before the failing one are still yielded (written), then the error is raised."""
+    window = 2 * cfg.concurrency
+    with cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="regen") as pool:
+        queue: list[cf.Future] = []  # source order
+        exhausted = False
+        try:
+            while queue or not exhausted:
+                while not exhausted and len(queue) < window:
+                    conv = next(pending, None)
+                    if conv is None:
+                        exhausted = True
+                        break
+                    queue.append(pool.submit(regenerate_batch, backend, [conv], cfg.max_turns))
+                if not queue:
+                    break
+                head = queue.pop(0)
+                yield head.result()[0]  # raises the worker's error, in source order
+        finally:
+            for f in queue:
+                f.cancel()
+
+
+def _write_report(path: Path, settings: dict, run: dict, out: Path) -> dict[str, Any]:
+    """The report over the WHOLE output file (earlier invocations included) plus this invocation's figures."""
+    totals = dict(records=0, assistant_turns=0, truncated=0, refused=0, source_tokens=0, answer_tokens=0,
+                  completion_tokens=0)
+    if out.is_file():
+        for line in out.read_bytes().split(b"\n"):
+            try:
+                rec = json.loads(line)
+                g = rec["regen"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            totals["records"] += 1
+            totals["assistant_turns"] += len(g["finish"])
+            totals["truncated"] += bool(g["truncated"])
+            totals["refused"] += bool(g["refused"])
+            for k in ("source_tokens", "answer_tokens", "completion_tokens"):
+                totals[k] += int(g[k])
+    turns = max(totals["assistant_turns"], 1)
+    doc = dict(out=str(out), settings=settings, totals=totals,
+               mean_answer_tokens_before=totals["source_tokens"] / turns,
+               mean_answer_tokens_after=totals["answer_tokens"] / turns, run=run)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+    return doc
