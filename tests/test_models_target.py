@@ -99,3 +99,101 @@ def test_model_config_refuses_contradictions():
         ModelConfig(num_features=2, target_layer_ids=[1, 2, 3])
     with pytest.raises(ConfigError, match="attn_backend"):
         ModelConfig(attn_backend="xformers")
+
+
+# -- a local Hugging Face folder: loaded onto its device in its dtype, and trained from ------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+    """A tiny random Qwen3 (real Qwen3 vocabulary, so the bundled corpus' ids fit) saved with save_pretrained."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("qwen3_tiny")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_config(hidden_size=32, num_layers=4))
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_target_loads_on_its_device_in_its_dtype_with_the_saved_weights(saved_target, dtype):
+    directory, model = saved_target
+    cfg = ModelConfig(target=str(directory), num_features=2)
+    loaded = TargetModel.from_model_config(cfg, device="cpu", dtype=dtype)
+    tensors = list(loaded.model.parameters())
+    assert len(tensors) == len(list(model.parameters()))
+    assert {t.dtype for t in tensors} == {dtype} and {t.device.type for t in tensors} == {"cpu"}
+    assert loaded.layer_ids == [1, 1] and loaded.name_or_path == str(directory)  # 4 layers, 2 features: the rule
+    for (name, got), want in zip(loaded.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want.to(dtype)), name
+    in_memory = TargetModel(model, [1, 1])  # the same weights, never saved
+    docs = _docs([7, 12], seed=4)
+    batch = collate_padded(docs, 0)
+    want = in_memory.features(batch)
+    got = loaded.features(batch)
+    assert got.dtype == dtype and got.shape == (2, 12, 64)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    else:  # bf16 weights: the same forward within bf16 rounding of every layer
+        torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.05)
+
+
+def test_local_target_refuses_missing_weights_and_pickles(saved_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory, _ = saved_target
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    cfg = ModelConfig(target=str(tmp_path), num_features=2)
+    with pytest.raises(ConfigError, match="only safetensors"):
+        TargetModel.from_model_config(cfg)
+    weights = load_file(str(directory / "model.safetensors"))
+    weights.pop("model.norm.weight")
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing from the checkpoint \['model.norm.weight'\]"):
+        TargetModel.from_model_config(cfg)
+    with pytest.raises(ConfigError, match="-p target DIR"):
+        TargetModel.from_model_config(ModelConfig(target="qwen3-8b"))
+
+
+def test_features_keep_only_the_feature_layers_alive(target):
+    """While the deepest feature layer runs, no earlier layer's output is kept but its input (the one before it):
+    the features are copied out as they are produced, not stacked up to the deepest layer."""
+    import weakref
+
+    outputs, alive_at_deepest = [], []
+
+    def keep_ref(module, args, out):
+        outputs.append(weakref.ref(out))
+
+    def count_alive(module, args):
+        alive_at_deepest.append(sum(r() is not None for r in outputs))
+
+    deepest = target.base.layers[max(target.layer_ids)]
+    handles = [layer.register_forward_hook(keep_ref) for layer in target.base.layers]
+    handles.append(deepest.register_forward_pre_hook(count_alive))
+    try:
+        feats = target.features(collate_padded(_docs([40, 33]), 0))
+    finally:
+        for h in handles:
+            h.remove()
+    assert max(target.layer_ids) == 3 and len(outputs) == 4  # features() stops at the deepest feature layer
+    assert alive_at_deepest == [1]  # only the input of the deepest layer (3 outputs came before it)
+    assert feats.shape == (2, 40, 3 * 32)
+
+
+def test_train_two_steps_from_a_local_target_directory(saved_target, tmp_path):
+    import json
+
+    from dflash_lib.__main__ import main
+
+    directory, _ = saved_target
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
+                 "-p", "target", str(directory)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    drafter = json.loads((run_dir / "drafter" / "config.json").read_text())
+    assert summary["steps"] == 2 and summary["complete"] and np.isfinite(summary["final_loss"])
+    assert drafter["hidden_size"] == 32 and drafter["num_target_layers"] == 4  # the saved target's shapes
+    assert drafter["dflash_config"]["target_layer_ids"] == [2]  # smoke: one feature, the middle layer of 4

@@ -12,9 +12,11 @@ mask (LOG.md, 2026-11-29).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from dflash_lib.config import ConfigError
 from dflash_lib.models.masks import document_segments, segment_cu_seqlens
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from dflash_lib.config import ModelConfig
 
 QWEN3_VOCAB = 151936  # Qwen3 embedding rows (the tokenizer's ids and the reserved MASK 151669 fit)
@@ -45,6 +49,31 @@ def tiny_qwen3_config(hidden_size: int = 64, num_layers: int = 4, num_heads: int
         intermediate_size=intermediate_size or 3 * hidden_size, max_position_embeddings=max_position_embeddings,
         attn_implementation="sdpa",
     )
+
+
+def qwen3_8b_config() -> transformers.Qwen3Config:
+    """The shapes of Qwen3-8B (its published config.json): what the dry run builds when no weights are at hand."""
+    return transformers.Qwen3Config(
+        vocab_size=QWEN3_VOCAB, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+
+
+NAMED_SHAPES = {"qwen3-8b": qwen3_8b_config}  # `target` values that name a model's shapes (no weights)
+
+
+def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
+    """The target's Hugging Face config for `cfg.target`: "tiny" (cfg.target_layers, cfg.hidden_size), a name in
+    NAMED_SHAPES (shapes only), or a LOCAL model directory (its config.json; no weight is read)."""
+    if cfg.target == "tiny":
+        return tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
+    if cfg.target in NAMED_SHAPES:
+        return NAMED_SHAPES[cfg.target]()
+    if not os.path.isdir(cfg.target):
+        raise ConfigError(f"target {cfg.target!r} is neither 'tiny', a named shape {sorted(NAMED_SHAPES)} nor a local "
+                          "model directory (give a local Hugging Face folder with -p target DIR; nothing is downloaded)")
+    return transformers.AutoConfig.from_pretrained(cfg.target, local_files_only=True)
 
 
 def feature_layer_ids(num_layers: int, num_features: int) -> list[int]:
@@ -162,19 +191,20 @@ class TargetModel(torch.nn.Module):
     def from_model_config(cls, cfg: "ModelConfig", device: torch.device | str = "cpu",
                           dtype: torch.dtype = torch.float32, seed: int = 0) -> "TargetModel":
         """cfg.target == "tiny": a random tiny Qwen3 (cfg.target_layers, cfg.hidden_size, real Qwen3 vocab)
-        seeded by `seed`; otherwise a LOCAL Hugging Face model directory (nothing is downloaded)."""
+        seeded by `seed`; otherwise a LOCAL Hugging Face model directory (nothing is downloaded), loaded straight
+        onto `device` in `dtype` (`load_local`). A named shape (e.g. "qwen3-8b") has no weights to train with."""
         backend = resolve_backend(cfg.attn_backend, device)
         if cfg.target == "tiny":
             hf_cfg = tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
             return cls.from_hf_config(hf_cfg, cfg.num_features, cfg.target_layer_ids or None, device, dtype, seed,
                                       backend)
-        if not os.path.isdir(cfg.target):
-            raise ConfigError(f"target {cfg.target!r} is neither 'tiny' nor a local model directory")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            cfg.target, local_files_only=True, dtype=dtype,
-            attn_implementation=IMPLEMENTATION[backend])
+        if cfg.target in NAMED_SHAPES:
+            raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
+                              f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
+        hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
+        model = load_local(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
         ids = cfg.target_layer_ids or feature_layer_ids(model.config.num_hidden_layers, cfg.num_features)
-        return cls(model.to(device), ids, backend)
+        return cls(model, ids, backend)
 
     @classmethod
     def from_hf_config(cls, hf_cfg: transformers.PretrainedConfig, num_features: int,
@@ -187,6 +217,17 @@ class TargetModel(torch.nn.Module):
         ids = list(layer_ids) if layer_ids else feature_layer_ids(hf_cfg.num_hidden_layers, num_features)
         return cls(model.to(device=device, dtype=dtype), ids, backend)
 
+    @classmethod
+    def fake(cls, hf_cfg: transformers.PretrainedConfig, num_features: int, layer_ids: Sequence[int] | None,
+             mode: "FakeTensorMode", device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> "TargetModel":
+        """The target at `hf_cfg`'s shapes with FAKE weights of `mode` (a `FakeTensorMode`): shapes, dtypes and
+        devices only, no memory, no values (for the dry run). Use it only inside `mode`."""
+        with mode, torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+        ids = list(layer_ids) if layer_ids else feature_layer_ids(hf_cfg.num_hidden_layers, num_features)
+        return cls(model, ids, "sdpa")
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
@@ -194,33 +235,47 @@ class TargetModel(torch.nn.Module):
     def train(self, mode: bool = True) -> "TargetModel":
         return super().train(False)  # frozen: always eval (no dropout), whatever a caller asks
 
-    def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor,
-                    upto: int) -> list[torch.Tensor]:
-        """Hidden states after each of the first `upto` decoder layers, each (R, T, H)."""
-        h = self.embed_tokens(input_ids)  # (R, T, H)
-        rope = self.base.rotary_emb(h, position_ids)  # cos, sin: (R, T, head_dim)
-        # One flattened sequence (1, R*T) whose segments are the documents: no (R, T, T) mask is ever built.
-        R, T = input_ids.shape
-        h, rope = h.reshape(1, R * T, -1), tuple(x.reshape(1, R * T, -1) for x in rope)
-        position_ids = position_ids.reshape(1, R * T)
+    def segments(self, host_doc_ids: torch.Tensor) -> dict[str, Any]:
+        """The decoder layers' varlen arguments for a batch's documents, computed on the HOST from its doc_ids
+        (R, T) (a device tensor would cost a sync): per-document SDPA ranges, or flash-attn's cu_seqlens."""
+        doc_ids = host_doc_ids.cpu()
         if self.backend == "flash":  # padding runs ride along as segments of their own
             cu, longest = segment_cu_seqlens(doc_ids)
-            extra: dict = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        else:
-            extra = dict(dflash_segments=document_segments(doc_ids))
-        out = []
-        for layer in self.base.layers[:upto]:
+            return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return dict(dflash_segments=document_segments(doc_ids))
+
+    def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: dict[str, Any],
+                    upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the first `upto` decoder layers -> (features (R, T, F*H) of the feature layers among them, in
+        the model's dtype; the last layer's output (R, T, H)). Each feature layer's output is copied into its
+        slice of the feature tensor as it is produced, so no other layer's output outlives the next layer: at
+        most the features, one layer's output and that layer's temporaries are alive at once."""
+        h = self.embed_tokens(input_ids)  # (R, T, H)
+        R, T, H = h.shape
+        feats = h.new_empty(R, T, self.num_features * H)  # (R, T, F*H)
+        rope = self.base.rotary_emb(h, position_ids)  # cos, sin: (R, T, head_dim)
+        # One flattened sequence (1, R*T) whose segments are the documents: no (R, T, T) mask is ever built.
+        h, rope = h.reshape(1, R * T, -1), tuple(x.reshape(1, R * T, -1) for x in rope)
+        position_ids = position_ids.reshape(1, R * T)
+        extra = {k: v.to(h.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in segments.items()}
+        for i, layer in enumerate(self.base.layers[:upto]):
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rope, **extra)
-            out.append(h.reshape(input_ids.shape + h.shape[-1:]))
-        return out
+            for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
+                if layer_id == i:
+                    feats[..., f * H:(f + 1) * H] = h.reshape(R, T, H)
+        return feats, h.reshape(R, T, H)
 
     @torch.no_grad()
-    def features(self, batch: Batch) -> torch.Tensor:
-        """Selected layers concatenated: (R, T, num_features * H); zero on padding slots."""
+    def features(self, batch: Batch, segments: dict[str, Any] | None = None) -> torch.Tensor:
+        """Selected layers concatenated: (R, T, num_features * H) in the model's dtype; zero on padding slots.
+        Runs only up to the deepest feature layer. `segments`: `self.segments(host doc_ids)`, default computed
+        from `batch.doc_ids`: pass a HOST batch (the feed stage's), or the segments of a batch already on the
+        device (the dry run's fake tensors hold no values to read them from)."""
+        segments = self.segments(batch.doc_ids) if segments is None else segments
         b = batch.to(self.device)
-        hidden = self._run_layers(b.input_ids, b.position_ids, b.doc_ids, max(self.layer_ids) + 1)
-        feats = torch.cat([hidden[i] for i in self.layer_ids], dim=-1)  # (R, T, F*H)
-        return feats * (b.doc_ids >= 0).unsqueeze(-1).to(feats.dtype)
+        feats, _ = self._run_layers(b.input_ids, b.position_ids, segments, max(self.layer_ids) + 1)
+        return feats.masked_fill_((b.doc_ids < 0).unsqueeze(-1), 0.0)
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, logits_from: int = 0) -> TargetStep:
@@ -229,10 +284,10 @@ class TargetModel(torch.nn.Module):
         ids = input_ids.to(self.device).reshape(1, -1)  # (1, T)
         T = ids.shape[1]
         pos = torch.arange(T, device=self.device).unsqueeze(0)  # (1, T)
-        hidden = self._run_layers(ids, pos, torch.zeros_like(ids), self.num_layers)
-        feats = torch.cat([hidden[i] for i in self.layer_ids], dim=-1)[0]  # (T, F*H)
-        last = self.base.norm(hidden[-1][0, logits_from:])  # (T - logits_from, H)
-        return TargetStep(feats, self.lm_head(last))
+        feats, last = self._run_layers(ids, pos, self.segments(torch.zeros(ids.shape, dtype=torch.long)),
+                                       self.num_layers)
+        last = self.base.norm(last[0, logits_from:])  # (T - logits_from, H)
+        return TargetStep(feats[0], self.lm_head(last))
 
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -250,3 +305,46 @@ class TargetModel(torch.nn.Module):
         cfg = self.model.config
         return dict(model_type=str(getattr(cfg, "model_type", "")), name_or_path=self.name_or_path,
                     num_hidden_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size)
+
+
+def load_local(directory: str | Path, hf_cfg: transformers.PretrainedConfig, device: torch.device | str,
+               dtype: torch.dtype, attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
+    """A local Hugging Face causal LM built ON `device` in `dtype` and filled from its safetensors files, one
+    tensor at a time read straight to `device`: no full copy of the model ever sits in host memory (what
+    `from_pretrained(device_map=...)` does, without needing `accelerate`). Refuses pickled (.bin) checkpoints,
+    and names missing and unknown weights."""
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"target {str(root)!r}: no model.safetensors(.index.json); only safetensors checkpoints "
+                          "are loaded (pickled .bin files are not)")
+    from safetensors import safe_open
+
+    with torch.device(device):  # built on the device: its random init is overwritten below
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,
+                                                              attn_implementation=attn_implementation)
+    slots = model.state_dict(keep_vars=True)  # name -> Parameter/buffer (tied weights under both names)
+    unfilled = {id(t): name for name, t in slots.items()}
+    unknown = []
+    with torch.no_grad():
+        for name in files:
+            with safe_open(str(root / name), framework="pt", device=str(torch.device(device))) as f:
+                for key in f.keys():
+                    if key not in slots:
+                        unknown.append(key)
+                        continue
+                    src, dst = f.get_tensor(key), slots[key]
+                    if src.shape != dst.shape:
+                        raise ConfigError(f"target {str(root)!r}: {key} has shape {tuple(src.shape)} in {name}, "
+                                          f"the config says {tuple(dst.shape)}")
+                    dst.copy_(src)
+                    unfilled.pop(id(dst), None)
+    if unknown or unfilled:
+        raise ConfigError(f"target {str(root)!r}: weights missing from the checkpoint {sorted(unfilled.values())[:5]}, "
+                          f"unknown to the model {sorted(unknown)[:5]}")
+    model.config._name_or_path = str(directory)
+    return model
