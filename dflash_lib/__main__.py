@@ -1,4 +1,4 @@
-"""Command line: `python -m dflash_lib {run,train,demo} ...` (see README)."""
+"""Command line: `python -m dflash_lib {run,train,demo,export,regenerate} ...` (see README)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
 
+    ex = sub.add_parser("export", help="write a drafter in the Hugging Face layout SGLang/vLLM load")
+    ex.add_argument("src", help="a trainer run folder (newest checkpoint, else drafter/), a checkpoint folder, or a "
+                    "saved drafter folder")
+    ex.add_argument("out_dir", help="the folder to write (config.json, model.safetensors, README.md)")
+    ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default bf16)")
+
     rg = sub.add_parser("regenerate", help="answer every assistant turn of a corpus again with the target "
                         "(local model or an OpenAI-compatible server); resumable")
     rg.add_argument("--source", required=True, help="a corpus: 'sharegpt' or a local .json/.jsonl/.parquet file")
@@ -116,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(run_demo(preset_name=args.preset, tag=args.tag))
         elif args.cmd == "regenerate":
             return _regenerate(args)
+        elif args.cmd == "export":
+            from .models.export import DTYPES, export_source
+
+            try:
+                print(export_source(args.src, args.out_dir, DTYPES[args.dtype]))
+            except (OSError, ValueError) as e:  # ConfigError is a ValueError; safetensors raises OSError/ValueError
+                raise ConfigError(f"export {args.src}: {' '.join(str(e).split())}") from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -221,15 +221,16 @@ def test_save_load_round_trip(target, drafter, tmp_path):
     assert "fc.weight" in weights and "layers.1.self_attn.k_proj.weight" in weights
     assert not any("embed" in k or "lm_head" in k for k in weights)
     assert len(weights) == len([p for p in drafter.parameters() if p.requires_grad])
-    doc = json.loads((tmp_path / "config.json").read_text())
-    assert doc["drafter"]["target_layer_ids"] == target.layer_ids and doc["target"]["vocab_size"] == VOCAB
+    doc = json.loads((tmp_path / "config.json").read_text())  # the serving layout, in fp32 (see test_export.py)
+    assert doc["dflash_config"]["target_layer_ids"] == target.layer_ids and doc["vocab_size"] == VOCAB
+    assert doc["torch_dtype"] == "float32" and all(w.dtype == torch.float32 for w in weights.values())
     loaded = DFlashDrafter.load(tmp_path, target)
     feats = target.features(collate_padded(_docs([9]), 0))[0]
     ids = torch.tensor([5, MASK, MASK, MASK])
     with torch.no_grad():
         torch.testing.assert_close(loaded.draft_logits(feats, 6, ids), drafter.draft_logits(feats, 6, ids))
     other = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=8, vocab_size=VOCAB), 2)
-    with pytest.raises(ConfigError, match="num_hidden_layers"):
+    with pytest.raises(ConfigError, match="num_target_layers is 6, the target has 8"):
         DFlashDrafter.load(tmp_path, other)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):

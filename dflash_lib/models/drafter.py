@@ -5,28 +5,18 @@ ctx = RMSNorm(fc(concat of the target feature layers)); every draft layer's keys
 target's frozen embedding, at absolute (document-local) RoPE positions anchor .. anchor+B-1; the final norm
 feeds the target's frozen LM head. Only the drafter's own layers, `fc` and the norms train.
 
-Saved layout (a directory; loading reads only JSON and safetensors, never pickles):
-    config.json        {"format": "dflash-drafter", "format_version": 1, "drafter": {DrafterConfig fields},
-                        "target": {model_type, name_or_path, num_hidden_layers, hidden_size, vocab_size}}
-    model.safetensors  the trainable weights only, Hugging Face Qwen3 names:
-                        fc.weight (H, F*H), hidden_norm.weight (H,), norm.weight (H,),
-                        layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
-                        layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
-                        layers.{i}.mlp.{gate,up,down}_proj.weight
-The embedding and LM head are the target's (not saved); `target_layer_ids` says which target layers
-(outputs of 0-based decoder layer i = HF hidden_states[i + 1]) are concatenated, in order, into fc's input.
+Saved layout: the Hugging Face folder serving engines load (`save` writes it in fp32, `export_drafter`
+in bf16; `load` reads either and published drafters); see dflash_lib/models/export.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -41,10 +31,6 @@ from dflash_lib.models.target import TargetModel
 
 if TYPE_CHECKING:
     from dflash_lib.config import ModelConfig
-
-FORMAT = "dflash-drafter"
-FORMAT_VERSION = 1
-
 
 @dataclass
 class DrafterConfig:
@@ -266,43 +252,29 @@ class DFlashDrafter(nn.Module):
         return self.draft_logits(features, anchor_pos, ids)[1:].argmax(dim=-1).tolist()
 
     # -- persistence ------------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> None:
-        """Write config.json + model.safetensors (layout in the module docstring)."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        weights = {n: p.detach().contiguous().cpu() for n, p in self.named_parameters() if p.requires_grad}
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": FORMAT})
-        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "drafter": self.cfg.to_dict(),
-               "target": self.target.identity()}
-        (out / "config.json").write_text(json.dumps(doc, indent=2))
+    def save(self, directory: str | Path, template: str = "", source: str = "", target_name: str = "") -> None:
+        """Write the serving layout (models/export.py) in fp32: the same folder SGLang/vLLM load, losing nothing
+        for fine-tuning. `template`, `source`, `target_name`: what its README.md records."""
+        from dflash_lib.models.export import export_drafter
+
+        export_drafter(self, directory, torch.float32, template=template, source=source, target_name=target_name)
 
     @classmethod
-    def load(cls, directory: str | Path, target: TargetModel) -> "DFlashDrafter":
-        """Rebuild a saved drafter on `target`, refusing a target that does not match the recorded one."""
+    def load(cls, directory: str | Path, target: TargetModel, dtype: torch.dtype | None = None,
+             attention: str = "auto", checkpointing: bool = False) -> "DFlashDrafter":
+        """Rebuild a saved or exported drafter (the serving layout, ours or a published one) on `target`,
+        refusing a target whose shapes or layers differ (the message names the field). `dtype` None = the
+        stored weights' dtype. Training settings absent from the folder take DrafterConfig's defaults."""
+        from dflash_lib.models import export
+
         src = Path(directory)
-        cfg_path, weights_path = src / "config.json", src / "model.safetensors"
-        for p in (cfg_path, weights_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"drafter checkpoint {src}: missing {p.name}")
-        doc = json.loads(cfg_path.read_text())
-        if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-            raise ConfigError(f"{cfg_path}: not a {FORMAT} v{FORMAT_VERSION} config "
-                              f"(format={doc.get('format')!r}, version={doc.get('format_version')!r})")
-        recorded, actual = doc.get("target", {}), target.identity()
-        for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
-            if recorded.get(key) != actual[key]:
-                raise ConfigError(f"{cfg_path}: drafter was trained for a target with {key}={recorded.get(key)!r}, "
-                                  f"this target has {actual[key]!r}")
-        drafter = cls(DrafterConfig.from_dict(doc["drafter"], str(cfg_path)), target)
-        state = load_file(str(weights_path), device=str(target.device))
-        own = {n: p for n, p in drafter.named_parameters()}
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ConfigError(f"{weights_path}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
-        with torch.no_grad():
-            for name, p in own.items():
-                if state[name].shape != p.shape:
-                    raise ConfigError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, "
-                                      f"expected {tuple(p.shape)}")
-                p.copy_(state[name])
-        return drafter.to(state[next(iter(own))].dtype)
+        where = str(src / export.CONFIG_FILE)
+        cfg = export.drafter_config(export.read_doc(src), where)
+        export.check_target(cfg, target, where)
+        drafter = cls(cfg, target, attention, checkpointing)
+        state = export.read_weights(src, target.device)
+        dtype = dtype or next(iter(state.values())).dtype
+        for p in drafter.parameters():  # parameters only: the rotary buffer stays fp32
+            p.data = p.data.to(dtype)
+        export.copy_weights(drafter, state, str(src / export.WEIGHTS_FILE))
+        return drafter

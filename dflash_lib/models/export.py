@@ -1,0 +1,336 @@
+"""The drafter on disk: the Hugging Face folder that SGLang, vLLM and the z-lab DFlash code load (dflash.md,
+"Serving format"). It is the ONLY drafter format: `DFlashDrafter.save` writes it in fp32 (nothing lost for
+fine-tuning), `export_drafter` in bf16 for serving, and `DFlashDrafter.load` / `-p init_from` read either.
+
+    config.json        Qwen3 fields of the DRAFTER (hidden_size, intermediate_size, num_hidden_layers = draft
+                       layers, heads, head_dim, rms_norm_eps, rope_theta + rope_parameters, vocab_size = the
+                       target's, ...), architectures ["DFlashDraftModel"], model_type "qwen3", block_size,
+                       num_target_layers, torch_dtype, dflash_config {mask_token_id, target_layer_ids (always
+                       explicit), block_size, training {...}}. `dflash_config.training` is ours: what the trainer
+                       needs to resume fine-tuning (gamma, num_anchors, ce_chunk_blocks, initializer_range) and
+                       what it was trained for (target, template, source); loading never requires it.
+    model.safetensors  the trainable weights only, Qwen3 names: fc.weight (H, F*H), hidden_norm.weight (H,),
+                       norm.weight (H,), layers.{i}.{input,post_attention}_layernorm.weight,
+                       layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+                       layers.{i}.mlp.{gate,up,down}_proj.weight. No embedding or LM head: the target's are used.
+    README.md          for people: the target it was trained for and with which chat template.
+Feature i is the output of 0-based target decoder layer target_layer_ids[i] (HF hidden_states[id + 1]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_lib.config import ConfigError
+from dflash_lib.models.drafter import DrafterConfig
+
+if TYPE_CHECKING:
+    from dflash_lib.config import Config
+    from dflash_lib.models.drafter import DFlashDrafter
+    from dflash_lib.models.target import TargetModel
+
+ARCHITECTURE = "DFlashDraftModel"  # what the serving engines dispatch on
+CONFIG_FILE, WEIGHTS_FILE, README_FILE = "config.json", "model.safetensors", "README.md"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype choices
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range")  # dflash_config.training
+ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match it (init_from refusals)
+    "hidden_size": "hidden_size", "num_layers": "drafter_layers", "num_heads": "num_attention_heads of the target",
+    "num_kv_heads": "num_key_value_heads of the target", "head_dim": "head_dim of the target",
+    "intermediate_size": "intermediate_size of the target", "vocab_size": "vocab_size of the target",
+    "target_layer_ids": "target_layer_ids", "target_num_layers": "target_layers",
+    "rms_norm_eps": "rms_norm_eps of the target", "rope_theta": "rope_theta of the target",
+}
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int,
+                   training: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of a drafter `cfg` stored in `dtype` (see the module docstring)."""
+    L = cfg.num_layers
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": L,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        # rope_theta + rope_scaling: what older transformers/SGLang read; rope_parameters: transformers >= 5
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "rope_parameters": rope,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": int(max_position_embeddings),
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "initializer_range": cfg.initializer_range, "use_cache": True, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": L, "layer_types": ["full_attention"] * L,
+        "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size,
+                          "training": {**{k: getattr(cfg, k) for k in TRAINING_KEYS}, **(training or {})}},
+        "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype],
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _readme(doc: dict[str, Any]) -> str:
+    t = doc["dflash_config"]["training"]
+    target = t.get("target", {})
+    ids = doc["dflash_config"]["target_layer_ids"]
+    return "\n".join([
+        "# DFlash drafter", "",
+        f"Trained for the target **{target.get('name') or 'unknown'}** ({target.get('model_type', '?')}, "
+        f"{doc['num_target_layers']} layers, hidden size {doc['hidden_size']}, vocabulary {doc['vocab_size']}), "
+        f"with the chat template **{t.get('template') or 'unknown'}**. Serve it only with that target and template: "
+        "another template collapses acceptance.", "",
+        f"- {doc['num_hidden_layers']} draft layers, block size {doc['block_size']}, mask token id "
+        f"{doc['dflash_config']['mask_token_id']}, target layers {ids} (0-based; hidden_states[id + 1]).",
+        f"- Weights: {WEIGHTS_FILE} in {doc['torch_dtype']}; no embedding or LM head (the target's are used).",
+        f"- Source: {t.get('source') or 'unknown'}.", "",
+        "Load it in SGLang with `--speculative-algorithm DFLASH --speculative-draft-model-path <this folder>`, "
+        "or fine-tune it with `python -m dflash_lib train -p init_from <this folder>`.", ""])
+
+
+def write_folder(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, dtype: torch.dtype,
+                 max_position_embeddings: int, training: dict[str, Any] | None = None) -> Path:
+    """Write config.json, model.safetensors (every tensor in `dtype`) and README.md into `out_dir`."""
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"export dtype {dtype} is not one of {sorted(map(str, _DTYPE_NAMES))}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = serving_config(cfg, dtype, max_position_embeddings, training)
+    tensors = {n: w.detach().to(device="cpu", dtype=dtype).contiguous() for n, w in weights.items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    (out / README_FILE).write_text(_readme(doc))
+    return out
+
+
+def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str) -> dict[str, Any]:
+    """dflash_config.training's record of what the drafter was trained for (its README is written from it)."""
+    target = {"name": name, "model_type": str(getattr(hf, "model_type", "")),
+              "num_hidden_layers": int(hf.num_hidden_layers), "hidden_size": int(hf.hidden_size),
+              "vocab_size": int(hf.vocab_size)}
+    return {"target": target, "template": template, "source": source}
+
+
+def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                   template: str = "", source: str = "", target_name: str = "") -> Path:
+    """Write `drafter` in the serving layout. `template`: the chat template it was trained with; `source`: where
+    it came from (a run folder, a checkpoint); `target_name` default the target's path."""
+    target = drafter.target
+    weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    hf = target.model.config
+    info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
+                          source)
+    return write_folder(drafter.cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
+                        info)
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+def read_doc(directory: str | Path) -> dict[str, Any]:
+    """config.json of a drafter folder, refusing anything that is not a DFlash drafter we can run."""
+    src = Path(directory)
+    path = src / CONFIG_FILE
+    for p in (path, src / WEIGHTS_FILE):
+        if not p.is_file():
+            raise FileNotFoundError(f"drafter folder {src}: missing {p.name}")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    if doc.get("format") == "dflash-drafter":
+        raise ConfigError(f"{path}: an old dflash-lab drafter format (dflash-drafter v1), no longer read; export "
+                          f"its run again: python -m dflash_lib export RUN_DIR OUT_DIR")
+    if ARCHITECTURE not in (doc.get("architectures") or []):
+        raise ConfigError(f"{path}: architectures {doc.get('architectures')!r} does not name {ARCHITECTURE}")
+    unsupported = {"model_type": (doc.get("model_type"), "qwen3"), "attention_bias": (doc.get("attention_bias", False), False),
+                   "hidden_act": (doc.get("hidden_act", "silu"), "silu"),
+                   "use_sliding_window": (doc.get("use_sliding_window", False), False)}
+    kinds = set(doc.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        unsupported["layer_types"] = (sorted(kinds), ["full_attention"])
+    rope_type = (doc.get("rope_parameters") or doc.get("rope_scaling") or {}).get("rope_type", "default")
+    unsupported["rope_type"] = (rope_type, "default")
+    for key, (got, want) in unsupported.items():
+        if got != want:
+            raise ConfigError(f"{path}: {key} {got!r} is not supported (this drafter implements {want!r})")
+    dc = doc.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise ConfigError(f"{path}: no dflash_config object")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key not in dc:
+            raise ConfigError(f"{path}: dflash_config.{key} is missing (it must be explicit: the loaders' "
+                              "fallback guesses wrong layers)")
+    return doc
+
+
+def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> DrafterConfig:
+    """DrafterConfig from a serving config.json `doc`; training settings default when the folder has none."""
+    dc = doc["dflash_config"]
+    rope = doc.get("rope_parameters") or {}
+    try:
+        heads = int(doc["num_attention_heads"])
+        return DrafterConfig(
+            hidden_size=int(doc["hidden_size"]), num_layers=int(doc["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(doc.get("num_key_value_heads") or heads),
+            head_dim=int(doc.get("head_dim") or int(doc["hidden_size"]) // heads),
+            intermediate_size=int(doc["intermediate_size"]), vocab_size=int(doc["vocab_size"]),
+            target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
+            target_num_layers=int(doc["num_target_layers"]),
+            block_size=int(dc.get("block_size", doc.get("block_size", 0))), mask_id=int(dc["mask_token_id"]),
+            rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 1_000_000.0))),
+            **{k: v for k, v in (dc.get("training") or {}).items() if k in TRAINING_KEYS},
+        )
+    except KeyError as e:
+        raise ConfigError(f"{where}: required field {e.args[0]!r} is missing") from None
+
+
+def check_target(cfg: DrafterConfig, target: "TargetModel", where: str) -> None:
+    """Refuse a target the drafter `cfg` was not made for, naming the field."""
+    pairs = (("hidden_size", cfg.hidden_size, target.hidden_size), ("vocab_size", cfg.vocab_size, target.vocab_size),
+             ("num_target_layers", cfg.target_num_layers, target.num_layers))
+    for key, mine, theirs in pairs:
+        if mine != theirs:
+            raise ConfigError(f"{where}: {key} is {mine}, the target has {theirs}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ConfigError(f"{where}: target_layer_ids {bad} are out of range for a {target.num_layers}-layer target")
+    if not 0 <= cfg.mask_id < target.vocab_size:
+        raise ConfigError(f"{where}: mask_token_id {cfg.mask_id} is not an embedding row of the target "
+                          f"(0 .. {target.vocab_size - 1})")
+    if list(cfg.target_layer_ids) != list(target.layer_ids):
+        raise ConfigError(f"{where}: target_layer_ids {cfg.target_layer_ids} differ from the target's feature "
+                          f"layers {target.layer_ids} (build the target with these ids: -p target_layer_ids)")
+
+
+def read_weights(directory: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    path = Path(directory) / WEIGHTS_FILE
+    with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where: str) -> None:
+    """Fill the drafter's trainable weights from `state` (names and shapes must match exactly; values are cast
+    to each parameter's dtype)."""
+    own = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ConfigError(f"{where}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            if state[name].shape != p.shape:
+                raise ConfigError(f"{where}: {name} has shape {tuple(state[name].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state[name])
+
+
+def init_from(drafter: "DFlashDrafter", directory: str | Path) -> None:
+    """`-p init_from DIR`: overwrite a freshly built drafter's weights with a saved or exported drafter's. The
+    folder must hold the same architecture on the same target; the run's config keeps the training settings
+    (block_size, mask_id, gamma, num_anchors)."""
+    src = Path(directory)
+    if not src.is_dir():
+        raise ConfigError(f"init_from {str(src)!r} is not a folder")
+    where = str(src / CONFIG_FILE)
+    saved = drafter_config(read_doc(src), where)
+    check_target(saved, drafter.target, where)
+    for key, param in ARCH_FIELDS.items():
+        mine, theirs = getattr(drafter.cfg, key), getattr(saved, key)
+        if mine != theirs:
+            raise ConfigError(f"init_from {src}: {key} is {theirs} there, this config builds {mine} "
+                              f"(set {param} to match)")
+    copy_weights(drafter, read_weights(src, drafter.fc.weight.device), str(src / WEIGHTS_FILE))
+
+
+# -- the `export` command --------------------------------------------------------------------------------------
+class _ShapeOnlyTarget:
+    """What `DrafterConfig.from_model_config` reads of a target, from its HF config alone (no weight loaded)."""
+
+    def __init__(self, hf: transformers.PretrainedConfig, layer_ids: list[int]):
+        self.model = type("M", (), {"config": hf})()
+        self.hidden_size, self.vocab_size = int(hf.hidden_size), int(hf.vocab_size)
+        self.num_layers, self.layer_ids = int(hf.num_hidden_layers), layer_ids
+
+
+def run_target_name(config: "Config") -> str:
+    m = config.model
+    return (f"tiny (a random Qwen3 built from seed {config.train.seed}: hidden {m.hidden_size}, "
+            f"{m.target_layers} layers)") if m.target == "tiny" else m.target
+
+
+def run_info(config: "Config", source: str) -> dict[str, str]:
+    """The export_drafter keywords of a trainer run (template, source, target_name)."""
+    return {"template": config.data.template, "source": source, "target_name": run_target_name(config)}
+
+
+def _run_config(doc: dict[str, Any], where: str) -> "Config":
+    """A run's Config from its nested dict (config.json or a checkpoint's meta); fields unknown today dropped."""
+    import dataclasses
+
+    from dflash_lib.config import SECTION_CLASSES, Config
+
+    try:
+        return Config(**{sec: cls(**{k: v for k, v in (doc.get(sec) or {}).items()
+                                     if k in {f.name for f in dataclasses.fields(cls)}})
+                         for sec, cls in SECTION_CLASSES.items()})
+    except (TypeError, ConfigError) as e:
+        raise ConfigError(f"{where}: the recorded run config does not build ({e})") from None
+
+
+def _checkpoint_drafter(ckpt: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], int, dict[str, str]]:
+    from dflash_lib.checkpoint import CheckpointError, load_checkpoint
+    from dflash_lib.models.target import feature_layer_ids, tiny_qwen3_config
+
+    try:
+        state, manifest = load_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if "config" not in manifest.meta or "drafter" not in state:
+        raise ConfigError(f"checkpoint {ckpt}: no run config in its manifest or no drafter weights in its state")
+    config = _run_config(manifest.meta["config"], str(ckpt))
+    m = config.model
+    if m.target == "tiny":
+        hf = tiny_qwen3_config(hidden_size=m.hidden_size, num_layers=m.target_layers)
+    elif os.path.isdir(m.target):
+        hf = transformers.AutoConfig.from_pretrained(m.target, local_files_only=True)  # its config.json only
+    else:
+        raise ConfigError(f"checkpoint {ckpt}: its target {m.target!r} is not a local folder here (its config.json "
+                          f"gives the drafter's shapes)")
+    ids = list(m.target_layer_ids) or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
+    cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
+    info = _training_info(hf, run_target_name(config), config.data.template, f"{ckpt} (step {manifest.step})")
+    return cfg, state["drafter"], int(getattr(hf, "max_position_embeddings", 0) or 0), info
+
+
+def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
+    drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
+    loaded: the shapes come from the run's config (and a local target's config.json)."""
+    from dflash_lib.checkpoint import MANIFEST_FILE, list_checkpoints
+
+    src = Path(src)
+    if not src.is_dir():
+        raise ConfigError(f"{src} is not a folder")
+    if (src / MANIFEST_FILE).is_file():
+        cfg, weights, max_pos, info = _checkpoint_drafter(src)
+        return write_folder(cfg, weights, out_dir, dtype, max_pos, info)
+    ckpts = list_checkpoints(src / "checkpoints")
+    if ckpts:
+        cfg, weights, max_pos, info = _checkpoint_drafter(ckpts[-1])
+        return write_folder(cfg, weights, out_dir, dtype, max_pos, info)
+    folder = src / "drafter" if (src / "drafter" / CONFIG_FILE).is_file() else src
+    if not (folder / CONFIG_FILE).is_file():
+        raise ConfigError(f"{src} holds no checkpoint (checkpoints/ckpt-*), no drafter/ and no {CONFIG_FILE}")
+    doc = read_doc(folder)
+    cfg = drafter_config(doc, str(folder / CONFIG_FILE))
+    training = {k: v for k, v in doc["dflash_config"].get("training", {}).items() if k not in TRAINING_KEYS}
+    training["source"] = training.get("source") or str(folder)
+    return write_folder(cfg, read_weights(folder), out_dir, dtype, int(doc.get("max_position_embeddings") or 0),
+                        training)
