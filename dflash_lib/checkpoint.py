@@ -48,7 +48,7 @@ RESUME_NEUTRAL_KEYS = frozenset({
     "fresh", "ckpt_every", "keep_checkpoints", "log_every", "max_bad_steps", "dist_timeout_s", "wandb_mode",
     "wandb_project", "out_dir", "queue_timeout_s", "close_timeout_s", "prefetch", "hs_queue", "workers",
     "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps", "probe_rounds",
-    "target_threads",
+    "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
 })
 # TEST HOOK, used only by the fault-injection tests (tests/test_faults.py): when set, every save pauses this many
 # seconds after writing state.pt and before the manifest and the rename, announcing it on stderr, so that a test

@@ -32,10 +32,14 @@ class DataConfig:
     cache_dir: str = ".cache/token_stores"  # token stores are cached here under a settings hash
     workers: int = 2  # tokenizer threads
     thinking: str = "off"  # Qwen3 think blocks: "off" (non-thinking serving: empty block, untrained) | "on" | "keep"
+    heldout_fraction: float = 0.01  # share of samples held out of training, chosen by a hash of each sample's
+    # tokens (dflash_lib.heldout: stable across runs and corpus order); 0 = none
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, ("truncate", "drop"))
         _choice("thinking", self.thinking, ("off", "on", "keep"))
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ConfigError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         _positive("max_len", self.max_len)
         _non_negative("limit", self.limit)
         _positive("workers", self.workers)
@@ -172,6 +176,8 @@ class TrainConfig:
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
     emulate_ranks: int = 0  # single process: train each step on the batches of this many ranks (torchrun's); 0 = off
+    eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
+    eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
 
     def __post_init__(self) -> None:
         _non_negative("steps", self.steps)
@@ -189,6 +195,8 @@ class TrainConfig:
         _positive("dist_timeout_s", self.dist_timeout_s)
         _non_negative("stop_at_step", self.stop_at_step)
         _non_negative("emulate_ranks", self.emulate_ranks)
+        _non_negative("eval_every", self.eval_every)
+        _non_negative("eval_samples", self.eval_samples)
 
 
 @dataclass

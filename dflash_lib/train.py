@@ -42,10 +42,13 @@ from dflash_lib.checkpoint import CheckpointError, resume_config_hash, save_chec
 from dflash_lib.config import Config, ConfigError, TrainConfig
 from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate, make_prepare,  # noqa: F401
                              make_target_workers, next_step_items)  # Work, bucket_of: re-exported for this module's callers
+from dflash_lib.heldout import HELDOUT_FILE, EvalSet, HeldOutSplit, SubsetStore, build_eval_set, split_store
+from dflash_lib.heldout import evaluate as evaluate_heldout
 from dflash_lib.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                 format_log_line)
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
 from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.loss import stats_size
 from dflash_lib.models.export import init_from, run_info
 from dflash_lib.pipeline import Pipeline
 from dflash_lib.resume import (CHECKPOINTS, CONFIG_FILE, METRICS_FILE, ResumePoint, clear_run_dir,
@@ -170,6 +173,8 @@ class StepResult:
     skipped: bool  # no optimizer update: nothing scored anywhere, or a non-finite loss
     blocks: int = 0  # anchor blocks the drafter ran on this rank
     head_rows: int = 0  # scored positions this rank ran through the LM head + CE (its work scales with them)
+    tau_inbatch: float = math.nan  # EXACT in-batch acceptance length: mean over all ranks' blocks of 1 + the
+    # block's own leading run of correct positions (`models.loss.leading_run_stats`); nan with no block
 
 
 def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
@@ -191,7 +196,7 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
     local = [it.layout.weight_sum for it in live]
     n_pos = drafter.cfg.block_size - 1
     (weight_sum,) = all_reduce_floats([sum(local)])
-    stats = torch.zeros(2 + 2 * n_pos, dtype=torch.float64, device=device)  # ce, correct, pos_correct, pos_count
+    stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)  # see DrafterLoss.stats
     for it, w in zip(live, local):
         if w == 0:  # nothing scored in this micro-batch (no valid anchor): zero loss and gradient, skip the forward
             continue
@@ -214,6 +219,7 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
     ce, correct = sums[0], sums[1]
     pos_correct, pos_count = sums[2:2 + n_pos], sums[2 + n_pos:2 + 2 * n_pos]
     real, padded = sums[-2], sums[-1]
+    tau_sum, tau_blocks = sums[2 + 2 * n_pos], sums[3 + 2 * n_pos]
     skipped = not weight_sum > 0 or not guard.ok(ce, step)
     grad_norm = math.nan if skipped else host[-1]
     if not skipped:
@@ -226,7 +232,8 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         loss=ce / weight_sum if weight_sum > 0 else math.nan, acc=correct / weight_sum if weight_sum > 0 else math.nan,
         acc_per_pos=acc_per_pos, eal=expected_acceptance(acc_per_pos), weight_sum=weight_sum,
         real_tokens=int(real), padded_tokens=int(padded), grad_norm=grad_norm, skipped=skipped,
-        blocks=sum(it.layout.num_blocks for it in live), head_rows=head_rows)
+        blocks=sum(it.layout.num_blocks for it in live), head_rows=head_rows,
+        tau_inbatch=tau_sum / tau_blocks if tau_blocks > 0 else math.nan)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -263,6 +270,8 @@ class TrainingParts:
     packed: bool  # collate by packing documents into rows of `row_len` tokens instead of padding
     row_len: int  # packed row length in tokens (the token budget)
     edges: list[int]  # bucket upper edges in tokens, for the bucket id of padded batches ([] = no buckets)
+    heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
+    full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
 
 
 def full_run_tokens(cfg: TrainConfig, lengths: np.ndarray) -> float:
@@ -333,6 +342,8 @@ class Trainer:
         self.resumed_from = 0
         self.saved_step = -1  # step of the newest checkpoint written or loaded
         self.checkpoint: Path | None = None
+        self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (rank 0; built in run)
+        self.last_eval: dict[str, Any] = {}  # the latest held-out figures (heldout_step + HELDOUT_KEYS)
         if resume is not None:
             self.load_state_dict(resume)
 
@@ -446,7 +457,7 @@ class Trainer:
         skipped_tokens = 0
         for it in items:
             for reason, index, tokens in it.skips:
-                self.skips.add(reason, index)
+                self.skips.add(reason, self._store_index(index))
                 skipped_tokens += tokens
         n_skipped, skipped_tokens = all_reduce_floats([sum(len(it.skips) for it in items), skipped_tokens])
         self.skipped_all += int(n_skipped)
@@ -462,7 +473,8 @@ class Trainer:
             **pipeline.depths(), bucket=live[0].bucket if live else -1,
             eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
             run_eta_s=eta_seconds((self.total_steps - step) * done / step, rate.eta_tok_s),
-            steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, time=self.clock() - self.t_start,
+            steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, eal_marginal=res.eal,
+            tau_inbatch=res.tau_inbatch, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
             blocks=res.blocks, head_rows=res.head_rows,
             bad_steps=self.guard.total, skipped_samples=self.skipped_all, skipped_tokens=int(skipped_tokens),
@@ -471,7 +483,7 @@ class Trainer:
 
     def _report_faults(self, items: list[Item], say: Callable[[str], None]) -> None:
         """Log what this step skipped: samples failing validation, or the whole update for a non-finite loss."""
-        skipped = [f"{reason} (sample {index})" for it in items for reason, index, _ in it.skips]
+        skipped = [f"{reason} (sample {self._store_index(index)})" for it in items for reason, index, _ in it.skips]
         if skipped:
             say(f"step {self.step}: skipped {len(skipped)} sample(s) failing validation: {', '.join(skipped[:5])}"
                 f"{' ...' if len(skipped) > 5 else ''}")
@@ -493,6 +505,7 @@ class Trainer:
             say(f"resuming at step {self.resumed_from} of {self.total_steps} (epoch {self.position[0]}, "
                 f"sampler step {self.position[1]})")
         self.parts.drafter.train()
+        self._prepare_heldout()
         try:
             with self._pipeline() as pipeline:
                 stream = iter(pipeline)
@@ -511,6 +524,8 @@ class Trainer:
                     if not items:
                         break
                     self.last = self._train_one(items, wait_s, pipeline)
+                    if self._eval_due(ended):
+                        self.last.update(self.evaluate(say))
                     for sink in sinks:
                         sink.log(self.last, self.step)
                     bar.update(1)
@@ -543,6 +558,46 @@ class Trainer:
         if skips.total:
             say(skips.summary())
         return summary
+
+    def _store_index(self, index: int) -> int:
+        """The token store's index of sample `index` of the training view (the same without a held-out split)."""
+        source_index = getattr(self.parts.store, "source_index", None)
+        return index if source_index is None else source_index(index)
+
+    def _prepare_heldout(self) -> None:
+        """Rank 0: record the split in heldout.json and lay out the evaluation batches (rank 0 evaluates ALL the
+        held-out samples; the other ranks never evaluate)."""
+        p, tc = self.parts, self.config.train
+        if not self.main or p.heldout is None:
+            return
+        source = p.full_store if p.full_store is not None else p.store
+        write_json(self.run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
+        if tc.eval_samples > 0 and len(p.heldout.heldout):
+            self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id,
+                                           self.config.sampler.token_budget, tc.seed, tc.eval_samples)
+
+    def _eval_due(self, ended: bool) -> bool:
+        """Evaluate after this step: every `eval_every` steps and at the end of the run (not on a stop: a resumed
+        run then logs exactly the rows of an uninterrupted one)."""
+        if self.eval_set is None or not self.eval_set.samples:
+            return False
+        tc, step = self.config.train, self.step
+        last = (step == self.total_steps or ended
+                or (self.max_batches is not None and self.batches_done >= self.max_batches))
+        return last or (tc.eval_every > 0 and step % tc.eval_every == 0)
+
+    def evaluate(self, say: Callable[[str], None] = distributed.print0) -> dict[str, Any]:
+        """The drafter on the held-out evaluation batches now (`heldout.evaluate`): the HELDOUT_KEYS figures
+        and heldout_s (seconds), also kept for summary.json."""
+        t0 = time.perf_counter()
+        figures = evaluate_heldout(self.parts.drafter, self.parts.targets[0], self.eval_set,
+                                   self.device.type == "cuda")
+        figures["heldout_s"] = time.perf_counter() - t0
+        self.last_eval = dict(heldout_step=self.step, **figures)
+        say(f"held-out at step {self.step} ({figures['heldout_samples']} samples): loss {figures['heldout_loss']:.3f} | "
+            f"acc {figures['heldout_acc']:.3f} | tau {figures['heldout_tau']:.3f} | "
+            f"eal_marginal {figures['heldout_eal_marginal']:.3f}")
+        return figures
 
     def all_skips(self) -> SkipCounter:
         """The samples skipped by every rank (a collective under torchrun: every rank calls it)."""
@@ -580,6 +635,10 @@ class Trainer:
             full_run_epochs=tc.full_run_epochs, full_run_tokens=self.full_tokens, full_run_eta_s=full_eta,
             full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
             setup_s=self.setup_s, loop_s=m.elapsed_s, wall_s=self.setup_s + self.clock() - self.t_start,
+            final_tau_inbatch=last.get("tau_inbatch"),
+            heldout_fraction=self.parts.heldout.fraction if self.parts.heldout is not None else 0.0,
+            heldout_count=len(self.parts.heldout.heldout) if self.parts.heldout is not None else 0,
+            **self.last_eval,
         )
 
 
@@ -600,13 +659,20 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since this invocation's
     loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
     skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
-    head_rows (scored positions run through the LM head + CE here),
+    head_rows (scored positions run through the LM head + CE here), eal_marginal (= eal: the marginal-product
+    ESTIMATE of the acceptance length, biased low) and tau_inbatch (the EXACT in-batch acceptance length: mean
+    over the step's blocks of 1 + the block's own leading run of correct positions),
     step_s and wait_s (this step's wall time and data wait, seconds), and the step's batch shape (rows,
-    row_len, attn_dense, attn_varlen); the same scalars to wandb; checkpoints/ckpt-<step>/ every `ckpt_every`
+    row_len, attn_dense, attn_varlen); on evaluation steps (every `eval_every` steps and the last step of the
+    run; rank 0 evaluates all of `eval_samples` held-out samples, `dflash_lib.heldout`) the
+    same row also holds heldout_loss, heldout_acc, heldout_acc_per_pos, heldout_tau (exact), heldout_eal_marginal
+    (estimate), heldout_blocks, heldout_samples and heldout_s; the same scalars to wandb; heldout.json (the
+    split: fraction, hash rule, counts, held-out store indices and hashes); checkpoints/ckpt-<step>/ every `ckpt_every`
     steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and
     summary.json (steps, complete / stop_reason / resumed_from_step, tokens, padding efficiency, losses,
     accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
-    full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes).
+    full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes, final_tau_inbatch,
+    heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures).
     """
     return Trainer(config, parts, run_dir, clock, setup_s, resume, stop, sinks).run()
 
@@ -696,11 +762,18 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     lengths = np.asarray(store.lengths)
     if len(lengths) == 0:
         raise ConfigError(f"the token store {store.path} holds no sample (source {config.data.source!r})")
+    full_store, split = store, split_store(store, config.data.heldout_fraction)
+    if len(split.train) == 0:
+        raise ConfigError(f"heldout_fraction {config.data.heldout_fraction} holds out every one of the "
+                          f"{len(lengths)} samples")
+    if len(split.heldout):  # the sampler and its bucket plan see the training part only
+        store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
     strategy = config.sampler.strategy
     edges = bucket_edges(config, lengths) if strategy == "bucketed" else []
     shards = rank_shards(config.train, dist)
     world = max(dist.world_size, len(shards))
-    queries = store_drafter_queries(store, config.model.num_anchors, config.model.block_size)  # (N,) query tokens
+    queries = store_drafter_queries(full_store, config.model.num_anchors,
+                                    config.model.block_size)[split.train]  # (N,) query tokens
     sampler = build_sampler(config, lengths, dist.rank, world, edges, queries)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
     if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
@@ -721,7 +794,7 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
     return TrainingParts(store, lengths, sampler, targets, drafter, int(pad_id), strategy == "packed",
-                         config.sampler.token_budget, edges)
+                         config.sampler.token_budget, edges, split, full_store)
 
 
 def shared_new_run_dir(tag: str = "") -> Path:

@@ -117,3 +117,22 @@ def skip_table(report: LoadReport):
     rows = [("kept", report.records_kept)] + sorted(report.skipped.items(), key=lambda kv: -kv[1])
     seen = max(report.records_seen, 1)
     return pd.DataFrame([dict(outcome=name, records=n, share=n / seen) for name, n in rows])
+
+
+def loss_mask_html(tokenizer, ids: np.ndarray, mask: np.ndarray, max_tokens: int = 400) -> str:
+    """One sample's tokens (T,) as HTML: trained tokens (mask 1) highlighted, special tokens in bold, newlines
+    kept; the first `max_tokens` only."""
+    import html
+
+    spans = []
+    specials = tokenizer.special_strings
+    for tid, m in zip(ids[:max_tokens].tolist(), mask[:max_tokens].tolist()):
+        text = tokenizer.decode([tid])
+        body = html.escape(text).replace("\n", "&#8629;<br>")
+        if text in specials:
+            body = f"<b>{body}</b>"
+        style = "background:#b7e4c7" if m else "color:#777"
+        spans.append(f'<span style="{style}" title="{tid}">{body}</span>')
+    more = f"<br>... {len(ids) - max_tokens} more tokens" if len(ids) > max_tokens else ""
+    return ('<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">' + "".join(spans) + more +
+            '</div><p><span style="background:#b7e4c7">green</span> = trained (loss mask 1), grey = context</p>')

@@ -9,6 +9,7 @@ position (logits, gradient), not three times as under activation checkpointing (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,16 @@ class DrafterLoss:
     correct_total: torch.Tensor  # 0-d: sum of w over correct top-1 predictions
     pos_correct_t: torch.Tensor  # (B-1,) correct predictions per block position k = 1..B-1
     pos_count_t: torch.Tensor  # (B-1,) scored positions per block position
+    tau_sum_t: torch.Tensor | None = None  # 0-d: sum over blocks of (1 + leading run of correct positions); None = 0
+    tau_blocks_t: torch.Tensor | None = None  # 0-d: blocks in tau_sum_t; None = 0
 
     def stats(self) -> torch.Tensor:
-        """(2 + 2(B-1),) float64 on the device: ce_total, correct_total, pos_correct, pos_count."""
+        """(stats_size(B),) float64 on the device: ce_total, correct_total, pos_correct (B-1), pos_count (B-1),
+        tau_sum, tau_blocks (appended last: the earlier offsets are unchanged)."""
+        zero = torch.zeros(1, dtype=torch.float64, device=self.ce_total.device)
+        tau = [zero if t is None else t.double().reshape(1) for t in (self.tau_sum_t, self.tau_blocks_t)]
         return torch.cat([self.ce_total.double().reshape(1), self.correct_total.double().reshape(1),
-                          self.pos_correct_t.double(), self.pos_count_t.double()])
+                          self.pos_correct_t.double(), self.pos_count_t.double(), *tau])
 
     @property
     def ce_sum(self) -> float:
@@ -64,7 +70,38 @@ class DrafterLoss:
 
     @property
     def eal(self) -> float:
+        """The marginal-product ESTIMATE of the acceptance length (`expected_acceptance`; biased low)."""
         return expected_acceptance(self.acc_per_pos)
+
+    eal_marginal = eal  # the same estimate under its labelled name
+
+    @property
+    def tau(self) -> float:
+        """EXACT in-batch acceptance length: mean over blocks of 1 + the block's leading run of correct
+        positions (`leading_run_stats`); nan with no block."""
+        blocks = 0.0 if self.tau_blocks_t is None else float(self.tau_blocks_t)
+        return float(self.tau_sum_t) / blocks if blocks > 0 else math.nan
+
+
+def stats_size(block_size: int) -> int:
+    """Length of `DrafterLoss.stats()` for blocks of `block_size`."""
+    return 4 + 2 * (block_size - 1)
+
+
+def leading_run_stats(correct: torch.Tensor, scored: torch.Tensor, num_blocks: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over blocks of 1 + leading run, number of blocks) as 0-d float tensors on the device, no sync.
+
+    correct (m,) 0/1 flags of the scored positions, scored (m,) their flat query index i*B + k. A block's
+    leading run counts its positions k = 1, 2, ... while each is scored AND correct: the first wrong or
+    unscored position stops it (what greedy verification of that block would accept). Every block of the
+    layout counts, so a block whose position 1 is unscored or wrong contributes 1.
+    """
+    B = block_size
+    flags = torch.zeros(num_blocks * B, dtype=torch.float32, device=correct.device)  # (n*B,)
+    flags = flags.index_copy(0, scored, correct.float())
+    run = flags.view(num_blocks, B)[:, 1:].cumprod(dim=1).sum(dim=1)  # (n,) leading run of each block
+    return (1.0 + run).sum(), torch.full((), float(num_blocks), device=correct.device)
 
 
 def expected_acceptance(acc_per_pos: list[float]) -> float:
@@ -135,7 +172,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLay
     zeros = torch.zeros(B - 1, dtype=torch.float32, device=dev)
     if layout.num_scored == 0:  # nothing scored: a graph-connected zero keeps a distributed backward in step
         z = hidden.sum() * 0.0
-        return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
+        n = torch.full((), float(layout.num_blocks), device=dev)  # every block accepts its anchor only
+        return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone(), n, n.clone())
     h = hidden.index_select(0, layout.scored).to(head.weight.dtype)  # (m, H), in the head's dtype
     y, w = layout.labels, layout.weights.float()  # (m,)
     ce, pred = head_cross_entropy(h, head, y, chunk_positions)
@@ -146,5 +184,7 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLay
         pos_correct = zeros.index_add(0, k, correct)
         pos_count = zeros.index_add(0, k, torch.ones_like(correct))
         correct_total = (w * correct).sum()
+        tau_sum, tau_blocks = leading_run_stats(correct, layout.scored, layout.num_blocks, B)
     return DrafterLoss(loss=total / norm, weight_sum=layout.weight_sum, ce_total=total.detach(),
-                       correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count)
+                       correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count,
+                       tau_sum_t=tau_sum, tau_blocks_t=tau_blocks)

@@ -57,3 +57,23 @@ def length_tail(lengths: np.ndarray, max_len: int | None = None, quantile: float
                       xaxis_title="tokens per sample", yaxis_title="samples", template="plotly_white",
                       showlegend=True)
     return fig
+
+
+def length_before_after(before: np.ndarray, after: np.ndarray, max_len: int | None = None, bins: int = 60,
+                        title: str = "Tokens per sample, before and after regeneration") -> go.Figure:
+    """CDFs of two length arrays (tokens) on a log x axis, with their medians: how regenerated answers move
+    the samples between buckets."""
+    fig = go.Figure()
+    for name, arr in (("before (source answers)", before), ("after (target's answers)", after)):
+        x = np.sort(np.asarray(arr, np.float64))
+        if not len(x):
+            raise ValueError(f"length_before_after: no {name.split()[0]} lengths")
+        pick = np.unique(np.linspace(0, len(x) - 1, min(CDF_POINTS, len(x))).astype(np.int64))
+        fig.add_trace(go.Scatter(x=x[pick], y=(pick + 1) / len(x), mode="lines",
+                                 name=f"{name}: {len(x)} samples, median {np.median(x):.0f}"))
+    if max_len:
+        fig.add_vline(x=max_len, line_dash="dash", annotation_text=f"max_len={max_len}")
+    fig.update_layout(title=title, xaxis=dict(type="log", title="tokens per sample (log)"),
+                      yaxis=dict(title="cumulative share", range=[0, 1.02]), template="plotly_white",
+                      legend=dict(orientation="h", y=-0.2))
+    return fig

@@ -1,0 +1,226 @@
+"""The held-out split (content hash, stable under corpus order) and the trainer's held-out evaluation: exact
+in-batch acceptance from each block's own flags, eval rows every N steps, a training trajectory evaluation
+never changes, and no held-out sample in a training batch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lib.checkpoint import resume_config_hash
+from dflash_lib.config import ConfigError, from_params, preset
+from dflash_lib.feed import epoch_batches
+from dflash_lib.heldout import HELDOUT_KEYS, SubsetStore, sample_hash, split_store
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
+from dflash_lib.models.layout import DraftLayout
+from dflash_lib.models.loss import leading_run_stats, weighted_loss
+from dflash_lib.train import TrainingParts, build_sampler, run_training
+
+
+def random_store(n: int, seed: int = 0, lo: int = 12, hi: int = 60) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    store = []
+    for length in rng.integers(lo, hi, size=n):
+        mask = np.zeros(length, np.uint8)
+        mask[length // 3:] = 1  # the last two thirds are the "assistant" part
+        store.append((rng.integers(0, 2000, size=length).astype(np.uint32), mask))
+    return store
+
+
+def content(store, indices) -> set[bytes]:
+    return {store[int(i)][0].tobytes() for i in indices}
+
+
+# -- the split ----------------------------------------------------------------------------------------------------
+
+
+def test_split_is_stable_under_corpus_order_and_respects_the_fraction():
+    store = random_store(4000, lo=4, hi=12)
+    split = split_store(store, 0.05)
+    assert 150 <= len(split.heldout) <= 250  # 200 expected, sd ~14
+    assert len(split.heldout) + len(split.train) == 4000
+    assert not set(split.heldout.tolist()) & set(split.train.tolist())
+    perm = np.random.default_rng(1).permutation(len(store))
+    shuffled = [store[i] for i in perm]
+    again = split_store(shuffled, 0.05)
+    assert content(shuffled, again.heldout) == content(store, split.heldout)  # the same conversations
+    # the held-out order (hash order) does not depend on corpus order either: the evaluation takes the same first M
+    assert [shuffled[i][0].tobytes() for i in again.heldout] == [store[i][0].tobytes() for i in split.heldout]
+    assert content(store, split_store(store, 0.01).heldout) < content(store, split.heldout)  # nested fractions
+    assert len(split_store(store, 0.0).heldout) == 0
+
+
+def test_duplicates_fall_on_the_same_side_and_the_record_lists_the_hashes():
+    store = random_store(500)
+    store = store + store[:100]  # exact duplicates of the first 100
+    split = split_store(store, 0.2)
+    held = set(split.heldout.tolist())
+    assert all((i in held) == (i + 500 in held) for i in range(100))
+    record = split.record(len(store))
+    assert record["heldout"] == len(held) and record["train"] == len(store) - len(held)
+    assert record["hashes"] == [f"{sample_hash(store[i][0]):016x}" for i in record["indices"]]
+    assert all(int(h, 16) < 0.2 * 2 ** 64 for h in record["hashes"])
+
+
+def test_fraction_is_a_validated_config_field_in_the_resume_hash():
+    base = preset("smoke")
+    assert base.data.heldout_fraction == 0.01
+    assert resume_config_hash(from_params({"heldout_fraction": 0.02}, base)) != resume_config_hash(base)
+    assert resume_config_hash(from_params({"eval_every": 3, "eval_samples": 8}, base)) == resume_config_hash(base)
+    with pytest.raises(ConfigError, match="heldout_fraction"):
+        from_params({"heldout_fraction": 1.0})
+
+
+# -- exact in-batch acceptance ---------------------------------------------------------------------------------------
+
+
+def test_leading_run_counts_each_blocks_own_flags():
+    B = 5
+    # block flags at positions 1..4 (None = unscored): expected 1 + leading run
+    blocks = [([1, 1, 0, 1], 3), ([0, 1, 1, 1], 1), ([1, 1, 1, 1], 5), ([1, None, 1, 1], 2), ([None] * 4, 1)]
+    scored, correct = [], []
+    for i, (flags, _) in enumerate(blocks):
+        for k, f in enumerate(flags, start=1):
+            if f is not None:
+                scored.append(i * B + k)
+                correct.append(float(f))
+    total, n = leading_run_stats(torch.tensor(correct), torch.tensor(scored), len(blocks), B)
+    assert n.item() == 5 and total.item() == sum(t for _, t in blocks) == 12
+
+
+def hand_layout(labels: np.ndarray, scored_mask: np.ndarray) -> DraftLayout:
+    """A layout of n blocks of B whose scored positions k >= 1 are `scored_mask` (n, B), labels (n, B)."""
+    n, B = labels.shape
+    scored = np.flatnonzero(scored_mask.reshape(-1))
+    w = torch.ones(len(scored))
+    z = torch.zeros(n, dtype=torch.long)
+    return DraftLayout(block_ids=torch.zeros(n, B, dtype=torch.long), block_pos=torch.zeros(n, B, dtype=torch.long),
+                       block_doc=z, anchor_pos=z, ctx_doc=z, ctx_pos=z, scored=torch.from_numpy(scored),
+                       labels=torch.from_numpy(labels.reshape(-1)[scored]), weights=w,
+                       scored_k=torch.from_numpy(scored % B), groups=None, block_size=B, noise=1.0,
+                       weight_sum=float(len(scored)))
+
+
+def test_loss_path_reports_exact_tau_and_keeps_the_marginal_estimate():
+    """An identity head predicts the token whose one-hot is the hidden state: the correct flags are forced."""
+    B, V = 4, 8
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, V, size=(4, B))
+    flags = np.array([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1], [0, 1, 0, 1]], bool)  # position 0 (anchor) unscored
+    scored_mask = np.ones((4, B), bool)
+    scored_mask[:, 0] = False
+    pred = np.where(flags, labels, (labels + 1) % V)  # (n, B) wrong where the flag is 0
+    hidden = torch.nn.functional.one_hot(torch.from_numpy(pred.reshape(-1)), V).float()  # (n*B, V)
+    head = torch.nn.Linear(V, V, bias=False)
+    head.weight.data = torch.eye(V)
+    head.weight.requires_grad_(False)
+    out = weighted_loss(hidden, head, hand_layout(labels, scored_mask), 0, None)
+    assert out.tau == pytest.approx((3 + 1 + 4 + 2) / 4)  # runs 2, 0, 3, 1
+    assert out.acc_per_pos == pytest.approx([0.75, 0.75, 0.75])
+    assert out.eal_marginal == out.eal == pytest.approx(expected_acceptance([0.75, 0.75, 0.75]))
+    assert out.eal_marginal != pytest.approx(out.tau)  # errors correlate within blocks: the estimate differs
+    stats = out.stats()
+    assert stats[-2:].tolist() == [10.0, 4.0]  # tau_sum, blocks appended last
+
+
+# -- the trainer ------------------------------------------------------------------------------------------------------
+
+
+class RecordingStore:
+    """The training view, recording every sample the training pipeline reads (source store indices)."""
+
+    def __init__(self, view: SubsetStore) -> None:
+        self.view, self.read = view, set()
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __getitem__(self, i):
+        self.read.add(self.view.source_index(i))
+        return self.view[i]
+
+
+def held_out_parts(config, store):
+    split = split_store(store, config.data.heldout_fraction)
+    view = SubsetStore(store, split.train)
+    lengths = np.array([len(store[i][0]) for i in split.train], dtype=np.int64)
+    target = TargetModel.from_model_config(config.model, seed=0)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+    sampler = build_sampler(config, lengths, 0, 1, edges=[])
+    recorder = RecordingStore(view)
+    parts = TrainingParts(recorder, lengths, sampler, [target], drafter, pad_id=0, packed=False, row_len=0, edges=[],
+                          heldout=split, full_store=store)
+    return parts, split, recorder
+
+
+def tiny_config(**params):
+    base = dict(target_layers=2, hidden_size=32, num_features=1, num_anchors=8, block_size=4, steps=6, log_every=6,
+                prefetch=2, hs_queue=1, wandb_mode="disabled", strategy="random", token_budget=256,
+                heldout_fraction=0.2, eval_samples=8)
+    return from_params({**base, **params}, preset("smoke"))
+
+
+def rows_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_rows_every_n_steps_and_the_split_in_the_run_folder(tmp_path):
+    store = random_store(48)
+    config = tiny_config(eval_every=2, steps=5)
+    parts, split, recorder = held_out_parts(config, store)
+    summary = run_training(config, parts, tmp_path)
+    rows = rows_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    evaluated = [r["step"] for r in rows if "heldout_tau" in r]
+    assert evaluated == [2, 4, 5]  # every 2 steps and the last
+    for r in rows:
+        assert 1.0 <= r["tau_inbatch"] <= 4 and r["eal_marginal"] == r["eal"]
+        if r["step"] in evaluated:
+            assert set(HELDOUT_KEYS) <= set(r) and r["heldout_samples"] == min(8, len(split.heldout))
+            assert math.isfinite(r["heldout_loss"]) and 0 <= r["heldout_acc"] <= 1
+            assert 1.0 <= r["heldout_tau"] <= 4 and len(r["heldout_acc_per_pos"]) == 3
+            assert r["heldout_eal_marginal"] == pytest.approx(expected_acceptance(r["heldout_acc_per_pos"]))
+    assert rows[1]["heldout_loss"] != rows[3]["heldout_loss"]  # the drafter changed between evaluations
+    assert summary["heldout_step"] == 5 and summary["heldout_tau"] == rows[-1]["heldout_tau"]
+    assert summary["heldout_count"] == len(split.heldout) > 0
+    record = json.loads((tmp_path / "heldout.json").read_text())
+    assert record["indices"] == split.heldout.tolist() and record["fraction"] == 0.2
+    assert not recorder.read & set(split.heldout.tolist())  # training never read a held-out sample
+    assert recorder.read <= set(split.train.tolist())
+
+
+def test_evaluation_leaves_the_training_trajectory_unchanged(tmp_path):
+    store = random_store(48)
+    runs = []
+    for name, params in (("eval", dict(eval_every=1)), ("none", dict(eval_samples=0))):
+        config = tiny_config(steps=5, **params)
+        parts, _, _ = held_out_parts(config, store)
+        run_training(config, parts, tmp_path / name)
+        rows = rows_of(tmp_path / name)
+        weights = torch.cat([p.detach().flatten() for p in parts.drafter.parameters() if p.requires_grad])
+        runs.append(([(r["loss"], r["grad_norm"], r["tau_inbatch"]) for r in rows], weights, rows))
+    (with_eval, w_eval, rows_eval), (without, w_none, rows_none) = runs
+    assert all("heldout_tau" in r for r in rows_eval) and not any("heldout_tau" in r for r in rows_none)
+    assert with_eval == without
+    assert torch.equal(w_eval, w_none)
+
+
+def test_build_parts_keeps_held_out_samples_out_of_every_training_batch():
+    from dflash_lib.train import build_parts
+
+    config = from_params({"heldout_fraction": 0.1, "strategy": "bucketed"}, preset("smoke"))
+    parts = build_parts(config, torch.device("cpu"))
+    split = parts.heldout
+    assert isinstance(parts.store, SubsetStore) and len(split.heldout) > 10  # ~30 of 300
+    assert len(parts.lengths) == len(split.train) == len(parts.store)
+    assert parts.edges[-1] >= parts.lengths.max()  # the bucket plan is the training part's
+    served = set()
+    for work in epoch_batches(parts.sampler, len(parts.sampler)):  # one epoch
+        served |= {parts.store.source_index(i) for i in work.indices}
+    assert served == set(split.train.tolist())  # the whole training part, and nothing held out
+    assert not served & set(split.heldout.tolist())
