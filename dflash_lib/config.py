@@ -397,3 +397,26 @@ def preset(name: str) -> Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def qwen3_8b() -> Config:
+    """The paper recipe (dflash.md "Recipe") for a Qwen3-8B target: a 5-layer drafter, block 16, 512 anchors,
+    max_len 3072, the features of layers [1, 9, 17, 25, 33], AdamW 6e-4, warmup 4 %, clip 1.0, 6 epochs; on CUDA
+    FlexAttention, activation checkpointing, bf16 target and autocast. `target` names the Qwen3-8B SHAPES only (the
+    dry run needs no weights); training needs the model: `-p target DIR` (a local Hugging Face folder).
+
+    token_budget 16384: 5 documents of 3072 tokens, so the derived block budget (sampler.resolve_block_budget) is
+    5 x 512 x 16 = 40960 drafter queries per micro-batch, and every bucket's worst batch peaks at about 49 GiB on
+    the flex path (`python -m dflash_lib dryrun`: 55 GiB with its reserve, fits 80 GiB with room for the dense
+    reference path). ce_chunk_blocks 64 (1024 scored positions, a 0.6 GiB fp32 logits chunk per LM-head call): the
+    step's peak is in a drafter layer's backward, not in the head; the dry run measures the same peak for 16 to
+    128, so the larger chunk (fewer, larger matmuls) is free."""
+    return from_params(dict(
+        target="qwen3-8b", drafter_layers=5, block_size=16, num_anchors=512, max_len=3072, num_features=5,
+        target_layer_ids=[1, 9, 17, 25, 33], mask_id=151669, lr=6e-4, warmup_ratio=0.04, grad_clip=1.0, epochs=6.0,
+        full_run_epochs=6.0, drafter_attention="auto", drafter_checkpointing="auto", token_budget=16384,
+        ce_chunk_blocks=64,
+    ))
+
+
+PRESETS["qwen3-8b"] = qwen3_8b
