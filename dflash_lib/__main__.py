@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
 
+    ev = sub.add_parser("evaluate", help="speculative decoding of held-out prompts with a saved drafter: tau, "
+                        "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON)")
+    ev.add_argument("--drafter", required=True, help="a saved drafter folder or a trainer run folder")
+    ev.add_argument("--target", required=True, help="'tiny' or a local Hugging Face model folder")
+    ev.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                    help="prompts N, max_new_tokens M, stop_at_eos, warmup, or any config field")
+
     ex = sub.add_parser("export", help="write a drafter in the Hugging Face layout SGLang/vLLM load")
     ex.add_argument("src", help="a trainer run folder (newest checkpoint, else drafter/), a checkpoint folder, or a "
                     "saved drafter folder")
@@ -120,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             print(run_demo(preset_name=args.preset, tag=args.tag))
+        elif args.cmd == "evaluate":
+            import json
+
+            from .evaluate import evaluate
+
+            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param))))
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":

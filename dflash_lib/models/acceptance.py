@@ -1,61 +1,225 @@
-"""Acceptance length tau by a real greedy speculative-decoding loop (draft a block, verify, accept).
+"""Acceptance length tau by real greedy speculative decoding (draft a block, verify, accept) on KV caches.
 
 Per cycle, with the sequence so far s_0 .. s_{L-1} (s_{L-1} the last accepted token, not yet seen by the
 target): the drafter drafts d_1 .. d_{B-1} from [s_{L-1}, MASK ...] at positions L-1 .. L+B-2 with the target
-features of s_0 .. s_{L-2}; the target runs once over s + d and its greedy next tokens t_1 .. t_B at positions
-L-1 .. L+B-2 verify the draft: the leading run of d_i == t_i is accepted, plus the bonus token t_{n+1}. So the
-output is the target's own greedy decoding, token for token. The target recomputes the whole prefix every
-cycle (no KV cache): exact and simple, meant for tiny models and short evaluations.
+features of s_0 .. s_{L-2}; the target runs once over [s_{L-1}, d_1 .. d_{B-1}] and its greedy next tokens
+t_1 .. t_B verify the draft: the leading run of d_i == t_i is accepted, plus the bonus token t_{n+1}. So the
+output is the target's own greedy decoding, token for token.
+
+Both models keep caches, so a cycle's work does not grow with the prefix (only attention reads it):
+- the target: its Hugging Face KV cache (`TargetCache`); a cycle runs exactly the B new tokens, then the cache
+  is cropped back to the accepted ones;
+- the drafter: every layer's keys/values of the context (`DFlashDrafter.extend_context`), extended with the
+  features of the n+1 tokens each cycle verified; the block of B tokens is the only thing its layers run.
+A drafter without a context cache (only `draft(features, anchor_pos, anchor_token)`) gets the accepted
+features as one growing tensor instead.
 """
 
 from __future__ import annotations
 
+import inspect
+import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
+from transformers import DynamicCache
 
-from dflash_lib.models.drafter import DFlashDrafter
-from dflash_lib.models.target import TargetModel
+from dflash_lib.models.target import SDPA_VARLEN, TargetModel, TargetStep
 
 
 @dataclass
 class AcceptanceResult:
     tau: float  # mean tokens per drafting cycle (accepted draft tokens + 1 bonus); 1 .. B
     histogram: dict[int, int]  # tokens per cycle -> number of cycles
-    outputs: list[list[int]]  # the max_new_tokens generated tokens of each prompt
+    outputs: list[list[int]]  # the generated tokens of each prompt (max_new_tokens, or up to a stop id)
     cycles: int  # drafting cycles over all prompts
+    per_position: list[float] = field(default_factory=list)  # [k-1]: fraction of cycles accepting draft slot k
+    target_calls: int = 0  # target forwards: one prefill per prompt + one verification per cycle
+    seconds: float = 0.0  # wall-clock time of the whole decoding (prefills included)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def target_calls_per_token(self) -> float:
+        return self.target_calls / self.output_tokens if self.output_tokens else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-@torch.no_grad()
-def acceptance_length(target: TargetModel, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int) -> AcceptanceResult:
-    """Speculative-decode every prompt to `max_new_tokens` tokens. The first token comes from the target's
-    prefill (not a cycle); a last cycle that overshoots still counts its full accepted length, and the output
-    is cut to `max_new_tokens`."""
+@dataclass
+class DecodeResult:
+    """Plain greedy decoding with the target's KV cache (the speed baseline)."""
+
+    outputs: list[list[int]]  # generated tokens of each prompt
+    seconds: float  # wall-clock time (prefills included)
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = sum(len(o) for o in self.outputs)
+        return n / self.seconds if self.seconds > 0 else float("nan")
+
+
+class TargetCache:
+    """The target over its own Hugging Face KV cache, for one sequence: each `forward` runs only the tokens it
+    is given, at the positions after those already cached; `crop` drops rejected positions."""
+
+    def __init__(self, target: TargetModel):
+        self.target = target
+        try:
+            self.cache = DynamicCache(config=target.model.config)
+        except TypeError:  # older transformers: no config argument
+            self.cache = DynamicCache()
+        params = inspect.signature(target.base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+        self.length = 0  # positions held
+
+    def forward(self, ids: torch.Tensor, features: bool = True) -> TargetStep:
+        """ids (T,) at positions length .. length+T-1 -> features (T, F*H) (None when not asked) and next-token
+        logits (T, V); the cache then holds length+T positions."""
+        t = self.target
+        dev = t.device
+        T, past = ids.shape[0], self.length
+        pos = torch.arange(past, past + T, device=dev)  # (T,)
+        kwargs: dict[str, Any] = {self._cache_kw: self.cache}
+        if t.model.config._attn_implementation == SDPA_VARLEN:
+            # Our per-document attention has no mask function registered with transformers, which then builds
+            # none: SDPA's is_causal would align T queries to the FIRST T keys. Give the causal mask itself.
+            keys = torch.arange(past + T, device=dev)  # (past+T,)
+            kwargs["attention_mask"] = {"full_attention": (keys[None, :] <= pos[:, None])[None, None]}
+        out = t.base(input_ids=ids.to(dev).reshape(1, T), position_ids=pos.reshape(1, T), use_cache=True,
+                     output_hidden_states=features, **kwargs)
+        self.length = past + T
+        feats = None
+        if features:  # hidden_states[i + 1] = output of decoder layer i
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in t.layer_ids], dim=-1)  # (T, F*H)
+        return TargetStep(feats, t.lm_head(out.last_hidden_state[0]))  # last_hidden_state is final-normed
+
+    def crop(self, length: int) -> None:
+        """Keep positions 0 .. length-1."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many (transformers 4 and 5 alike)
+            self.length = length
+
+
+class _CachedDrafting:
+    def __init__(self, drafter: Any):
+        self.drafter, self.cache = drafter, drafter.context_cache()
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.drafter.extend_context(self.cache, features)
+
+    def draft(self, anchor_token: int) -> list[int]:
+        return self.drafter.draft_cached(self.cache, anchor_token)
+
+
+class _FeatureDrafting:
+    """For a drafter with only `draft(features, anchor_pos, anchor_token)`: the accepted features, growing."""
+
+    def __init__(self, drafter: Any):
+        self.drafter, self.features = drafter, None
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.features = features if self.features is None else torch.cat([self.features, features])
+
+    def draft(self, anchor_token: int) -> list[int]:
+        return self.drafter.draft(self.features, self.features.shape[0], anchor_token)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    hist: Counter[int] = Counter()
-    outputs: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        seq = torch.tensor(list(prompt), dtype=torch.long)  # (L,)
-        first = target.step(seq, len(seq) - 1)
-        feats = first.features  # (L, F*H): target features of seq (valid for any longer prefix too)
-        seq = torch.cat([seq, first.logits[-1].argmax().reshape(1).cpu()])
-        while len(seq) - len(prompt) < max_new_tokens:
-            L = len(seq)
-            draft = torch.tensor(drafter.draft(feats, L - 1, int(seq[-1])), dtype=torch.long)  # (B-1,)
-            check = target.step(torch.cat([seq, draft]), L - 1)
-            verified = check.logits.argmax(dim=-1).cpu()  # (B,) target's next token after each slot
-            match = (draft == verified[:-1]).long()
-            n = int(match.cumprod(0).sum())  # leading run of accepted draft tokens
+
+
+def _finished(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
+    return len(out) >= max_new_tokens or bool(stop_ids.intersection(out))
+
+
+def _cut(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+    out = out[:max_new_tokens]
+    for i, tok in enumerate(out):
+        if tok in stop_ids:
+            return out[:i + 1]
+    return out
+
+
+@torch.no_grad()
+def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      stop_ids: Sequence[int] = ()) -> AcceptanceResult:
+    """Speculative-decode every prompt (batch 1, greedy) to `max_new_tokens` tokens, or through the first token
+    in `stop_ids`. The first token comes from the target's prefill (not a cycle); a last cycle that overshoots
+    still counts its full accepted length, and the output is cut."""
+    _check(prompts, max_new_tokens)
+    stops = frozenset(int(s) for s in stop_ids)
+    hist: Counter[int] = Counter()
+    accepted_at: Counter[int] = Counter()  # draft slot k -> cycles that accepted it
+    outputs: list[list[int]] = []
+    block = 0  # B, learned from the first draft (a drafter without cfg may draft any length)
+    calls = 0
+    _sync(target.device)
+    start = time.perf_counter()
+    for prompt in prompts:
+        tc = TargetCache(target)
+        drafting = _CachedDrafting(drafter) if hasattr(drafter, "context_cache") else _FeatureDrafting(drafter)
+        first = tc.forward(torch.tensor(list(prompt), dtype=torch.long))
+        calls += 1
+        drafting.extend(first.features)  # context 0 .. P-1
+        out = [int(first.logits[-1].argmax())]
+        while not _finished(out, max_new_tokens, stops):
+            pending = out[-1]  # at position tc.length, not yet seen by the target
+            draft = drafting.draft(pending)  # (B-1,) at positions tc.length+1 ..
+            block = len(draft) + 1
+            base = tc.length
+            check = tc.forward(torch.tensor([pending] + draft, dtype=torch.long))  # (B,) new tokens only
+            calls += 1
+            verified = check.logits.argmax(dim=-1).tolist()  # (B,) the target's next token after each slot
+            n = 0
+            while n < len(draft) and draft[n] == verified[n]:
+                n += 1
             hist[n + 1] += 1
-            seq = torch.cat([seq, draft[:n], verified[n:n + 1]])
-            feats = check.features
-        outputs.append(seq[len(prompt): len(prompt) + max_new_tokens].tolist())
+            accepted_at.update(range(1, n + 1))
+            tc.crop(base + n + 1)  # keep the pending token and the n accepted drafts
+            drafting.extend(check.features[:n + 1])
+            out += draft[:n] + [verified[n]]
+        outputs.append(_cut(out, max_new_tokens, stops))
+    _sync(target.device)
+    seconds = time.perf_counter() - start
     cycles = sum(hist.values())
     tau = sum(k * v for k, v in hist.items()) / cycles if cycles else float("nan")
-    return AcceptanceResult(tau=tau, histogram=dict(sorted(hist.items())), outputs=outputs, cycles=cycles)
+    per_position = [accepted_at[k] / cycles if cycles else float("nan") for k in range(1, block)]
+    return AcceptanceResult(tau=tau, histogram=dict(sorted(hist.items())), outputs=outputs, cycles=cycles,
+                            per_position=per_position, target_calls=calls, seconds=seconds)
+
+
+@torch.no_grad()
+def greedy_decode(target: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  stop_ids: Sequence[int] = ()) -> DecodeResult:
+    """Plain greedy decoding with the target's KV cache, one token per forward: the baseline speculative
+    decoding must equal token for token and is timed against."""
+    _check(prompts, max_new_tokens)
+    stops = frozenset(int(s) for s in stop_ids)
+    outputs: list[list[int]] = []
+    _sync(target.device)
+    start = time.perf_counter()
+    for prompt in prompts:
+        tc = TargetCache(target)
+        logits = tc.forward(torch.tensor(list(prompt), dtype=torch.long), features=False).logits
+        out = [int(logits[-1].argmax())]
+        while not _finished(out, max_new_tokens, stops):
+            out.append(int(tc.forward(torch.tensor(out[-1:]), features=False).logits[-1].argmax()))
+        outputs.append(out)
+    _sync(target.device)
+    return DecodeResult(outputs=outputs, seconds=time.perf_counter() - start)

@@ -107,6 +107,34 @@ class DrafterConfig:
         return cls(**data)
 
 
+@dataclass
+class DraftContextCache:
+    """Inference cache of one document's context in every draft layer: rotated keys and values of positions
+    0 .. length-1, exact because the context is never updated by the layers. Buffers grow by doubling, so
+    appending a position costs O(1) amortised, never a copy of the whole context per step."""
+
+    keys: list[torch.Tensor]  # per layer (1, kv, capacity, d)
+    values: list[torch.Tensor]  # per layer (1, kv, capacity, d)
+    length: int = 0  # context positions held
+
+    def reserve(self, size: int, num_layers: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Room for `size` positions in each of `num_layers` layers; k, v (1, kv, *, d) give shape, dtype and
+        device of the buffers. The held positions are copied when a buffer grows (doubling: O(1) amortised)."""
+        cap = self.keys[0].shape[2] if self.keys else 0
+        if size <= cap:
+            return
+        cap = max(size, 2 * cap, 64)
+        old = list(zip(self.keys, self.values)) or [(k, v)] * num_layers
+        self.keys, self.values = [], []
+        for ok, ov in old:
+            nk = ok.new_empty(*ok.shape[:2], cap, ok.shape[3])  # (1, kv, cap, d)
+            nv = ov.new_empty(*ov.shape[:2], cap, ov.shape[3])
+            nk[:, :, :self.length] = ok[:, :, :self.length]
+            nv[:, :, :self.length] = ov[:, :, :self.length]
+            self.keys.append(nk)
+            self.values.append(nv)
+
+
 class DFlashDrafter(nn.Module):
     """Block drafter. The target is referenced, not owned: its weights are neither parameters nor saved here."""
 
@@ -250,6 +278,64 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((B,), self.cfg.mask_id, dtype=torch.long)
         ids[0] = anchor_token
         return self.draft_logits(features, anchor_pos, ids)[1:].argmax(dim=-1).tolist()
+
+    def context_cache(self) -> "DraftContextCache":
+        """An empty context cache for one document (`extend_context`, `draft_logits_cached`)."""
+        return DraftContextCache(keys=[], values=[])
+
+    @torch.no_grad()
+    def extend_context(self, cache: "DraftContextCache", features: torch.Tensor) -> None:
+        """Append n context positions: features (n, F*H) of positions cache.length .. cache.length+n-1 are fused
+        and projected to every layer's rotated keys and values, once; older positions are never recomputed."""
+        dev = self.fc.weight.device
+        n = features.shape[0]
+        if n == 0:
+            return
+        start = cache.length
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            ctx = self.fuse(features.to(dev))  # (n, H)
+            rope = self.rotary(torch.arange(start, start + n, device=dev), self.fc.weight.dtype)  # (n, d) each
+            kv = [layer.self_attn._kv(ctx, rope) for layer in self.layers]  # per layer (1, kv, n, d) each
+        cache.reserve(start + n + self.cfg.block_size, len(self.layers), *kv[0])
+        for keys, values, (k, v) in zip(cache.keys, cache.values, kv):
+            keys[:, :, start:start + n] = k
+            values[:, :, start:start + n] = v
+        cache.length = start + n
+
+    def draft_logits_cached(self, cache: "DraftContextCache", block_ids: torch.Tensor) -> torch.Tensor:
+        """`draft_logits` with the anchor at position cache.length and the context taken from the cache: only the
+        B block tokens run through the layers. block_ids (B,) -> logits (B, V). Needs a non-empty cache."""
+        if not cache.keys:
+            raise ValueError("draft_logits_cached: the context cache is empty (extend_context first)")
+        dev = self.fc.weight.device
+        a, B = cache.length, block_ids.shape[0]
+        cache.reserve(a + B, len(self.layers), cache.keys[0], cache.values[0])
+        dtype = self.fc.weight.dtype
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            x = self.target.embed_tokens(block_ids.to(dev)).to(dtype)  # (B, H)
+            rope_q = self.rotary(a + torch.arange(B, device=dev), dtype)  # (B, d) each
+            no_ctx = x.new_zeros(0, x.shape[1])  # the context enters through the cache, not the layer
+            rope_none = (rope_q[0][:0], rope_q[1][:0])
+            for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+                def attend(q, kc, vc, kb, vb, keys=keys, values=values):
+                    # The block's keys/values go in the slots after the context (scratch: the next extend
+                    # overwrites them), so the queries attend one contiguous prefix view, nothing is copied.
+                    keys[:, :, a:a + B] = kb
+                    values[:, :, a:a + B] = vb
+                    k, v = keys[:, :, :a + B], values[:, :, :a + B]  # (1, kv, a+B, d) views
+                    gqa = q.shape[1] != k.shape[1]
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+                x = layer(x, no_ctx, rope_q, rope_none, attend)
+            return self._head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def draft_cached(self, cache: "DraftContextCache", anchor_token: int) -> list[int]:
+        """`draft` over the cached context: the B-1 greedy tokens after `anchor_token` at position cache.length."""
+        B = self.cfg.block_size
+        ids = torch.full((B,), self.cfg.mask_id, dtype=torch.long)
+        ids[0] = anchor_token
+        return self.draft_logits_cached(cache, ids)[1:].argmax(dim=-1).tolist()
 
     # -- persistence ------------------------------------------------------------------------------------
     def save(self, directory: str | Path, template: str = "", source: str = "", target_name: str = "") -> None:

@@ -1,0 +1,227 @@
+"""Speculative decoding on KV caches (target's Hugging Face cache, drafter's per-layer context cache) and the
+`evaluate` command: exact greedy output, cached drafting equal to the uncached reference, per-cycle work
+independent of the prefix length, the command's JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lib.__main__ import main
+from dflash_lib.batch import collate_padded
+from dflash_lib.config import Config, from_params
+from dflash_lib.evaluate import REPORT_KEYS
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
+from dflash_lib.models.acceptance import TargetCache, greedy_decode
+
+VOCAB, B, NEW = 256, 4, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a busy 2-core machine: one intra-op thread is several times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=VOCAB), 1, seed=0)
+
+
+def _drafter(target: TargetModel, seed: int = 0) -> DFlashDrafter:
+    cfg = DrafterConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=96,
+                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
+                        block_size=B, mask_id=VOCAB - 1, num_anchors=64, ce_chunk_blocks=4)
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg, target)
+
+
+def _prompts(n: int, seed: int, longest: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB - 1, int(rng.integers(1, longest))).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def overfit(target):
+    """A drafter overfit on the target's own greedy continuations (what test_models_decode does)."""
+    prompts = _prompts(4, seed=1)
+    conts = [target.greedy(p, NEW + B) for p in prompts]
+    docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]
+    batch = collate_padded(docs, pad_id=0)
+    feats = target.features(batch)
+    drafter = _drafter(target)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        out = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return drafter, prompts, conts
+
+
+def test_target_cache_equals_the_full_forward(target):
+    ids = torch.tensor(_prompts(1, seed=3, longest=30)[0] + list(range(20)))
+    full = target.step(ids)
+    tc = TargetCache(target)
+    got = [tc.forward(ids[:9]), tc.forward(ids[9:13])]
+    tc.crop(11)  # drop positions 11, 12: they are computed again below, against the cropped cache
+    got.append(tc.forward(ids[11:]))
+    feats = torch.cat([got[0].features, got[1].features[:2], got[2].features])
+    logits = torch.cat([got[0].logits, got[1].logits[:2], got[2].logits])
+    torch.testing.assert_close(feats, full.features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=1e-5)
+    assert tc.length == len(ids) and tc.cache.get_seq_length() == len(ids)
+
+
+def test_cached_draft_equals_uncached_draft_logits(target):
+    drafter = _drafter(target, seed=4)
+    ids = torch.tensor(_prompts(1, seed=4, longest=2)[0] * 0 + list(range(3, 143)))  # (140,)
+    feats = target.step(ids).features  # (140, F*H)
+    cache, pos = drafter.context_cache(), 0
+    for n in (1, 3, 4, 1, 57, 2, 70):  # crosses the buffer growth at 64 and 128 positions
+        drafter.extend_context(cache, feats[pos:pos + n])
+        pos += n
+        block = torch.full((B,), VOCAB - 1)
+        block[0] = int(ids[pos]) if pos < len(ids) else 0
+        got = drafter.draft_logits_cached(cache, block)
+        want = drafter.draft_logits(feats, pos, block)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert drafter.draft_cached(cache, int(block[0])) == drafter.draft(feats, pos, int(block[0]))
+    assert cache.length == 138 and cache.keys[0].shape[2] == 256
+
+
+def test_cached_decoding_is_the_targets_greedy_untrained_and_overfit(target, overfit):
+    prompts = _prompts(3, seed=2)
+    res = acceptance_length(target, _drafter(target, seed=3), prompts, NEW)
+    base = greedy_decode(target, prompts, NEW)
+    assert res.outputs == base.outputs == [target.greedy(p, NEW) for p in prompts]
+    assert 1.0 <= res.tau < 1.5 and res.cycles == sum(res.histogram.values())
+    assert res.target_calls == len(prompts) + res.cycles and len(res.per_position) == B - 1
+
+    drafter, prompts, conts = overfit
+    mixed = prompts + _prompts(1, seed=9)  # an unseen prompt: rejections mixed in
+    res = acceptance_length(target, drafter, mixed, NEW + B)
+    assert res.outputs == greedy_decode(target, mixed, NEW + B).outputs
+    assert res.outputs[:len(prompts)] == [c[:NEW + B] for c in conts]
+    assert res.tau >= 0.6 * B and 1 in res.histogram and B in res.histogram
+    hist = res.histogram  # per-position acceptance: the share of cycles that accepted at least k drafts
+    assert res.per_position == pytest.approx([sum(v for n, v in hist.items() if n > k) / res.cycles
+                                              for k in range(1, B)])
+    assert res.per_position == sorted(res.per_position, reverse=True)
+    assert res.target_calls_per_token < 0.5
+
+
+def test_stop_ids_end_the_output_the_same_way(target):
+    prompt = _prompts(1, seed=6)[0]
+    full = target.greedy(prompt, NEW)
+    stop = full[5]
+    res = acceptance_length(target, _drafter(target), [prompt], NEW, stop_ids=[stop])
+    assert res.outputs == greedy_decode(target, [prompt], NEW, stop_ids=[stop]).outputs
+    assert res.outputs[0] == full[:full.index(stop) + 1]
+
+
+class _Scripted:
+    """A real drafter doing all its work (context cache, block forward) whose proposals are then replaced by the
+    target's true continuation with draft slot (cycle % B) corrupted: cycle c accepts exactly min(c % B, B-1)
+    drafts, whatever the prefix, so two prefixes give the same cycles."""
+
+    def __init__(self, drafter: DFlashDrafter, reference: list[int]):
+        self.drafter, self.reference, self.cycle = drafter, reference, 0
+
+    def context_cache(self):
+        return self.drafter.context_cache()
+
+    def extend_context(self, cache, features):
+        self.drafter.extend_context(cache, features)
+
+    def draft_cached(self, cache, anchor_token):
+        self.drafter.draft_cached(cache, anchor_token)
+        true = self.reference[cache.length + 1: cache.length + B]  # the anchor sits at position cache.length
+        j, self.cycle = self.cycle % B, self.cycle + 1
+        return [(t + 1) % VOCAB if i == j else t for i, t in enumerate(true)]
+
+
+def test_work_per_cycle_does_not_grow_with_the_prefix(target):
+    """Tokens the target's layers, the drafter's fusion (its context K/V input) and its layer-0 k projection run
+    per call, at a 10- and a 200-token prefix."""
+    rng = np.random.default_rng(7)
+    work = {}
+    for length in (10, 200):
+        prompt = rng.integers(0, VOCAB - 1, length).tolist()
+        reference = prompt + greedy_decode(target, [prompt], 4 * B).outputs[0]
+        drafter = _Scripted(_drafter(target), reference)
+        seen = {"target": [], "fc": [], "k_proj": []}
+        mods = {"target": target.base.layers[0], "fc": drafter.drafter.fc,
+                "k_proj": drafter.drafter.layers[0].self_attn.k_proj}
+        hooks = [m.register_forward_pre_hook(lambda m, a, name=name: seen[name].append(a[0].shape[-2]))
+                 for name, m in mods.items()]
+        try:
+            res = acceptance_length(target, drafter, [prompt], 3 * B)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert res.outputs[0] == reference[length:length + 3 * B]
+        assert seen["target"][0] == seen["fc"][0] == seen["k_proj"][0] == length  # prefill: the counters count
+        want = [min(c % B, B - 1) + 1 for c in range(res.cycles)]  # tokens verified per cycle
+        assert seen["target"][1:] == [B] * res.cycles  # each verification runs exactly the B new tokens
+        assert seen["fc"][1:] == want  # the drafter fuses only the newly verified tokens
+        # layer 0's k projection per cycle: an empty layer context (0), the block (B), the verified tokens
+        assert seen["k_proj"][1:] == [n for w in want for n in (0, B, w)]
+        work[length] = {k: v[1:] for k, v in seen.items()}
+    assert work[10] == work[200]
+
+
+def test_bf16_target_with_fp32_drafter_decodes(target):
+    t16 = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=VOCAB), 1, seed=0)
+    t16.model.to(torch.bfloat16)
+    drafter = _drafter(t16)
+    res = acceptance_length(t16, drafter, _prompts(2, seed=8), 8)
+    assert [len(o) for o in res.outputs] == [8, 8] and res.tau >= 1.0
+    assert res.outputs == greedy_decode(t16, _prompts(2, seed=8), 8).outputs
+
+
+def _save_tiny_run(tmp_path) -> tuple[str, Config]:
+    """A trainer-like run folder: config.json {"config": ...} and drafter/ (a random drafter, tiny target)."""
+    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4})
+    tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
+    torch.manual_seed(0)
+    DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt).save(tmp_path / "drafter")
+    (tmp_path / "config.json").write_text(json.dumps({"config": config.to_dict()}))
+    return str(tmp_path), config
+
+
+def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
+    run, _ = _save_tiny_run(tmp_path)
+    args = ["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts", "2", "-p", "max_new_tokens", "6",
+            "-p", "warmup", "false"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(REPORT_KEYS) <= set(report)
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 6 and report["outputs_equal_baseline"] == 2
+    assert 1.0 <= report["tau"] <= 4 and len(report["per_position"]) == 3
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert "no held-out split yet" in err and "tau" in err
+
+    # The drafter folder outside its run: no run config, so the default tiny target (hidden 64) does not fit it.
+    alone = shutil.copytree(tmp_path / "drafter", tmp_path / "elsewhere" / "drafter")
+    assert main(["evaluate", "--drafter", str(alone), "--target", "tiny", "-p", "prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "hidden_size" in err
+    for bad, message in ((["-p", "prompts", "0"], "prompts must be >= 1"),
+                         (["-p", "max_new_tokens", "x"], "expected an integer"),
+                         (["-p", "bogus", "1"], "unknown parameter 'bogus'")):
+        assert main(["evaluate", "--drafter", run, "--target", "tiny", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert main(["evaluate", "--drafter", str(tmp_path / "nowhere"), "--target", "tiny"]) == 2
+    assert "no such directory" in capsys.readouterr().err
