@@ -115,6 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     rg.add_argument("--preset", default="default")
     rg.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
 
+    dry = sub.add_parser("dryrun", help="one training step of a preset at its real shapes in fake mode: peak memory "
+                         "and FLOPs of every bucket's worst batch; exit 1 when one does not fit --device-gib")
+    dry.add_argument("--preset", default="qwen3-8b", help="a named preset (default qwen3-8b)")
+    dry.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    dry.add_argument("--device-gib", type=float, default=80.0, help="device memory in GiB (H100 80, H200 141)")
+    dry.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
+    dry.add_argument("--corpus-samples", type=int, default=0,
+                     help="samples the ETA is for (0 = the bundled corpus; the paper used ~800K)")
+    dry.add_argument("--reserve-gib", type=float, default=None,
+                     help="GiB no tracker sees: CUDA context, cuBLAS/NCCL workspaces (default dryrun.Reserve's)")
+    dry.add_argument("--fragmentation", type=float, default=None,
+                     help="allocator overhead, a fraction of the measured peak (default dryrun.Reserve's)")
+    dry.add_argument("--compare", action="store_true",
+                     help="also run the other drafter attention backends (dense, blocks, flex)")
+
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
@@ -142,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(export_source(args.src, args.out_dir, DTYPES[args.dtype]))
             except (OSError, ValueError) as e:  # ConfigError is a ValueError; safetensors raises OSError/ValueError
                 raise ConfigError(f"export {args.src}: {' '.join(str(e).split())}") from None
+        elif args.cmd == "dryrun":
+            from .dryrun import run_cli
+
+            return run_cli(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,161 @@
+"""The dry run: a fake-mode step equals a real one (FLOPs exactly, memory within a stated tolerance), worst-case batches
+honour both budgets, FlexAttention's tile count, the command line's JSON and exit codes, the qwen3-8b preset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lib import dryrun
+from dflash_lib.config import from_params, preset
+from dflash_lib.models.target import tiny_qwen3_config
+
+VOCAB = 1000
+PEAK_TOLERANCE = 0.01  # fake vs real peak: the same ops allocate the same bytes; 1 % leaves room for kernel outputs
+# whose fake metadata rounds differently (measured: 32 bytes apart at these shapes)
+
+
+def _tiny(**params):
+    base = dict(hidden_size=64, target_layers=4, num_features=2, drafter_layers=2, block_size=4, num_anchors=8,
+                token_budget=256, max_len=128, mask_id=VOCAB - 1)
+    return from_params({**base, **params})
+
+
+@pytest.mark.parametrize("attention,checkpointing", [("dense", False), ("blocks", True), ("blocks", False)])
+def test_fake_step_matches_a_real_step(attention, checkpointing):
+    cfg = _tiny()
+    hf = tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB)
+    settings = dryrun.StepSettings(attention, checkpointing)
+    worst = dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)
+    assert worst.docs == 4 and worst.anchors == (8, 8, 4, 0)  # 256 // 64 documents; 80 / 4 = 20 anchors in all
+    figures = {}
+    for fake in (False, True):
+        models = dryrun.build_step_models(cfg, hf, settings, fake)
+        batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
+        figures[fake] = dryrun.measure_step(models, batch, seed=0)
+    real, fake = figures[False], figures[True]
+    assert fake.flops == real.flops and real.flops_total > 0
+    assert all(v > 0 for v in real.flops.values())
+    assert abs(fake.peak_bytes - real.peak_bytes) <= PEAK_TOLERANCE * real.peak_bytes
+    for name in ("parameters", "optimizer", "activations"):
+        assert fake.memory[name] == pytest.approx(real.memory[name], rel=PEAK_TOLERANCE), name
+    # the figures are what the shapes say: fp32 drafter + AdamW state (2 moments); bf16 target weights
+    drafter = sum(p.numel() for p in models.params)
+    target = sum(p.numel() for p in models.target.parameters())
+    assert real.memory["parameters"] == 4 * drafter + 2 * target
+    assert real.memory["optimizer"] >= 8 * drafter
+    # the LM head + CE: logits and their gradient, 2 x 2 x H x V per scored position of the layout
+    from dflash_lib.models.layout import build_layout
+
+    batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), attention)
+    assert real.flops["head_ce"] == 4 * 64 * VOCAB * layout.num_scored
+    if attention == "dense":  # the mask-blind kernel: every query against every key, per head
+        pairs = real.attention_pairs["computed"]
+        assert pairs == worst.drafter_queries * (worst.target_tokens + worst.drafter_queries)
+        assert real.kernel_allowance > 0
+
+
+def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
+    from dflash_lib.models.attention import dense_mask
+    from dflash_lib.models.layout import build_layout
+
+    cfg = _tiny(num_anchors=40, block_size=8, token_budget=900, max_len=300)
+    worst = dryrun.worst_packed_batch(cfg, block_budget=None)
+    batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
+    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB),
+                                      dryrun.StepSettings("flex", True), fake=True)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+    mask = dense_mask(layout)  # (Q, C + Q)
+    Q, K = mask.shape
+    t = dryrun.FLEX_TILE
+    padded = torch.zeros(-(-Q // t) * t, -(-K // t) * t, dtype=torch.bool)
+    padded[:Q, :K] = mask
+    want = int(padded.reshape(Q // t + (Q % t > 0), t, -1, t).any(dim=(1, 3)).sum())
+    assert dryrun.flex_tiles(layout) == want > 0
+
+
+def test_worst_batches_honour_token_and_block_budgets():
+    cfg = _tiny(num_anchors=16, block_size=4, token_budget=1000, max_len=200)
+    worst = dryrun.worst_batches(cfg, [50, 120, 200], block_budget=150)
+    assert [w.docs for w in worst[:3]] == [20, 8, 5]  # token_budget // edge
+    assert [w.anchors[:3] for w in worst[:3]] == [(16, 16, 5), (16, 16, 5), (16, 16, 5)]  # 150 // 4 = 37 anchors
+    assert all(w.drafter_queries == 148 and w.target_tokens <= 1000 for w in worst)
+    packed = worst[-1]
+    assert packed.row_len == 1000 and sum(packed.lengths) == 1000 and packed.bucket == -1
+    assert packed.anchors[:3] == (16, 16, 5) and max(packed.lengths) <= 200
+    # the host batch really has those anchors: every valid position is drawn
+    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB),
+                                      dryrun.StepSettings("blocks", True), fake=True)
+    for w in (worst[1], packed):
+        batch = dryrun.host_batch(w, VOCAB, cfg.model.mask_id)
+        anchors = models.drafter.sample_anchors(batch, torch.Generator().manual_seed(1))
+        per_doc = np.bincount(anchors.doc[anchors.valid].numpy(), minlength=w.docs)
+        assert tuple(per_doc) == w.anchors and batch.padded_tokens == w.target_tokens
+
+
+def _cli(capsys, *args):
+    from dflash_lib.__main__ import main
+
+    code = main(["dryrun", *args])
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, out, json.loads(out[-1])
+
+
+def test_cli_prints_the_table_and_one_json_line_last(capsys):
+    code, out, report = _cli(capsys, "--preset", "smoke", "-p", "drafter_attention", "blocks")
+    assert code == 0 and report["fits"] is True and report["device_gib"] == 80
+    assert any(line.lstrip().startswith("bucket 0") for line in out[:-1])
+    edges = report["edges"]
+    assert len(report["buckets"]) == len(edges) == 4 and edges[-1] == 512
+    keys = {"bucket", "edge", "docs", "target_tokens", "drafter_queries", "peak_gib", "tflops"}
+    for i, b in enumerate(report["buckets"]):
+        assert keys <= set(b) and b["bucket"] == i and b["edge"] == edges[i]
+        assert b["docs"] == 2048 // b["edge"] and b["peak_gib"] > 0 and b["tflops"] > 0
+        assert b["drafter_queries"] <= report["block_budget"]
+    assert keys <= set(report["packed"]) and report["packed"]["target_tokens"] == 2048
+    assert report["attention"] == "blocks" and report["checkpointing"] is True
+    assert report["eta"]["corpus_samples"] > 0 and report["eta"]["seconds"]["bucketed"] > 0
+
+
+def test_cli_exits_1_when_a_batch_does_not_fit(capsys):
+    code, _, report = _cli(capsys, "--preset", "smoke", "-p", "drafter_attention", "dense", "--device-gib", "1")
+    assert code == 1 and report["fits"] is False
+    assert all(not b["fits"] and b["required_gib"] > 1 for b in report["buckets"])  # the 1.5 GiB reserve alone
+
+
+def test_qwen3_8b_preset_is_the_paper_recipe():
+    cfg = preset("qwen3-8b")
+    m, t = cfg.model, cfg.train
+    assert (m.drafter_layers, m.block_size, m.num_anchors, m.num_features, m.mask_id) == (5, 16, 512, 5, 151669)
+    assert m.target_layer_ids == [1, 9, 17, 25, 33] and cfg.data.max_len == 3072
+    assert (t.lr, t.warmup_ratio, t.grad_clip, t.epochs) == (6e-4, 0.04, 1.0, 6.0)
+    assert (m.drafter_attention, m.drafter_checkpointing) == ("auto", "auto")
+    assert dryrun.for_cuda(cfg) == dryrun.StepSettings("flex", True)
+
+
+def test_qwen3_8b_shapes_reduced_depth(capsys):
+    """The real Qwen3-8B widths, the target cut at layer 5 and a 2-layer drafter, two buckets: fast enough to run
+    every time; the figures follow from the shapes."""
+    code, _, report = _cli(capsys, "--preset", "qwen3-8b", "-p", "target_layer_ids", "[1, 2, 3, 4, 5]",
+                           "-p", "drafter_layers", "2", "-p", "k", "2")
+    assert code == 0 and report["fits"] and report["hidden_size"] == 4096 and report["target_layers"] == 36
+    assert report["block_budget"] == 5 * 512 * 16
+    for b in [*report["buckets"], report["packed"]]:
+        assert b["drafter_queries"] == 40960
+        m = b["memory_gib"]
+        # bf16 Qwen3-8B (8.19 B parameters) + fp32 drafter (2 layers: 2 x 193 M + fc 84 M + norms)
+        assert m["parameters"] == pytest.approx((2 * 8.19e9 + 4 * 0.47e9) / 2**30, rel=0.02)
+        assert m["optimizer"] == pytest.approx(8 * 0.47e9 / 2**30, rel=0.02)
+        scored = 5 * (512 * 15 - sum(range(15)))  # anchors at the end: the last 15 blocks reach past the document
+        assert b["tflops_split"]["head_ce"] == pytest.approx(4 * 4096 * 151936 * scored / 1e12, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen3_8b_dry_run_fits_80_gib(capsys):
+    code, _, report = _cli(capsys, "--preset", "qwen3-8b")
+    assert code == 0 and report["fits"] and report["attention"] == "flex"
+    assert len(report["buckets"]) == 6 and all(b["required_gib"] <= 80 for b in report["buckets"])
