@@ -159,3 +159,19 @@ def test_qwen3_8b_dry_run_fits_80_gib(capsys):
     code, _, report = _cli(capsys, "--preset", "qwen3-8b")
     assert code == 0 and report["fits"] and report["attention"] == "flex"
     assert len(report["buckets"]) == 6 and all(b["required_gib"] <= 80 for b in report["buckets"])
+
+
+def test_measure_plan_gives_every_bucket_its_measured_peak():
+    """Notebook 02's check: every bucket of a plan gets the peak of its worst batch, measured in fake mode."""
+    from dflash_lib.buckets import optimal_boundaries
+
+    cfg = _tiny(token_budget=1024, max_len=256, num_anchors=16, block_size=4)
+    lengths = np.random.default_rng(0).integers(20, 257, 500)
+    plan = optimal_boundaries(lengths, 3, max_len=256, token_budget=1024)
+    records = dryrun.measure_plan(plan, cfg)
+    assert [r["bucket"] for r in records] == [0, 1, 2] and [r["edge"] for r in records] == list(plan.edges)
+    assert [r["docs"] for r in records] == [1024 // e for e in plan.edges]
+    block_budget = 1024 // 256 * 16 * 4  # derived: 4 rows of max_len x 16 anchors x block 4
+    assert all(0 < r["drafter_queries"] <= block_budget for r in records)
+    params_gib = (2 * 151936 * 64 * 2) / 2**30  # at least the bf16 embedding and LM head of the tiny target
+    assert all(r["peak_gib"] > params_gib and r["fits"] for r in records)
