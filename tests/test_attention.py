@@ -279,3 +279,18 @@ def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     config = from_params(dict(drafter_attention="flex", limit=20), preset("smoke"))
     with pytest.raises(ConfigError, match="flex' trains only on CUDA"):
         build_parts(config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("n_tok, anchors, Bp, max_ratio, max_runs", [
+    (3072, 512, 16, 1.5, 64),  # the paper's shape: work close to what the mask allows
+    (600, 100, 16, 1.5, 30),
+    (30, 64, 4, 10.0, 1),  # a tiny document: one call beats many (its whole dense work is below one call's cost)
+])
+def test_block_runs_balance_work_and_calls(n_tok, anchors, Bp, max_ratio, max_runs):
+    docs = [(np.arange(n_tok) % (VOCAB - 1), np.arange(n_tok) >= min(100, n_tok // 4))]
+    batch = collate_padded(docs, 0)
+    from dflash_lib.models.anchors import sample_anchors
+    layout = build_layout(batch, sample_anchors(batch, anchors, Bp, 7.0, MASK, torch.Generator().manual_seed(0)))
+    work = attention_work(layout, "blocks")
+    assert work["ratio"] <= max_ratio and 1 <= layout.groups.count <= max_runs
+    assert attention_work(layout, "dense")["computed"] >= work["computed"]

@@ -28,7 +28,8 @@ import torch
 from dflash_lib.batch import Batch
 from dflash_lib.models.anchors import Anchors
 
-GROUP_BLOCK_SHARE = 4  # a run of blocks spans at most 1/4 of its mean context: in-run keys <= 25% extra work
+GROUP_BLOCK_SHARE = 4  # a run's own block keys stay within 1/4 of its mean context (<= ~25% extra work)
+RUN_COST_PAIRS = 65536  # fixed cost of one more attention call (launch, concat, recompute), in query-key pairs
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,13 @@ def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.nd
                  max_group: int = 0) -> BlockGroups:
     """Cut the blocks (sorted by document, then anchor) into runs for the `blocks` backend.
 
-    anchor_pos, block_doc: (n,); doc_start: (D,) flat slot of each document's first token. A document's run
-    length G = clamp(floor(mean anchor / (GROUP_BLOCK_SHARE * B)), 1, its blocks) (`max_group` > 0 caps it):
-    the run's own G*B keys then add at most ~1/GROUP_BLOCK_SHARE to the context each query needs.
+    anchor_pos, block_doc: (n,); doc_start: (D,) flat slot of each document's first token. A run of G blocks
+    computes, per query, about G*(B + s/2) keys beyond what it may see (its own run's blocks, and the gap to the
+    run's last anchor; s = mean anchor spacing), and each run costs a call (RUN_COST_PAIRS). Per document:
+      G = min(sqrt(RUN_COST_PAIRS / (B * (B + s/2))),        the run length that minimises extra work + calls,
+              floor(mean anchor / (GROUP_BLOCK_SHARE * B)))   and keeps the extra keys within ~25% of the context;
+    a document whose whole dense work (n*B queries x (context + n*B) keys) costs less than one call is one run.
+    G is clamped to [1, n]; `max_group` > 0 caps it (tests).
     """
     B = block_size
     firsts, sizes, starts, lens, offsets, masks = [], [], [], [], [0], []
@@ -113,7 +118,13 @@ def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.nd
         if hi <= lo:
             continue
         a = anchor_pos[lo:hi]
-        G = max(1, min(hi - lo, int(a.mean() // (GROUP_BLOCK_SHARE * B))))
+        m = hi - lo
+        spacing = (float(a[-1]) - float(a[0])) / (m - 1) if m > 1 else 1.0
+        if m * B * (int(a.max()) + m * B) <= RUN_COST_PAIRS:
+            G = m
+        else:
+            best = math.sqrt(RUN_COST_PAIRS / (B * (B + spacing / 2)))
+            G = max(1, min(m, int(best), int(a.mean() // (GROUP_BLOCK_SHARE * B))))
         if max_group > 0:
             G = min(G, max_group)
         for s in range(lo, hi, G):
