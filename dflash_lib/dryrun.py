@@ -38,6 +38,9 @@ Where a fake-mode figure differs from a real CUDA run, and how it is accounted f
 - Not seen by any tracker: the CUDA context and cuBLAS/NCCL workspaces (about 0.5-1 GiB, plus NCCL buffers under
   DDP) and the caching allocator's fragmentation. A device fits a batch when
   peak x (1 + fragmentation) + kernel_allowance + reserve_gib <= device_gib (defaults 10 % and 1.5 GiB).
+- Tracker artefacts: FlopCounterMode's module tracker holds gradients in its hooks (~10 GiB at the paper's shapes),
+  so FLOPs are counted in a second pass, never in the one whose memory is measured; MemTracker's per-module peaks
+  (unused) are skipped for speed and its gradient hooks go on trainable modules only (`StepMemTracker`).
 Step time is projected from the counted FLOPs (activation recomputation included) at a stated MFU of the H200's
 dense bf16 peak (989 TFLOP/s); the ETA costs every batch of an epoch as its bucket's worst case (an upper bound).
 """
