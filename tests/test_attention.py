@@ -294,3 +294,19 @@ def test_block_runs_balance_work_and_calls(n_tok, anchors, Bp, max_ratio, max_ru
     work = attention_work(layout, "blocks")
     assert work["ratio"] <= max_ratio and 1 <= layout.groups.count <= max_runs
     assert attention_work(layout, "dense")["computed"] >= work["computed"]
+
+
+def test_flex_runs_under_bf16_autocast_with_mixed_input_dtypes(target, drafter):
+    """Under autocast q/k leave the fp32 norms while v comes from a bf16 matmul: flex gets one dtype."""
+    docs = _docs([14, 9], seed=2)
+    batch = _batch(docs, packed=True)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks")
+    feats = target.features(batch)
+    out = {}
+    for backend in ("blocks", "flex"):
+        drafter.attention = backend
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out[backend] = drafter.block_logits(batch, feats, layout).float()
+    drafter.attention = "dense"
+    assert torch.isfinite(out["flex"]).all()
+    assert float((out["flex"] - out["blocks"]).abs().max()) < 0.05 * float(out["blocks"].abs().max())

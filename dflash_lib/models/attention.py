@@ -134,8 +134,12 @@ def flex_attend(layout: DraftLayout) -> Attend:
         fn = _COMPILED_FLEX
 
     def attend(q, kc, vc, kb, vb):
-        k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        # FlexAttention is not an autocast op and wants one dtype (q/k leave fp32 norms, v a bf16 matmul):
+        # run it in the autocast dtype when autocast is on, else in the query's.
+        dev = q.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+        k, v = torch.cat([kc, kb], dim=2).to(dtype), torch.cat([vc, vb], dim=2).to(dtype)
+        return fn(q.to(dtype), k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return attend
 

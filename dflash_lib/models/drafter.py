@@ -156,17 +156,17 @@ class DFlashDrafter(nn.Module):
         resolve_attention(attention, target.device)  # refuse an unknown backend now
         object.__setattr__(self, "target", target)  # plain attribute: keeps the target out of parameters()
         H = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            DraftLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-            for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        with torch.device(target.device):  # built where it trains: no host copy of ~4 GB first at paper scale
+            self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.layers = nn.ModuleList(
+                DraftLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+                for _ in range(cfg.num_layers))
+            self.norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.initializer_range)
-        self.to(device=target.device)
 
     # -- shared math ------------------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
