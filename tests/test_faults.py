@@ -164,11 +164,11 @@ from dflash_lib.models import TargetModel
 
 original, calls = TargetModel.features, []
 
-def failing(self, batch):
+def failing(self, batch, *args, **kwargs):
     calls.append(1)
     if len(calls) == 3:
         raise RuntimeError("injected fault in the target forward")
-    return original(self, batch)
+    return original(self, batch, *args, **kwargs)
 
 TargetModel.features = failing
 sys.exit(main(sys.argv[1:]))
