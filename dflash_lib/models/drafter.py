@@ -98,14 +98,6 @@ class DrafterConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "DrafterConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown drafter config keys {unknown}")
-        return cls(**data)
-
 
 @dataclass
 class DraftContextCache:
