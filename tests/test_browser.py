@@ -1,5 +1,5 @@
-"""The demo report in a real headless Chromium: plots draw, no JS errors, no network. Negative controls prove
-each of the three checks can fail."""
+"""The demo report in a real headless Chromium (Debian's, driven by Playwright): plots draw, no JS errors, no
+network. Negative controls prove each of the three checks can fail."""
 
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from dflash_lib.browser import CHROMIUM_CANDIDATES, HeadlessChromium, find_chromium
+from browser_check import ReportBrowser, unavailable_reason
 from dflash_lib.report.demo import build_demo_report
-
-SKIP_REASON = ("chromium not found (looked for $DFLASH_CHROMIUM, " + ", ".join(CHROMIUM_CANDIDATES) + "): "
-               ".ci/run installs Debian's chromium with apt-get when /usr/bin/chromium is missing, and that "
-               "install failed or was not run")
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if find_chromium() is None:
-        pytest.skip(SKIP_REASON)
-    with HeadlessChromium() as b:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with ReportBrowser() as b:
         yield b
 
 
@@ -76,3 +73,11 @@ def test_a_plot_that_does_not_draw_is_caught(browser, tmp_path):
     check = browser.check(page, expected_plots=1, timeout_s=3)
     assert (check.plots, check.plots_rendered) == (1, 0)
     assert "expected 1 rendered plots, found 0 rendered of 1 plot divs" in check.problems(expected_plots=1)
+
+
+def test_a_missing_browser_is_named_in_the_skip_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CHROMIUM", str(tmp_path / "no-such-chromium"))
+    reason = unavailable_reason()
+    assert reason is not None and "no Chromium found" in reason and "DFLASH_CHROMIUM" in reason
+    monkeypatch.delenv("DFLASH_CHROMIUM")
+    assert unavailable_reason() is None  # this machine and CI: the browser test runs, never skips

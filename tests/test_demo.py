@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dflash_lib.browser import check_page, find_chromium
+from browser_check import check_page, unavailable_reason
 from dflash_lib.demo import CHAIN, run_demo
 from dflash_lib.report.demo import STRATEGIES, SUMMARY_KEYS, external_references
 
@@ -33,8 +33,8 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     assert not external_references(page)
     for run in runs.values():
         assert run.split("/")[-1] in page  # every run folder is linked
-    if find_chromium() is None:
-        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium); report not opened in a browser")
+    if reason := unavailable_reason():
+        pytest.skip(f"report not opened in a browser: {reason}")
     check = check_page(demo_dir / "report.html", expected_plots=7)
     assert not check.problems(7), check.problems(7)
     assert check.plots_rendered == 7 and not check.network_requests and not check.js_errors
