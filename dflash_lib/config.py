@@ -214,7 +214,8 @@ class RegenerateConfig:
     """`python -m dflash_lib regenerate`: the target answers every assistant turn again (see regenerate.py)."""
 
     backend: str = "local"  # "local" (the target in-process, batched generate) | "openai" (a chat-completions server)
-    max_new_tokens: int = 1024  # tokens generated per assistant turn at most (beyond: finish_reason "length")
+    max_new_tokens: int = 1024  # tokens generated per assistant turn at most (beyond: finish_reason "length");
+    # also each held-out prompt's answer in `evaluate` and notebook 05 (the same quantity: one answer's length)
     temperature: float = 0.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0)
     gen_batch: int = 16  # local: conversations generated together (one batched generate per turn)
@@ -244,6 +245,25 @@ class RegenerateConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`python -m dflash_lib evaluate` and notebook 05: speculative decoding of held-out prompts (evaluate.py).
+    Each answer is at most `max_new_tokens` tokens (the regenerate section's field: one answer's length)."""
+
+    run: str = ""  # notebook 05: a notebook-04 run folder (the trainer folder train/ inside it is evaluated)
+    drafter: str = ""  # notebook 05 when run is "": a trainer run folder or a saved/exported drafter folder
+    prompts: int = 8  # held-out prompts decoded: the first N held-out samples (hash order), cut before the answer
+    stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
+    timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
+
+    def __post_init__(self) -> None:
+        _positive("prompts", self.prompts)
+        for name in ("run", "drafter"):
+            value = getattr(self, name)
+            if value != value.strip():
+                raise ConfigError(f"{name} {value!r} has leading or trailing spaces")
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     buckets: BucketConfig = field(default_factory=BucketConfig)
@@ -253,6 +273,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
 
     def to_params(self) -> dict[str, Any]:
         """Flat {key: value} of every field (the notebook / CLI view)."""
@@ -301,6 +322,7 @@ SECTION_CLASSES: dict[str, type] = {
     "train": TrainConfig,
     "run": RunConfig,
     "regenerate": RegenerateConfig,
+    "evaluate": EvalConfig,
 }
 FLAT_FIELDS: dict[str, tuple[str, Any]] = _flat_fields()  # flat key -> (section, type)
 
@@ -371,7 +393,7 @@ def smoke() -> Config:
         dict(
             limit=300, max_len=512, k=4, k_max=6, token_budget=2048, target_layers=2, hidden_size=32,
             num_features=1, num_anchors=8, block_size=4, steps=6, probe_steps=6, log_every=1, prefetch=2,
-            wandb_mode="disabled",
+            wandb_mode="disabled", prompts=3, max_new_tokens=16,
         )
     )
 
@@ -381,7 +403,7 @@ def demo() -> Config:
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
              num_features=2, num_anchors=16, block_size=8, steps=60, probe_steps=80, probe_rounds=4, log_every=5,
-             prefetch=4)
+             prefetch=4, ckpt_every=20, eval_every=20, prompts=8, max_new_tokens=64)  # 3 checkpoints for notebook 05
     )
 
 
