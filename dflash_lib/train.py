@@ -740,7 +740,7 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
             sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
         return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
                                                **common)
-    return samplers.PackedSampler(lengths, sc.token_budget, **common)
+    return samplers.PackedSampler(lengths, sc.token_budget, window=sc.pack_window, **common)
 
 
 def drafter_checkpointing(setting: str, device: torch.device) -> bool:

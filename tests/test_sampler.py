@@ -249,6 +249,31 @@ def test_packed_rows_reach_98_percent_and_carry_cu_seqlens():
     assert cu[0] == 0 and cu[-1] == lengths[row].sum() <= 16384 and len(cu) == len(row) + 1
 
 
+def test_pack_window_reaches_the_packed_sampler_and_changes_the_packing():
+    """`pack_window` (a resume-hash setting) is the window the packer of a run's sampler uses: another window packs
+    the same epoch differently, both packings serve every sample exactly once within the budget, and the wider
+    window packs tighter."""
+    from dflash_lib.config import from_params, smoke
+    from dflash_lib.train import build_sampler
+
+    lengths = lognormal_lengths(3000, 6, mu=5.0, max_len=1024)
+    packings, efficiency, samplers = {}, {}, {}
+    for window in (1, 64):
+        cfg = from_params({"strategy": "packed", "pack_window": window, "token_budget": 2048}, smoke())
+        sampler = build_sampler(cfg, lengths, rank=0, world_size=1, edges=[])
+        assert isinstance(sampler, PackedSampler) and sampler.window == window
+        samplers[window] = sampler
+        sampler.set_epoch(0)
+        batches = [list(b) for b in sampler]
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        assert all(lengths[b].sum() <= 2048 for b in batches)
+        packings[window], efficiency[window] = batches, packing_efficiency(sampler.epoch_plan(0), lengths, 2048)
+    assert packings[1] != packings[64]
+    assert efficiency[64] > efficiency[1] + 0.01, efficiency
+    with pytest.raises(SamplerError, match="fingerprint"):  # a resume under another window is refused
+        samplers[64].load_state_dict(samplers[1].state_dict())
+
+
 def test_length_grouped_follows_the_hugging_face_definition():
     lengths = lognormal_lengths(1000, 5, mu=3.0, sigma=0.8, max_len=64)
     s = LengthGroupedSampler(lengths, 8, 0, mega_batch_mult=5)
