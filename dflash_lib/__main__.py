@@ -1,4 +1,9 @@
-"""Command line: `python -m dflash_lib {run,train,demo,export,regenerate} ...` (see README)."""
+"""Command line: `python -m dflash_lib [--debug] {run,train,demo,evaluate,export,regenerate,dryrun} ...` (see README).
+
+A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
+`error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
+anything else is a bug and keeps its traceback. `--debug` shows the traceback of every error.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,41 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The project's exceptions for bad input (settings, corpus, bucket or sampler requests, paths that do not
+    exist): the command line reports them in one line with exit code 2."""
+    from .buckets import BucketError
+    from .costmodel import CostModelError
+    from .data.readers import DataError
+    from .report.demo import DemoReportError
+    from .sampler import SamplerError
+
+    return (ConfigError, DataError, BucketError, SamplerError, CostModelError, DemoReportError, FileNotFoundError,
+            NotADirectoryError, IsADirectoryError)
+
+
+def _user_error_message(e: BaseException) -> str | None:
+    """One line for a user error, also one a notebook cell raised under papermill; None for anything else."""
+    errors = user_errors()
+    if isinstance(e, errors):
+        return _one_line(e)
+    names, todo = set(), list(errors)
+    while todo:  # the classes and their subclasses, by name (a cell's exception reaches us as its name)
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    if type(e).__name__ == "PapermillExecutionError" and getattr(e, "ename", None) in names:
+        return f"{e.ename}: {' '.join(str(e.evalue).split())} (notebook cell [{e.exec_count}])"
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of `e` on one line (an OSError as '<reason>: <path>')."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _params(pairs: list[list[str]] | None) -> dict[str, str]:
@@ -21,12 +61,11 @@ def _params(pairs: list[list[str]] | None) -> dict[str, str]:
 
 def _train(args: argparse.Namespace) -> int:
     """The `train` subcommand: 0 when the run finished or stopped cleanly on SIGTERM/SIGINT (resumable),
-    1 when training failed (the message names the checkpoint, stage or rank at fault)."""
+    1 when training failed (the message names the checkpoint, stage or rank at fault; --debug: its traceback)."""
     from .checkpoint import CheckpointError
     from .distributed import DistributedError
     from .pipeline import PipelineError
     from .runs import load_config
-    from .sampler import SamplerError
     from .train import train
     from .validate import NonFiniteLossError
 
@@ -39,8 +78,10 @@ def _train(args: argparse.Namespace) -> int:
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
     try:
         summary = train(config, Path(args.run_dir) if args.run_dir else None, tag=args.tag)
-    except (CheckpointError, DistributedError, NonFiniteLossError, PipelineError, SamplerError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except (CheckpointError, DistributedError, NonFiniteLossError, PipelineError) as e:
+        if args.debug:
+            raise
+        print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     if main_rank:  # (a stop by signal or stop_at_step was reported by the trainer, with its checkpoint)
         print(summary["run_dir"])
@@ -65,14 +106,18 @@ def _regenerate(args: argparse.Namespace) -> int:
     try:
         report = regenerate(config, args.out)
     except RegenerateError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
     print(json.dumps(dict(out=report["out"], **report["totals"]), indent=None))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of every error (also after the command)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="execute a notebook headlessly into a new runs/<id>/ folder")
@@ -130,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     dry.add_argument("--compare", action="store_true",
                      help="also run the other drafter attention backends (dense, blocks, flex)")
 
+    for command in sub.choices.values():  # `--debug` also after the command name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
@@ -161,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             from .dryrun import run_cli
 
             return run_cli(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        message = _user_error_message(e)
+        if args.debug or message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
 

@@ -27,6 +27,7 @@ grid and the result is optimal among grid edges (BucketPlan.exact says which).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
@@ -39,6 +40,8 @@ POLICIES = ("truncate", "drop")
 METHODS = ("optimal", "seed", "equal_length", "given")
 DEFAULT_GRID = 64  # batch_max candidate edge positions above which the search is on a grid (see module doc)
 _TAIL_TOL = 1e-30  # P(max <= v) below which the rest of an expected-max sum is dropped (relative error < 1e-20)
+
+log = logging.getLogger(__name__)
 
 
 class BucketError(ValueError):
@@ -379,21 +382,26 @@ def _plan_from_cuts(hist: LengthHistogram, sizing: BatchSizing, objective: str, 
 
 def _setup(lengths: Any, k: int, max_len: int, objective: str, cost: str, q: float | None,
            token_budget: int | None, batch_size: int | None, multiple: int, policy: str
-           ) -> tuple[LengthHistogram, BatchSizing]:
+           ) -> tuple[LengthHistogram, BatchSizing, int]:
+    """The histogram, the batch sizing and the number of buckets to plan: k, or one per distinct length (plus the
+    top one up to max_len) when the lengths have fewer (a small corpus trains with the buckets it can have; one
+    warning line says so)."""
     if objective not in OBJECTIVES:
         raise BucketError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
     hist = length_histogram(lengths, max_len=max_len, policy=policy)
     sizing = BatchSizing(cost, q, token_budget, batch_size, multiple)
     if not (isinstance(k, (int, np.integer)) and k >= 1):
         raise BucketError(f"k must be an int >= 1, got {k!r}")
-    if k > hist.num_distinct:
-        raise BucketError(f"k={k} exceeds the number of distinct lengths ({hist.num_distinct}): "
-                          f"at most {hist.num_distinct} non-empty buckets exist")
+    if k > len(hist.values):  # one bucket per distinct length (+ the top one up to max_len) is all there is
+        top = "" if hist.counts[-1] else f", the last one up to max_len={hist.max_len}"
+        log.warning("k=%d buckets requested, but the %d sample(s) have only %d distinct length(s): planning %d "
+                    "bucket(s), one per length%s", k, hist.num_samples, hist.num_distinct, len(hist.values), top)
+        k = len(hist.values)
     if token_budget is not None:
         sizing.batch_sizes([max_len])  # a budget below the longest allowed sample is refused here
     if objective == "batch_max" and token_budget is None and batch_size is None:
         raise BucketError("objective='batch_max' needs a batch size: pass token_budget= or batch_size=")
-    return hist, sizing
+    return hist, sizing, int(k)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -524,9 +532,10 @@ def optimal_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "
     multiple: round batch sizes down to a multiple of this. policy: lengths above max_len are cut
     ("truncate") or dropped ("drop"). Edges are observed lengths (an edge above a bucket's longest member only
     pads more, or shrinks its batches); edges[-1] == max_len, and that top bucket may be empty when no sample
-    reaches max_len.
+    reaches max_len. Lengths with too few distinct values for k buckets get one bucket per value, the top one up
+    to max_len (and a warning line).
     """
-    hist, sizing = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
     coster = _BucketCost(hist, sizing, objective)
     layers, exact = _solve(hist, coster, objective, k, grid)
     return _plan_from_cuts(hist, sizing, objective, layers[k - 1], "optimal", exact, coster)
@@ -535,11 +544,12 @@ def optimal_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "
 def efficiency_vs_k(lengths: Any, k_max: int, *, max_len: int, objective: str = "edge", cost: str = "linear",
                     q: float | None = None, token_budget: int | None = None, batch_size: int | None = None,
                     multiple: int = 1, policy: str = "truncate", grid: int = DEFAULT_GRID) -> list[BucketPlan]:
-    """Optimal plans for k = 1..min(k_max, distinct lengths), from ONE dynamic programme (list index k-1)."""
+    """Optimal plans for k = 1..min(k_max, P), from ONE dynamic programme (list index k-1); P = the distinct
+    lengths, plus one when no sample reaches max_len (the top bucket's edge is always max_len)."""
     if not (isinstance(k_max, (int, np.integer)) and k_max >= 1):
         raise BucketError(f"k_max must be an int >= 1, got {k_max!r}")
-    hist, sizing = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
-    k_top = min(int(k_max), hist.num_distinct)
+    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    k_top = min(int(k_max), len(hist.values))
     coster = _BucketCost(hist, sizing, objective)
     layers, exact = _solve(hist, coster, objective, k_top, grid)
     return [_plan_from_cuts(hist, sizing, objective, cuts, "optimal", exact, coster) for cuts in layers]
@@ -572,7 +582,7 @@ def plan_for_edges(lengths: Any, edges: Sequence[int], *, max_len: int, objectiv
     Edges need not be observed lengths; samples are padded to / batched by the edge values as given."""
     if method not in METHODS:
         raise BucketError(f"method must be one of {list(METHODS)}, got {method!r}")
-    hist, sizing = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
     e = _check_edges(edges, max_len)
     if token_budget is not None:
         sizing.batch_sizes(e)
@@ -589,7 +599,7 @@ def seed_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edg
     neighbours (an exact 1-D search), sweeping until no edge moves. A local optimum. The candidate positions
     are those optimal_boundaries searches (every observed length; for batch_max, its grid), so the optimum is
     never worse than this baseline."""
-    hist, sizing = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
     P = len(hist.values)
     allowed = np.arange(1, P) if objective == "edge" else _grid_positions(hist, grid)[0]  # candidate cuts
     if len(allowed) < k - 1:
@@ -629,7 +639,7 @@ def equal_length_boundaries(lengths: Any, k: int, *, max_len: int, objective: st
     """Baseline: lhotse's rule, equal TOTAL length per bucket. Edge m (1..k-1) is the shortest length at which
     the running token total reaches m/k of all tokens. Repeated edges merge, so a length holding more than 1/k
     of the tokens (e.g. a pile at max_len under truncation) leaves fewer than k buckets."""
-    hist, sizing = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
     running = np.cumsum(hist.values * hist.counts)
     targets = running[-1] * np.arange(1, k) / k
     cuts = np.unique(np.searchsorted(running, targets, side="left") + 1)

@@ -209,9 +209,35 @@ def test_plan_json_round_trip_and_refusals():
         BucketPlan.from_json(json.dumps(raw))
 
 
+@pytest.mark.parametrize("objective", ["edge", "batch_max"])
+def test_too_few_distinct_lengths_get_one_bucket_each_and_one_warning_line(objective, caplog):
+    """A corpus with fewer distinct lengths than requested buckets is planned with the buckets it can have: one
+    per length (the top one up to max_len), no padding at all; every planner says so in one warning line."""
+    kw = dict(max_len=10, objective=objective, token_budget=40)
+    for planner in (optimal_boundaries, seed_boundaries, equal_length_boundaries):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dflash_lib.buckets"):
+            plan = planner([3, 3, 4], 6, **kw)
+        assert (plan.edges, plan.counts, plan.efficiency) == ((3, 4, 10), (2, 1, 0), 1.0), planner.__name__
+        assert [r.getMessage() for r in caplog.records] == [
+            "k=6 buckets requested, but the 3 sample(s) have only 2 distinct length(s): planning 3 bucket(s), "
+            "one per length, the last one up to max_len=10"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_lib.buckets"):
+        one = optimal_boundaries([7], 4, **kw)  # a one-record corpus
+        at_max = optimal_boundaries([3, 3, 10], 4, **kw)  # a sample at max_len: no extra top bucket
+        enough = optimal_boundaries([3, 3, 4], 3, **kw)  # exactly as many as it can have: no warning
+    assert (one.edges, one.counts, one.steps_per_epoch) == ((7, 10), (1, 0), 1)
+    assert (at_max.edges, at_max.counts) == ((3, 10), (2, 1))
+    assert enough.edges == (3, 4, 10)
+    assert [r.getMessage().split(":")[-1] for r in caplog.records] == [
+        " planning 2 bucket(s), one per length, the last one up to max_len=10",
+        " planning 2 bucket(s), one per length"]
+    assert len(efficiency_vs_k([3, 3, 4], 12, **kw)) == 3  # k = 1..3: every plan that exists
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: optimal_boundaries([], 2, max_len=10), "empty"),
-    (lambda: optimal_boundaries([3, 3, 4], 3, max_len=10), "exceeds the number of distinct lengths"),
     (lambda: optimal_boundaries([3, 0, 4], 1, max_len=10), r"lengths\[1\] = 0"),
     (lambda: optimal_boundaries([3.5, 4], 1, max_len=10), "whole number"),
     (lambda: optimal_boundaries([3, 4], 1, max_len=10, token_budget=9), "below the cost"),
