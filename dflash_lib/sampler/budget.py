@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dflash_lib.buckets import BatchSizing, BucketError
-from dflash_lib.sampler.base import SamplerError
+from dflash_lib.sampler.base import EpochBatchSampler, SamplerError
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,23 @@ class TokenBudget:
         if float(self.cost(lengths[i])) > self.tokens:
             raise SamplerError(f"token_budget {self.tokens} is below the cost {float(self.cost(lengths[i])):g} of "
                                f"{what} {i} ({int(lengths[i])} tokens): it can never fit a batch")
+
+
+class PaddedBudgetSampler(EpochBatchSampler):
+    """A sampler whose batches are padded to their longest member under one TokenBudget (`self.budget`; every
+    sample must fit a batch on its own) and filled by `greedy_fill` with `self.capacity`. Subclasses say in what
+    order (`_plan`)."""
+
+    def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
+                 q: float | None = None, queries: Any = None, block_budget: int | None = None) -> None:
+        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size, queries=queries,
+                         block_budget=block_budget)
+        self.budget = TokenBudget(token_budget, q)
+        self.budget.check_longest(self.lengths)
+        self.capacity = self.budget.capacity_table(int(self.lengths.max()))  # (max_len + 1,) rows by longest
+
+    def _settings(self) -> dict[str, Any]:
+        return {"token_budget": int(self.budget.tokens), "q": self.budget.q}
 
 
 @dataclass(frozen=True)

@@ -8,26 +8,20 @@ from typing import Any
 
 import numpy as np
 
-from dflash_lib.sampler.base import EpochBatchSampler, EpochPlan, shard_in_order
-from dflash_lib.sampler.budget import TokenBudget, greedy_fill
+from dflash_lib.sampler.base import EpochPlan, shard_in_order
+from dflash_lib.sampler.budget import PaddedBudgetSampler, greedy_fill
 
 
-class SortedStaticSampler(EpochBatchSampler):
+class SortedStaticSampler(PaddedBudgetSampler):
     """Frozen length-sorted batches under a token budget (padding counted) and, given `queries`, a block budget
     (drafter query tokens); per epoch a shuffled batch order."""
 
-    def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
-                 q: float | None = None, queries: Any = None, block_budget: int | None = None) -> None:
-        super().__init__(lengths, seed=seed, rank=rank, world_size=world_size, queries=queries,
-                         block_budget=block_budget)
-        self.budget = TokenBudget(token_budget, q)
-        self.budget.check_longest(self.lengths)
+    def __init__(self, lengths: Any, token_budget: int, seed: int = 0, **kwargs: Any) -> None:
+        """Arguments as PaddedBudgetSampler's (rank, world_size, q, queries, block_budget)."""
+        super().__init__(lengths, token_budget, seed, **kwargs)
         self._order = np.argsort(self.lengths, kind="stable")  # (N,) frozen once
-        self._offsets = greedy_fill(self.lengths[self._order], self.budget.capacity_table(int(self.lengths.max())),
+        self._offsets = greedy_fill(self.lengths[self._order], self.capacity,
                                     None if self.queries is None else self.queries[self._order], self.block_budget)
-
-    def _settings(self) -> dict[str, Any]:
-        return {"token_budget": int(self.budget.tokens), "q": self.budget.q}
 
     def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
         return shard_in_order(self._order, self._offsets, self.world_size,
