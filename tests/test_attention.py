@@ -19,22 +19,19 @@ from dflash_lib.batch import collate_packed, collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, block_groups, build_layout
+from tiny_models import BLOCK, HIDDEN, MASK, VOCAB, tiny_drafter, tiny_target
 
-VOCAB, MASK, H, B = 300, 299, 32, 4
+H, B = HIDDEN, BLOCK
 
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
-    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=6, vocab_size=VOCAB), 2, seed=0)
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
-    cfg = DrafterConfig(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
-                        block_size=B, mask_id=MASK, num_anchors=64, ce_chunk_blocks=2)
-    torch.manual_seed(0)
-    return DFlashDrafter(cfg, target, attention="dense")
+    return tiny_drafter(target, ce_chunk_blocks=2)
 
 
 def _docs(lengths, seed=0, prompt=1):

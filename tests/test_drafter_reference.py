@@ -23,10 +23,11 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from dflash_lib.batch import collate_packed, collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, TargetModel
 from dflash_lib.models.attention import unmasked_attend
 from dflash_lib.models.layers import DraftLayer, Rotary
 from dflash_lib.models.layout import build_layout
+from tiny_models import BLOCK, MASK, VOCAB, tiny_drafter, tiny_target
 
 # One layer: head_dim * heads (64) != hidden (32) and 2 query heads per KV head, so a transposed projection or
 # a wrong head mapping changes shapes or numbers; theta 10_000 rotates every frequency pair noticeably.
@@ -142,23 +143,19 @@ def test_context_layer_equals_the_written_out_formula(anchor):
 
 
 # -- sensitivity of the whole drafter ------------------------------------------------------------------------
-VOCAB, MASK, HT, BS = 300, 299, 32, 4
+BS = BLOCK
 LENGTHS = [9, 14, 11]  # the chosen block lives in document 1, between two others
 DOC, ANCHOR = 1, 6
 
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
-    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=HT, num_layers=6, vocab_size=VOCAB), 2, seed=0)
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
-    cfg = DrafterConfig(hidden_size=HT, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
-                        block_size=BS, mask_id=MASK, num_anchors=64)
-    torch.manual_seed(0)
-    return DFlashDrafter(cfg, target, attention="dense")
+    return tiny_drafter(target)
 
 
 def _batch(packed: bool):
