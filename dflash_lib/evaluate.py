@@ -1,4 +1,4 @@
-"""`python -m dflash_lib evaluate`: a saved drafter's acceptance measured by real speculative decoding.
+"""A drafter's acceptance measured by real speculative decoding on HELD-OUT prompts.
 
     python -m dflash_lib evaluate --drafter DIR --target DIR|tiny [-p prompts N] [-p max_new_tokens M] [-p KEY V]
 
@@ -6,187 +6,403 @@ DIR is a saved drafter folder or a trainer run folder (its `drafter/`; the run's
 base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target and data settings). Decodes N
 prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
 the target alone (the baseline), and checks the two outputs agree. Prints a summary to stderr and, as the LAST
-stdout line, one JSON object (`REPORT_KEYS`). For a notebook: `evaluate(...)` returns the same dict.
+stdout line, one JSON object (`REPORT_KEYS`). For a notebook: `evaluate(...)` returns the same dict, and
+`evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05).
 
-Prompts: until the held-out split exists, the first user turn of the LAST N conversations of the configured
-corpus (`-p source`), rendered with the chat template (`-p template`) followed by its generation prompt and
-tokenized with `-p tokenizer`; the report says so (`prompt_source`).
+Prompts: the first N samples of the held-out split of the configured token store (`-p source`, `tokenizer`,
+`template`, `max_len`: the store training read), in the split's hash order, so they are the samples the trainer
+never trained on and the first ones its held-out evaluation scores. The split is the trainer's
+(`heldout.split_store` with `heldout_fraction`); for a trainer run folder it is the run's own `heldout.json`,
+each sample's hash checked against the store built now. A prompt is its sample's tokens before the first
+loss-masked (assistant) token: the conversation up to and including the assistant generation prompt, exactly
+as the template rendered it for training (no re-tokenization). Samples without an assistant token are passed
+over. `prompt_source` in the report says which split and which samples.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
-from collections import deque
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, from_params
 
 REPORT_KEYS = ("tau", "histogram", "per_position", "target_calls_per_token", "tokens_per_s", "baseline_tokens_per_s",
                "speedup", "prompts", "max_new_tokens")
+RUN_SUMMARY_KEYS = ("tau_trained", "tau_untrained", "tau_by_step", "speedup", "loss_first", "loss_last",
+                    "heldout_loss_last", "export")  # notebook 05's summary.json, at least
+SERVING_DIR = "serving"  # evaluate_run exports the final drafter to <out_dir>/serving/
+Say = Callable[[str], None]
 
 
-@dataclass
-class EvalConfig:
-    prompts: int = 8  # prompts decoded (the last N conversations of the corpus)
-    max_new_tokens: int = 64  # tokens generated per prompt (fewer when the turn ends, see stop_at_eos)
-    stop_at_eos: bool = True  # end a prompt's generation at the tokenizer's end-of-turn token
-    warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
-
-    def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
-EVAL_FIELDS = {f.name: f.type for f in dataclasses.fields(EvalConfig)}  # these -p keys are the evaluation's
-
-
-def _eval_value(key: str, text: Any) -> Any:
-    want = EVAL_FIELDS[key]
-    if not isinstance(text, str):
-        return text
-    if want in ("bool", bool):
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        raise ConfigError(f"parameter {key!r}: expected true or false, got {text!r}")
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"parameter {key!r}: expected an integer, got {text!r}") from None
-
-
-def find_drafter(path: str | Path) -> tuple[Path, dict[str, Any] | None]:
-    """(the drafter folder, the trainer run's recorded flat config or None) for a drafter or run folder."""
+# -- where the drafter, the run and the config are -------------------------------------------------------------
+def find_drafter(path: str | Path) -> tuple[Path, Path | None, dict[str, Any] | None]:
+    """(the drafter folder, the trainer run folder or None, the run's recorded flat config or None) for a
+    drafter folder or a trainer run folder (`drafter/` inside it)."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"--drafter {str(p)!r}: no such directory")
     run_dir, drafter_dir = (p, p / "drafter") if (p / "drafter").is_dir() else (p.parent, p)
-    recorded = None
     cfg = run_dir / "config.json"
     if cfg.is_file():
         doc = json.loads(cfg.read_text())
         if isinstance(doc, dict) and isinstance(doc.get("config"), dict):  # a trainer run's config.json
             recorded = {k: v for sec in doc["config"].values() if isinstance(sec, dict) for k, v in sec.items()}
-    return drafter_dir, recorded
+            return drafter_dir, run_dir, recorded
+    return drafter_dir, None, None
 
 
-def build_configs(params: Mapping[str, Any], target: str,
-                  recorded: Mapping[str, Any] | None = None) -> tuple[Config, EvalConfig, list[str]]:
-    """Split `-p` pairs into the evaluation's own keys and Config fields (laid over a run's recorded config,
-    whose keys this version no longer has are dropped and listed)."""
-    own = {k: _eval_value(k, v) for k, v in params.items() if k in EVAL_FIELDS}
-    rest = {k: v for k, v in params.items() if k not in EVAL_FIELDS}
+def build_config(params: Mapping[str, Any], target: str,
+                 recorded: Mapping[str, Any] | None = None) -> tuple[Config, list[str]]:
+    """`-p` pairs (config fields, the evaluation's included) laid over a run's recorded config; the recorded keys
+    this version no longer has are dropped and listed."""
     dropped: list[str] = []
     base = None
     if recorded:
         dropped = sorted(k for k in recorded if k not in FLAT_FIELDS)
         base = from_params({k: v for k, v in recorded.items() if k in FLAT_FIELDS})
-    config = from_params({**rest, "target": target}, base)
-    return config, EvalConfig(**own), dropped
+    return from_params({**params, "target": target}, base), dropped
 
 
-def heldout_prompts(config: Config, n: int) -> tuple[list[list[int]], str, Any]:
-    """(N prompts as token ids, where they came from, the tokenizer). Each prompt is the first user turn of one
-    of the last N conversations that have one, rendered with the template and its generation prompt, cut to its
-    last `max_len` tokens."""
-    from dflash_lib.data.readers import load_conversations
-    from dflash_lib.data.templates import IM_START, Segment, get_template
-    from dflash_lib.data.tokenizers import load_tokenizer
+# -- the held-out prompts ----------------------------------------------------------------------------------------
+def sample_prompt(tokens: np.ndarray, loss_mask: np.ndarray) -> np.ndarray | None:
+    """(P,) the tokens before the first loss-masked one: the conversation up to and including the assistant
+    generation prompt. None when the sample has no assistant token or starts with one (no prompt)."""
+    mask = np.asarray(loss_mask, dtype=bool)
+    if not mask.any():
+        return None
+    first = int(np.argmax(mask))
+    return np.asarray(tokens[:first]) if first > 0 else None
+
+
+@dataclass
+class HeldOutPrompts:
+    prompts: list[list[int]]  # token ids of each prompt (the conversation up to the assistant generation prompt)
+    indices: list[int]  # store index of each prompt's sample
+    heldout: int  # samples in the held-out split
+    samples: int  # samples in the token store
+    eos_id: int  # the tokenizer's end-of-turn id (stops an answer)
+    source: str  # where the prompts came from, in words (the report's prompt_source)
+
+
+def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> HeldOutPrompts:
+    """The first `n` held-out samples (hash order) of `config`'s token store that have a prompt, each cut to
+    `sample_prompt`. The split: `run_dir/heldout.json` when given and present (every used sample's hash checked
+    against the store), else `split_store(store, heldout_fraction)`. ConfigError when the split is empty or
+    holds fewer than `n` usable samples."""
+    from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.data.readers import DataError
+    from dflash_lib.heldout import HELDOUT_FILE, sample_hash, split_store
 
     data = config.data
-    tokenizer = load_tokenizer(data.tokenizer)
-    template = get_template(data.template, tokenizer)
-    last: deque[str] = deque(maxlen=n)
-    for conv in load_conversations(data.source):
-        user = next((c for r, c in conv.turns if r == "user"), None)
-        if user is not None:
-            last.append(tokenizer.prepare(user))
-    prompts = []
-    for text in last:
-        if data.template == "chatml":
-            segments = template.segments((("user", text),)) + [Segment(IM_START, True), Segment("assistant\n")]
-        else:  # a Hugging Face template: its own generation prompt, special tokens split out as it renders them
-            hf = template._hf
-            full = hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True)
-            segments = [Segment(piece, piece in template.special_tokens) for piece in template._split.split(full)
-                        if piece]
-        ids, _ = tokenizer.encode_segments(segments)
-        prompts.append([int(i) for i in ids[-data.max_len:]])
-    where = (f"no held-out split yet: the first user turn of the last {len(prompts)} conversations of "
-             f"{data.source!r} (template {data.template!r}, with its generation prompt)")
-    return prompts, where, tokenizer
+    try:
+        store = build_token_store_from_config(data, progress=False)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    recorded = run_dir / HELDOUT_FILE if run_dir is not None else None
+    if recorded is not None and recorded.is_file():
+        doc = json.loads(recorded.read_text())
+        fraction, order = float(doc["fraction"]), [int(i) for i in doc["indices"]]
+        hashes = [int(h, 16) for h in doc["hashes"]]
+        where = f"the held-out split of the run ({recorded}: heldout_fraction {fraction}, {len(order)} samples)"
+    else:
+        split = split_store(store, data.heldout_fraction)
+        fraction, order, hashes = data.heldout_fraction, split.heldout.tolist(), split.hashes.tolist()
+        where = (f"the held-out split of {data.source!r} (heldout_fraction {fraction}, hash rule of "
+                 f"dflash_lib.heldout: {len(order)} of {len(store)} samples)")
+    if not order:
+        why = ("heldout_fraction is 0: nothing is held out" if fraction == 0 else
+               f"heldout_fraction {fraction} of {len(store)} samples holds out none")
+        raise ConfigError(f"no held-out prompts: {why}; train and evaluate with a larger -p heldout_fraction "
+                          f"(e.g. 0.01) so that the prompts are samples the drafter never trained on")
+    prompts, indices = [], []
+    for i, h in zip(order, hashes):
+        if len(prompts) == n:
+            break
+        if not 0 <= i < len(store):
+            raise ConfigError(f"{recorded}: held-out index {i} is outside the token store ({len(store)} samples): "
+                              f"the store built now ({data.source!r}, limit {data.limit}) is not the run's")
+        tokens, mask = store[i]
+        if sample_hash(tokens) != h:
+            raise ConfigError(f"{recorded}: sample {i}'s tokens differ from the run's (hash {h:016x}): the token "
+                              f"store built now (source, tokenizer, template, max_len, limit) is not the run's")
+        prompt = sample_prompt(tokens, mask)
+        if prompt is not None:
+            prompts.append([int(t) for t in prompt])
+            indices.append(int(i))
+    if len(prompts) < n:
+        raise ConfigError(f"prompts {n}: the held-out split holds only {len(prompts)} samples with a prompt "
+                          f"(heldout_fraction {fraction}, {len(order)} of {len(store)} samples held out); lower "
+                          f"-p prompts or raise -p heldout_fraction")
+    eos = store.meta.get("tokenizer", {}).get("eos_id")
+    if eos is None:
+        raise ConfigError(f"token store {store.path}: meta.json records no tokenizer eos_id")
+    source = f"the first {len(prompts)} samples of {where}, each cut before its first assistant token"
+    return HeldOutPrompts(prompts, indices, len(order), len(store), int(eos), source)
 
 
-def evaluate(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
-             say: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, Any]:
-    """Load, decode, time and compare; returns the report (REPORT_KEYS and more). ConfigError on user errors."""
-    from dflash_lib.data.readers import DataError
-    from dflash_lib.models import DFlashDrafter, TargetModel
-    from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+# -- set-up shared by `evaluate` and `evaluate_run` ----------------------------------------------------------------
+@dataclass
+class Setup:
+    config: Config
+    drafter_dir: Path  # the saved drafter (a run's final drafter/)
+    run_dir: Path | None  # the trainer run folder, when the drafter came from one
+    target: Any  # TargetModel
+    drafter: Any  # the saved drafter on the target, in eval mode
+    prompts: HeldOutPrompts
 
-    drafter_dir, recorded = find_drafter(drafter)
-    config, ev, dropped = build_configs(dict(params or {}), target, recorded)
-    if recorded is not None:
-        say(f"run config from {drafter_dir.parent / 'config.json'}"
-            + (f" (dropped keys this version lacks: {dropped})" if dropped else ""))
+    @property
+    def stop_ids(self) -> list[int]:
+        return [self.prompts.eos_id] if self.config.evaluate.stop_at_eos else []
+
+
+def prepare(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
+            say: Say = _stderr) -> Setup:
+    """Config (a run's recorded one under `params`), target (bf16 on CUDA, fp32 on CPU, as the trainer runs
+    it), the saved drafter on it (refused first when it does not fit) and the held-out prompts, every vocabulary
+    id checked against the target."""
+    from dflash_lib.models import TargetModel
+
+    drafter_dir, run_dir, recorded = find_drafter(drafter)
+    config, dropped = build_config(dict(params or {}), target, recorded)
+    if run_dir is not None:
+        say(f"run config from {run_dir / 'config.json'}" + (f" (dropped keys this version lacks: {dropped})"
+                                                             if dropped else ""))
+        was = (recorded or {}).get("target")
+        if was is not None and was != config.model.target:
+            say(f"note: the run trained against target {was!r}; evaluating against {config.model.target!r}")
     device_name = config.train.device
     if device_name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' was asked for but CUDA is not available")
     device = torch.device("cuda" if device_name != "cpu" and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the trainer runs the target
     tgt = TargetModel.from_model_config(config.model, device=device, dtype=dtype, seed=config.train.seed)
-    try:
-        model = DFlashDrafter.load(drafter_dir, tgt)
-        prompts, where, tokenizer = heldout_prompts(config, ev.prompts)
-    except (FileNotFoundError, DataError) as e:
-        raise ConfigError(str(e)) from None
-    too_big = [i for p in prompts for i in p if i >= tgt.vocab_size]
+    model = load_drafter(drafter_dir, tgt)
+    prompts = heldout_prompts(config, config.evaluate.prompts, run_dir)
+    too_big = [i for p in prompts.prompts for i in p if i >= tgt.vocab_size]
     if too_big:
         raise ConfigError(f"tokenizer {config.data.tokenizer!r} gives ids up to {max(too_big)}, beyond the target's "
                           f"{tgt.vocab_size} embedding rows")
-    model.eval()
-    stops = [tokenizer.eos_id] if ev.stop_at_eos else []
-    say(f"{where}; {len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
-        f"max_new_tokens {ev.max_new_tokens}, device {device}, target {config.model.target!r} ({dtype}), "
-        f"block size {model.cfg.block_size}")
-    if ev.warmup:
-        few = min(ev.max_new_tokens, 2 * model.cfg.block_size)
-        acceptance_length(tgt, model, prompts[:1], few)
-        greedy_decode(tgt, prompts[:1], few)
-    spec = acceptance_length(tgt, model, prompts, ev.max_new_tokens, stops)
-    base = greedy_decode(tgt, prompts, ev.max_new_tokens, stops)
-    same = sum(a == b for a, b in zip(spec.outputs, base.outputs))
-    report = {
+    lengths = [len(p) for p in prompts.prompts]
+    say(f"prompts: {prompts.source}; {len(lengths)} prompts of {min(lengths)}..{max(lengths)} tokens, "
+        f"max_new_tokens {config.regenerate.max_new_tokens}, device {device}, target {config.model.target!r} "
+        f"({dtype})")
+    return Setup(config, drafter_dir, run_dir, tgt, model, prompts)
+
+
+def load_drafter(directory: str | Path, target: Any) -> Any:
+    """A saved/exported drafter on `target`, in eval mode; ConfigError for a missing folder."""
+    from dflash_lib.models import DFlashDrafter
+
+    try:
+        model = DFlashDrafter.load(directory, target)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    return model.eval()
+
+
+def initial_drafter(config: Config, target: Any) -> Any:
+    """The drafter a training run of `config` starts from (`train.build_parts`): built after
+    `torch.manual_seed(seed)` on the target's device, then `init_from` when set. The caller's RNG is untouched."""
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+    from dflash_lib.models.export import init_from
+
+    devices = [target.device] if target.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(config.train.seed)
+        drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+    if config.model.init_from:
+        init_from(drafter, config.model.init_from)
+    return drafter.eval()
+
+
+def _warm(setup: Setup, drafter: Any) -> None:
+    """First-call overheads (allocator, kernels) out of the timed decodes."""
+    from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+
+    if setup.config.evaluate.timing_warmup:
+        few = min(setup.config.regenerate.max_new_tokens, 2 * drafter.cfg.block_size)
+        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few)
+        greedy_decode(setup.target, setup.prompts.prompts[:1], few)
+
+
+def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
+    """Speculative decoding of the setup's prompts with `drafter`, against the plain greedy `baseline`
+    (`acceptance.DecodeResult` of the same prompts): the REPORT_KEYS figures and more."""
+    from dflash_lib.models.acceptance import acceptance_length
+
+    n_new = setup.config.regenerate.max_new_tokens
+    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids)
+    same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
+    return {
         "tau": spec.tau,
         "histogram": {str(k): v for k, v in spec.histogram.items()},
         "per_position": spec.per_position,
         "target_calls_per_token": spec.target_calls_per_token,
         "tokens_per_s": spec.tokens_per_s,
-        "baseline_tokens_per_s": base.tokens_per_s,
-        "speedup": spec.tokens_per_s / base.tokens_per_s,
-        "prompts": len(prompts),
-        "max_new_tokens": ev.max_new_tokens,
+        "baseline_tokens_per_s": baseline.tokens_per_s,
+        "speedup": spec.tokens_per_s / baseline.tokens_per_s,
+        "prompts": len(setup.prompts.prompts),
+        "max_new_tokens": n_new,
         "cycles": spec.cycles,
         "output_tokens": spec.output_tokens,
         "outputs_equal_baseline": same,
-        "block_size": model.cfg.block_size,
-        "device": str(device),
-        "drafter": str(drafter_dir),
-        "target": config.model.target,
-        "prompt_source": where,
+        "block_size": drafter.cfg.block_size,
     }
-    say(summary(report))
-    if same != len(prompts):
-        say(f"warning: {len(prompts) - same} of {len(prompts)} outputs differ from plain greedy decoding "
+
+
+def _baseline(setup: Setup) -> Any:
+    from dflash_lib.models.acceptance import greedy_decode
+
+    return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids)
+
+
+def _context(setup: Setup) -> dict[str, Any]:
+    return {"device": str(setup.target.device), "drafter": str(setup.drafter_dir), "target": setup.config.model.target,
+            "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices}
+
+
+def _warn_differ(report: Mapping[str, Any], say: Say, what: str = "") -> None:
+    n, same = report["prompts"], report["outputs_equal_baseline"]
+    if same != n:
+        say(f"warning{what}: {n - same} of {n} outputs differ from plain greedy decoding "
             "(expected only from low-precision ties, e.g. bf16 on CUDA)")
+
+
+def evaluate(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
+             say: Say = _stderr) -> dict[str, Any]:
+    """Load, decode, time and compare one drafter; returns the report (REPORT_KEYS and more). ConfigError on
+    user errors."""
+    setup = prepare(drafter, target, params, say)
+    _warm(setup, setup.drafter)
+    report = {**decode(setup, setup.drafter, _baseline(setup)), **_context(setup)}
+    say(summary(report))
+    _warn_differ(report, say)
     return report
+
+
+# -- a whole training run: every checkpoint, the untrained and the final drafter (notebook 05) ---------------------
+def trainer_folder(run: str | Path) -> Path:
+    """The trainer run folder of `run`: a notebook-04 run folder (its `train/`) or a trainer folder itself."""
+    p = Path(run)
+    for candidate in (p / "train", p):
+        doc = candidate / "config.json"
+        if doc.is_file() and isinstance(json.loads(doc.read_text()).get("config"), dict):
+            return candidate
+    raise ConfigError(f"run {str(p)!r}: not a notebook-04 run folder (train/config.json) nor a trainer run folder "
+                      f"(config.json with the run's config)")
+
+
+def run_checkpoints(train_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint of a trainer run, oldest first, through `dflash_lib.checkpoint`."""
+    from dflash_lib.checkpoint import CheckpointError, list_checkpoints, read_manifest
+
+    out = []
+    for path in list_checkpoints(train_dir / "checkpoints"):
+        try:
+            out.append((int(read_manifest(path).step), path))
+        except CheckpointError as e:
+            raise ConfigError(f"checkpoint {path}: {e}") from None
+    return out
+
+
+def checkpoint_drafter(ckpt: Path, setup: Setup, scratch: Path) -> Any:
+    """The drafter of one checkpoint, read the way `python -m dflash_lib export` reads it (fp32, so exact)."""
+    from dflash_lib.models.export import DTYPES, export_source
+
+    out = export_source(ckpt, scratch / ckpt.name, DTYPES["fp32"])
+    return load_drafter(out, setup.target)
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def evaluate_run(run: str | Path, target: str, params: Mapping[str, Any] | None = None,
+                 out_dir: str | Path | None = None, say: Say = _stderr) -> dict[str, Any]:
+    """Every drafter of a training run on the SAME held-out prompts against the same target: the untrained one
+    (step 0, `initial_drafter`), each saved checkpoint's, and the final `drafter/` (decoded in full: histogram,
+    per-position acceptance, speedup against plain greedy decoding, timed once for all). With `out_dir` the
+    final drafter is exported there in the serving layout (`SERVING_DIR`, bf16). Training and held-out losses
+    come from the run's metrics.jsonl (`report.evaluation.loss_figures`).
+
+    Returns a JSON-able dict: RUN_SUMMARY_KEYS, the final drafter's `decode` report under `final`, `by_step`
+    (one {step, tau, histogram, per_position, cycles, outputs_equal_baseline, drafter} per drafter, step order)
+    and the prompts' source."""
+    from dflash_lib.models.export import DTYPES, export_source
+    from dflash_lib.report.evaluation import loss_figures
+    from dflash_lib.report.training import load_metrics
+
+    train_dir = trainer_folder(run)
+    setup = prepare(train_dir, target, params, say)
+    final_model = setup.drafter
+    done = json.loads((train_dir / "summary.json").read_text()) if (train_dir / "summary.json").is_file() else {}
+    final_step = int(done.get("steps", 0))
+    _warm(setup, final_model)
+    baseline = _baseline(setup)
+    by_step: list[dict[str, Any]] = []
+
+    def measure(step: int, model: Any, what: str) -> dict[str, Any]:
+        r = decode(setup, model, baseline)
+        _warn_differ(r, say, f" ({what})")
+        row = {"step": step, "drafter": what, **{k: r[k] for k in ("tau", "histogram", "per_position", "cycles",
+                                                                   "outputs_equal_baseline", "tokens_per_s")}}
+        say(f"step {step:>6} ({what}): tau {r['tau']:.3f} over {r['cycles']} cycles")
+        by_step.append(row)
+        return r
+
+    measure(0, initial_drafter(setup.config, setup.target), "untrained (the run's seed)")
+    final = None
+    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as scratch:
+        for step, ckpt in run_checkpoints(train_dir):
+            model = checkpoint_drafter(ckpt, setup, Path(scratch))
+            if step == final_step and _same_weights(model, final_model):
+                continue  # the final drafter itself: decoded once, below
+            measure(step, model, str(ckpt.relative_to(train_dir)))
+    final = measure(final_step, final_model, "final (drafter/)")
+    by_step.sort(key=lambda r: r["step"])
+    metrics = load_metrics(train_dir)
+    losses = loss_figures(metrics)
+    export, export_files, export_config = None, [], {}
+    if out_dir is not None:
+        folder = export_source(setup.drafter_dir, Path(out_dir) / SERVING_DIR, DTYPES["bf16"])
+        export = str(folder)
+        export_files = sorted(p.name for p in folder.iterdir())
+        export_config = json.loads((folder / "config.json").read_text())
+    report = {
+        "tau_trained": final["tau"], "tau_untrained": by_step[0]["tau"],
+        "tau_by_step": {str(r["step"]): r["tau"] for r in by_step},
+        "speedup": final["speedup"], **losses, "export": export, "export_files": export_files,
+        "export_config": export_config, "final": {**final, **_context(setup)}, "by_step": by_step,
+        "steps": final_step, "run": str(Path(run)), "train_dir": str(train_dir),
+        "prompts": final["prompts"], "max_new_tokens": final["max_new_tokens"], "block_size": final["block_size"],
+        "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices,
+    }
+    say(summary(report["final"]))
+    return report
+
+
+def run_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """Notebook 05's summary.json: RUN_SUMMARY_KEYS and the final drafter's decoding figures (no per-step
+    detail, no config dump)."""
+    final = report["final"]
+    extra = {k: final[k] for k in ("histogram", "per_position", "target_calls_per_token", "tokens_per_s",
+                                   "baseline_tokens_per_s", "outputs_equal_baseline", "cycles")}
+    keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens", "block_size",
+            "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
+    return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
+            "target": final["target"], "device": final["device"]}
 
 
 def summary(r: Mapping[str, Any]) -> str:

@@ -19,6 +19,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, accepta
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
 
 VOCAB, B, NEW = 256, 4, 16
+SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,7 +192,7 @@ def test_bf16_target_with_fp32_drafter_decodes(target):
 
 def _save_tiny_run(tmp_path) -> tuple[str, Config]:
     """A trainer-like run folder: config.json {"config": ...} and drafter/ (a random drafter, tiny target)."""
-    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4})
+    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4, **SMALL_STORE})
     tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
     torch.manual_seed(0)
     DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt).save(tmp_path / "drafter")
@@ -202,7 +203,7 @@ def _save_tiny_run(tmp_path) -> tuple[str, Config]:
 def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
     run, _ = _save_tiny_run(tmp_path)
     args = ["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts", "2", "-p", "max_new_tokens", "6",
-            "-p", "warmup", "false"]
+            "-p", "timing_warmup", "false"]
     assert main(args) == 0
     out, err = capsys.readouterr()
     report = json.loads(out.strip().splitlines()[-1])
@@ -210,18 +211,157 @@ def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
     assert report["prompts"] == 2 and report["max_new_tokens"] == 6 and report["outputs_equal_baseline"] == 2
     assert 1.0 <= report["tau"] <= 4 and len(report["per_position"]) == 3
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
-    assert "no held-out split yet" in err and "tau" in err
+    assert "held-out split of 'sharegpt' (heldout_fraction 0.01" in report["prompt_source"]
+    assert report["prompt_source"] in err and "tau" in err and len(report["prompt_indices"]) == 2
 
     # The drafter folder outside its run: no run config, so the default tiny target (hidden 64) does not fit it.
     alone = shutil.copytree(tmp_path / "drafter", tmp_path / "elsewhere" / "drafter")
     assert main(["evaluate", "--drafter", str(alone), "--target", "tiny", "-p", "prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "hidden_size" in err
-    for bad, message in ((["-p", "prompts", "0"], "prompts must be >= 1"),
-                         (["-p", "max_new_tokens", "x"], "expected an integer"),
+    for bad, message in ((["-p", "prompts", "0"], "prompts must be > 0"),
+                         (["-p", "max_new_tokens", "x"], "parameter 'max_new_tokens': cannot parse"),
+                         (["-p", "heldout_fraction", "0"], "heldout_fraction is 0"),
+                         (["-p", "prompts", "400"], "prompts 400: the held-out split holds only"),
                          (["-p", "bogus", "1"], "unknown parameter 'bogus'")):
         assert main(["evaluate", "--drafter", run, "--target", "tiny", *bad]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # (after "run config from ..." once it is read)
+        assert last.startswith("error: ") and message in last
     assert main(["evaluate", "--drafter", str(tmp_path / "nowhere"), "--target", "tiny"]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+# -- held-out prompts and a whole run (notebook 05's library side) ------------------------------------------------
+SMOKE_RUN = dict(SMALL_STORE, hidden_size=32, target_layers=2, num_features=1, num_anchors=8, block_size=4,
+                 token_budget=2048, k=4, steps=4, ckpt_every=2, eval_every=2, eval_samples=4, log_every=1, prefetch=2,
+                 wandb_mode="disabled", prompts=3, max_new_tokens=8, timing_warmup=False)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """A real 4-step training run (checkpoints at steps 2 and 4, held-out evaluation at 2 and 4)."""
+    from dflash_lib.train import train
+
+    run_dir = tmp_path_factory.mktemp("evaluate") / "train"
+    config = from_params(SMOKE_RUN)
+    train(config, run_dir)
+    return run_dir, config
+
+
+def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smoke_run):
+    """The prompts are the first held-out samples (hash order), none of them among the samples the run trained on,
+    each a prefix of its sample that ends right before the sample's first loss-masked token."""
+    from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.evaluate import heldout_prompts
+    from dflash_lib.heldout import split_store
+
+    run_dir, config = smoke_run
+    store = build_token_store_from_config(config.data, progress=False)
+    split = split_store(store, config.data.heldout_fraction)
+    recorded = json.loads((run_dir / "heldout.json").read_text())  # what the trainer held out of its sampler
+    assert recorded["indices"] == split.heldout.tolist() and len(split.heldout) >= 3
+    trained_on = set(range(len(store))) - set(recorded["indices"])
+    assert trained_on == set(split.train.tolist())
+    got = heldout_prompts(config, 3)
+    from_run = heldout_prompts(config, 3, run_dir)  # the run's heldout.json: the same split
+    assert got.indices == from_run.indices and got.prompts == from_run.prompts
+    with_prompt = [int(i) for i in split.heldout if store[int(i)][1].any() and not store[int(i)][1][0]]
+    assert got.indices == with_prompt[:3]
+    assert not trained_on & set(got.indices)
+    for i, prompt in zip(got.indices, got.prompts):
+        tokens, mask = store[i]
+        assert prompt == tokens[:len(prompt)].tolist()  # a prefix of the held-out sample ...
+        assert not mask[:len(prompt)].any() and mask[len(prompt)]  # ... ending right before its first answer token
+    assert got.eos_id == store.meta["tokenizer"]["eos_id"] and got.heldout == len(split.heldout)
+
+
+def test_a_run_whose_store_changed_or_without_a_split_is_refused(smoke_run, tmp_path):
+    from dflash_lib.config import ConfigError
+    from dflash_lib.evaluate import heldout_prompts
+
+    run_dir, config = smoke_run
+    doc = json.loads((run_dir / "heldout.json").read_text())
+    doc["hashes"][0] = f"{(int(doc['hashes'][0], 16) + 1) % 2 ** 64:016x}"
+    (tmp_path / "heldout.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=f"sample {doc['indices'][0]}'s tokens differ from the run's"):
+        heldout_prompts(config, 3, tmp_path)
+    with pytest.raises(ConfigError, match="heldout_fraction is 0: nothing is held out"):
+        heldout_prompts(from_params({**SMOKE_RUN, "heldout_fraction": 0.0}), 3)
+    with pytest.raises(ConfigError, match=r"heldout_fraction 1e-06 of \d+ samples holds out none"):
+        heldout_prompts(from_params({**SMOKE_RUN, "heldout_fraction": 1e-6}), 3)
+
+
+def test_untrained_drafter_is_the_one_training_starts_from(smoke_run):
+    from dflash_lib.evaluate import initial_drafter
+    from dflash_lib.train import build_parts
+
+    _, config = smoke_run
+    parts = build_parts(config, torch.device("cpu"))
+    before = torch.get_rng_state()
+    mine = initial_drafter(config, parts.targets[0])
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is left alone
+    theirs = dict(parts.drafter.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in mine.named_parameters())
+
+
+def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smoke_run, tmp_path):
+    from dflash_lib.evaluate import RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, prepare, run_summary
+    from dflash_lib.models.export import read_doc
+    from dflash_lib.report.evaluation import loss_figures
+    from dflash_lib.report.training import load_metrics
+
+    run_dir, config = smoke_run
+    notebook_run = tmp_path / "nb04"
+    shutil.copytree(run_dir, notebook_run / "train")  # notebook 04's layout: the trainer folder is train/
+    report = evaluate_run(notebook_run, "tiny", out_dir=tmp_path / "out", say=lambda s: None)
+    assert [r["step"] for r in report["by_step"]] == [0, 2, 4] and list(report["tau_by_step"]) == ["0", "2", "4"]
+    assert report["by_step"][1]["drafter"] == "checkpoints/ckpt-00000002"
+    assert report["by_step"][2]["drafter"] == "final (drafter/)"  # the step-4 checkpoint IS the final drafter
+    assert all(r["outputs_equal_baseline"] == 3 for r in report["by_step"])
+    # each figure equals decoding that drafter on its own
+    setup = prepare(notebook_run / "train", "tiny", say=lambda s: None)
+    untrained = acceptance_length(setup.target, initial_drafter(config, setup.target), setup.prompts.prompts, 8,
+                                  setup.stop_ids)
+    assert report["tau_untrained"] == untrained.tau == report["tau_by_step"]["0"]
+    alone = evaluate(notebook_run / "train", "tiny", say=lambda s: None)
+    assert report["tau_trained"] == alone["tau"] and report["final"]["histogram"] == alone["histogram"]
+    assert report["prompt_indices"] == alone["prompt_indices"]
+    # losses from metrics.jsonl; the export loads as a serving folder
+    metrics = load_metrics(run_dir)
+    assert {k: report[k] for k in loss_figures(metrics)} == loss_figures(metrics)
+    assert report["heldout_steps"] == [2, 4] and report["heldout_loss_last"] == metrics["heldout_loss"].iloc[-1]
+    assert report["export_files"] == ["README.md", "config.json", "model.safetensors"]
+    assert read_doc(report["export"])["torch_dtype"] == "bfloat16" == report["export_config"]["torch_dtype"]
+    summary = run_summary(report)
+    assert set(RUN_SUMMARY_KEYS) <= set(summary) and json.loads(json.dumps(summary)) == summary
+
+
+def test_loss_figures_average_the_ends_and_take_the_heldout_rows():
+    import pandas as pd
+
+    from dflash_lib.report.evaluation import loss_figures
+
+    rows = [{"step": s, "loss": 10.0 - s, "skipped": False} for s in range(1, 21)]
+    rows[4]["heldout_loss"], rows[19]["heldout_loss"] = 9.5, 2.5
+    rows[0]["skipped"] = True  # a skipped step's loss is not a training loss
+    got = loss_figures(pd.DataFrame(rows))
+    assert got["loss_window"] == 4  # 19 steps // 4
+    assert got["loss_first"] == pytest.approx(sum(10.0 - s for s in (2, 3, 4, 5)) / 4)
+    assert got["loss_last"] == pytest.approx(sum(10.0 - s for s in (17, 18, 19, 20)) / 4)
+    assert (got["heldout_loss_first"], got["heldout_loss_last"], got["heldout_steps"]) == (9.5, 2.5, [5, 20])
+    none = loss_figures(pd.DataFrame([{"step": 1, "loss": 3.0}, {"step": 2, "loss": 1.0}]))
+    assert none["loss_window"] == 1 and (none["loss_first"], none["loss_last"]) == (3.0, 1.0)
+    assert none["heldout_loss_last"] is None and none["heldout_steps"] == []
+
+
+def test_evaluation_figures_show_what_they_are_given():
+    from dflash_lib.report.evaluation import acceptance, tau_by_step
+
+    by_step = [{"step": 0, "tau": 1.0}, {"step": 20, "tau": 1.5}, {"step": 40, "tau": 2.25}]
+    fig = tau_by_step(by_step, block_size=8)
+    assert list(fig.data[0].x) == [0, 20, 40] and list(fig.data[0].y) == [1.0, 1.5, 2.25]
+    fig = acceptance({"1": 6, "3": 2}, [0.25, 0.25, 0.0], block_size=4)
+    assert list(fig.data[0].x) == [1, 2, 3, 4] and list(fig.data[0].y) == [0.75, 0.0, 0.25, 0.0]
+    assert list(fig.data[1].y) == [0.25, 0.25, 0.0]
+    with pytest.raises(ValueError, match="empty histogram"):
+        acceptance({}, [], block_size=4)
