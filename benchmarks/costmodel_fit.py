@@ -26,6 +26,7 @@ from dflash_lib.costmodel import (
     BatchShape, StepObservation, attention_q_from_fit, describe_packed, describe_padded, select_cost_model,
     throughput_rel_sd,
 )
+from dflash_lib.sampler import split_by_budget
 
 
 class Block(torch.nn.Module):
@@ -71,14 +72,8 @@ Planned = tuple[list[list[int]], int, BatchShape]  # (rows of document lengths, 
 
 def strategies(lens: np.ndarray, budget: int, rng: np.random.Generator) -> dict[str, list[Planned]]:
     """Batches of each strategy as (rows of doc lengths, row length, shape)."""
-    def fill(order: np.ndarray) -> list[list[int]]:
-        out, cur = [], []
-        for i in order:
-            if cur and (len(cur) + 1) * max(lens[cur + [i]]) > budget:
-                out.append(lens[cur].tolist())
-                cur = []
-            cur.append(int(i))
-        return out + [lens[cur].tolist()]
+    def fill(order: np.ndarray) -> list[list[int]]:  # each batch grown while (n + 1) * max length <= budget
+        return [b.tolist() for b in split_by_budget(lens[order], budget)]
 
     def padded(batches: list[list[int]]) -> list[Planned]:
         return [([[n] for n in b], max(b), describe_padded(b)) for b in batches]

@@ -12,6 +12,7 @@ from dflash_lib.costmodel import (
     BatchShape, CostModel, CostModelError, StepObservation, _nnls, attention_q_from_fit, candidate_terms,
     describe_batches, describe_packed, describe_padded, fit_cost_model, leave_one_out, select_cost_model,
 )
+from dflash_lib.sampler import split_by_budget
 
 TRUE = dict(a=0.02, b=2e-6, c=1e-9)  # seconds/step, seconds/padded token, seconds/token^2
 BUDGET = 4096  # tokens per batch including padding (packed: per row)
@@ -19,13 +20,7 @@ BUDGET = 4096  # tokens per batch including padding (packed: per row)
 
 def _fill(lens: np.ndarray, order: np.ndarray) -> list[list[int]]:
     """Batches in `order`, each grown while (n + 1) * max length stays within BUDGET."""
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * max(lens[cur + [i]]) > BUDGET:
-            batches.append(lens[cur].tolist())
-            cur = []
-        cur.append(int(i))
-    return batches + [lens[cur].tolist()]
+    return [b.tolist() for b in split_by_budget(lens[order], BUDGET)]
 
 
 def _strategies(n: int = 1500, seed: int = 0) -> dict[str, list[BatchShape]]:

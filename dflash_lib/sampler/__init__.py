@@ -6,7 +6,7 @@ from dflash_lib.sampler.base import (EpochBatchSampler, EpochPlan, FixedBatchSam
                                      shard_in_order)
 from dflash_lib.sampler.bucketed import BucketedShuffleSampler, bucket_of
 from dflash_lib.sampler.budget import (BlockBudget, PaddedBudgetSampler, TokenBudget, derived_block_budget,
-                                      greedy_fill, resolve_block_budget)
+                                      greedy_fill, resolve_block_budget, split_by_budget)
 from dflash_lib.sampler.frontier import (BASELINES, OURS, StrategyPoint, dominates, dominating_baselines,
                                          evaluate_strategies, format_points, measure, pareto_front)
 from dflash_lib.sampler.length_grouped import LengthGroupedSampler
@@ -23,5 +23,5 @@ __all__ = [
     "bucket_mix", "bucket_mix_kl", "bucket_of", "cobatch_recurrence", "cu_seqlens", "derived_block_budget",
     "dominates", "dominating_baselines", "evaluate_strategies", "format_points", "greedy_fill", "lag1_correlation",
     "measure", "pack_rows", "packing_efficiency", "padding_efficiency", "pareto_front", "randomness",
-    "resolve_block_budget", "shard_by_bucket", "shard_in_order",
+    "resolve_block_budget", "shard_by_bucket", "shard_in_order", "split_by_budget",
 ]

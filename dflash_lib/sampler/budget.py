@@ -172,3 +172,13 @@ def greedy_fill(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray |
         offsets.append(e)
         p = e
     return np.asarray(offsets, dtype=np.int64)
+
+
+def split_by_budget(lengths: np.ndarray, token_budget: int, q: float | None = None) -> list[np.ndarray]:
+    """The batches `greedy_fill` cuts `lengths` (n,) tokens, in their given order, into under `token_budget`
+    (padding counted; g from q as in TokenBudget): a list of B arrays of the batches' lengths."""
+    x = np.asarray(lengths, dtype=np.int64)
+    if x.size == 0:
+        return []
+    offsets = greedy_fill(x, TokenBudget(token_budget, q).capacity_table(int(x.max())))
+    return np.split(x, offsets[1:-1])
