@@ -1,8 +1,13 @@
 """`make demo`: the study's notebooks executed in order on the bundled corpus, each a papermill run.
 
 Every notebook gets a run folder of its own; a `runs/<id>_demo/` folder records the chain (`chain.json`: which
-notebook ran in which folder, with what parameters), the per-strategy `summary.json` from the throughput probe,
-and `report.html`: one self-contained page with the summary table, the key figures and links to every run.
+notebook ran in which folder, with what parameters), `summary.json` (the per-strategy figures of the throughput
+probe under `strategies`, notebook 05's evaluation of the training run under `evaluation`), and `report.html`:
+one self-contained page with both summaries, the key figures and links to every run.
+
+Parameters a notebook receives: the preset's values of the names it declares, then `overrides` (every notebook
+that declares a name gets it: e.g. a target and tokenizer made by a first step for the whole chain), then what
+its CHAIN link derives from the folders of the notebooks before it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ CHAIN: list[Link] = [
     ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
     ("03_throughput_probe", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
     ("04_train", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
+    ("05_evaluate", lambda prev: {"run": str(prev["04_train"])}),
 ]
 
 # (notebook stem, figure name): the figures the demo report embeds, in order (plotly JSON the notebooks wrote)
@@ -34,6 +40,9 @@ KEY_FIGURES = [
     ("02_bucket_optimization", "lengths_edges"),
     ("04_train", "loss_by_bucket"),
     ("04_train", "dashboard"),
+    ("05_evaluate", "tau_by_step"),
+    ("05_evaluate", "acceptance"),
+    ("05_evaluate", "loss_vs_heldout"),
 ]
 
 
@@ -63,13 +72,16 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
 
 
 def build_report(demo_dir: Path, done: dict[str, Path]) -> Path:
-    """summary.json (per strategy, from the probe) and report.html for a finished chain."""
-    from .report.demo import build_demo_report, write_demo_summary
+    """summary.json (per strategy from the probe, the evaluation from notebook 05) and report.html for a finished
+    chain."""
+    from .report.demo import build_demo_report, demo_evaluation, write_demo_summary
 
     probe = json.loads((done["03_throughput_probe"] / "summary.json").read_text())
-    write_demo_summary(demo_dir, probe["strategies"])
+    evaluation = demo_evaluation(json.loads((done["05_evaluate"] / "summary.json").read_text()))
+    write_demo_summary(demo_dir, probe["strategies"], evaluation)
     figures = [done[stem] / f"{name}.json" for stem, name in KEY_FIGURES]
     missing = [str(f) for f in figures if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"the demo report needs figures its notebooks did not write: {missing}")
-    return build_demo_report(demo_dir, done, probe["strategies"], figures, title="DFlash Lab demo")
+    return build_demo_report(demo_dir, done, probe["strategies"], figures, title="DFlash Lab demo",
+                             evaluation=evaluation)

@@ -1,4 +1,4 @@
-"""The whole study chain (01 -> 02 -> 03 -> 04) on smoke parameters, its demo folder, and the report in a real
+"""The whole study chain (01 -> 02 -> 03 -> 04 -> 05) on smoke parameters, its demo folder, and the report in a real
 headless browser."""
 
 import json
@@ -6,14 +6,15 @@ import json
 import pytest
 
 from browser_check import check_page, unavailable_reason
-from dflash_lib.demo import CHAIN, run_demo
-from dflash_lib.report.demo import STRATEGIES, SUMMARY_KEYS, external_references
+from dflash_lib.demo import CHAIN, KEY_FIGURES, run_demo
+from dflash_lib.report.demo import EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, external_references
 
 
 @pytest.mark.slow
 def test_demo_chain_on_smoke_parameters(tmp_path):
     demo_dir = run_demo(preset_name="smoke", tag="test", root=tmp_path,
-                        overrides={"steps": 12, "probe_steps": 12, "probe_rounds": 2, "limit": 300})
+                        overrides={"steps": 12, "probe_steps": 12, "probe_rounds": 2, "limit": 300, "ckpt_every": 6,
+                                   "eval_every": 6, "prompts": 2, "max_new_tokens": 8})
     chain = json.loads((demo_dir / "chain.json").read_text())
     assert [r["notebook"] for r in chain["runs"]] == [stem for stem, _ in CHAIN]
     runs = {r["notebook"]: r["run_dir"] for r in chain["runs"]}
@@ -22,19 +23,29 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     # each notebook read the one before it
     assert chain["runs"][1]["params"]["lengths_from"] == runs["01_length_analysis"]
     assert chain["runs"][2]["params"]["plan"].startswith(runs["02_bucket_optimization"])
-    summary = json.loads((demo_dir / "summary.json").read_text())
+    assert chain["runs"][4]["params"]["run"] == runs["04_train"]  # notebook 05 evaluates notebook 04's run
+    assert chain["runs"][3]["params"]["ckpt_every"] == 6  # an override reaches every notebook declaring it
+    doc = json.loads((demo_dir / "summary.json").read_text())
+    summary, evaluation = doc["strategies"], doc["evaluation"]
     assert set(STRATEGIES) <= set(summary)
     for s in STRATEGIES:
         assert set(SUMMARY_KEYS) <= set(summary[s]) and summary[s]["ktok_s"] > 0
     assert summary["sorted"]["ratio_to_sorted"] == pytest.approx(1.0)
     assert summary["sorted"]["co_batch_recurrence"] == pytest.approx(1.0)  # frozen batches: the seed's flaw
     assert summary["bucketed"]["co_batch_recurrence"] < 0.5
+    # notebook 05: the untrained drafter at step 0, notebook 04's checkpoints at 6 and 12 (the final drafter)
+    assert set(EVALUATION_KEYS) <= set(evaluation) and list(evaluation["tau_by_step"]) == ["0", "6", "12"]
+    assert evaluation["tau_untrained"] == evaluation["tau_by_step"]["0"] >= 1.0
+    assert evaluation["tau_trained"] == evaluation["tau_by_step"]["12"] >= 1.0
+    assert evaluation["prompts"] == 2 and evaluation["max_new_tokens"] == 8 and evaluation["speedup"] > 0
     page = (demo_dir / "report.html").read_text()
+    assert "Evaluation: what training bought" in page
     assert not external_references(page)
     for run in runs.values():
         assert run.split("/")[-1] in page  # every run folder is linked
     if reason := unavailable_reason():
         pytest.skip(f"report not opened in a browser: {reason}")
-    check = check_page(demo_dir / "report.html", expected_plots=7)
-    assert not check.problems(7), check.problems(7)
-    assert check.plots_rendered == 7 and not check.network_requests and not check.js_errors
+    plots = len(KEY_FIGURES)  # 10: notebook 05 adds tau by step, acceptance, loss vs held-out
+    check = check_page(demo_dir / "report.html", expected_plots=plots)
+    assert not check.problems(plots), check.problems(plots)
+    assert check.plots_rendered == plots and not check.network_requests and not check.js_errors

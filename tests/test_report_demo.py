@@ -13,7 +13,8 @@ import plotly.graph_objects as go
 import pytest
 
 from dflash_lib.report.demo import (
-    STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report, external_references, write_demo_summary,
+    EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report, demo_evaluation,
+    external_references, write_demo_summary,
 )
 
 PLOTLY_JS_BANNER = "plotly.js v"  # the licence header at the top of the inlined bundle
@@ -126,10 +127,12 @@ def test_write_demo_summary_round_trips_and_the_report_links_it(tmp_path):
     rows = summary_rows()
     path = write_demo_summary(tmp_path / "demo", rows)
     assert path == tmp_path / "demo" / "summary.json"
-    assert json.loads(path.read_text()) == rows
+    assert json.loads(path.read_text()) == {"strategies": rows}
     numpy_rows = {s: {k: (np.int64(v) if isinstance(v, int) else np.float64(v)) for k, v in r.items()}
                   for s, r in rows.items()}  # what a notebook computing with numpy hands over
-    assert json.loads(write_demo_summary(tmp_path / "demo", numpy_rows).read_text()) == rows
+    assert json.loads(write_demo_summary(tmp_path / "demo", numpy_rows).read_text()) == {"strategies": rows}
+    both = json.loads(write_demo_summary(tmp_path / "demo", rows, evaluation_entry()).read_text())
+    assert both == {"strategies": rows, "evaluation": evaluation_entry()}
     page = build_demo_report(tmp_path / "demo", {}, rows, []).read_text()
     assert '<a href="summary.json">summary.json</a>' in page
 
@@ -149,3 +152,50 @@ def test_write_demo_summary_refuses_incomplete_or_wrong_rows(tmp_path, edit, mes
     with pytest.raises(DemoReportError, match=message):
         write_demo_summary(tmp_path, rows)
     assert not (tmp_path / "summary.json").exists()
+
+
+def evaluation_entry() -> dict:
+    """What notebook 05's summary.json hands the demo (demo_evaluation keeps these keys)."""
+    return dict(loss_first=11.9, loss_last=4.25, loss_window=5, heldout_loss_last=4.5, tau_untrained=1.0,
+                tau_trained=2.375, tau_by_step={"0": 1.0, "20": 1.75, "40": 2.125, "60": 2.375}, speedup=1.42,
+                tokens_per_s=71.0, baseline_tokens_per_s=50.0, prompts=8, max_new_tokens=64, steps=60)
+
+
+def test_demo_evaluation_keeps_the_figures_the_report_shows():
+    notebook05 = {**evaluation_entry(), "histogram": {"1": 3}, "prompt_indices": [4, 2], "export_files": ["x"]}
+    assert demo_evaluation(notebook05) == evaluation_entry()
+
+
+def test_report_shows_the_evaluation_loss_tau_and_speedup(demo_tree):
+    page = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [],
+                             evaluation=evaluation_entry()).read_text()
+    table = page[page.index('<table class="summary evaluation">'):]
+    table = table[:table.index("</table>")]
+    rows = dict(re.findall(r"<tr><th>([^<]+)</th><td>([^<]*)</td></tr>", table))
+    assert rows["training loss, first -&gt; last"] == "11.900 -&gt; 4.250 nats (means of 5 steps)"
+    assert rows["held-out loss, last evaluation"] == "4.500 nats"
+    assert rows["tau, untrained -&gt; trained drafter"].startswith("1.000 -&gt; 2.375 tokens per target forward on 8 "
+                                                                  "held-out prompts, up to 64 new tokens each")
+    assert rows["tau by training step"] == "0: 1.000, 20: 1.750, 40: 2.125, 60: 2.375"
+    assert rows["speedup vs plain greedy decoding (wall clock)"] == "1.42x (71.0 vs 50.0 tokens/s)"
+    assert page.index("<h2>Summary</h2>") < page.index("<h2>Evaluation: what training bought</h2>") < page.index(
+        "<h2>Runs</h2>")
+    plain = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), []).read_text()
+    assert "Evaluation" not in plain
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda e: e.pop("tau_trained"), r"evaluation: keys \['tau_trained'\] missing"),
+    (lambda e: e.update(loss_last=math.nan), r"evaluation\['loss_last'\] must be a finite number"),
+    (lambda e: e.update(tau_untrained=0.5), r"evaluation\['tau_untrained'\] must be >= 1"),
+    (lambda e: e.update(speedup=0.0), r"evaluation\['speedup'\] must be > 0"),
+    (lambda e: e.update(tau_by_step={"20": 1.5}), r"untrained drafter at '0'"),
+    (lambda e: e["tau_by_step"].update({"40": None}), r"evaluation\['tau_by_step'\]\['40'\] must be a finite"),
+])
+def test_a_wrong_evaluation_is_refused_by_name(tmp_path, edit, message):
+    entry = evaluation_entry()
+    edit(entry)
+    with pytest.raises(DemoReportError, match=message):
+        write_demo_summary(tmp_path, summary_rows(), entry)
+    assert not (tmp_path / "summary.json").exists()
+    assert set(EVALUATION_KEYS) <= set(evaluation_entry())

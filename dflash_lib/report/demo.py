@@ -1,5 +1,7 @@
-"""The demo's one page: `runs/<id>_demo/report.html` (figures, summary table, links to every run) and the
-`summary.json` beside it.
+"""The demo's one page: `runs/<id>_demo/report.html` (figures, summary tables, links to every run) and the
+`summary.json` beside it: {"strategies": {strategy: figures of the throughput probe}, "evaluation": what the
+training run bought, from notebook 05 (EVALUATION_KEYS: training loss first -> last, tau of the untrained and
+the trained drafter on held-out prompts, speedup against plain greedy decoding)}.
 
 The page is self-contained: plotly.js is inlined once (with the first figure) and every other figure is a div
 that reuses it, so it opens offline and from a copied folder. Links are relative (`../<run folder>/...`), so the
@@ -26,6 +28,9 @@ STRATEGIES = ("sorted", "random", "bucketed", "packed")  # every demo measures t
 SUMMARY_KEYS = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
 _FRACTION_KEYS = ("predicted_efficiency", "realized_efficiency", "co_batch_recurrence")  # each within [0, 1]
 _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from ktok_s / sorted ktok_s (rounding)
+EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
+EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
+                    "block_size", "tokens_per_s", "baseline_tokens_per_s", "export")  # kept when notebook 05 has them
 _FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
 
 FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
@@ -35,14 +40,17 @@ class DemoReportError(ValueError):
     """The summary or a figure handed to the report is missing something or malformed."""
 
 
-def write_demo_summary(demo_dir: str | Path, per_strategy: Mapping[str, Mapping[str, Any]]) -> Path:
-    """Validate and write `demo_dir/summary.json` = {strategy: {key: number}}.
+def write_demo_summary(demo_dir: str | Path, per_strategy: Mapping[str, Mapping[str, Any]],
+                       evaluation: Mapping[str, Any] | None = None) -> Path:
+    """Validate and write `demo_dir/summary.json` = {"strategies": {strategy: {key: number}}, "evaluation": {...}}.
 
     Every strategy of STRATEGIES must be present with every key of SUMMARY_KEYS as a finite number; efficiencies
     and recurrence lie in [0, 1], ktok_s > 0, and ratio_to_sorted agrees with ktok_s / sorted's ktok_s.
-    Extra strategies and extra keys are kept.
+    Extra strategies and extra keys are kept. `evaluation` (None: left out) is checked by `validate_evaluation`.
     """
-    summary = validate_summary(per_strategy)
+    summary: dict[str, Any] = {"strategies": validate_summary(per_strategy)}
+    if evaluation is not None:
+        summary["evaluation"] = validate_evaluation(evaluation)
     path = Path(demo_dir) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -87,6 +95,43 @@ def validate_summary(per_strategy: Mapping[str, Mapping[str, Any]]) -> dict[str,
     return out
 
 
+def demo_evaluation(notebook05: Mapping[str, Any]) -> dict[str, Any]:
+    """The demo's evaluation entry from notebook 05's summary.json: EVALUATION_KEYS and EVALUATION_EXTRA."""
+    return {k: notebook05[k] for k in (*EVALUATION_KEYS, *EVALUATION_EXTRA) if k in notebook05}
+
+
+def _finite(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise DemoReportError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain-dict copy of the evaluation entry; raises DemoReportError naming the field. EVALUATION_KEYS must be
+    finite numbers, each tau >= 1 (a cycle always yields the target's own token), speedup > 0; tau_by_step, when
+    present, maps steps to finite taus >= 1 and holds the untrained drafter at step "0"."""
+    if not isinstance(evaluation, Mapping):
+        raise DemoReportError(f"evaluation must be a mapping of key -> value, got {type(evaluation).__name__}")
+    absent = [k for k in EVALUATION_KEYS if k not in evaluation]
+    if absent:
+        raise DemoReportError(f"evaluation: keys {absent} missing (need {list(EVALUATION_KEYS)})")
+    out = dict(evaluation)
+    for key in EVALUATION_KEYS:
+        out[key] = _finite(f"evaluation[{key!r}]", evaluation[key])
+    for key in ("tau_untrained", "tau_trained"):
+        if out[key] < 1.0:
+            raise DemoReportError(f"evaluation[{key!r}] must be >= 1 (tokens per target forward), got {out[key]!r}")
+    if out["speedup"] <= 0:
+        raise DemoReportError(f"evaluation['speedup'] must be > 0, got {out['speedup']!r}")
+    if "tau_by_step" in out:
+        by_step = out["tau_by_step"]
+        if not isinstance(by_step, Mapping) or "0" not in by_step:
+            raise DemoReportError(f"evaluation['tau_by_step'] must map steps to tau with the untrained drafter at "
+                                  f"'0', got {by_step!r}")
+        out["tau_by_step"] = {str(k): _finite(f"evaluation['tau_by_step'][{k!r}]", v) for k, v in by_step.items()}
+    return out
+
+
 def _json_scalar(value: Any) -> Any:
     """numpy scalars in extra columns become plain numbers; anything else is refused by name."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
@@ -95,12 +140,14 @@ def _json_scalar(value: Any) -> Any:
 
 
 def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summary: Mapping[str, Mapping[str, Any]],
-                      figures: Sequence[FigureLike], title: str = "DFlash Lab demo") -> Path:
+                      figures: Sequence[FigureLike], title: str = "DFlash Lab demo",
+                      evaluation: Mapping[str, Any] | None = None) -> Path:
     """Write `demo_dir/report.html` and return its path.
 
     runs: {label (e.g. notebook stem): run folder}; each is linked (folder, executed notebooks, HTML files in it).
     summary: {strategy: {column: value}}; the SUMMARY_KEYS columns come first, then any others in given order.
     figures: plotly Figures or plotly JSON files (embedded, plotly.js inlined once) and HTML files (linked).
+    evaluation: notebook 05's figures (`validate_evaluation`), shown as a second table; None = no such section.
     """
     demo_dir = Path(demo_dir)
     demo_dir.mkdir(parents=True, exist_ok=True)
@@ -109,8 +156,10 @@ def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summ
              f"<h1>{_e(title)}</h1>",
              f'<p class="meta">Written {_e(_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))} '
              f"in {_e(demo_dir.name)}. Self-contained: opens offline; links are relative to this folder.</p>",
-             "<h2>Summary</h2>", _summary_table(summary),
-             "<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
+             "<h2>Summary</h2>", _summary_table(summary)]
+    if evaluation is not None:
+        parts += ["<h2>Evaluation: what training bought</h2>", _evaluation_table(validate_evaluation(evaluation))]
+    parts += ["<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
     if embedded:
         parts.append("<h2>Figures</h2>")
     for i, fig in enumerate(embedded):
@@ -235,6 +284,29 @@ def _summary_table(summary: Mapping[str, Mapping[str, Any]]) -> str:
         cells = "".join(f'<td class="num">{_e(_fmt(c, row.get(c)))}</td>' for c in columns)
         body.append(f"<tr><th>{_e(name)}</th>{cells}</tr>")
     return f'<table class="summary"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _evaluation_table(ev: Mapping[str, Any]) -> str:
+    """Training loss first -> last, held-out loss, tau untrained -> trained (and per checkpoint), speedup."""
+    held = ev.get("heldout_loss_last")
+    window = ev.get("loss_window")
+    prompts = (f" on {ev['prompts']} held-out prompts, up to {ev['max_new_tokens']} new tokens each"
+               if "prompts" in ev and "max_new_tokens" in ev else " on held-out prompts")
+    rows = [
+        ("training loss, first -> last", f"{ev['loss_first']:.3f} -> {ev['loss_last']:.3f} nats"
+         + (f" (means of {window} steps)" if window else "")),
+        ("held-out loss, last evaluation", "-" if held is None else f"{held:.3f} nats"),
+        ("tau, untrained -> trained drafter", f"{ev['tau_untrained']:.3f} -> {ev['tau_trained']:.3f} tokens per "
+         f"target forward{prompts}"),
+    ]
+    if "tau_by_step" in ev:
+        rows.append(("tau by training step", ", ".join(f"{k}: {v:.3f}" for k, v in ev["tau_by_step"].items())))
+    speed = f"{ev['speedup']:.2f}x"
+    if "tokens_per_s" in ev and "baseline_tokens_per_s" in ev:
+        speed += f" ({ev['tokens_per_s']:.1f} vs {ev['baseline_tokens_per_s']:.1f} tokens/s)"
+    rows.append(("speedup vs plain greedy decoding (wall clock)", speed))
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return f'<table class="summary evaluation"><tbody>{body}</tbody></table>'
 
 
 def _fmt(column: str, value: Any) -> str:

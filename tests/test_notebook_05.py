@@ -1,0 +1,61 @@
+"""notebooks/05_evaluate.ipynb: committed clean, and executed by papermill on a real smoke training run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from dflash_lib.evaluate import RUN_SUMMARY_KEYS
+from dflash_lib.runs import notebook_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
+PARAMETERS = {"run", "drafter", "target", "tokenizer", "prompts", "max_new_tokens", "out_dir"}
+
+
+def test_notebook_is_committed_clean_with_one_parameters_cell():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    assert set(notebook_parameters(NOTEBOOK)) == PARAMETERS
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    source = "\n".join(c.source for c in code)
+    assert "def " not in source and "class " not in source
+    assert len(source.splitlines()) < 150
+
+
+@pytest.mark.slow
+def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
+    papermill = pytest.importorskip("papermill")
+    from dflash_lib.config import from_params
+    from dflash_lib.models.export import read_doc
+    from dflash_lib.train import train
+
+    os.environ["WANDB_MODE"] = "disabled"
+    run04 = tmp_path / "04_train"  # notebook 04's layout: the trainer's folder is train/
+    train(from_params(dict(limit=300, max_len=512, hidden_size=32, target_layers=2, num_features=1, num_anchors=8,
+                           block_size=4, token_budget=2048, k=4, steps=4, ckpt_every=2, eval_every=2, eval_samples=4,
+                           prefetch=2, wandb_mode="disabled")), run04 / "train")
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    papermill.execute_notebook(
+        str(NOTEBOOK), str(tmp_path / "executed.ipynb"), kernel_name="python3", cwd=str(ROOT),
+        parameters=dict(run=str(run04), prompts=2, max_new_tokens=8, out_dir=str(out_dir)), progress_bar=False)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert set(RUN_SUMMARY_KEYS) <= set(summary)
+    assert list(summary["tau_by_step"]) == ["0", "2", "4"]  # untrained, the step-2 checkpoint, the final drafter
+    assert summary["tau_untrained"] == summary["tau_by_step"]["0"] and summary["tau_trained"] == summary["tau_by_step"]["4"]
+    assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8 and summary["outputs_equal_baseline"] == 2
+    assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / summary["baseline_tokens_per_s"])
+    assert summary["heldout_steps"] == [2, 4] and summary["heldout_loss_last"] > 0 and summary["loss_first"] > 0
+    assert summary["export"] == str(out_dir / "serving") and read_doc(out_dir / "serving")["block_size"] == 4
+    by_step = json.loads((out_dir / "by_step.json").read_text())
+    assert [r["step"] for r in by_step] == [0, 2, 4]
+    for name in ("tau_by_step", "acceptance", "loss_vs_heldout"):
+        assert (out_dir / f"{name}.json").is_file()
+        html = (out_dir / f"{name}.html").read_text()
+        assert "<html>" in html and "cdn.plot.ly" not in html.split("<body>")[0]
