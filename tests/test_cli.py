@@ -116,18 +116,19 @@ def _corpus(path: Path, answers: list[int]) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("answers, buckets", [([12], 2), ([5, 17, 40], 4)], ids=["one-record", "three-records"])
-def test_a_corpus_with_fewer_lengths_than_buckets_trains_and_says_so_once(tmp_path, answers, buckets):
-    """smoke asks for k=4 buckets: one record has 1 length (2 buckets: its own and the empty top one up to
-    max_len), three records have 3 (4 buckets)."""
+@pytest.mark.parametrize("answers, k, buckets", [([12], 4, 2), ([5, 17, 40], 6, 4)],
+                         ids=["one-record", "three-records"])
+def test_a_corpus_with_fewer_lengths_than_buckets_trains_and_says_so_once(tmp_path, answers, k, buckets):
+    """One record has 1 length: 2 buckets (its own and the empty top one up to max_len) of smoke's k=4; three
+    records have 3 lengths: 4 buckets of k=6."""
     corpus = _corpus(tmp_path / "corpus.jsonl", answers)
     run_dir = tmp_path / "run"
-    proc = cli("train", "--preset", "smoke", "-p", "source", str(corpus), "-p", "steps", "3", "-p",
-               "heldout_fraction", "0", "--run-dir", str(run_dir))
+    proc = cli("train", "--preset", "smoke", "-p", "source", str(corpus), "-p", "k", str(k), "-p", "steps", "3",
+               "-p", "heldout_fraction", "0", "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "buckets requested" in line]
-    assert warnings == [f"k=4 buckets requested, but the {len(answers)} sample(s) have only {len(answers)} "
+    assert warnings == [f"k={k} buckets requested, but the {len(answers)} sample(s) have only {len(answers)} "
                         f"distinct length(s): planning {buckets} bucket(s), one per length, the last one up to "
                         f"max_len=512"], proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
