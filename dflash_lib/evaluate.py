@@ -16,7 +16,9 @@ never trained on and the first ones its held-out evaluation scores. The split is
 each sample's hash checked against the store built now. A prompt is its sample's tokens before the first
 loss-masked (assistant) token: the conversation up to and including the assistant generation prompt, exactly
 as the template rendered it for training (no re-tokenization). Samples without an assistant token are passed
-over. `prompt_source` in the report says which split and which samples.
+over, and so is a prompt equal to one already taken (decoding it again measures nothing new: a third of the
+bundled corpus's samples start with an assistant turn, so their prompt is the generation prompt alone).
+`prompt_source` in the report says which split and which samples.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ class HeldOutPrompts:
 
 
 def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> HeldOutPrompts:
-    """The first `n` held-out samples (hash order) of `config`'s token store that have a prompt, each cut to
-    `sample_prompt`. The split: `run_dir/heldout.json` when given and present (every used sample's hash checked
+    """The first `n` held-out samples (hash order) of `config`'s token store with a prompt not taken before, each
+    cut to `sample_prompt`. The split: `run_dir/heldout.json` when given and present (every used sample's hash checked
     against the store), else `split_store(store, heldout_fraction)`. ConfigError when the split is empty or
     holds fewer than `n` usable samples."""
     from dflash_lib.data import build_token_store_from_config
@@ -125,7 +127,7 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
                f"heldout_fraction {fraction} of {len(store)} samples holds out none")
         raise ConfigError(f"no held-out prompts: {why}; train and evaluate with a larger -p heldout_fraction "
                           f"(e.g. 0.01) so that the prompts are samples the drafter never trained on")
-    prompts, indices = [], []
+    prompts, indices, seen = [], [], set()
     for i, h in zip(order, hashes):
         if len(prompts) == n:
             break
@@ -137,17 +139,19 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
             raise ConfigError(f"{recorded}: sample {i}'s tokens differ from the run's (hash {h:016x}): the token "
                               f"store built now (source, tokenizer, template, max_len, limit) is not the run's")
         prompt = sample_prompt(tokens, mask)
-        if prompt is not None:
+        if prompt is not None and tuple(prompt.tolist()) not in seen:
+            seen.add(tuple(prompt.tolist()))
             prompts.append([int(t) for t in prompt])
             indices.append(int(i))
     if len(prompts) < n:
-        raise ConfigError(f"prompts {n}: the held-out split holds only {len(prompts)} samples with a prompt "
+        raise ConfigError(f"prompts {n}: the held-out split holds only {len(prompts)} samples with a distinct prompt "
                           f"(heldout_fraction {fraction}, {len(order)} of {len(store)} samples held out); lower "
                           f"-p prompts or raise -p heldout_fraction")
     eos = store.meta.get("tokenizer", {}).get("eos_id")
     if eos is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer eos_id")
-    source = f"the first {len(prompts)} samples of {where}, each cut before its first assistant token"
+    source = (f"the first {len(prompts)} samples of {where} with distinct prompts, each cut before its first "
+              f"assistant token")
     return HeldOutPrompts(prompts, indices, len(order), len(store), int(eos), source)
 
 

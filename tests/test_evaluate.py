@@ -265,8 +265,14 @@ def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smok
     got = heldout_prompts(config, 3)
     from_run = heldout_prompts(config, 3, run_dir)  # the run's heldout.json: the same split
     assert got.indices == from_run.indices and got.prompts == from_run.prompts
-    with_prompt = [int(i) for i in split.heldout if store[int(i)][1].any() and not store[int(i)][1][0]]
-    assert got.indices == with_prompt[:3]
+    first, seen = [], set()  # the first held-out samples whose prompt is new (identical prompts decode once)
+    for i in split.heldout.tolist():
+        mask = store[i][1]
+        cut = tuple(store[i][0][:int(mask.argmax())].tolist()) if mask.any() and not mask[0] else None
+        if cut is not None and cut not in seen:
+            first.append(i)
+            seen.add(cut)
+    assert got.indices == first[:3] and len(set(map(tuple, got.prompts))) == 3
     assert not trained_on & set(got.indices)
     for i, prompt in zip(got.indices, got.prompts):
         tokens, mask = store[i]

@@ -48,7 +48,8 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     summary = json.loads((out_dir / "summary.json").read_text())
     assert set(RUN_SUMMARY_KEYS) <= set(summary)
     assert list(summary["tau_by_step"]) == ["0", "2", "4"]  # untrained, the step-2 checkpoint, the final drafter
-    assert summary["tau_untrained"] == summary["tau_by_step"]["0"] and summary["tau_trained"] == summary["tau_by_step"]["4"]
+    assert summary["tau_untrained"] == summary["tau_by_step"]["0"]
+    assert summary["tau_trained"] == summary["tau_by_step"]["4"]
     assert summary["prompts"] == 2 and summary["max_new_tokens"] == 8 and summary["outputs_equal_baseline"] == 2
     assert summary["speedup"] == pytest.approx(summary["tokens_per_s"] / summary["baseline_tokens_per_s"])
     assert summary["heldout_steps"] == [2, 4] and summary["heldout_loss_last"] > 0 and summary["loss_first"] > 0
