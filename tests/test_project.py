@@ -65,3 +65,16 @@ def test_ci_runs_make_test():
     assert "make test" in (REPO_ROOT / ".ci" / "run").read_text()
     readme = (REPO_ROOT / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_the_chain_ends_by_evaluating_the_training_run():
+    """Notebook 05 evaluates the run notebook 04 wrote, and the demo report embeds its figures."""
+    from dflash_lib.demo import CHAIN, KEY_FIGURES
+
+    assert [stem for stem, _ in CHAIN][-2:] == ["04_train", "05_evaluate"]
+    folders = {stem: Path("runs") / stem for stem, _ in CHAIN}
+    assert dict(CHAIN)["05_evaluate"](folders) == {"run": str(Path("runs") / "04_train")}
+    assert [name for stem, name in KEY_FIGURES if stem == "05_evaluate"] == ["tau_by_step", "acceptance",
+                                                                             "loss_vs_heldout"]
+    declared = notebook_parameters(REPO_ROOT / "notebooks" / "04_train.ipynb")
+    assert {"ckpt_every", "eval_every"} <= declared.keys()  # so that a run has checkpoints to evaluate
