@@ -28,6 +28,13 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
             vs the Pipeline (a target worker thread on its own CUDA stream); Ktok/s of each and their ratio.
   drafting  `acceptance_length` with the bf16 target and the trained drafter (bf16 autocast) on a few prompts;
             its outputs must equal the target's own greedy decoding token for token.
+  fsdp      the trainer's FSDP2 engine (`distributed.Engine("fsdp")`: fully_shard per drafter layer and the root,
+            bf16 parameters / fp32 reduction on CUDA) in a 1-rank process group (NCCL on CUDA, gloo on CPU) against
+            the same drafter without FSDP (fp32 master weights, bf16 autocast on CUDA): 3 accumulated steps
+            (2 micro-batches each) of `train.train_step`; the losses' max relative difference (<= 3e-2 on CUDA:
+            bf16 parameters against an fp32 master; <= 1e-5 on CPU, fp32 both), and `Engine.full_weights`
+            giving plain full tensors under the plain names. (2-rank FSDP is covered on CPU/gloo by
+            tests/test_torchrun.py; one GPU cannot hold a 2-rank NCCL group.)
 --quick: tiny shapes everywhere, 3 steps, for any device (CUDA-only parts are skipped with a reason).
 """
 
@@ -180,6 +187,62 @@ def section_parity(device: torch.device, quick: bool) -> dict[str, Any]:
                                          **{f"rel_err_{k}": v for k, v in errs.items()}))
     out["ok"] = worst_ok
     return out
+
+
+# -- e. FSDP2 with the trainer's mixed precision ---------------------------------------------------------------
+
+
+def section_fsdp(device: torch.device) -> dict[str, Any]:
+    import copy
+    import socket
+
+    import torch.distributed as dist
+
+    from dflash_lib import distributed as D
+    from dflash_lib.feed import Item
+
+    cuda = device.type == "cuda"
+    target, drafter = small_models(device, torch.bfloat16 if cuda else torch.float32, "blocks")
+    twin = copy.deepcopy(drafter)  # the same initial weights, for the FSDP engine
+    object.__setattr__(twin, "target", target)  # one target, shared (the trainer's replica)
+    rng = np.random.default_rng(1)
+    items = []
+    for m in range(2):
+        docs = [(rng.integers(0, 511, n), np.arange(n) >= 4) for n in (90, 57, 120)]
+        batch = collate_padded(docs, 0)
+        layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(m)))
+        dev = batch.to(device)
+        with torch.no_grad():
+            feats = target.features(dev, target.segments(batch.doc_ids))
+        items.append(Item(0, batch, dev, feats, layout=layout, device_layout=layout.to(device)))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            device_id=device if cuda else None)
+    try:
+        losses: dict[str, list[float]] = {}
+        for kind, model in (("single", drafter), ("fsdp", twin)):
+            engine = D.Engine(model, kind, 1, device)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-3, fused=cuda)
+            guard = BadStepGuard(3)
+            losses[kind] = [train_step(engine, items, params, opt, 1e-3, 1.0, cuda, guard, k + 1).loss
+                            for k in range(3)]
+            if kind == "fsdp":
+                dtensors = sum(type(p).__name__ == "DTensor" for p in params)
+                full = engine.full_weights()
+                plain = all(type(t) is torch.Tensor for t in full.values())
+                names = sorted(full) == sorted(n for n, p in drafter.named_parameters() if p.requires_grad)
+    finally:
+        dist.destroy_process_group()
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses["fsdp"], losses["single"]))
+    tol = 3e-2 if cuda else 1e-5
+    return dict(ok=rel <= tol and dtensors == len(params) and plain and names, losses_single=losses["single"],
+                losses_fsdp=losses["fsdp"], max_rel_diff=rel, tolerance=tol, sharded_params=dtensors,
+                full_weights_plain=plain, full_weights_names_match=names,
+                precision="bf16 params / fp32 reduce" if cuda else "fp32")
 
 
 # -- b, c, d: the 0.6B-shaped run -------------------------------------------------------------------------------
@@ -451,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded("pipeline", lambda: section_pipeline(run_box["run"]), summary)  # still runs: the code path works
         summary["pipeline"]["ratio_meaning"] = "CPU: both paths share the same cores; the ratio says nothing"
     guarded("drafting", lambda: section_drafting(run_box["run"]), summary)
-    sections = ("parity", "train", "pipeline", "drafting")
+    guarded("fsdp", lambda: section_fsdp(device), summary)
+    sections = ("parity", "train", "pipeline", "drafting", "fsdp")
     summary["ok"] = all(summary[s].get("ok") is not False for s in sections)
     summary["total_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary, default=lambda o: o if not isinstance(o, torch.Tensor) else o.tolist()))

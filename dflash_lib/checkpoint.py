@@ -1,19 +1,32 @@
-"""Crash-safe checkpoints: atomic directory writes, sha256 manifests, verified loads with fallback.
+"""Crash-safe distributed checkpoints on `torch.distributed.checkpoint` (DCP): every rank writes its own shard.
 
 On disk, one checkpoint is one directory `ckpt-<step:08d>/` in a checkpoint folder:
 ```
 ckpt-00000120/
-  state.pt        torch.save of the caller's state dict (tensors, numbers, strings, None, lists/tuples/dicts)
-  manifest.json   format version, step, config hash, world size, sha256 and size of every file, JSON meta
+  dcp/            DCP: .metadata + __<rank>_<i>.distcp, the TENSORS of the state, each rank writing its part
+                  (FSDP shards are disjoint; replicated DDP tensors are spread over the ranks by DCP's dedup)
+  objects.pt      the rest of the state (numbers, strings, lists, dicts; torch.save by rank 0, read weights_only)
+  rank-<r>.pt     each rank's own state (its RNG streams), saved alongside by that rank
+  manifest.json   the completion marker, written LAST: format, step, config hash, world size, size and sha256
+                  of every file above (each rank hashes the files it wrote), JSON meta
 ```
-A save writes everything into a hidden temp directory in the same folder, fsyncs each file and the directory,
-then renames it to `ckpt-<step>` and fsyncs the folder: a reader sees either the whole checkpoint or none of
-it, and `kill -9` at any moment leaves the previous ones untouched. Older checkpoints are deleted only after the
-new one is durable. Loads use `torch.load(weights_only=True)`, so a checkpoint can never run code on load.
+A save writes everything into a hidden temp directory in the same folder (named by rank 0, shared by all
+ranks), fsyncs each file, then rank 0 writes the manifest, fsyncs it and the directory, renames the directory
+to `ckpt-<step>` and fsyncs the folder: a reader sees either the whole checkpoint or none of it, a folder without
+its manifest is skipped, and `kill -9` at any moment leaves the previous ones untouched. Older checkpoints are
+deleted only after the new one is durable. With `async_save` the tensors are staged in host memory and written by
+a background thread; `PendingSave.wait()` (the trainer calls it at the next save and at the end) commits.
+
+Loads verify sizes and checksums first. `load_checkpoint` reads a whole checkpoint as plain tensors in one
+process (export, tests); `load_into` reads the tensors in place into a template of another sharding (DCP
+reshards: a checkpoint of W ranks loads at any world size, DDP or FSDP). Nothing is ever unpickled: objects and
+rank files are read with `torch.load(weights_only=True)`. Every rank must see the same folder (a shared
+filesystem across nodes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import errno
@@ -28,20 +41,25 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .config import Config
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # bump when the on-disk layout changes; loads refuse other versions
-STATE_FILE = "state.pt"  # torch.save of the state dict
-MANIFEST_FILE = "manifest.json"  # plain JSON metadata and checksums
+FORMAT_VERSION = 2  # bump when the on-disk layout changes; loads refuse other versions (2: DCP shards)
+DCP_DIR = "dcp"  # torch.distributed.checkpoint folder of the state's tensors
+OBJECTS_FILE = "objects.pt"  # the state without its tensors (placeholders name them)
+RANK_FILE = "rank-{rank}.pt"  # one rank's own state
+MANIFEST_FILE = "manifest.json"  # plain JSON metadata and checksums: the completion marker, written last
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 _TEMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(\d+)-[0-9a-f]{8}$")  # .tmp-<name>-<pid>-<hex>, .trash-<name>-<pid>-<hex>
-_HASH_CHUNK = 1 << 20  # bytes read per sha256 update when verifying
+_RANK_RE = re.compile(r"^rank-(\d+)\.pt$")
+_HASH_CHUNK = 1 << 20  # bytes read per sha256 update
+_TENSOR = "__dcp_tensor__"  # placeholder key in objects.pt: {_TENSOR: "<key of the tensor in dcp/>"}
 
 # Settings that may change between a stop and a resume without changing the batches, anchors or losses.
 RESUME_NEUTRAL_KEYS = frozenset({
@@ -49,11 +67,14 @@ RESUME_NEUTRAL_KEYS = frozenset({
     "wandb_project", "out_dir", "queue_timeout_s", "close_timeout_s", "prefetch", "hs_queue", "workers",
     "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps", "probe_rounds",
     "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
+    "parallel", "async_ckpt",  # DDP and FSDP share one checkpoint layout; async only changes when bytes land
 })
-# TEST HOOK, used only by the fault-injection tests (tests/test_faults.py): when set, every save pauses this many
-# seconds after writing state.pt and before the manifest and the rename, announcing it on stderr, so that a test
-# can `kill -9` the process in the middle of a save. Never set it in a real run.
+# TEST HOOK, used only by the fault-injection tests (tests/test_faults.py, tests/test_torchrun.py): when set, every
+# save pauses this many seconds after every rank wrote its files and before the manifest and the rename (rank 0,
+# announced on stderr), so that a test can `kill -9` the job in the middle of a save. Never set it in a real run.
 SAVE_DELAY_ENV = "DFLASH_TEST_SAVE_DELAY_S"
+
+
 
 
 class CheckpointError(RuntimeError):
@@ -61,7 +82,7 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoints in a folder belong to another config or world size: resuming would mix two runs."""
+    """The checkpoints in a folder belong to another config: resuming would mix two runs."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +96,8 @@ class Manifest:
     format_version: int  # FORMAT_VERSION of the writer
     step: int  # optimizer steps completed when the checkpoint was taken
     config_hash: str  # the run's config hash (see resume_config_hash)
-    world_size: int  # number of processes of the run that wrote it
-    files: dict[str, FileEntry]  # file name inside the checkpoint directory -> checksum and size
+    world_size: int  # number of processes of the run that wrote it (a resume may have another)
+    files: dict[str, FileEntry]  # path inside the checkpoint directory ("dcp/__0_0.distcp") -> checksum and size
     meta: dict[str, Any]  # free-form JSON the caller attached (e.g. the config as a dict, epoch)
     created_utc: str  # ISO-8601 time of the save
 
@@ -110,11 +131,14 @@ class Manifest:
             if not isinstance(entry, dict) or set(entry) != {"sha256", "bytes"} \
                     or not isinstance(entry["sha256"], str) or type(entry["bytes"]) is not int:
                 raise CheckpointError(f"{where}: manifest entry for file {name!r} is malformed: {entry!r}")
-            if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
+            parts = name.split("/")
+            if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or name == MANIFEST_FILE \
+                    or len(parts) > 2:
                 raise CheckpointError(f"{where}: manifest names an invalid file {name!r}")
             files[name] = FileEntry(entry["sha256"], entry["bytes"])
-        if STATE_FILE not in files:
-            raise CheckpointError(f"{where}: manifest does not list {STATE_FILE}")
+        for required in (OBJECTS_FILE, f"{DCP_DIR}/.metadata"):
+            if required not in files:
+                raise CheckpointError(f"{where}: manifest does not list {required}")
         return cls(**{**raw, "files": files})
 
 
@@ -138,84 +162,47 @@ def resume_config_hash(config: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Saving
+# The state: tensors for DCP, everything else for objects.pt
 
 
-def save_checkpoint(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config_hash: str,
-                    world_size: int = 1, keep_last: int = 3, meta: dict[str, Any] | None = None) -> Path:
-    """Write `state` atomically as `<ckpt_dir>/ckpt-<step:08d>/` and keep the newest `keep_last` checkpoints.
-
-    `state` may hold only what `torch.load(weights_only=True)` reads back: tensors, bool/int/float/str/None and
-    lists/tuples/dicts of them (optimizer and scheduler `state_dict()`s qualify; convert RNG states with
-    `dflash_lib.rng.capture_rng` and numpy arrays with `torch.from_numpy`). `meta` is stored as JSON in the
-    manifest. An existing checkpoint of the same step is replaced. Returns the checkpoint directory.
-
-    Raises CheckpointError (naming the folder) when the disk refuses the write (full disk, quota, file-size
-    limit); the temp files are then removed and earlier checkpoints are untouched.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    if type(step) is not int or step < 0:
-        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-    if type(keep_last) is not int or keep_last < 1:
-        raise CheckpointError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    if type(world_size) is not int or world_size < 1:
-        raise CheckpointError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not isinstance(config_hash, str) or not config_hash:
-        raise CheckpointError(f"config_hash must be a non-empty string, got {config_hash!r}")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
-    check_loadable(state)
-    meta = {} if meta is None else meta
-    try:
-        meta = json.loads(json.dumps(meta, allow_nan=False))  # a JSON-faithful copy, refused early if not JSON
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"meta must be plain JSON (dict of str/int/float/bool/None/lists/dicts): {e}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"meta must be a dict, got {type(meta).__name__}")
-
-    final = ckpt_dir / f"ckpt-{step:08d}"
-    tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(ckpt_dir)
-        tmp.mkdir()
-        entry = _write_state(tmp / STATE_FILE, state)
-        _test_pause(step, tmp)
-        manifest = Manifest(FORMAT_VERSION, step, config_hash, world_size, {STATE_FILE: entry}, meta,
-                            _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-        _write_durable(tmp / MANIFEST_FILE, manifest.to_json().encode())
-        _fsync_dir(tmp)
-        _install(tmp, final)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "?"
-        previous = [p.name for p in list_checkpoints(ckpt_dir) if p != final] if ckpt_dir.is_dir() else []
-        raise CheckpointError(
-            f"could not write the checkpoint of step {step} to {ckpt_dir}: {e.strerror or e} [{code}] "
-            f"(file {e.filename or '?'}); the partial files were removed and the previous checkpoints "
-            f"({', '.join(previous[-1:]) or 'none'}) are untouched") from e
-    except BaseException:  # KeyboardInterrupt, a signal handler's exception: leave no temp behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        _prune(ckpt_dir, keep_last)
-    except OSError as e:  # the new checkpoint is durable; failing to delete old ones must not fail the save
-        log.warning("checkpoint %s saved, but pruning older checkpoints in %s failed: %s", final, ckpt_dir, e)
-    return final
+def split_state(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """(the state with every tensor replaced by {_TENSOR: key}, {key: tensor}); keys are the '/'-joined paths."""
+    if isinstance(state, torch.Tensor):
+        return {_TENSOR: path}, {path: state}
+    if isinstance(state, dict):
+        out, tensors = {}, {}
+        for k, v in state.items():
+            out[k], sub = split_state(v, f"{path}/{k}" if path else str(k))
+            tensors.update(sub)
+        return out, tensors
+    if isinstance(state, (list, tuple)):
+        pairs = [split_state(v, f"{path}/{i}") for i, v in enumerate(state)]
+        items = [p[0] for p in pairs]
+        tensors = {k: t for _, sub in pairs for k, t in sub.items()}
+        return (items if isinstance(state, list) else tuple(items)), tensors
+    return state, {}
 
 
-def _test_pause(step: int, tmp: Path) -> None:
-    """The SAVE_DELAY_ENV test hook (a no-op unless the variable is set)."""
-    raw = os.environ.get(SAVE_DELAY_ENV)
-    if not raw:
-        return
-    try:
-        delay = float(raw)
-    except ValueError:
-        raise CheckpointError(f"{SAVE_DELAY_ENV}={raw!r} must be a number of seconds") from None
-    print(f"{SAVE_DELAY_ENV}: pausing {delay} s inside the save of step {step} ({tmp.name})", file=sys.stderr,
-          flush=True)
-    time.sleep(delay)
+def join_state(objects: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `split_state`."""
+    if isinstance(objects, dict):
+        if set(objects) == {_TENSOR}:
+            return tensors[objects[_TENSOR]]
+        return {k: join_state(v, tensors) for k, v in objects.items()}
+    if isinstance(objects, (list, tuple)):
+        items = [join_state(v, tensors) for v in objects]
+        return items if isinstance(objects, list) else tuple(items)
+    return objects
+
+
+def _tensor_keys(objects: Any) -> list[str]:
+    if isinstance(objects, dict):
+        if set(objects) == {_TENSOR}:
+            return [objects[_TENSOR]]
+        return [k for v in objects.values() for k in _tensor_keys(v)]
+    if isinstance(objects, (list, tuple)):
+        return [k for v in objects for k in _tensor_keys(v)]
+    return []
 
 
 def check_loadable(state: Any, path: str = "state") -> None:
@@ -238,42 +225,288 @@ def check_loadable(state: Any, path: str = "state") -> None:
         f"numpy scalars with .item(), RNG states with dflash_lib.rng.capture_rng)")
 
 
-class _HashingWriter:
-    """File wrapper for torch.save: hashes and counts the bytes, and remembers an OSError that torch would
-    otherwise turn into an opaque RuntimeError."""
+# ---------------------------------------------------------------------------------------------------------
+# Saving
 
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.bytes = 0
-        self.error: OSError | None = None
 
-    def write(self, data: bytes) -> int:
+def _rank_world(group: Any) -> tuple[int, int]:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather(value: Any, group: Any) -> list[Any]:
+    """Every rank's JSON-able `value` (the group's timeout bounds the wait); [value] in one process."""
+    if _rank_world(group)[1] == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, its cause, or the one a DCP CheckpointException wraps."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for exc, _ in failures.values():
+                if (found := _os_error(exc)) is not None:
+                    return found
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    os_err = _os_error(e)
+    if os_err is not None:
+        code = errno.errorcode.get(os_err.errno, str(os_err.errno)) if os_err.errno else "?"
+        return f"{os_err.strerror or os_err} [{code}] (file {os_err.filename or '?'})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+class PendingSave:
+    """A checkpoint whose files are being written; `wait()` finishes it (every rank calls it) and returns the
+    checkpoint directory. Raises CheckpointError on every rank when any rank failed; the partial files are then
+    removed and earlier checkpoints are untouched."""
+
+    def __init__(self, ckpt_dir: Path, tmp: Path, final: Path, step: int, manifest: Callable[[dict], "Manifest"],
+                 keep_last: int, group: Any, future: Any, error: str | None,
+                 cause: BaseException | None) -> None:
+        self.ckpt_dir, self.tmp, self.final, self.step = ckpt_dir, tmp, final, step
+        self._manifest, self.keep_last, self.group = manifest, keep_last, group
+        self._future, self._error, self._cause = future, error, cause
+        self.done: Path | None = None
+
+    def wait(self) -> Path:
+        if self.done is not None:
+            return self.done
+        rank, world = _rank_world(self.group)
+        error, cause = self._error, self._cause
+        if self._future is not None and error is None:
+            try:
+                result = self._future
+                getattr(result, "upload_completion", result).result()  # async_save: Future or AsyncSaveResponse
+            except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                error, cause = _describe(e), e
+        entries: dict[str, dict] = {}
+        if error is None:
+            try:
+                entries = _hash_own_files(self.tmp, rank)
+            except OSError as e:
+                error, cause = _describe(e), e
+        gathered = _all_gather({"error": error, "files": entries}, self.group)
+        errors = [g["error"] if world == 1 else f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
+        outcome: str | None = None
+        if rank == 0:
+            try:
+                if errors:
+                    raise CheckpointError("; ".join(errors))
+                files = {k: v for g in gathered for k, v in g["files"].items()}
+                _test_pause(self.step, self.tmp)
+                manifest = self._manifest({k: FileEntry(**v) for k, v in sorted(files.items())})
+                _write_durable(self.tmp / MANIFEST_FILE, manifest.to_json().encode())  # the completion marker
+                _fsync_dir(self.tmp)
+                _install(self.tmp, self.final)
+            except (OSError, CheckpointError) as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    cause = e
+                detail = str(e) if isinstance(e, CheckpointError) else _describe(e)
+                previous = [p.name for p in list_checkpoints(self.ckpt_dir) if p != self.final]
+                outcome = (f"could not write the checkpoint of step {self.step} to {self.ckpt_dir}: {detail}; the "
+                           f"partial files were removed and the previous checkpoints "
+                           f"({', '.join(previous[-1:]) or 'none'}) are untouched")
+        if world > 1:
+            outcome = _all_gather(outcome, self.group)[0]  # rank 0's verdict, on every rank
+        if outcome is not None:
+            raise CheckpointError(outcome) from (_os_error(cause) or cause if cause is not None else None)
+        if rank == 0:
+            try:
+                _prune(self.ckpt_dir, self.keep_last)
+            except OSError as e:  # the new checkpoint is durable; failing to delete old ones must not fail the save
+                log.warning("checkpoint %s saved, but pruning older checkpoints in %s failed: %s", self.final,
+                            self.ckpt_dir, e)
+        self.done = self.final
+        return self.final
+
+
+def start_save(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config_hash: str,
+               keep_last: int = 3, meta: dict[str, Any] | None = None, rank_state: dict[str, Any] | None = None,
+               async_save: bool = False, group: Any = None) -> PendingSave:
+    """Begin writing `state` as `<ckpt_dir>/ckpt-<step:08d>/`; `.wait()` on the result commits it and keeps the
+    newest `keep_last` checkpoints. A collective when `group` (a process group) is given: every rank calls it
+    with the same structure of `state` (its tensors may be DTensor shards or replicas), its own `rank_state`,
+    and the same step.
+
+    `state` may hold tensors (written by DCP, each rank its part) and what `torch.load(weights_only=True)` reads
+    back: bool/int/float/str/None and lists/tuples/dicts (optimizer `state_dict()`s qualify; convert RNG states
+    with `dflash_lib.rng.capture_rng` and numpy arrays with `torch.from_numpy`); its non-tensor part is written
+    by rank 0. `meta` is stored as JSON in the manifest. `async_save`: DCP stages the tensors in host memory and
+    writes them in a background thread (`dcp.async_save`); this call returns once staged.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = Path(ckpt_dir)
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+    if type(keep_last) is not int or keep_last < 1:
+        raise CheckpointError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    if not isinstance(config_hash, str) or not config_hash:
+        raise CheckpointError(f"config_hash must be a non-empty string, got {config_hash!r}")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
+    check_loadable(state)
+    if rank_state is not None:
+        check_loadable(rank_state, "rank_state")
+    meta = {} if meta is None else meta
+    try:
+        meta = json.loads(json.dumps(meta, allow_nan=False))  # a JSON-faithful copy, refused early if not JSON
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"meta must be plain JSON (dict of str/int/float/bool/None/lists/dicts): {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"meta must be a dict, got {type(meta).__name__}")
+    rank, world = _rank_world(group)
+    objects, tensors = split_state(state)
+    if not tensors:  # DCP writes its .metadata for any state; an empty one keeps the layout uniform
+        tensors = {"_": torch.zeros(1)}
+    final = ckpt_dir / f"ckpt-{step:08d}"
+
+    name, error = None, None
+    if rank == 0:  # rank 0 names the temp directory and creates it; every rank writes into it
+        tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            n = self.f.write(data)
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temps(ckpt_dir)
+            (tmp / DCP_DIR).mkdir(parents=True)
+            name = tmp.name
         except OSError as e:
-            self.error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = _describe(e)
+            previous = [p.name for p in list_checkpoints(ckpt_dir)] if ckpt_dir.is_dir() else []
+            msg = (f"could not write the checkpoint of step {step} to {ckpt_dir}: {error}; the partial files were "
+                   f"removed and the previous checkpoints ({', '.join(previous[-1:]) or 'none'}) are untouched")
+            if world == 1:
+                raise CheckpointError(msg) from e
+            name = "!" + msg
+    if world > 1:
+        name = _all_gather(name, group)[0]
+    if name.startswith("!"):
+        raise CheckpointError(name[1:])
+    tmp = ckpt_dir / name
+    manifest = lambda files: Manifest(FORMAT_VERSION, step, config_hash, world, files, meta,  # noqa: E731
+                                      _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    error, cause, future = None, None, None
+    try:
+        if rank_state is not None:
+            _save_durable(tmp / RANK_FILE.format(rank=rank), rank_state)
+        if rank == 0:
+            _save_durable(tmp / OBJECTS_FILE, objects)
+    except (OSError, RuntimeError) as e:  # torch.save wraps some OSErrors in RuntimeError
+        error, cause = _describe(e), e
+    writer = dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True)
+    kwargs = {"process_group": group} if group is not None else {"no_dist": True}
+    if async_save and group is None:
+        _ignore_one_process_warning_everywhere()  # before _quiet(), whose exit restores the filters
+    try:
+        with _quiet():
+            if async_save:
+                future = dcp.async_save(tensors, storage_writer=writer, **kwargs)
+            else:
+                dcp.save(tensors, storage_writer=writer, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException) on every rank
+        if isinstance(e, KeyboardInterrupt):
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.sha.update(data)
-        self.bytes += len(data)
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
+        error, cause = error or _describe(e), cause or e
+    return PendingSave(ckpt_dir, tmp, final, step, manifest, keep_last, group, future, error, cause)
 
 
-def _write_state(path: Path, state: dict[str, Any]) -> FileEntry:
+def save_checkpoint(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config_hash: str,
+                    keep_last: int = 3, meta: dict[str, Any] | None = None,
+                    rank_state: dict[str, Any] | None = None, group: Any = None) -> Path:
+    """`start_save(...).wait()`: write `state` atomically as `<ckpt_dir>/ckpt-<step:08d>/` and return it.
+
+    Raises CheckpointError (naming the folder) when the disk refuses the write (full disk, quota, file-size
+    limit); the temp files are then removed and earlier checkpoints are untouched. An existing checkpoint of the
+    same step is replaced.
+    """
+    pending = start_save(ckpt_dir, state, step, config_hash=config_hash, keep_last=keep_last, meta=meta,
+                         rank_state=rank_state, group=group)
+    try:
+        return pending.wait()
+    except BaseException:  # KeyboardInterrupt, a signal handler's exception: leave no temp behind
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Silence DCP's "assuming the intent is to save in a single process" warning: one process is intended. (An
+    async save warns from its background thread, outside this context: `_ONE_PROCESS` is filtered there too.)"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+        yield
+
+
+def _ignore_one_process_warning_everywhere() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+
+
+_ONE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
+
+
+def _save_durable(path: Path, obj: Any) -> None:
     with open(path, "wb") as f:
-        writer = _HashingWriter(f)
-        try:
-            torch.save(state, writer)
-        except RuntimeError:
-            if writer.error is not None:
-                raise writer.error from None
-            raise
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    return FileEntry(writer.sha.hexdigest(), writer.bytes)
+
+
+def _sha256(path: Path) -> FileEntry:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return FileEntry(sha.hexdigest(), size)
+
+
+def _hash_own_files(tmp: Path, rank: int) -> dict[str, dict]:
+    """{relative path: {sha256, bytes}} of the files this rank wrote (DCP names them __<rank>_<i>.distcp; rank 0
+    also owns .metadata and objects.pt): the ranks hash in parallel, each reading back only its own bytes."""
+    out = {}
+    mine = [tmp / RANK_FILE.format(rank=rank)]
+    if rank == 0:
+        mine += [tmp / OBJECTS_FILE, tmp / DCP_DIR / ".metadata"]
+    mine += sorted((tmp / DCP_DIR).glob(f"__{rank}_*"))
+    for p in mine:
+        if p.is_file():
+            out[str(p.relative_to(tmp))] = dataclasses.asdict(_sha256(p))
+    return out
+
+
+def _test_pause(step: int, tmp: Path) -> None:
+    """The SAVE_DELAY_ENV test hook (a no-op unless the variable is set)."""
+    raw = os.environ.get(SAVE_DELAY_ENV)
+    if not raw:
+        return
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise CheckpointError(f"{SAVE_DELAY_ENV}={raw!r} must be a number of seconds") from None
+    print(f"{SAVE_DELAY_ENV}: pausing {delay} s inside the save of step {step} ({tmp.name})", file=sys.stderr,
+          flush=True)
+    time.sleep(delay)
 
 
 def _write_durable(path: Path, data: bytes) -> None:
@@ -314,7 +547,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (killed, not yet reaped: a torchrun rank whose agent died with it) saves nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _remove_stale_temps(ckpt_dir: Path) -> None:
@@ -387,60 +624,113 @@ def verify_checkpoint(path: str | Path) -> Manifest:
             size = fpath.stat().st_size
             if size != entry.bytes:
                 raise CheckpointError(f"{fpath} has {size} bytes, the manifest records {entry.bytes} (truncated?)")
-            sha = hashlib.sha256()
-            with open(fpath, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    sha.update(chunk)
+            got = _sha256(fpath)
         except FileNotFoundError:
             raise CheckpointError(f"{fpath} is missing") from None
         except OSError as e:
             raise CheckpointError(f"{fpath} cannot be read: {e}") from None
-        if sha.hexdigest() != entry.sha256:
-            raise CheckpointError(f"{fpath} fails its checksum (sha256 {sha.hexdigest()[:12]}... != recorded "
+        if got.sha256 != entry.sha256:
+            raise CheckpointError(f"{fpath} fails its checksum (sha256 {got.sha256[:12]}... != recorded "
                                   f"{entry.sha256[:12]}...): the file is corrupt")
     return manifest
 
 
-def check_compatible(manifest: Manifest, path: Path, config_hash: str, world_size: int) -> None:
-    """Refuse (CheckpointMismatchError) a checkpoint of another config or world size."""
+def check_compatible(manifest: Manifest, path: Path, config_hash: str) -> None:
+    """Refuse (CheckpointMismatchError) a checkpoint of another config. Another world size is fine: DCP
+    reshards the tensors and the trainer's data position is global."""
     if manifest.config_hash != config_hash:
         raise CheckpointMismatchError(
             f"run folder {path.parent} holds checkpoints of another config (hash {manifest.config_hash} != "
             f"{config_hash}); use --fresh or another --run-dir")
-    if manifest.world_size != world_size:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was written by {manifest.world_size} process(es) but this run has world size "
-            f"{world_size}; resume with --nproc-per-node {manifest.world_size}, or use --fresh or another --run-dir")
+
+
+def _load_small(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for unreadable files; name the file
+        raise CheckpointError(f"{path} cannot be loaded with weights_only=True: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def load_objects(path: str | Path) -> Any:
+    """The non-tensor part of a checkpoint's state (tensors still as placeholders)."""
+    objects = _load_small(Path(path) / OBJECTS_FILE)
+    if not isinstance(objects, dict):
+        raise CheckpointError(f"{Path(path) / OBJECTS_FILE} holds a {type(objects).__name__}, not a state dict")
+    return objects
+
+
+def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
+    """Rank `rank`'s own state saved alongside (None when the writing run had no such rank)."""
+    p = Path(path) / RANK_FILE.format(rank=rank)
+    return _load_small(p) if p.is_file() else None
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Manifest]:
-    """Verify one checkpoint directory and load its state with `weights_only=True`."""
+    """Verify one checkpoint directory and load its whole state in THIS process, every tensor full and plain
+    (a DTensor shard of any world size comes back as the full tensor). For export and inspection; the trainer
+    reads into its own sharding with `load_into`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # what dcp_to_torch_save uses
+
     path = Path(path)
     manifest = verify_checkpoint(path)
+    objects = load_objects(path)
+    flat: dict[str, Any] = {}
     try:
-        state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for unreadable files; name the file
-        raise CheckpointError(f"{path / STATE_FILE} cannot be loaded with weights_only=True: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path / STATE_FILE} holds a {type(state).__name__}, not a state dict")
-    return state, manifest
+        with _quiet():
+            _load_state_dict(flat, storage_reader=dcp.FileSystemReader(str(path / DCP_DIR)),
+                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"{path / DCP_DIR} cannot be read: {_describe(e)}") from None
+    missing = [k for k in _tensor_keys(objects) if k not in flat]
+    if missing:
+        raise CheckpointError(f"{path / DCP_DIR} lacks the tensors {missing[:5]}")
+    tensors = {k: v.to(map_location) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return join_state(objects, tensors), manifest
 
 
-def load_latest(ckpt_dir: str | Path, config_hash: str, world_size: int = 1,
-                map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
-    """Load the newest checkpoint in `ckpt_dir` that verifies; None when the folder holds no checkpoint.
+def load_into(path: str | Path, template: dict[str, Any], group: Any = None) -> dict[str, Any]:
+    """The checkpoint's state with its tensors read IN PLACE into `template`'s tensors (same structure; plain
+    tensors or DTensor shards of this run's sharding, on any device). A collective when `group` is given. The
+    checkpoint must have been verified by the caller (`find_latest` on rank 0)."""
+    import torch.distributed.checkpoint as dcp
 
-    A corrupt or partial checkpoint is skipped with a warning naming the file and the reason, and the one
-    before it is tried. Raises CheckpointMismatchError when a checkpoint belongs to another config hash or
-    world size, and CheckpointError when checkpoints exist but none verifies.
-    """
+    path = Path(path)
+    objects = load_objects(path)
+    _, flat = split_state(template)
+    saved = set(_tensor_keys(objects))
+    missing = sorted(set(flat) - saved)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s) this run needs: {missing[:5]}")
+    try:
+        kwargs = {"process_group": group} if group is not None else {"no_dist": True}
+        with _quiet():
+            dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path / DCP_DIR)), **kwargs)
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"{path / DCP_DIR} cannot be read: {_describe(e)}") from None
+    return join_state(objects, {**{k: None for k in saved}, **flat})
+
+
+def find_latest(ckpt_dir: str | Path, config_hash: str) -> tuple[Manifest, Path] | None:
+    """The newest checkpoint in `ckpt_dir` that verifies (sizes and sha256 of every file); None when the folder
+    holds no checkpoint. A corrupt or partial one is skipped with a warning naming the file and the reason, and
+    the one before it is tried. Raises CheckpointMismatchError when a checkpoint belongs to another config hash,
+    and CheckpointError when checkpoints exist but none verifies."""
     ckpt_dir = Path(ckpt_dir)
     skipped: list[str] = []
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            check_compatible(read_manifest(path), path, config_hash, world_size)
-            state, _ = load_checkpoint(path, map_location)
+            check_compatible(read_manifest(path), path, config_hash)
+            manifest = verify_checkpoint(path)
+            load_objects(path)
         except CheckpointMismatchError:
             raise
         except CheckpointError as e:
@@ -449,11 +739,22 @@ def load_latest(ckpt_dir: str | Path, config_hash: str, world_size: int = 1,
             continue
         if skipped:
             log.warning("resuming from %s after skipping %d newer checkpoint(s)", path.name, len(skipped))
-        return state, path
+        return manifest, path
     if skipped:
         raise CheckpointError(f"no loadable checkpoint in {ckpt_dir}; refused: " + "; ".join(skipped)
                               + ". Use --fresh to start over or another --run-dir")
     return None
+
+
+def load_latest(ckpt_dir: str | Path, config_hash: str,
+                map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Path] | None:
+    """`find_latest`, then `load_checkpoint` of it: (the whole state as plain tensors, its directory) or None."""
+    found = find_latest(ckpt_dir, config_hash)
+    if found is None:
+        return None
+    _, path = found
+    state, _ = load_checkpoint(path, map_location)
+    return state, path
 
 
 def fresh_run_dir(ckpt_dir: str | Path) -> int:
@@ -471,4 +772,3 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
     if removed:
         _fsync_dir(ckpt_dir)
     return removed
-

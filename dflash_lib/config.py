@@ -175,7 +175,8 @@ class TrainConfig:
     fresh: bool = False  # delete the run folder's checkpoints and start over instead of resuming
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
-    emulate_ranks: int = 0  # single process: train each step on the batches of this many ranks (torchrun's); 0 = off
+    parallel: str = "ddp"  # under torchrun: "ddp" (DistributedDataParallel) | "fsdp" (FSDP2, a unit per drafter layer)
+    async_ckpt: bool = False  # checkpoints staged in host memory, written in the background, committed at the next save
     eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
     eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
 
@@ -194,7 +195,7 @@ class TrainConfig:
         _positive("max_bad_steps", self.max_bad_steps)
         _positive("dist_timeout_s", self.dist_timeout_s)
         _non_negative("stop_at_step", self.stop_at_step)
-        _non_negative("emulate_ranks", self.emulate_ranks)
+        _choice("parallel", self.parallel, ("ddp", "fsdp"))
         _non_negative("eval_every", self.eval_every)
         _non_negative("eval_samples", self.eval_samples)
 

@@ -1,18 +1,23 @@
-"""torch.distributed glue: one process or a torchrun group, behind the same few calls.
+"""torch.distributed glue: one process or a torchrun group, behind the same few calls, and torch's own engines.
 
-`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
-joins a process group (gloo on CPU, NCCL on CUDA) whose collectives give up after `timeout_s`, so a dead peer
-makes the others fail with a DistributedError instead of hanging. Without torchrun it is a single process and
-every collective is a no-op. Call sites stay the same either way: `all_reduce_sum`, `all_gather_bytes`,
-`is_main`, `print0`, `barrier`, `destroy`.
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; set
+alike by --standalone and by c10d rendezvous across nodes) and joins a process group (gloo on CPU, NCCL on CUDA)
+whose collectives give up after `timeout_s`, so a dead peer makes the others fail with a DistributedError
+instead of hanging. Without torchrun it is a single process and every collective is a no-op. Call sites stay the
+same either way: `all_reduce_sum`, `all_gather_bytes`, `is_main`, `print0`, `barrier`, `destroy`.
+
+`wrap_drafter` puts the drafter on an `Engine`: DistributedDataParallel (default) or FSDP2 (`fully_shard`), the
+frozen target replicated on every rank, never wrapped. `checkpoint_group` is a gloo group for checkpoint
+collectives whose timeout is sized for the save (`checkpoint_timeout_s`), not for a training step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -190,6 +195,33 @@ def _collective(name: str, call: Callable[[], object]) -> None:
                                f"answer within {failed.timeout_s} s): {type(e).__name__}: {e}") from e
 
 
+_PEER_FAILURE = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                 "peer", "rendezvous", "store")  # how gloo/NCCL word a dead or late peer inside a backward
+
+
+@contextlib.contextmanager
+def collective_errors(name: str) -> Any:
+    """Around work that runs collectives inside torch (DDP's bucketed all-reduce in the backward, FSDP's
+    all-gather and reduce-scatter): a peer's failure becomes the same DistributedError as `_collective`'s (the
+    group is aborted so the process exits with its own error); any other error passes through unchanged."""
+    if not _group_active():
+        yield
+        return
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - filtered below
+        text = str(e).lower()
+        if not (isinstance(e, getattr(dist, "DistError", ())) or any(w in text for w in _PEER_FAILURE)):
+            raise
+        global _info
+        failed, _info = _info, None
+        _abort_group()
+        assert failed is not None
+        raise DistributedError(f"rank {failed.rank}/{failed.world_size}: {name} failed (a peer died or did not "
+                               f"answer within {failed.timeout_s} s): {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+
 def _abort_group() -> None:
     """Tear down a process group whose peers are gone. Without this, the group's destructor at interpreter exit
     can hit std::terminate (SIGABRT) instead of letting the process exit with its own error code."""
@@ -203,7 +235,122 @@ def _abort_group() -> None:
 
 def destroy() -> None:
     """Leave the process group (if any) and forget the DistInfo; safe to call twice."""
-    global _info
+    global _info, _ckpt_group
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _info = None
+    _info, _ckpt_group = None, None
+
+
+# -- data parallel engines ----------------------------------------------------------------------------------------
+PARALLEL = ("ddp", "fsdp")  # `train.parallel`: torch's DistributedDataParallel, or FSDP2 (fully_shard)
+
+
+class LossForward(torch.nn.Module):
+    """The drafter's training loss as a module `forward`, so that DDP and FSDP2 see every call (their hooks live
+    on `forward`). `drafter` is a submodule; the frozen target it references is not (it is replicated)."""
+
+    def __init__(self, drafter: torch.nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, features, layout, normalizer):  # noqa: ANN001 - see DFlashDrafter.loss
+        return self.drafter.loss(batch, features, layout, normalizer=normalizer)
+
+
+class Engine:
+    """How the drafter is trained across ranks. `kind`: "single" (one process: the drafter as it is), "ddp"
+    (DistributedDataParallel over the drafter: bucketed gradient all-reduce overlapped with the backward) or
+    "fsdp" (FSDP2: `fully_shard` per drafter layer, then the root; parameters, gradients and AdamW state are
+    sharded over the ranks). `drafter` stays the plain module (its parameter names carry no wrapper prefix);
+    under FSDP its parameters are DTensor shards.
+
+    DDP and FSDP average gradients over ranks; the trainer's losses are already normalised by the GLOBAL weight
+    sum, so `loss_scale` (= world size) multiplies each loss back before its backward: the reduced gradient is
+    then the sum over ranks, exactly as one process holding every micro-batch computes it.
+    """
+
+    def __init__(self, drafter: torch.nn.Module, kind: str, world_size: int, device: torch.device) -> None:
+        if kind not in ("single", *PARALLEL):
+            raise DistributedError(f"parallel must be one of {PARALLEL}, got {kind!r}")
+        self.drafter, self.kind, self.world_size = drafter, kind, world_size
+        self.loss_scale = float(world_size) if kind != "single" else 1.0
+        root = LossForward(drafter)
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(
+                root, device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,  # the drafter's only buffer (RoPE inv_freq) is a constant
+                gradient_as_bucket_view=True)  # grads live in the all-reduce buckets: no second copy
+        elif kind == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if device.type == "cuda" else MixedPrecisionPolicy())  # CPU: fp32 throughout (exact tests)
+            for layer in drafter.layers:  # one unit per layer: its all-gather overlaps the previous layer
+                fully_shard(layer, mp_policy=mp)
+            self.module = fully_shard(root, mp_policy=mp)  # the root: fc, norms
+        else:
+            self.module = root
+
+    def loss(self, batch, features, layout, normalizer):  # noqa: ANN001
+        """DFlashDrafter.loss through the engine (its forward hooks run)."""
+        return self.module(batch, features, layout, normalizer)
+
+    def grad_sync(self, enabled: bool) -> Any:
+        """Context of one micro-batch's backward: `enabled` False defers the gradient reduction (DDP `no_sync`,
+        FSDP `set_requires_gradient_sync(False)`), so an accumulation step reduces once, on its last backward."""
+        if self.kind == "ddp" and not enabled:
+            return self.module.no_sync()
+        if self.kind == "fsdp":
+            self.module.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The drafter's trainable weights as full, plain CPU tensors named as in the plain module (no `module.`
+        prefix, no DTensor). A collective under FSDP (every rank calls it; rank 0 gets the tensors, the others
+        an empty dict)."""
+        if self.kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.drafter, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+            trainable = {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+            return {n: t for n, t in full.items() if n in trainable}
+        return {n: p.detach().cpu() for n, p in self.drafter.named_parameters() if p.requires_grad}
+
+
+def wrap_drafter(drafter: torch.nn.Module, parallel: str = "ddp") -> Engine:
+    """The Engine for this process: "single" without a process group, else `parallel` ("ddp" | "fsdp")."""
+    d = info()
+    kind = parallel if _group_active() else "single"
+    if kind not in ("single", *PARALLEL):
+        raise DistributedError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
+    return Engine(drafter, kind, d.world_size, d.device)
+
+
+# -- the checkpoint group -------------------------------------------------------------------------------------------
+_ckpt_group: Any = None
+CKPT_MIN_WRITE_BYTES_S = 100e6  # the slowest storage we plan for (bytes/s per rank): a network disk under load
+
+
+def checkpoint_timeout_s(state_bytes: float, world_size: int, base_s: float) -> float:
+    """Seconds a checkpoint collective may wait: `base_s` (dist_timeout_s, the bound for a dead rank) plus
+    twice the time one rank needs to write its share of a `state_bytes` state (DCP spreads replicated tensors
+    over the ranks; FSDP shards are disjoint) and read it back for its checksum, at CKPT_MIN_WRITE_BYTES_S.
+    The paper drafter (~1.0 B parameters: 12 GB of fp32 weights + AdamW) on 8 ranks: 60 + 2 * 2 * 1.5 GB /
+    100 MB/s = 120 s; on 1 rank of a 2-rank run, 300 s."""
+    per_rank = state_bytes / max(1, world_size)
+    return float(base_s) + 2.0 * 2.0 * per_rank / CKPT_MIN_WRITE_BYTES_S
+
+
+def checkpoint_group(timeout_s: float) -> Any:
+    """A gloo process group for checkpoint collectives (DCP's planning and commit, async saves in a background
+    thread), with its own timeout sized for the save (`checkpoint_timeout_s`); None without a process group.
+    Created on first use: every rank must call it at the same point (the first save or load)."""
+    global _ckpt_group
+    if not _group_active():
+        return None
+    if _ckpt_group is None:
+        _ckpt_group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    return _ckpt_group

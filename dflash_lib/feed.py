@@ -36,10 +36,11 @@ class Work:
 
     epoch: int  # sampler epoch
     step: int  # sampler step within the epoch (0-based): once consumed, a resume restarts at step + 1
-    shard: int  # the rank whose batch this is (this process's rank, or 0..W-1 when emulating W ranks)
-    last_shard: bool  # the last shard of its sampler step: the step is fully consumed with this item
-    indices: list[int]  # sample indices in the store
+    shard: int  # the data shard whose batch this is (0..D-1; -1: none, a rank with no shard of this step)
+    last_shard: bool  # this rank's last item of its sampler step: the step is fully consumed with it
+    indices: list[int]  # sample indices in the store ([] for shard -1)
     index: int = 0  # sampler steps drawn before this one since the run began (the noise schedule's clock)
+    step_end: bool = True  # the last item of its OPTIMIZER step (the same sampler step on every rank)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Item:
     device_layout: DraftLayout | None = None  # the same on the training device
     ready: torch.cuda.Event | None = None  # recorded on the target worker's stream once every device tensor above
     # is written (CUDA); None where the worker ran on the consumer's stream (CPU)
+    step_end: bool = True  # the last item of its optimizer step (see Work)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every tensor of device_batch, features and device_layout (the ones written on the worker's stream)."""
@@ -163,36 +165,55 @@ def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Seq
 
 
 def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = (0, 0), done: int = 0,
-                  shards: Sequence[int] | None = None) -> Iterator[Work]:
+                  shards: Sequence[int] | None = None, lengths: Any = None, accum_tokens: int = 0,
+                  data_shards: int = 1) -> Iterator[Work]:
     """Work items in training order from the sampler position `start` = (epoch, step within that epoch), over
     successive epochs, until `max_steps` sampler steps in all (`done` of them were consumed before `start`;
     None = endless).
 
-    A sampler with `epoch_plan` (every EpochBatchSampler) is read from its plan: step s yields
-    plan.batch(s, r) for each rank r in `shards` (default: the sampler's own rank), so one process can also
-    take the batches of several ranks. Any other batch sampler (set_epoch + iteration) yields its own batches,
-    skipping the first `step` of the start epoch.
+    Data shards: a sampler with `epoch_plan` (every EpochBatchSampler) is planned for `data_shards` = D shards,
+    the D batches of one sampler step forming the GLOBAL batch whatever the world size; step s yields
+    plan.batch(s, d) for each shard d in `shards` (this rank's: d % world == rank), so W ranks split the same D
+    batches (W < D: several per rank, accumulated; W > D: some ranks take none). A rank with no shard yields one
+    empty Work (shard -1) per sampler step, so that every rank takes every step's collectives. Any other batch
+    sampler (set_epoch + iteration; one process, D = 1) yields its own batches, skipping the first `step` of the
+    start epoch.
+
+    Optimizer steps: with `accum_tokens` > 0 one step spans whole sampler steps until the sampler's tokens of all
+    D shards (`lengths` (N,) summed over the indices, samples failing validation included) reach
+    accum_tokens * D; else one sampler step is one optimizer step. `step_end` marks the last item of each
+    optimizer step, on every rank alike: the cut is a function of the plan, not of the world size.
     """
     epoch, first = start
     plan_of = getattr(sampler, "epoch_plan", None)
     shards = [int(getattr(sampler, "rank", 0))] if shards is None else [int(r) for r in shards]
-    if plan_of is None and len(shards) != 1:
-        raise ConfigError(f"taking the batches of {len(shards)} ranks needs a sampler with an epoch plan; "
+    if plan_of is None and (len(shards) != 1 or data_shards != 1):
+        raise ConfigError(f"taking {len(shards)} of {data_shards} data shards needs a sampler with an epoch plan; "
                           f"{type(sampler).__name__} has none")
-    n = done
+    if accum_tokens > 0 and lengths is None:
+        raise ConfigError("accum_tokens > 0 needs the samples' lengths to cut optimizer steps")
+    n, tokens = done, 0
     while max_steps is None or n < max_steps:
         if plan_of is not None:
             plan = plan_of(epoch)
             steps: Iterator[tuple[int, list[list[int]]]] = (
-                (s, [plan.batch(s, r) for r in shards]) for s in range(first, plan.num_steps))
+                (s, [plan.batch(s, d) for d in range(data_shards)]) for s in range(first, plan.num_steps))
         else:
             sampler.set_epoch(epoch)
             steps = ((s, [list(b)]) for s, b in enumerate(sampler) if s >= first)
         empty = True
         for s, per_shard in steps:
             empty = False
-            for k, (r, indices) in enumerate(zip(shards, per_shard)):
-                yield Work(epoch, s, r, k == len(shards) - 1, indices, n)
+            if accum_tokens > 0:
+                tokens += sum(int(np.asarray(lengths)[b].sum()) for b in per_shard if len(b))
+                end = tokens >= accum_tokens * data_shards
+                tokens = 0 if end else tokens
+            else:
+                end = True
+            mine = [(d, per_shard[d] if plan_of is not None else per_shard[0]) for d in shards] or [(-1, [])]
+            for k, (d, indices) in enumerate(mine):
+                last = k == len(mine) - 1
+                yield Work(epoch, s, d, last, indices, n, step_end=last and end)
             n += 1
             if max_steps is not None and n >= max_steps:
                 return
@@ -234,7 +255,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                 local.threads = threads
             w = c.work
             if c.batch is None:
-                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips)
+                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips, step_end=w.step_end)
             with contextlib.ExitStack() as on:
                 hand_over = None
                 if use_streams:
@@ -254,19 +275,18 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                     ready = torch.cuda.Event()
                     ready.record(hand_over)  # after the features and every copy above
             return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
-                        dev_layout, ready)
+                        dev_layout, ready, w.step_end)
         return run
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]
 
 
-def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float],
-                    accum_tokens: int) -> tuple[list[Item], float, bool]:
-    """The micro-batches of one optimizer step: whole sampler steps (every shard of one) until `accum_tokens`
-    real tokens (at least one sampler step). Returns (items, seconds blocked on data, stream ended);
-    `last_wait_s()` is the wait of the latest `next(it)` (the pipeline's `last_wait_s`)."""
+def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float]) -> tuple[list[Item], float, bool]:
+    """The micro-batches of one optimizer step: items up to the one marked `step_end` (see `epoch_batches`).
+    Returns (items, seconds blocked on data, stream ended); `last_wait_s()` is the wait of the latest `next(it)`
+    (the pipeline's `last_wait_s`)."""
     items: list[Item] = []
-    wait, tokens = 0.0, 0
+    wait = 0.0
     while True:
         try:
             item = next(it)
@@ -274,6 +294,5 @@ def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float],
             return items, wait, True
         wait += last_wait_s()
         items.append(item)
-        tokens += item.batch.real_tokens if item.batch is not None else 0
-        if item.last_shard and tokens >= accum_tokens:
+        if item.step_end:
             return items, wait, False

@@ -1,7 +1,8 @@
 """What a training run finds in its run folder decides whether it resumes, starts, or refuses.
 
-    checkpoints/ckpt-<step>/ of this config      -> resume from the newest one that verifies
-    a checkpoint of another config or world size -> CheckpointMismatchError (never mix two runs)
+    checkpoints/ckpt-<step>/ of this config      -> resume from the newest one that verifies (at any world size:
+                                                    DCP reshards, the data position is global)
+    a checkpoint of another config               -> CheckpointMismatchError (never mix two runs)
     no trainer output at all                     -> start at step 0
     only the traces of a run of THIS config that died before its first checkpoint (config.json with the same
     resume hash, metrics.jsonl, wandb/, a checkpoints/ without a checkpoint) -> start at step 0 over them
@@ -22,9 +23,8 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from dflash_lib.checkpoint import fresh_run_dir, load_latest
+from dflash_lib.checkpoint import CheckpointError, find_latest, fresh_run_dir, load_objects
 from dflash_lib.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,11 @@ FINAL_OUTPUTS = frozenset({"summary.json", "drafter"})
 
 @dataclass
 class ResumePoint:
-    """Where a run starts: a verified checkpoint's state, or nothing (step 0)."""
+    """Where a run starts: a verified checkpoint, or nothing (step 0)."""
 
-    state: dict[str, Any] | None  # the checkpoint's state dict (None = start from scratch)
-    path: Path | None  # the checkpoint directory it came from
+    path: Path | None  # the checkpoint directory (None = start from scratch)
     step: int  # optimizer steps completed in that checkpoint (0 = none)
+    data_shards: int = 0  # the data shards its run cut every sampler step into (0 = none yet: the world size)
 
 
 def _own_name(name: str) -> bool:
@@ -80,22 +80,25 @@ def recorded_resume_hash(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def find_resume_point(run_dir: str | Path, resume_hash: str, world_size: int) -> ResumePoint:
-    """Inspect `run_dir` (read only) and say where the run starts; refuses a folder that would mix runs.
+def find_resume_point(run_dir: str | Path, resume_hash: str) -> ResumePoint:
+    """Inspect `run_dir` (read only; the newest checkpoint's checksums are verified) and say where the run
+    starts; refuses a folder that would mix runs.
 
-    Raises CheckpointMismatchError for checkpoints of another config or world size, CheckpointError when
-    checkpoints exist but none verifies, and ConfigError for other trainer outputs without a checkpoint.
+    Raises CheckpointMismatchError for checkpoints of another config, CheckpointError when checkpoints exist
+    but none verifies, and ConfigError for other trainer outputs without a checkpoint.
     """
     run_dir = Path(run_dir)
-    found = load_latest(run_dir / CHECKPOINTS, resume_hash, world_size)
+    found = find_latest(run_dir / CHECKPOINTS, resume_hash)
     if found is not None:
-        state, path = found
-        step = state.get("step")
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"checkpoint {path} records no valid step ({step!r})")
-        return ResumePoint(state, path, step)
+        manifest, path = found
+        trainer = load_objects(path).get("trainer")
+        shards = trainer.get("data_shards") if isinstance(trainer, dict) else None
+        if type(shards) is not int or shards < 1:
+            raise CheckpointError(f"checkpoint {path} holds no trainer state with its data shards (not written "
+                                  f"by the trainer?); use --fresh or another --run-dir")
+        return ResumePoint(path, manifest.step, shards)
     if not run_dir.exists():
-        return ResumePoint(None, None, 0)
+        return ResumePoint(None, 0)
     if not run_dir.is_dir():
         raise ConfigError(f"run folder {run_dir} exists and is not a folder")
     names = {p.name for p in run_dir.iterdir()}
@@ -111,7 +114,7 @@ def find_resume_point(run_dir: str | Path, resume_hash: str, world_size: int) ->
         if METRICS_FILE in names:
             log.warning("run folder %s holds a run of this config that stopped before its first checkpoint: "
                         "starting over", run_dir)
-        return ResumePoint(None, None, 0)
+        return ResumePoint(None, 0)
     raise ConfigError(f"run folder {run_dir} already holds {why} but no checkpoint of this config to resume; "
                       f"use --fresh (fresh=True) to clear it, or another --run-dir")
 

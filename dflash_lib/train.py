@@ -23,6 +23,7 @@ Steps are numbered from 1 in logs (step 1 = the first optimizer step); the sched
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -38,7 +39,8 @@ import torch
 
 from dflash_lib import distributed
 from dflash_lib.batch import Batch
-from dflash_lib.checkpoint import CheckpointError, resume_config_hash, save_checkpoint
+from dflash_lib.checkpoint import (CheckpointError, PendingSave, load_into, load_objects, load_rank_state,
+                                   resume_config_hash, start_save)
 from dflash_lib.config import Config, ConfigError, TrainConfig
 from dflash_lib.feed import (Item, Work, bucket_of, epoch_batches, make_collate, make_prepare,  # noqa: F401
                              make_target_workers, next_step_items)  # Work, bucket_of: re-exported for this module's callers
@@ -58,7 +60,7 @@ from dflash_lib.runs import environment, new_run_dir, write_json
 from dflash_lib.stop import StopRequest
 from dflash_lib.validate import BadStepGuard, SkipCounter
 
-TRAIN_STATE_FORMAT = 2  # layout of the trainer's checkpoint state; bump when it changes
+TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
 
 # -- schedules -------------------------------------------------------------------------------------------------
 
@@ -124,26 +126,19 @@ def gather_states(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [torch.load(io.BytesIO(b), weights_only=True) for b in distributed.all_gather_bytes(buf.getvalue())]
 
 
-def rank_shards(cfg: TrainConfig, dist: distributed.DistInfo) -> list[int]:
-    """The ranks whose batches this process trains on: its own, or all W of `emulate_ranks` = W (one process
-    reproducing a W-rank torchrun run: same global batches, same per-rank anchor generators)."""
-    if cfg.emulate_ranks <= 1:
-        return [dist.rank]
-    if dist.world_size > 1:
-        raise ConfigError(f"emulate_ranks={cfg.emulate_ranks} reproduces a torchrun run in ONE process; this run "
-                          f"already has {dist.world_size} processes")
-    if cfg.accum_tokens > 0:
-        raise ConfigError(f"emulate_ranks={cfg.emulate_ranks} needs accum_tokens=0 (one micro-batch per rank per "
-                          f"step): with token accumulation every rank would cut its steps differently")
-    return list(range(cfg.emulate_ranks))
+def rank_shards(rank: int, world_size: int, data_shards: int) -> list[int]:
+    """The data shards (0..D-1 of every sampler step) this rank trains on: d % world_size == rank. W == D: its
+    own; W < D: several, accumulated in one step (a 2-rank run resumed by one process); W > D: one or none."""
+    return list(range(rank, data_shards, world_size))
 
 
 def plan_steps(cfg: TrainConfig, batches_per_epoch: int, corpus_tokens: int, world: int) -> tuple[int, int | None]:
     """(optimizer steps for the schedule, sampler steps to draw or None = until the steps are done).
 
     steps > 0: exactly that many steps, the sampler cycling through epochs. Otherwise `epochs` epochs of
-    micro-batches; with token accumulation the step count is estimated as epochs * corpus_tokens / world /
-    accum_tokens (the run ends when the micro-batches do; `lr_at` holds the floor past an estimate).
+    sampler steps; with token accumulation the step count is estimated as epochs * corpus_tokens / world /
+    accum_tokens, `world` being the data shards D (the run ends when the sampler steps do; `lr_at` holds the
+    floor past an estimate).
     """
     if cfg.steps > 0:
         return cfg.steps, None
@@ -177,17 +172,29 @@ class StepResult:
     # block's own leading run of correct positions (`models.loss.leading_run_stats`); nan with no block
 
 
-def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-               lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int) -> StepResult:
+def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+               lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int,
+               filler: Item | None = None) -> StepResult:
     """One optimizer step over `items`, whose drafter work was laid out on the host in the feed stage
     (`Item.layout`, `Item.device_layout`): the global weight sum first (host floats), then one forward/backward
     per micro-batch normalised by it, then clip and update. Returns the step's statistics (summed over ranks).
 
+    `engine`: a `distributed.Engine` (DDP, FSDP2 or one process), or a plain drafter (one process). Micro-batches
+    but the last run under `grad_sync(False)` (DDP no_sync): the gradients are reduced once, overlapped with the
+    last backward, in buckets. Each loss is multiplied by the engine's `loss_scale` (the world size) because DDP
+    and FSDP AVERAGE over ranks while the loss is already normalised by the global weight sum: the reduced
+    gradient is the sum, as one process holding every micro-batch computes it. A rank with nothing scored in a
+    step where other ranks scored runs `filler` (a tiny item whose loss weights are zero) so it still joins the
+    reduction (its gradient contribution is exactly zero).
+
     The device work makes ONE device-to-host transfer (the step's statistics and gradient norm together) and no
-    other sync. Items whose batch is None (every sample failed validation) contribute nothing. No update when
-    nothing was scored, or when the global loss is not finite (`guard` counts those and raises after
-    `max_bad_steps` in a row)."""
-    device = params[0].device
+    other sync. Items whose batch is None (every sample failed validation, or a rank with no data shard)
+    contribute nothing. No update when nothing was scored, or when the global loss is not finite (`guard` counts
+    those and raises after `max_bad_steps` in a row)."""
+    if not isinstance(engine, distributed.Engine):  # a plain drafter: one process
+        engine = distributed.Engine(engine, "single", 1, next(engine.parameters()).device)
+    drafter = engine.drafter
+    device = next(drafter.parameters()).device
     live = [it for it in items if it.batch is not None]
     if any(it.layout is None or it.device_layout is None for it in live):
         raise ValueError("train_step: every item needs its drafter layout (make_collate(prepare=...))")
@@ -197,23 +204,28 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
     n_pos = drafter.cfg.block_size - 1
     (weight_sum,) = all_reduce_floats([sum(local)])
     stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)  # see DrafterLoss.stats
-    for it, w in zip(live, local):
-        if w == 0:  # nothing scored in this micro-batch (no valid anchor): zero loss and gradient, skip the forward
-            continue
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = drafter.loss(it.device_batch, it.features, it.device_layout, normalizer=weight_sum)
-        out.loss.backward()
-        stats = stats + out.stats()
+    scored = [it for it, w in zip(live, local) if w > 0]  # nothing scored: zero loss and gradient, no forward
+    runs = scored if scored or engine.kind == "single" or not weight_sum > 0 else [filler]
+    if runs and runs[0] is None:
+        raise ValueError("train_step: this rank has nothing to score in a step other ranks train on; the engine "
+                         "needs a `filler` item to join the gradient reduction")
+    with distributed.collective_errors(f"{engine.kind} gradient reduction"):
+        for i, it in enumerate(runs):
+            with engine.grad_sync(i == len(runs) - 1):
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                    out = engine.loss(it.device_batch, it.features, it.device_layout, weight_sum)
+                (out.loss * engine.loss_scale if engine.loss_scale != 1 else out.loss).backward()
+            if it is not filler:
+                stats = stats + out.stats()
     real = sum(it.batch.real_tokens for it in live)
     padded = sum(it.batch.padded_tokens for it in live)
     head_rows = sum(it.layout.num_scored for it in live)  # this rank's work
-    if distributed.info().world_size > 1:
-        for p in params:  # every rank reduces every tensor in the same order, even where it saw no data
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = distributed.all_reduce_sum(grad)  # losses are globally normalised already: sum
     have_grads = any(p.grad is not None for p in params)
-    norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if have_grads
-            else torch.zeros((), device=device))
+    with distributed.collective_errors("gradient norm"):  # FSDP: the norm of sharded gradients is a collective
+        norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if have_grads
+                else torch.zeros((), device=device))
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the same global norm on every rank
+            norm = norm.full_tensor()
     host = torch.cat([stats, norm.double().reshape(1)]).tolist()  # the step's one device-to-host transfer
     sums = all_reduce_floats([*host[:-1], real, padded])
     ce, correct = sums[0], sums[1]
@@ -236,6 +248,23 @@ def train_step(drafter: Any, items: Sequence[Item], params: list[torch.nn.Parame
         tau_inbatch=tau_sum / tau_blocks if tau_blocks > 0 else math.nan)
 
 
+def filler_item(drafter: Any, target: TargetModel, device: torch.device) -> Item:
+    """A one-document item whose loss weights are all zero: what a rank with nothing to score runs so that it
+    still joins DDP's/FSDP's gradient reduction (every drafter parameter gets an exactly-zero gradient)."""
+    from dataclasses import replace
+
+    from dflash_lib.batch import collate_padded
+
+    tokens = np.arange(1, drafter.cfg.block_size + 3, dtype=np.int64) % max(2, drafter.cfg.vocab_size - 1)  # (L,)
+    batch = collate_padded([(tokens, np.ones(len(tokens), dtype=np.uint8))], 0)
+    layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)))
+    layout = replace(layout, weights=torch.zeros_like(layout.weights), weight_sum=0.0)
+    dev_batch = batch.to(device)
+    with torch.no_grad():
+        features = target.features(dev_batch, target.segments(batch.doc_ids))
+    return Item(0, batch, dev_batch, features, layout=layout, device_layout=layout.to(device))
+
+
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW on the trainable parameters, fused on CUDA. The lr is set by `lr_at` before every step."""
     if not params:
@@ -243,12 +272,22 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: 
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
 
 
-def save_drafter(drafter: Any, directory: Path, **info: str) -> Path:
-    """drafter.save (`info`: its README's template, source, target_name) into a temporary sibling, then rename:
-    a reader never sees half a checkpoint."""
+def save_drafter(drafter: Any, directory: Path, weights: dict[str, torch.Tensor] | None = None, **info: str) -> Path:
+    """The drafter in the serving layout (fp32; `info`: its README's template, source, target_name) into a
+    temporary sibling, then rename: a reader never sees half a folder. `weights`: its full trainable weights
+    (`Engine.full_weights`: plain tensors whatever engine trained it); None = the drafter's own parameters."""
+    from dflash_lib.models import export
+
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save(tmp, **info)
+    if weights is None:
+        drafter.save(tmp, **info)
+    else:
+        hf = drafter.target.model.config
+        name = info.get("target_name") or drafter.target.name_or_path or "an in-memory model (no path)"
+        meta = export._training_info(hf, name, info.get("template", ""), info.get("source", ""))
+        export.write_folder(drafter.cfg, weights, tmp, torch.float32,
+                            int(getattr(hf, "max_position_embeddings", 0) or 0), meta)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return directory
@@ -272,6 +311,7 @@ class TrainingParts:
     edges: list[int]  # bucket upper edges in tokens, for the bucket id of padded batches ([] = no buckets)
     heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
     full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
+    data_shards: int = 1  # D: batches per sampler step (the sampler's plan width), shared by the ranks
 
 
 def full_run_tokens(cfg: TrainConfig, lengths: np.ndarray) -> float:
@@ -312,7 +352,7 @@ class Trainer:
     """One training run over `parts`: the loop, its metrics, its checkpoints and its outputs (see `run_training`)."""
 
     def __init__(self, config: Config, parts: TrainingParts, run_dir: Path, clock: Callable[[], float],
-                 setup_s: float, resume: dict[str, Any] | None = None, stop: StopRequest | None = None,
+                 setup_s: float, resume: Path | None = None, stop: StopRequest | None = None,
                  sinks: Sequence[Any] = ()) -> None:
         self.config, self.parts, self.run_dir, self.clock, self.setup_s = config, parts, run_dir, clock, setup_s
         self.extra_sinks = list(sinks)  # more `log(metrics, step)` / `close()` sinks on rank 0 (e.g. a live figure)
@@ -320,17 +360,21 @@ class Trainer:
         tc, self.dist = config.train, distributed.info()
         self.main = self.dist.rank == 0
         self.device = parts.targets[0].device
-        self.params = [p for p in parts.drafter.parameters() if p.requires_grad]
+        self.engine = distributed.wrap_drafter(parts.drafter, tc.parallel)  # DDP / FSDP2 / one process
+        self.params = [p for p in parts.drafter.parameters() if p.requires_grad]  # FSDP: the DTensor shards
         self.opt = build_optimizer(self.params, tc, self.device)
-        self.shards = rank_shards(tc, self.dist)
+        self.data_shards = parts.data_shards
+        self.shards = rank_shards(self.dist.rank, self.dist.world_size, self.data_shards)
         self.total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
-                                                        max(self.dist.world_size, len(self.shards)))
+                                                        self.data_shards)
+        self.filler = (filler_item(parts.drafter, parts.targets[0], self.device) if self.engine.kind != "single"
+                       else None)
         self.guard = BadStepGuard(tc.max_bad_steps)
         self.skips = SkipCounter()
         self.full_tokens = full_run_tokens(tc, parts.lengths)
         self.meter = ThroughputMeter(clock=clock)
         self.step = 0  # optimizer steps completed
-        self.position = (0, 0)  # (epoch, sampler step) of the next batch to consume
+        self.position = (0, 0)  # (epoch, sampler step) of the next batch to consume (the same on every rank)
         self.batches_done = 0  # sampler steps consumed since the run began
         self.skipped_all = 0  # samples skipped by validation since the run began, all ranks
         self.loss_mean, self.acc_mean = RunningMean(), RunningMean()
@@ -340,96 +384,122 @@ class Trainer:
         self.ckpt_dir = run_dir / CHECKPOINTS
         self.resume_hash = resume_config_hash(config)
         self.resumed_from = 0
-        self.saved_step = -1  # step of the newest checkpoint written or loaded
+        self.saved_step = -1  # step of the newest checkpoint written, started or loaded
         self.checkpoint: Path | None = None
-        self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (rank 0; built in run)
+        self.pending: PendingSave | None = None  # an async save not yet committed
+        self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built in run)
         self.last_eval: dict[str, Any] = {}  # the latest held-out figures (heldout_step + HELDOUT_KEYS)
         if resume is not None:
-            self.load_state_dict(resume)
+            self.load(Path(resume))
 
     # -- checkpoint state -------------------------------------------------------------------------------------
 
-    def rank_state(self) -> dict[str, Any]:
-        """What differs between ranks: data position, global RNG streams, skip counts. (Anchors need no
-        state: each micro-batch's draw is seeded by its sampler position, `feed.anchor_seed`.)"""
+    def trainer_state(self, skips: SkipCounter) -> dict[str, Any]:
+        """The loop's own state, the same on every rank: step (the lr schedule is a function of it), the GLOBAL
+        data position (epoch, sampler step consumed, sampler steps done) and the sampler's fingerprint, the data
+        shards D, the guard, token and skip counters (`skips`: every rank's, merged), running means, the last
+        metrics row. (Anchors need no state: each micro-batch's draw is seeded by its sampler position.)"""
+        m = self.meter
         epoch, step = self.position
-        state = {"rank": self.dist.rank, "position": {"epoch": epoch, "step": step, "done": self.batches_done},
-                 "rng": capture_rng(), "skips": self.skips.state_dict()}
+        state = {
+            "format": TRAIN_STATE_FORMAT, "step": self.step, "total_steps": self.total_steps,
+            "data_shards": self.data_shards, "world_size": self.dist.world_size,
+            "position": {"epoch": epoch, "step": step, "done": self.batches_done},
+            "guard": self.guard.state_dict(), "skips": skips.state_dict(),
+            "tokens": {"steps": m.steps, "real": m.real_tokens, "padded": m.padded_tokens,
+                       "skipped_samples": self.skipped_all},
+            "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
+                      "acc": [self.acc_mean.total, self.acc_mean.count]},
+            "last": self.last,
+        }
         sampler_state = getattr(self.parts.sampler, "state_dict", None)
         if sampler_state is not None:  # its fingerprint lets a resume refuse other data or sampler settings
             state["sampler"] = {**sampler_state(), "epoch": epoch, "step": step}
         return state
 
-    def state_dict(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        """The whole checkpoint: shared training state plus `ranks` (every rank's `rank_state`, in rank order)."""
-        m = self.meter
-        return {
-            "format": TRAIN_STATE_FORMAT, "step": self.step, "total_steps": self.total_steps,
-            "drafter": {n: p.detach().cpu() for n, p in self.parts.drafter.named_parameters() if p.requires_grad},
-            "optimizer": self.opt.state_dict(), "guard": self.guard.state_dict(),
-            "tokens": {"steps": m.steps, "real": m.real_tokens, "padded": m.padded_tokens,
-                       "skipped_samples": self.skipped_all},
-            "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
-                      "acc": [self.acc_mean.total, self.acc_mean.count]},
-            "last": self.last, "ranks": ranks,
-        }
+    def model_state(self) -> dict[str, Any]:
+        """Drafter weights and AdamW state in torch's distributed layout (`get_state_dict`): parameter names of
+        the plain drafter (no `module.` prefix) whatever the engine, DTensor shards under FSDP."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's state (refusing one that does not fit this run, with CheckpointError)."""
-        where = f"checkpoint of step {state.get('step')!r}"
-        if state.get("format") != TRAIN_STATE_FORMAT:
-            raise CheckpointError(f"{where}: trainer state format {state.get('format')!r} is not "
+        model, optim = get_state_dict(self.parts.drafter, self.opt)
+        return {"drafter": model, "optimizer": optim}
+
+    def load(self, path: Path) -> None:
+        """Continue from the checkpoint at `path` (verified by `prepare_run_dir`), at this run's world size and
+        engine: DCP reads each rank's part of the weights and AdamW state, whatever sharding wrote them.
+        Refuses one that does not fit this run with CheckpointError."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        trainer = load_objects(path).get("trainer") or {}
+        where = f"checkpoint {path}"
+        if trainer.get("format") != TRAIN_STATE_FORMAT:
+            raise CheckpointError(f"{where}: trainer state format {trainer.get('format')!r} is not "
                                   f"{TRAIN_STATE_FORMAT}; use --fresh or another --run-dir")
-        if state["total_steps"] != self.total_steps:
-            raise CheckpointError(f"{where}: planned {state['total_steps']} steps, this run plans "
+        if trainer["total_steps"] != self.total_steps:
+            raise CheckpointError(f"{where}: planned {trainer['total_steps']} steps, this run plans "
                                   f"{self.total_steps} (the corpus or sampler changed); use --fresh")
-        ranks = state["ranks"]
-        if len(ranks) != self.dist.world_size:
-            raise CheckpointError(f"{where}: holds {len(ranks)} rank states for a world of {self.dist.world_size}")
-        own = {n: p for n, p in self.parts.drafter.named_parameters() if p.requires_grad}
-        saved = state["drafter"]
-        bad = sorted(set(own) ^ set(saved)) + [n for n in own if n in saved and saved[n].shape != own[n].shape]
-        if bad:
-            raise CheckpointError(f"{where}: drafter weights do not match this model ({bad[:5]})")
-        with torch.no_grad():
-            for name, p in own.items():
-                p.copy_(saved[name])
-        self.opt.load_state_dict(state["optimizer"])
-        self.guard.load_state_dict(state["guard"])
+        if trainer["data_shards"] != self.data_shards:
+            raise CheckpointError(f"{where}: its batches are cut into {trainer['data_shards']} data shards, this "
+                                  f"run into {self.data_shards} (build the parts with data_shards from the "
+                                  f"checkpoint)")
+        group = distributed.checkpoint_group(self._ckpt_timeout_s())
+        template = self.model_state()
+        state = load_into(path, template, group)
+        set_state_dict(self.parts.drafter, self.opt, model_state_dict=state["drafter"],
+                       optim_state_dict=state["optimizer"])
+        self.guard.load_state_dict(trainer["guard"])
         self.meter.steps, self.meter.real_tokens, self.meter.padded_tokens, self.skipped_all = (
-            int(state["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
-        self.loss_mean = RunningMean(*state["means"]["loss"])
-        self.acc_mean = RunningMean(*state["means"]["acc"])
-        self.last = dict(state["last"])
-        self.step = self.resumed_from = self.saved_step = int(state["step"])
-        mine = ranks[self.dist.rank]
-        pos = mine["position"]
+            int(trainer["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
+        self.loss_mean = RunningMean(*trainer["means"]["loss"])
+        self.acc_mean = RunningMean(*trainer["means"]["acc"])
+        self.last = dict(trainer["last"])
+        self.step = self.resumed_from = self.saved_step = int(trainer["step"])
+        pos = trainer["position"]
         self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])
-        if "sampler" in mine and hasattr(self.parts.sampler, "load_state_dict"):
-            self.parts.sampler.load_state_dict(mine["sampler"])  # SamplerError on other data or settings
+        if "sampler" in trainer and hasattr(self.parts.sampler, "load_state_dict"):
+            self.parts.sampler.load_state_dict(trainer["sampler"])  # SamplerError on other data or settings
+        if self.main:  # the merged skip counts live on rank 0; the summary merges every rank's
+            self.skips.load_state_dict(trainer["skips"])
+        # RNG streams: this rank's own; a rank the writing run did not have takes rank (r mod W)'s
+        old_world = int(trainer.get("world_size", 1))
+        mine = load_rank_state(path, self.dist.rank % old_world)
+        if mine is None:
+            raise CheckpointError(f"{where}: no rank state for rank {self.dist.rank % old_world}")
         restore_rng(mine["rng"])
-        self.skips.load_state_dict(mine["skips"])
+
+    def _ckpt_timeout_s(self) -> float:
+        """The checkpoint collectives' timeout: fp32 weights + two AdamW moments, sized by
+        `distributed.checkpoint_timeout_s`."""
+        numel = sum(p.numel() for p in self.params)
+        return distributed.checkpoint_timeout_s(12.0 * numel, self.dist.world_size, self.config.train.dist_timeout_s)
 
     def save(self, say: Callable[[str], None]) -> None:
-        """Checkpoint the step just finished. Every rank contributes its own state; rank 0 writes. A failed
-        write (full disk) raises CheckpointError on every rank, the previous checkpoint being intact."""
+        """Checkpoint the step just finished: every rank writes its part (DCP) and its RNG state, rank 0 the
+        loop's state and, once every rank is done, the manifest; a previous async save is committed first. With
+        `async_ckpt` the tensors are staged and written in the background (committed at the next save or the
+        end). A failed write (full disk) raises CheckpointError on every rank, the previous checkpoint intact."""
         tc, step = self.config.train, self.step
-        ranks = gather_states(self.rank_state())
-        error: CheckpointError | None = None
-        if self.main:
-            t0 = time.perf_counter()
-            meta = {"epoch": self.position[0], "resume_hash": self.resume_hash, "config": self.config.to_dict()}
-            try:
-                self.checkpoint = save_checkpoint(self.ckpt_dir, self.state_dict(ranks), step,
-                                                  config_hash=self.resume_hash, world_size=self.dist.world_size,
-                                                  keep_last=tc.keep_checkpoints, meta=meta)
-                say(f"checkpoint step {step}: {self.checkpoint} ({time.perf_counter() - t0:.2f} s)")
-            except CheckpointError as e:
-                error = e
-        failed = any_rank(error is not None) if self.dist.world_size > 1 else error is not None
-        if failed:
-            raise error or CheckpointError(f"rank 0 could not write the checkpoint of step {step} (see its error)")
+        self.finish_save(say)
+        group = distributed.checkpoint_group(self._ckpt_timeout_s())
+        skips = self.all_skips()
+        state = {"step": step, **self.model_state(), "trainer": self.trainer_state(skips)}
+        meta = {"epoch": self.position[0], "resume_hash": self.resume_hash, "config": self.config.to_dict()}
+        self._save_t0 = time.perf_counter()
+        self.pending = start_save(self.ckpt_dir, state, step, config_hash=self.resume_hash,
+                                  keep_last=tc.keep_checkpoints, meta=meta, rank_state={"rng": capture_rng()},
+                                  async_save=tc.async_ckpt, group=group)
         self.saved_step = step
+        if not tc.async_ckpt:
+            self.finish_save(say)
+
+    def finish_save(self, say: Callable[[str], None]) -> None:
+        """Commit the pending save, if any (a collective: every rank calls it)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self.checkpoint = pending.wait()
+        say(f"checkpoint step {pending.step}: {self.checkpoint} ({time.perf_counter() - self._save_t0:.2f} s)")
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -440,7 +510,8 @@ class Trainer:
                                pad_to_edge=cfg.sampler.static_shapes, prepare=prepare)
         workers = make_target_workers(p.targets, cfg.pipeline.target_workers, self.device,
                                       cfg.pipeline.target_threads)
-        source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards)
+        source = epoch_batches(p.sampler, self.max_batches, self.position, self.batches_done, self.shards,
+                               p.lengths, cfg.train.accum_tokens, self.data_shards)
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
                         clock=self.clock)
 
@@ -449,8 +520,8 @@ class Trainer:
         tc, step = self.config.train, self.step
         lr = lr_at(step, self.total_steps, tc)
         noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(self.batches_done, tc))
-        res = train_step(self.parts.drafter, items, self.params, self.opt, lr, tc.grad_clip,
-                         self.device.type == "cuda", self.guard, step + 1)
+        res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,
+                         self.device.type == "cuda", self.guard, step + 1, self.filler)
         self.step = step = step + 1
         self.position = (items[-1].epoch, items[-1].step + 1)
         self.batches_done += sum(it.last_shard for it in items)
@@ -517,10 +588,8 @@ class Trainer:
                     if any_rank(self.stop.requested):  # every rank stops after the same step
                         self.stop_reason = self.stop.reason or "a stop signal on another rank"
                         break
-                    items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s, tc.accum_tokens)
-                    if self.dist.world_size > 1:  # every rank stops at the same step (a partial one is dropped)
-                        ended = any_rank(ended or not items)
-                        items = [] if ended else items
+                    # every rank reads the same optimizer step structure (`epoch_batches`): they end together
+                    items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s)
                     if not items:
                         break
                     self.last = self._train_one(items, wait_s, pipeline)
@@ -538,6 +607,7 @@ class Trainer:
                         break
                 if self.step > max(self.saved_step, 0):  # the end, a stop signal or stop_at_step
                     self.save(say)
+                self.finish_save(say)  # an async save commits before the run reports
         finally:
             bar.close()
             for sink in sinks:
@@ -546,9 +616,10 @@ class Trainer:
             raise ConfigError("training ran no step: the sampler produced no batch")
         skips = self.all_skips()
         summary = self.summary(skips)
+        weights = self.engine.full_weights() if self.step > 0 else {}  # a collective under FSDP
         if self.main:
             if self.step > 0:
-                save_drafter(self.parts.drafter, self.run_dir / "drafter",
+                save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
                              **run_info(self.config, f"{self.run_dir} (step {self.step})"))
             write_json(self.run_dir / "summary.json", summary)
         if self.stop_reason is not None:
@@ -566,12 +637,14 @@ class Trainer:
 
     def _prepare_heldout(self) -> None:
         """Rank 0: record the split in heldout.json and lay out the evaluation batches (rank 0 evaluates ALL the
-        held-out samples; the other ranks never evaluate)."""
+        held-out samples; the other ranks never evaluate, except under FSDP, where every rank runs the same
+        evaluation because each layer's forward all-gathers its shards)."""
         p, tc = self.parts, self.config.train
-        if not self.main or p.heldout is None:
+        if not (self.main or self.engine.kind == "fsdp") or p.heldout is None:
             return
         source = p.full_store if p.full_store is not None else p.store
-        write_json(self.run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
+        if self.main:
+            write_json(self.run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
         if tc.eval_samples > 0 and len(p.heldout.heldout):
             self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id,
                                            self.config.sampler.token_budget, tc.seed, tc.eval_samples)
@@ -590,14 +663,28 @@ class Trainer:
         """The drafter on the held-out evaluation batches now (`heldout.evaluate`): the HELDOUT_KEYS figures
         and heldout_s (seconds), also kept for summary.json."""
         t0 = time.perf_counter()
-        figures = evaluate_heldout(self.parts.drafter, self.parts.targets[0], self.eval_set,
-                                   self.device.type == "cuda")
+        with self._full_root():
+            figures = evaluate_heldout(self.parts.drafter, self.parts.targets[0], self.eval_set,
+                                       self.device.type == "cuda")
         figures["heldout_s"] = time.perf_counter() - t0
         self.last_eval = dict(heldout_step=self.step, **figures)
         say(f"held-out at step {self.step} ({figures['heldout_samples']} samples): loss {figures['heldout_loss']:.3f} | "
             f"acc {figures['heldout_acc']:.3f} | tau {figures['heldout_tau']:.3f} | "
             f"eal_marginal {figures['heldout_eal_marginal']:.3f}")
         return figures
+
+    @contextlib.contextmanager
+    def _full_root(self) -> Any:
+        """FSDP: the root unit's parameters (fc, norms) unsharded while the drafter is called outside the
+        engine's forward (the layers all-gather in their own forward hooks). A no-op for DDP and one process."""
+        if self.engine.kind != "fsdp":
+            yield
+            return
+        self.engine.module.unshard()
+        try:
+            yield
+        finally:
+            self.engine.module.reshard()
 
     def all_skips(self) -> SkipCounter:
         """The samples skipped by every rank (a collective under torchrun: every rank calls it)."""
@@ -620,7 +707,7 @@ class Trainer:
         return dict(
             run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.resume_hash,
             strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
-            emulated_ranks=len(self.shards) if len(self.shards) > 1 else 0, device=str(self.device),
+            data_shards=self.data_shards, parallel=self.engine.kind, device=str(self.device),
             steps=self.step, planned_steps=self.total_steps, complete=self.stop_reason is None,
             stop_reason=self.stop_reason, resumed_from_step=self.resumed_from,
             checkpoint=str(self.checkpoint) if self.checkpoint else None, last_epoch=last.get("epoch"),
@@ -644,11 +731,11 @@ class Trainer:
 
 def run_training(config: Config, parts: TrainingParts, run_dir: Path,
                  clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0,
-                 resume: dict[str, Any] | None = None, stop: StopRequest | None = None,
+                 resume: Path | None = None, stop: StopRequest | None = None,
                  sinks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train on `parts`; returns the summary. `sinks`: more metric sinks on rank 0 (`log(metrics, step)`,
     `close()`), e.g. `report.training.LiveFigure` in a notebook. `clock` (seconds) times steps and data waits; `setup_s` (seconds
-    spent building the parts) is recorded. `resume`: a checkpoint's state to continue from (see `train`);
+    spent building the parts) is recorded. `resume`: a checkpoint directory to continue from (see `train`);
     `stop`: an entered StopRequest whose signal ends the loop after the current step (default: none).
 
     Rank 0 writes into `run_dir`: metrics.jsonl, one object per step with step (1-based), epoch, loss (nats,
@@ -748,9 +835,10 @@ def drafter_checkpointing(setting: str, device: torch.device) -> bool:
     return setting == "true" or (setting == "auto" and torch.device(device).type == "cuda")
 
 
-def build_parts(config: Config, device: torch.device) -> TrainingParts:
-    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. With
-    `emulate_ranks` = W the sampler is planned for W ranks (the trainer takes all of their batches)."""
+def build_parts(config: Config, device: torch.device, data_shards: int = 0) -> TrainingParts:
+    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
+    planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
+    sampler step is D batches whatever the number of ranks that share them."""
     from dflash_lib.data import build_token_store_from_config
     from dflash_lib.data.analysis import store_drafter_queries
 
@@ -770,11 +858,10 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
         store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
     strategy = config.sampler.strategy
     edges = bucket_edges(config, lengths) if strategy == "bucketed" else []
-    shards = rank_shards(config.train, dist)
-    world = max(dist.world_size, len(shards))
+    shards = data_shards if data_shards > 0 else dist.world_size
     queries = store_drafter_queries(full_store, config.model.num_anchors,
                                     config.model.block_size)[split.train]  # (N,) query tokens
-    sampler = build_sampler(config, lengths, dist.rank, world, edges, queries)
+    sampler = build_sampler(config, lengths, 0, shards, edges, queries)  # the global plan: rank r reads its shards
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
     if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
         devices = [torch.device("cuda", i) for i in range(min(config.pipeline.target_workers,
@@ -794,7 +881,7 @@ def build_parts(config: Config, device: torch.device) -> TrainingParts:
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
     return TrainingParts(store, lengths, sampler, targets, drafter, int(pad_id), strategy == "packed",
-                         config.sampler.token_budget, edges, split, full_store)
+                         config.sampler.token_budget, edges, split, full_store, shards)
 
 
 def shared_new_run_dir(tag: str = "") -> Path:
@@ -804,20 +891,37 @@ def shared_new_run_dir(tag: str = "") -> Path:
 
 
 def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
-    """Decide (on every rank, reading only) whether the run resumes, starts, or is refused (`dflash_lib.resume`);
-    `fresh` first clears the folder (rank 0). Then rank 0 trims metrics.jsonl to the checkpoint's step and
-    writes config.json and env.json."""
+    """Decide whether the run resumes, starts, or is refused (`dflash_lib.resume`): rank 0 looks (verifying the
+    newest checkpoint's checksums) and every rank gets its verdict; `fresh` first clears the folder (rank 0).
+    Then rank 0 trims metrics.jsonl to the checkpoint's step and writes config.json and env.json."""
+    import json
+
+    from dflash_lib.checkpoint import CheckpointMismatchError
+
     dist = distributed.info()
     resume_hash = resume_config_hash(config)
-    if config.train.fresh:
-        if dist.rank == 0:
-            removed = clear_run_dir(run_dir)
-            if removed:
-                distributed.print0(f"fresh start in {run_dir}: removed {', '.join(removed)}")
-        point = ResumePoint(None, None, 0)  # files the trainer did not write stay, as the user asked to start here
-    else:
-        point = find_resume_point(run_dir, resume_hash, dist.world_size)
-    distributed.barrier()  # every rank has looked (and rank 0 has cleared) before rank 0 writes
+    verdict: dict[str, Any] = {}
+    if dist.rank == 0:
+        try:
+            if config.train.fresh:
+                removed = clear_run_dir(run_dir)
+                if removed:
+                    distributed.print0(f"fresh start in {run_dir}: removed {', '.join(removed)}")
+                point = ResumePoint(None, 0)  # files the trainer did not write stay, as the user asked to start here
+            else:
+                point = find_resume_point(run_dir, resume_hash)
+            verdict = {"path": None if point.path is None else str(point.path), "step": point.step,
+                       "data_shards": point.data_shards}
+        except (CheckpointError, ConfigError) as e:
+            if dist.world_size == 1:
+                raise
+            verdict = {"error": type(e).__name__, "message": str(e)}
+    verdict = json.loads(distributed.all_gather_bytes(json.dumps(verdict).encode())[0])
+    if "error" in verdict:
+        kind = {"CheckpointMismatchError": CheckpointMismatchError, "CheckpointError": CheckpointError}
+        raise kind.get(verdict["error"], ConfigError)(verdict["message"])
+    point = ResumePoint(None if verdict["path"] is None else Path(verdict["path"]), verdict["step"],
+                        verdict["data_shards"])
     if dist.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dropped = truncate_metrics(run_dir / METRICS_FILE, point.step)
@@ -835,12 +939,14 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
 
     run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
     config.json, env.json, metrics.jsonl (every step), wandb's offline files, checkpoints/ (see run_training),
-    drafter/ and summary.json. A folder holding a checkpoint of the same config (resume hash) and world size
-    RESUMES from its newest good checkpoint; another config's checkpoints, another world size, or other
-    content without a checkpoint are refused with an error unless `fresh=True`, which clears it first.
+    drafter/ and summary.json. A folder holding a checkpoint of the same config (resume hash) RESUMES from its
+    newest good checkpoint, at any world size and with either engine (the global batches stay those of the run's
+    first invocation: its data shards); another config's checkpoints or other content without a checkpoint are
+    refused with an error unless `fresh=True`, which clears it first.
     SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns
     (summary["complete"] is False; before the loop they keep their default effect: nothing to save yet).
-    Under torchrun every rank trains its shard; rank 0 writes.
+    Under torchrun every rank trains its data shards (DDP by default, `parallel="fsdp"` for FSDP2); rank 0
+    writes the logs, every rank its part of each checkpoint.
     """
     if not isinstance(config, Config):
         raise ConfigError(f"train() takes a dflash_lib.config.Config, got {type(config).__name__}")
@@ -849,12 +955,11 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     owned = not distributed.initialized()
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
     try:
-        rank_shards(tc, dist)  # refuse a bad emulate_ranks before any work
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
-        parts = build_parts(config, dist.device)
+        parts = build_parts(config, dist.device, point.data_shards)
         with StopRequest() as stop:
-            return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.state,
+            return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
                                 stop=stop, sinks=sinks)
     finally:
         if owned:

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic saves, verified loads with fallback, keep-last-N, mismatch errors, full disk, kill -9."""
+"""Checkpoints (DCP shards + objects + rank files + manifest): atomic saves, verified loads with fallback,
+keep-last-N, config mismatch, another world size, full disk, kill -9."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path) -> None:
 
     model, opt, sched = _make(seed=99)
     anchors = torch.Generator()
-    state, path = load_latest(tmp_path, H, 1)
+    state, path = load_latest(tmp_path, H)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -102,20 +103,24 @@ def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
     assert state["v"] == 2 and sorted(os.listdir(tmp_path)) == ["ckpt-00000007"]
 
 
+SHARD = f"{ckpt.DCP_DIR}/__0_0.distcp"  # the tensor bytes rank 0 wrote
+
+
 def _flip_byte(p: Path) -> None:
-    data = bytearray((p / ckpt.STATE_FILE).read_bytes())
+    data = bytearray((p / SHARD).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (p / ckpt.STATE_FILE).write_bytes(bytes(data))
+    (p / SHARD).write_bytes(bytes(data))
 
 
 CORRUPTIONS = {
     "flipped byte": (_flip_byte, "fails its checksum"),
-    "truncated": (lambda p: os.truncate(p / ckpt.STATE_FILE, 100), "truncated"),
+    "truncated": (lambda p: os.truncate(p / SHARD, 100), "truncated"),
     "no manifest": (lambda p: (p / ckpt.MANIFEST_FILE).unlink(), "manifest.json is missing"),
     "garbage manifest": (lambda p: (p / ckpt.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
     "manifest wrong type": (lambda p: (p / ckpt.MANIFEST_FILE).write_text(
         (p / ckpt.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
-    "state missing": (lambda p: (p / ckpt.STATE_FILE).unlink(), "state.pt is missing"),
+    "shard missing": (lambda p: (p / SHARD).unlink(), "__0_0.distcp is missing"),
+    "objects missing": (lambda p: (p / ckpt.OBJECTS_FILE).unlink(), "objects.pt is missing"),
 }
 
 
@@ -152,21 +157,27 @@ def test_config_hash_mismatch_is_an_error(tmp_path: Path) -> None:
                             f"use --fresh or another --run-dir")
 
 
-def test_world_size_mismatch_is_an_error(tmp_path: Path) -> None:
-    _write_steps(tmp_path, [1], world_size=2)
-    with pytest.raises(CheckpointMismatchError, match=r"written by 2 process\(es\).*world size 1.*--nproc-per-node 2"):
-        load_latest(tmp_path, H, 1)
-    state, _ = load_latest(tmp_path, H, 2)
-    assert state["step"] == 1
+def test_a_checkpoint_of_another_world_size_loads(tmp_path: Path) -> None:
+    """DCP reshards and the trainer's data position is global: the world size is recorded, never refused."""
+    _write_steps(tmp_path, [1])
+    manifest = tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE
+    manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
+    assert read_manifest(tmp_path / "ckpt-00000001").world_size == 2
+    state, _ = load_latest(tmp_path, H)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
 
 
 def test_manifest_records_what_was_saved(tmp_path: Path) -> None:
-    path = save_checkpoint(tmp_path, {"x": torch.ones(3)}, 12, config_hash=H, world_size=4,
-                           meta={"epoch": 1.5, "config": {"lr": 0.1}})
+    path = save_checkpoint(tmp_path, {"x": torch.ones(3), "n": 2}, 12, config_hash=H,
+                           meta={"epoch": 1.5, "config": {"lr": 0.1}}, rank_state={"rng": torch.arange(3)})
     m = read_manifest(path)
-    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 4, ckpt.FORMAT_VERSION)
+    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 1, ckpt.FORMAT_VERSION)
     assert m.meta == {"epoch": 1.5, "config": {"lr": 0.1}}
-    assert m.files[ckpt.STATE_FILE].bytes == (path / ckpt.STATE_FILE).stat().st_size
+    on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(m.files) == on_disk == ["dcp/.metadata", SHARD, "objects.pt", "rank-0.pt"]  # every file listed
+    assert all(m.files[n].bytes == (path / n).stat().st_size for n in on_disk)
+    assert torch.equal(ckpt.load_rank_state(path, 0)["rng"], torch.arange(3)) and ckpt.load_rank_state(path, 1) is None
+    assert torch.load(path / "objects.pt", weights_only=True) == {"x": {"__dcp_tensor__": "x"}, "n": 2}
 
 
 @pytest.mark.parametrize("state, where", [
@@ -183,7 +194,7 @@ def test_state_that_weights_only_cannot_read_is_refused_before_writing(tmp_path:
 
 @pytest.mark.parametrize("kw, match", [
     (dict(step=-1), "step must be"), (dict(step=1.0), "step must be"), (dict(keep_last=0), "keep_last"),
-    (dict(world_size=0), "world_size"), (dict(config_hash=""), "config_hash"),
+    (dict(config_hash=""), "config_hash"),
     (dict(meta={"x": float("nan")}), "meta must be plain JSON"), (dict(meta={"x": object()}), "meta must be"),
 ])
 def test_bad_arguments_are_refused(tmp_path: Path, kw: dict, match: str) -> None:
@@ -257,6 +268,7 @@ def test_resume_hash_ignores_run_control_settings() -> None:
 # kills it; the server reports the writer's pid and reaps it, so the pid cannot be reused while the test holds it.
 WRITER_SERVER = textwrap.dedent("""
     import os, sys, torch
+    import torch.distributed.checkpoint  # imported once here, not in every forked writer
     from dflash_lib.checkpoint import save_checkpoint
     d, n = sys.argv[1], int(sys.argv[2])
     for line in sys.stdin:  # one line per round: the first step to save

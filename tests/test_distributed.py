@@ -159,3 +159,21 @@ def test_a_dead_or_silent_peer_makes_the_other_fail_within_the_timeout(tmp_path:
         assert rank1.returncode == -signal.SIGKILL
     else:
         assert waited_s >= 0.5 * TIMEOUT_S  # a silent peer is detected by the timeout itself
+
+
+def test_checkpoint_timeout_covers_writing_and_reading_back_each_ranks_share() -> None:
+    paper = 12.0 * 1.05e9  # bytes: the paper drafter's fp32 weights + two AdamW moments
+    for world in (1, 8, 64):
+        extra = D.checkpoint_timeout_s(paper, world, 60.0) - 60.0
+        assert extra >= 2 * paper / world / D.CKPT_MIN_WRITE_BYTES_S  # write + read back at the slowest disk
+    assert D.checkpoint_timeout_s(paper, 8, 60.0) == pytest.approx(123.0)  # the README's figure
+
+
+def test_one_process_trains_on_the_plain_drafter_and_an_unknown_engine_is_refused(single) -> None:
+    D.init_distributed(timeout_s=5, device="cpu")
+    model = torch.nn.Linear(2, 2)
+    engine = D.wrap_drafter(model, "fsdp")  # no process group: nothing to shard over
+    assert (engine.kind, engine.loss_scale, engine.drafter) == ("single", 1.0, model)
+    assert set(engine.full_weights()) == {"weight", "bias"}
+    with pytest.raises(D.DistributedError, match=r"parallel must be one of \('ddp', 'fsdp'\), got 'zero'"):
+        D.Engine(model, "zero", 2, torch.device("cpu"))

@@ -120,13 +120,14 @@ def test_kill_9_during_training_then_resume(tmp_path, reference):
 def test_kill_9_in_the_middle_of_a_checkpoint_save_keeps_the_previous_one(tmp_path, reference):
     first = run_cli(tmp_path, "-p", "stop_at_step", "4")  # checkpoints 3 and 4
     assert first.returncode == 0, first.stderr[-3000:]
-    w = Watched(tmp_path, {**ENV, SAVE_DELAY_ENV: "60"})  # every save pauses after state.pt, before its manifest
+    w = Watched(tmp_path, {**ENV, SAVE_DELAY_ENV: "60"})  # every save pauses after its shards, before its manifest
     w.wait_for(f"{SAVE_DELAY_ENV}: pausing 60.0 s inside the save of step 6")
     w.kill()
     ckpt_dir = tmp_path / "checkpoints"
     (partial,) = [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]
-    assert partial.name.startswith(".tmp-ckpt-00000006-")  # state.pt written, manifest not yet
-    assert (partial / "state.pt").is_file() and not (partial / "manifest.json").exists()
+    assert partial.name.startswith(".tmp-ckpt-00000006-")  # every shard written, the manifest not yet
+    assert (partial / "dcp" / ".metadata").is_file() and (partial / "dcp" / "__0_0.distcp").is_file()
+    assert (partial / "objects.pt").is_file() and not (partial / "manifest.json").exists()
     assert [p.name for p in list_checkpoints(ckpt_dir)] == ["ckpt-00000003", "ckpt-00000004"]
     state, path = load_latest(ckpt_dir, resume_config_hash(CONFIG))
     assert path.name == "ckpt-00000004" and state["step"] == 4  # the half-written step 6 is invisible
@@ -198,7 +199,7 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_the_previous_checkpoint_
     first = run_cli(tmp_path, "-p", "stop_at_step", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt_dir = tmp_path / "checkpoints"
-    size = (ckpt_dir / "ckpt-00000003" / "state.pt").stat().st_size
+    size = (ckpt_dir / "ckpt-00000003" / "dcp" / "__0_0.distcp").stat().st_size  # the weights and AdamW bytes
     proc = run_cli(tmp_path, preexec_fn=_limit_file_size(size // 2))  # metrics rows etc. stay far below it
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (f"error: CheckpointError: could not write the checkpoint of step 6 to {ckpt_dir}: File too large "
@@ -287,7 +288,8 @@ def test_too_many_non_finite_losses_abort_with_the_last_good_checkpoint_intact(t
     with pytest.raises(NonFiniteLossError, match="loss was nan for 2 steps in a row \\(up to step 6\\)"):
         run_training(config, parts, tmp_path)
     state, path = load_latest(tmp_path / "checkpoints", resume_config_hash(config))
-    assert path.name == "ckpt-00000004" and state["guard"] == {"in_a_row": 0, "total": 0, "last_bad_step": -1}
+    assert path.name == "ckpt-00000004"
+    assert state["trainer"]["guard"] == {"in_a_row": 0, "total": 0, "last_bad_step": -1}
     assert not (tmp_path / "summary.json").exists()
 
 

@@ -376,3 +376,31 @@ def test_two_ranks_stay_in_sync(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     log_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ") and " | loss " in line]
     assert len(log_lines) == 3  # printed by rank 0 only
+
+
+def test_epoch_batches_split_the_same_global_steps_over_any_world_size():
+    """The sampler is planned for D = 2 data shards; 1, 2 or 3 ranks take the same (step, shard, batch) work and
+    cut the same optimizer steps (a rank with no shard gets one empty item per sampler step)."""
+    from dflash_lib.sampler import RandomShuffleSampler
+    from dflash_lib.train import rank_shards
+
+    lengths = np.random.default_rng(0).integers(20, 200, size=120)
+    sampler = RandomShuffleSampler(lengths, 600, seed=3, rank=0, world_size=2)
+
+    def work(world: int, rank: int) -> list:
+        return list(epoch_batches(sampler, 30, shards=rank_shards(rank, world, 2), lengths=lengths,
+                                  accum_tokens=700, data_shards=2))
+
+    one = work(1, 0)
+    assert {w.shard for w in one} == {0, 1} and len(one) == 60
+    ends = [(w.epoch, w.step) for w in one if w.step_end]
+    assert 1 < len(ends) < 30  # several sampler steps per optimizer step
+    for world in (2, 3):
+        per_rank = [work(world, r) for r in range(world)]
+        served = sorted((w.epoch, w.step, w.shard, tuple(w.indices)) for ws in per_rank for w in ws if w.shard >= 0)
+        assert served == sorted((w.epoch, w.step, w.shard, tuple(w.indices)) for w in one)
+        for ws in per_rank:
+            assert [(w.epoch, w.step) for w in ws if w.step_end] == ends  # the same steps on every rank
+            assert sum(w.last_shard for w in ws) == 30  # one per sampler step
+    idle = work(3, 2)
+    assert [w.shard for w in idle] == [-1] * 30 and all(w.indices == [] for w in idle)
