@@ -1,4 +1,5 @@
-"""Command line: `python -m dflash_lib [--debug] {run,train,demo,evaluate,export,regenerate,dryrun} ...` (see README).
+"""Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
+evaluate, export, regenerate, dryrun (see README).
 
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
 `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
@@ -139,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
 
+    dt = sub.add_parser("demo-target", help="build (or find cached) the demo's target: a small Qwen3 trained on the "
+                        "corpus over a shrunk vocabulary; prints its folder (a -p target and -p tokenizer DIR)")
+    dt.add_argument("--preset", default="demo", help="the data (-p source, limit, max_len, ...) and model shape "
+                    "(hidden_size, target_layers) come from this preset")
+    dt.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    dt.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                    help="a training setting of models.demo_target.DemoTargetSettings (vocab_size, steps, lr, ...)")
+
     ev = sub.add_parser("evaluate", help="speculative decoding of held-out prompts with a saved drafter: tau, "
                         "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON)")
     ev.add_argument("--drafter", required=True, help="a saved drafter folder or a trainer run folder")
@@ -189,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             print(run_demo(preset_name=args.preset, tag=args.tag))
+        elif args.cmd == "demo-target":
+            from .models.demo_target import run_cli as demo_target
+
+            print(demo_target(args.preset, _params(args.param), args.set))
         elif args.cmd == "evaluate":
             import json
 

