@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--drafter", required=True, help="a saved drafter folder or a trainer run folder")
     ev.add_argument("--target", required=True, help="'tiny' or a local Hugging Face model folder")
     ev.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                    help="prompts N, max_new_tokens M, stop_at_eos, warmup, or any config field")
+                    help="prompts N, max_new_tokens M, stop_at_eos, timing_warmup, or any config field")
 
     ex = sub.add_parser("export", help="write a drafter in the Hugging Face layout SGLang/vLLM load")
     ex.add_argument("src", help="a trainer run folder (newest checkpoint, else drafter/), a checkpoint folder, or a "

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -230,6 +231,18 @@ def initial_drafter(config: Config, target: Any) -> Any:
     return drafter.eval()
 
 
+@contextmanager
+def decode_threads(setup: Setup) -> Iterator[None]:
+    """torch's intra-op threads set to `decode_threads` (when > 0 and the target is on the CPU), then restored."""
+    n, before = setup.config.evaluate.decode_threads, torch.get_num_threads()
+    if n > 0 and setup.target.device.type == "cpu":
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _warm(setup: Setup, drafter: Any) -> None:
     """First-call overheads (allocator, kernels) out of the timed decodes."""
     from dflash_lib.models.acceptance import acceptance_length, greedy_decode
@@ -288,8 +301,9 @@ def evaluate(drafter: str | Path, target: str, params: Mapping[str, Any] | None 
     """Load, decode, time and compare one drafter; returns the report (REPORT_KEYS and more). ConfigError on
     user errors."""
     setup = prepare(drafter, target, params, say)
-    _warm(setup, setup.drafter)
-    report = {**decode(setup, setup.drafter, _baseline(setup)), **_context(setup)}
+    with decode_threads(setup):
+        _warm(setup, setup.drafter)
+        report = {**decode(setup, setup.drafter, _baseline(setup)), **_context(setup)}
     say(summary(report))
     _warn_differ(report, say)
     return report
@@ -351,30 +365,32 @@ def evaluate_run(run: str | Path, target: str, params: Mapping[str, Any] | None 
     train_dir = trainer_folder(run)
     setup = prepare(train_dir, target, params, say)
     final_model = setup.drafter
-    done = json.loads((train_dir / "summary.json").read_text()) if (train_dir / "summary.json").is_file() else {}
-    final_step = int(done.get("steps", 0))
-    _warm(setup, final_model)
-    baseline = _baseline(setup)
-    by_step: list[dict[str, Any]] = []
+    if not (train_dir / "summary.json").is_file():
+        raise ConfigError(f"run {train_dir}: no summary.json, so the run did not finish (its drafter/ is written at "
+                          f"the end; rerun the training to resume it)")
+    final_step = int(json.loads((train_dir / "summary.json").read_text())["steps"])
+    with decode_threads(setup):
+        _warm(setup, final_model)
+        baseline = _baseline(setup)
+        by_step: list[dict[str, Any]] = []
 
-    def measure(step: int, model: Any, what: str) -> dict[str, Any]:
-        r = decode(setup, model, baseline)
-        _warn_differ(r, say, f" ({what})")
-        row = {"step": step, "drafter": what, **{k: r[k] for k in ("tau", "histogram", "per_position", "cycles",
-                                                                   "outputs_equal_baseline", "tokens_per_s")}}
-        say(f"step {step:>6} ({what}): tau {r['tau']:.3f} over {r['cycles']} cycles")
-        by_step.append(row)
-        return r
+        def measure(step: int, model: Any, what: str) -> dict[str, Any]:
+            r = decode(setup, model, baseline)
+            _warn_differ(r, say, f" ({what})")
+            row = {"step": step, "drafter": what, **{k: r[k] for k in ("tau", "histogram", "per_position", "cycles",
+                                                                       "outputs_equal_baseline", "tokens_per_s")}}
+            say(f"step {step:>6} ({what}): tau {r['tau']:.3f} over {r['cycles']} cycles")
+            by_step.append(row)
+            return r
 
-    measure(0, initial_drafter(setup.config, setup.target), "untrained (the run's seed)")
-    final = None
-    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as scratch:
-        for step, ckpt in run_checkpoints(train_dir):
-            model = checkpoint_drafter(ckpt, setup, Path(scratch))
-            if step == final_step and _same_weights(model, final_model):
-                continue  # the final drafter itself: decoded once, below
-            measure(step, model, str(ckpt.relative_to(train_dir)))
-    final = measure(final_step, final_model, "final (drafter/)")
+        measure(0, initial_drafter(setup.config, setup.target), "untrained (the run's seed)")
+        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as scratch:
+            for step, ckpt in run_checkpoints(train_dir):
+                model = checkpoint_drafter(ckpt, setup, Path(scratch))
+                if step == final_step and _same_weights(model, final_model):
+                    continue  # the final drafter itself: decoded once, below
+                measure(step, model, str(ckpt.relative_to(train_dir)))
+        final = measure(final_step, final_model, "final (drafter/)")
     by_step.sort(key=lambda r: r["step"])
     metrics = load_metrics(train_dir)
     losses = loss_figures(metrics)

@@ -371,3 +371,26 @@ def test_evaluation_figures_show_what_they_are_given():
     assert list(fig.data[1].y) == [0.25, 0.25, 0.0]
     with pytest.raises(ValueError, match="empty histogram"):
         acceptance({}, [], block_size=4)
+
+
+def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, monkeypatch):
+    import dflash_lib.models.acceptance as acceptance
+    from dflash_lib.evaluate import evaluate
+
+    run, _ = _save_tiny_run(tmp_path)
+    seen = []
+    for name in ("acceptance_length", "greedy_decode"):
+        real = getattr(acceptance, name)
+        monkeypatch.setattr(acceptance, name, lambda *a, real=real, **k: (seen.append(torch.get_num_threads()),
+                                                                           real(*a, **k))[1])
+    torch.set_num_threads(2)
+    try:
+        report = evaluate(run, "tiny", {"prompts": 1, "max_new_tokens": 4, "decode_threads": 1}, say=lambda s: None)
+        assert seen == [1, 1, 1, 1] and torch.get_num_threads() == 2  # warm-up pair, then the timed pair
+        assert report["outputs_equal_baseline"] == 1
+        seen.clear()
+        evaluate(run, "tiny", {"prompts": 1, "max_new_tokens": 4, "decode_threads": 0, "timing_warmup": False},
+                 say=lambda s: None)
+        assert seen == [2, 2]  # 0: torch's own count
+    finally:
+        torch.set_num_threads(1)  # the module's one_thread fixture
