@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -102,7 +103,7 @@ def main() -> None:
         rows["plain torch.load"] = median_s(lambda: torch.load(plain, weights_only=True), args.repeats)
         plain.unlink()
         rows["1 rank save"], rows["1 rank load"] = run_dcp(state, root / "one", args.repeats, None)
-        del state
+        state = None  # free 3 GB before the 2-rank processes build theirs
         shutil.rmtree(root / "one")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -113,7 +114,15 @@ def main() -> None:
                  for r in range(2)]
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=3600) for _ in procs)
+        results = {}
+        while len(results) < len(procs):  # a rank that dies is reported instead of waited for
+            try:
+                rank, result = out.get(timeout=5)
+                results[rank] = result
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"a rank exited with {dead[0]}") from None
         for p in procs:
             p.join(timeout=120)
             if p.exitcode != 0:

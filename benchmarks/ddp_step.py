@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -43,7 +44,7 @@ VOCAB = 2048
 def build(args: argparse.Namespace, rank: int) -> tuple[DFlashDrafter, list[Item]]:
     """The drafter (same init on both ranks) and this rank's 2 micro-batches (different data per rank)."""
     H = args.hidden
-    target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=2, num_heads=8, num_kv_heads=8,
+    target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=4, num_heads=8, num_kv_heads=8,
                                                           vocab_size=VOCAB), 2)
     cfg = DrafterConfig(hidden_size=H, num_layers=args.layers, num_heads=8, num_kv_heads=8, head_dim=H // 8,
                         intermediate_size=int(2.75 * H), vocab_size=VOCAB, target_layer_ids=target.layer_ids,
@@ -128,7 +129,15 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=1800) for _ in procs)
+    results = {}
+    while len(results) < len(procs):  # a rank that dies is reported instead of waited for
+        try:
+            rank, result = out.get(timeout=5)
+            results[rank] = result
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a rank exited with {dead[0]}") from None
     for p in procs:
         p.join(timeout=60)
         if p.exitcode != 0:

@@ -278,10 +278,14 @@ class Engine:
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            self.module = DistributedDataParallel(
-                root, device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False,  # the drafter's only buffer (RoPE inv_freq) is a constant
-                gradient_as_bucket_view=True)  # grads live in the all-reduce buckets: no second copy
+            import warnings
+
+            with warnings.catch_warnings():  # torch 2.13 renames it; 2.11 has only this name, which both honour
+                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+                self.module = DistributedDataParallel(
+                    root, device_ids=[device.index] if device.type == "cuda" else None,
+                    broadcast_buffers=False,  # the drafter's only buffer (RoPE inv_freq) is a constant
+                    gradient_as_bucket_view=True)  # grads live in the all-reduce buckets: no second copy
         elif kind == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
