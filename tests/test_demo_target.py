@@ -195,7 +195,7 @@ def test_folder_loads_as_a_local_target_with_the_loss_it_was_trained_to(built):
     split = split_store(store, cfg.data.heldout_fraction)
     tok = load_tokenizer(str(folder))
     docs = [tok.map_ids(store[int(i)][0]) for i in split.heldout[: SETTINGS.eval_samples]]
-    assert dt.document_loss(target.model, docs)["loss"] == pytest.approx(rec["heldout_loss_after"], rel=1e-5)
+    assert dt.document_loss(target.model, docs, tok.unk_id)["loss"] == pytest.approx(rec["heldout_loss_after"], rel=1e-5)
     assert dt.demo_target_params(folder) == dict(target=str(folder), tokenizer=str(folder),
                                                  mask_id=rec["vocab"]["mask_id"])
 

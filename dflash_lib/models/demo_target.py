@@ -10,8 +10,9 @@ Face Qwen3 model folder (`-p target DIR`, read by `target.load_local`) AND a map
 2. the vocabulary: the `vocab_size - 2` most frequent base ids of the training split (the chat template's special
    tokens, eos and pad always kept), every other id -> one UNK id, one more id reserved as the drafter's MASK;
 3. a Qwen3ForCausalLM of `cfg.model.hidden_size` x `cfg.model.target_layers` (tied embeddings) trained with
-   next-token cross-entropy over ALL tokens of random windows of the training stream (user text too: the
-   target's features over the prompt are the drafter's context, and every position's loss costs nothing extra),
+   next-token cross-entropy over all tokens of random windows of the training stream (user text too: the
+   target's features over the prompt are the drafter's context, and every position's loss costs nothing extra)
+   except UNK labels (UNK is input only: trained as a label, a small model's argmax collapses onto it),
    AdamW, linear warmup then cosine, seeded (same machine and threads -> same weights);
 4. `training.json` (steps, tokens, seconds, loss first -> last, held-out loss before -> after, vocabulary
    coverage), written last.
@@ -45,7 +46,7 @@ from dflash_lib.data.store import StoreSettings, build_token_store_from_config
 from dflash_lib.data.tokenizers import (MAPPED_VOCAB_FILE, MappedVocab, is_mapped_tokenizer, load_tokenizer,
                                         tokenizer_identity)
 
-DEMO_TARGET_FORMAT = 1  # bump when the build's semantics change (old folders then stop matching)
+DEMO_TARGET_FORMAT = 2  # bump when the build's semantics change (old folders then stop matching)
 TRAINING_FILE = "training.json"  # written last: its presence marks a complete folder
 
 
@@ -54,7 +55,7 @@ class DemoTargetSettings:
     """How the demo target is trained (its shape is `cfg.model.hidden_size` x `cfg.model.target_layers`)."""
 
     vocab_size: int = 8192  # embedding rows: vocab_size - 2 kept base ids + UNK + MASK
-    steps: int = 250  # optimizer steps
+    steps: int = 200  # optimizer steps (~150 s on 2 idle cores at the demo shape; see training.json)
     tokens_per_step: int = 4096  # tokens per step: tokens_per_step // seq_len windows of seq_len tokens
     seq_len: int = 512  # tokens per training window (random windows of the concatenated training samples)
     lr: float = 1e-2  # peak learning rate (AdamW)
@@ -200,31 +201,36 @@ def build_model(cfg: Config, settings: DemoTargetSettings, vocab_size: int):
         return transformers.Qwen3ForCausalLM(hf_cfg)
 
 
-def next_token_loss(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (R, T) int64 -> (mean next-token CE in nats over R*(T-1) positions, number of correct top-1)."""
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, unk_id: int) -> tuple[torch.Tensor, int, int]:
+    """ids (R, T) int64 -> (mean next-token CE in nats over the R*(T-1) positions whose label is not `unk_id`,
+    correct top-1 among them, their number). UNK is input, never a label: trained on, it is the single most
+    frequent "token" (12 % of the corpus at 8192 ids) and a small model's argmax collapses onto it."""
     logits = model(input_ids=ids).logits[:, :-1]  # (R, T-1, V)
-    labels = ids[:, 1:]  # (R, T-1)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-    return loss, (logits.argmax(-1) == labels).sum()
+    labels = ids[:, 1:].masked_fill(ids[:, 1:] == unk_id, -100)  # (R, T-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    scored = labels != -100
+    return loss, int((logits.argmax(-1) == labels)[scored].sum()), int(scored.sum())
 
 
 @torch.no_grad()
-def document_loss(model: torch.nn.Module, docs: Sequence[np.ndarray]) -> dict[str, float]:
-    """Next-token CE (nats, token-weighted) and top-1 accuracy over whole documents, one forward each."""
+def document_loss(model: torch.nn.Module, docs: Sequence[np.ndarray], unk_id: int) -> dict[str, float]:
+    """Next-token CE (nats, token-weighted) and top-1 accuracy over whole documents (one forward each), on the
+    labels that are not UNK; also how often the model's top-1 is UNK (a collapse check)."""
     model.eval()
     total = correct = n = 0.0
     for doc in docs:
         if len(doc) < 2:
             continue
-        loss, hits = next_token_loss(model, torch.as_tensor(doc.astype(np.int64)).unsqueeze(0))
-        total += float(loss) * (len(doc) - 1)
-        correct += float(hits)
-        n += len(doc) - 1
+        loss, hits, scored = next_token_loss(model, torch.as_tensor(doc.astype(np.int64)).unsqueeze(0), unk_id)
+        if scored:
+            total += loss.item() * scored
+            correct += hits
+            n += scored
     model.train()
     return dict(loss=total / n if n else math.nan, acc=correct / n if n else math.nan, tokens=int(n))
 
 
-def train_lm(model: torch.nn.Module, stream: np.ndarray, s: DemoTargetSettings,
+def train_lm(model: torch.nn.Module, stream: np.ndarray, s: DemoTargetSettings, unk_id: int,
              say: Callable[[str], None] = lambda _: None) -> list[dict[str, float]]:
     """`s.steps` AdamW steps on random windows of `stream` ((T,) new ids). Returns one row per step: step, loss
     (nats), lr, tokens, seconds and cpu_seconds (this process, all threads), all three cumulative."""
@@ -247,7 +253,7 @@ def train_lm(model: torch.nn.Module, stream: np.ndarray, s: DemoTargetSettings,
             group["lr"] = lr
         starts = rng.integers(0, len(stream) - s.seq_len, size=rows_per_step)  # (R,)
         ids = torch.from_numpy(stream[starts[:, None] + offsets])  # (R, L+1)
-        loss, _ = next_token_loss(model, ids)
+        loss, _, _ = next_token_loss(model, ids, unk_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if s.grad_clip > 0:
@@ -301,11 +307,11 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
     n_params = sum(p.numel() for p in model.parameters())
     say(f"demo target: Qwen3 {cfg.model.hidden_size} hidden x {cfg.model.target_layers} layers, {n_params / 1e6:.2f} M "
         f"parameters; {settings.steps} steps of {settings.tokens_per_step} tokens")
-    before = document_loss(model, heldout_docs)
+    before = document_loss(model, heldout_docs, vocab.unk_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        history = train_lm(model, stream, settings, say)
-    after = document_loss(model, heldout_docs)
+        history = train_lm(model, stream, settings, vocab.unk_id, say)
+    after = document_loss(model, heldout_docs, vocab.unk_id)
     model.save_pretrained(out, safe_serialization=True)
     first = history[0]["loss"]
     last = float(np.mean([h["loss"] for h in history[-min(10, len(history)):]]))
