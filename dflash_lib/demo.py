@@ -6,8 +6,9 @@ probe under `strategies`, notebook 05's evaluation of the training run under `ev
 one self-contained page with both summaries, the key figures and links to every run.
 
 Parameters a notebook receives: the preset's values of the names it declares, then `overrides` (every notebook
-that declares a name gets it: e.g. a target and tokenizer made by a first step for the whole chain), then what
-its CHAIN link derives from the folders of the notebooks before it.
+that accepts a name gets it: a notebook that builds its config from a preset takes every config field, e.g. a
+target and tokenizer made by a first step for the whole chain), then what its CHAIN link derives from the folders
+of the notebooks before it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .runs import REPO_ROOT, execute, new_run_dir, notebook_parameters, write_json
+from .runs import REPO_ROOT, accepted_parameters, execute, new_run_dir, write_json
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
@@ -57,8 +58,8 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
     record: dict[str, Any] = {"preset": preset_name, "runs": []}
     for stem, derive in CHAIN:
         notebook = NOTEBOOKS / f"{stem}.ipynb"
-        declared = notebook_parameters(notebook)
-        params = {k: v for k, v in {**(overrides or {}), **derive(done)}.items() if k in declared}
+        accepted = accepted_parameters(notebook)  # a notebook building its config takes every config field
+        params = {k: v for k, v in {**(overrides or {}), **derive(done)}.items() if k in accepted}
         t0 = time.perf_counter()
         print(f"[demo] {stem} ...", flush=True)
         run_dir = execute(notebook, params, preset_name=preset_name, tag=tag, root=root)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from .config import Config, ConfigError, FLAT_FIELDS, coerce, from_params, preset as get_preset
 
@@ -112,28 +112,94 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
     return out
 
 
+PRESET = "preset"  # the parameter a notebook declares when it builds its config (`notebook_config`) from a preset
+
+
+def builds_config(declared: dict[str, Any]) -> bool:
+    """Whether a notebook with these parameters builds its whole config from a preset (it declares `preset`)."""
+    return PRESET in declared
+
+
+def accepted_parameters(notebook: Path) -> set[str]:
+    """The names `-p` may set for `notebook`: the ones its parameters cell declares and, for a notebook that
+    builds its config from a preset (`notebook_config`), every flat config field."""
+    declared = notebook_parameters(notebook)
+    return set(declared) | (set(FLAT_FIELDS) if builds_config(declared) else set())
+
+
 def resolve_params(notebook: Path, params: dict[str, Any], preset_name: str = "") -> dict[str, Any]:
     """Validate `params` (and a preset) for `notebook` BEFORE any kernel starts.
 
-    Every key must be a config field AND a parameter the notebook declares; values are parsed/type-checked
-    against the config dataclasses and the whole combination must form a valid `Config`.
-    Returns the flat parameters to inject (preset values for the notebook's keys, overlaid by `params`).
+    A notebook declares config fields (and `preset`, when it builds its config with `notebook_config`). A key of
+    `params` must be a name the notebook accepts (`accepted_parameters`); values are parsed and type-checked
+    against the config dataclasses, and the whole combination must form a valid `Config`. `-p preset NAME` is
+    the same as `preset_name`. A notebook declaring `preset` runs its own default preset when none is given.
+    Returns the parameters to inject: the preset's values of the names the notebook declares, overlaid by
+    `params`, plus `preset` for a notebook that builds its config from one.
     """
     declared = notebook_parameters(notebook)
     for key in declared:
-        if key not in FLAT_FIELDS:
+        if key not in FLAT_FIELDS and key != PRESET:
             raise ConfigError(f"{notebook.name}: parameter {key!r} is not a config field")
+    params = dict(params)
+    if PRESET in params:
+        if PRESET not in declared:
+            raise ConfigError(f"parameter {PRESET!r} is not a parameter of {notebook.name} (it takes no preset)")
+        given = str(params.pop(PRESET))
+        if preset_name and given != preset_name:
+            raise ConfigError(f"preset given twice: --preset {preset_name} and -p preset {given}")
+        preset_name = given
+    if builds_config(declared) and not preset_name:
+        preset_name = str(declared[PRESET])
+    base = get_preset(preset_name) if preset_name else None
     chosen: dict[str, Any] = {}
-    if preset_name:
-        chosen = {k: v for k, v in get_preset(preset_name).to_params().items() if k in declared}
+    if base is not None:
+        chosen = {k: v for k, v in base.to_params().items() if k in declared}
+    accepted = accepted_parameters(notebook)
     for key, value in params.items():
-        if key not in declared:
+        if key not in accepted:
             hint = "" if key in FLAT_FIELDS else " and is not a config field"
             raise ConfigError(f"parameter {key!r} is not a parameter of {notebook.name}{hint}; "
                               f"it takes: {', '.join(sorted(declared))}")
         chosen[key] = coerce(key, value)
-    from_params({**{k: coerce(k, v) for k, v in declared.items()}, **chosen})  # cross-field checks
+    defaults = {k: coerce(k, v) for k, v in declared.items() if k != PRESET}
+    if builds_config(declared):
+        from_params({**defaults, **chosen}, base)  # the config the notebook will build: cross-field checks
+        chosen[PRESET] = preset_name
+    else:
+        from_params({**defaults, **chosen})
     return chosen
+
+
+def notebook_settings(namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat config fields defined in a notebook's namespace: its parameters cell and whatever papermill
+    injected (also `-p` names the cell does not declare), {name: value}."""
+    return {k: namespace[k] for k in FLAT_FIELDS if k in namespace}
+
+
+def notebook_config(namespace: Mapping[str, Any], say: Callable[[str], None] = print) -> Config:
+    """The config of a notebook run, from its namespace (`globals()` in the cell after the parameters cell):
+    the preset the namespace's `preset` names, overlaid by every flat config field defined there (the
+    parameters cell and the names papermill injected); a notebook-02 run folder as `plan` means its plan.json.
+    Prints (`say`) the preset and the values that differ from it. No other cell of the notebook may bind a
+    config field's name (tests/test_notebook_params.py): each parameter is written once, in its parameters cell."""
+    if PRESET not in namespace:
+        raise ConfigError(f"notebook_config: no {PRESET!r} in the notebook's namespace (declare it in the "
+                          f"parameters cell)")
+    name = namespace[PRESET]
+    if not isinstance(name, str):
+        raise ConfigError(f"parameter {PRESET!r} must be a preset name, got {type(name).__name__}: {name!r}")
+    base = get_preset(name)
+    settings = notebook_settings(namespace)
+    plan = settings.get("plan")
+    if isinstance(plan, str) and plan and Path(plan).is_dir():  # a notebook-02 run folder: its plan.json
+        settings["plan"] = str(Path(plan) / "plan.json")
+    cfg = from_params(settings, base)
+    was, now = base.to_params(), cfg.to_params()
+    changed = {k: now[k] for k in settings if now[k] != was[k]}
+    say(f"config: preset {name}" + (f"; changed here: {', '.join(f'{k}={v!r}' for k, v in changed.items())}"
+                                    if changed else ""))
+    return cfg
 
 
 def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, preset_name: str = "", tag: str = "",
@@ -146,9 +212,10 @@ def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, prese
     notebook = find_notebook(notebook)
     chosen = resolve_params(notebook, params or {}, preset_name)
     run_dir = new_run_dir(notebook.stem, tag, root)
-    if "out_dir" in notebook_parameters(notebook):
+    if "out_dir" in accepted_parameters(notebook):
         chosen["out_dir"] = str(run_dir.resolve())
-    write_json(run_dir / "params.json", {"notebook": notebook.name, "preset": preset_name, "params": chosen})
+    write_json(run_dir / "params.json", {"notebook": notebook.name, "preset": chosen.get(PRESET, preset_name),
+                                         "params": chosen})
     write_json(run_dir / "env.json", environment())
     _quiet_kernel()
     import papermill as pm

@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "01_length_analysis.ipynb"
-PARAMETERS = {"source", "tokenizer", "template", "thinking", "max_len", "policy", "limit", "cache_dir", "regenerated",
-              "out_dir"}
+PARAMETERS = {"preset", "source", "tokenizer", "template", "thinking", "max_len", "policy", "limit", "regenerated",
+              "out_dir"}  # cache_dir and every other config field: from the preset, or -p
 
 
 def test_notebook_is_committed_clean_with_one_parameters_cell():

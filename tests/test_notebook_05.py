@@ -14,7 +14,7 @@ from dflash_lib.runs import notebook_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
-PARAMETERS = {"run", "drafter", "target", "tokenizer", "prompts", "max_new_tokens", "decode_threads", "out_dir"}
+PARAMETERS = {"preset", "run", "drafter", "target", "prompts", "max_new_tokens", "decode_threads", "out_dir"}
 
 
 def test_notebook_is_committed_clean_with_one_parameters_cell():

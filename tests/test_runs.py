@@ -103,3 +103,42 @@ def test_cli_refuses_unknown_key_with_exit_2(tiny_nb, tmp_path):
     assert out.returncode == 2
     assert "error: parameter 'bogus'" in out.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.fixture
+def preset_nb(tmp_path):
+    """A notebook that builds its config from a preset: it declares `preset` and one name, and writes what the
+    config holds."""
+    body = (
+        "import json, pathlib\n"
+        "from dflash_lib.runs import notebook_config\n"
+        "cfg = notebook_config(globals())\n"
+        "pathlib.Path(cfg.run.out_dir, 'result.json').write_text(json.dumps(dict(\n"
+        "    limit=cfg.data.limit, steps=cfg.train.steps, token_budget=cfg.sampler.token_budget)))\n"
+    )
+    return _notebook(tmp_path / "cfg_nb.ipynb", "preset = 'smoke'\nlimit = 300\nout_dir = ''\n", body)
+
+
+def test_a_preset_notebook_takes_any_config_field_and_refuses_the_rest(preset_nb):
+    chosen = runs.resolve_params(preset_nb, {"steps": "4"})  # not declared: a config field all the same
+    assert chosen == {"preset": "smoke", "limit": 300, "out_dir": "", "steps": 4}
+    assert runs.resolve_params(preset_nb, {}, preset_name="demo")["limit"] == 0  # the cell's names from the preset
+    assert runs.accepted_parameters(preset_nb) == set(runs.FLAT_FIELDS) | {"preset"}
+    with pytest.raises(ConfigError, match="'bogus' is not a parameter of cfg_nb.ipynb and is not a config field"):
+        runs.resolve_params(preset_nb, {"bogus": "1"})
+    with pytest.raises(ConfigError, match="steps must be >= 0"):  # validated against the preset's config
+        runs.resolve_params(preset_nb, {"steps": "-1"})
+
+
+def test_cli_injects_undeclared_fields_into_the_notebook_config(preset_nb, tmp_path):
+    """papermill injects `-p steps 4` although the parameters cell does not declare it; notebook_config picks it up,
+    the rest comes from the preset."""
+    env = {**os.environ, "DFLASH_RUNS_ROOT": str(tmp_path / "runs")}
+    out = subprocess.run([sys.executable, "-m", "dflash_lib", "run", str(preset_nb), "-p", "steps", "4",
+                          "--preset", "demo"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run_dir = Path(out.stdout.strip().splitlines()[-1])
+    demo = runs.get_preset("demo")
+    assert json.loads((run_dir / "result.json").read_text()) == {
+        "limit": demo.data.limit, "steps": 4, "token_budget": demo.sampler.token_budget}
+    assert json.loads((run_dir / "params.json").read_text())["preset"] == "demo"
