@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="execute a notebook headlessly into a new runs/<id>/ folder")
     run.add_argument("notebook", help="path, or a name under notebooks/")
     run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
-    run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default)")
+    run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default, qwen3-8b; "
+                     "default: the notebook's own, demo); -p sets any config field")
     run.add_argument("--tag", default="", help="suffix for the run folder name")
 
     tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation); "

@@ -162,7 +162,8 @@ def test_notebook_04_runs_the_paper_recipe(tmp_path, paper_shaped_target):
     recorded = json.loads((run_dir / "train" / "config.json").read_text())["config"]
     model, train = recorded["model"], recorded["train"]
     assert model["target"] == str(paper_shaped_target)
-    assert (model["drafter_layers"], model["block_size"], model["num_anchors"], model["num_features"]) == (5, 16, 512, 5)
+    recipe = (model["drafter_layers"], model["block_size"], model["num_anchors"], model["num_features"])
+    assert recipe == (5, 16, 512, 5)
     assert model["target_layer_ids"] == [1, 9, 17, 25, 33] and recorded["data"]["max_len"] == 3072
     assert train["epochs"] == 6.0 and train["steps"] == 0 and train["stop_at_step"] == 1
     summary = json.loads((run_dir / "train" / "summary.json").read_text())

@@ -27,6 +27,8 @@ def test_notebooks_are_the_demo_chain_and_the_readme_table():
         handed = derive(folders)
         assert handed.keys() <= accepted_parameters(REPO_ROOT / "notebooks" / f"{stem}.ipynb"), stem
     assert all(derive(folders) for _, derive in CHAIN[1:])  # each later notebook reads a folder before it
+    for stem, _ in CHAIN:  # what a first demo-target step hands every notebook
+        assert {"target", "tokenizer", "mask_id"} <= accepted_parameters(REPO_ROOT / "notebooks" / f"{stem}.ipynb")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

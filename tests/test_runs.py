@@ -142,3 +142,4 @@ def test_cli_injects_undeclared_fields_into_the_notebook_config(preset_nb, tmp_p
     assert json.loads((run_dir / "result.json").read_text()) == {
         "limit": demo.data.limit, "steps": 4, "token_budget": demo.sampler.token_budget}
     assert json.loads((run_dir / "params.json").read_text())["preset"] == "demo"
+    assert "WARNING" not in out.stderr  # papermill's note on a name the cell does not declare stays quiet
