@@ -159,8 +159,9 @@ def resolve_params(notebook: Path, params: dict[str, Any], preset_name: str = ""
     for key, value in params.items():
         if key not in accepted:
             hint = "" if key in FLAT_FIELDS else " and is not a config field"
+            more = " and any config field" if builds_config(declared) else ""
             raise ConfigError(f"parameter {key!r} is not a parameter of {notebook.name}{hint}; "
-                              f"it takes: {', '.join(sorted(declared))}")
+                              f"it takes: {', '.join(sorted(declared))}{more}")
         chosen[key] = coerce(key, value)
     defaults = {k: coerce(k, v) for k, v in declared.items() if k != PRESET}
     if builds_config(declared):
