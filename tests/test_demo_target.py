@@ -194,8 +194,9 @@ def test_folder_loads_as_a_local_target_with_the_loss_it_was_trained_to(built):
     store = build_token_store_from_config(cfg.data, progress=False)
     split = split_store(store, cfg.data.heldout_fraction)
     tok = load_tokenizer(str(folder))
-    docs = [tok.map_ids(store[int(i)][0]) for i in split.heldout[: SETTINGS.eval_samples]]
-    assert dt.document_loss(target.model, docs, tok.unk_id)["loss"] == pytest.approx(rec["heldout_loss_after"], rel=1e-5)
+    docs = [(tok.map_ids(store[int(i)][0]), store[int(i)][1]) for i in split.heldout[: SETTINGS.eval_samples]]
+    after = dt.document_loss(target.model, docs, tok.unk_id)["loss"]
+    assert after == pytest.approx(rec["heldout_loss_after"], rel=1e-5)
     assert dt.demo_target_params(folder) == dict(target=str(folder), tokenizer=str(folder),
                                                  mask_id=rec["vocab"]["mask_id"])
 

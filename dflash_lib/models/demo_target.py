@@ -10,9 +10,8 @@ Face Qwen3 model folder (`-p target DIR`, read by `target.load_local`) AND a map
 2. the vocabulary: the `vocab_size - 2` most frequent base ids of the training split (the chat template's special
    tokens, eos and pad always kept), every other id -> one UNK id, one more id reserved as the drafter's MASK;
 3. a Qwen3ForCausalLM of `cfg.model.hidden_size` x `cfg.model.target_layers` (tied embeddings) trained with
-   next-token cross-entropy over all tokens of random windows of the training stream (user text too: the
-   target's features over the prompt are the drafter's context, and every position's loss costs nothing extra)
-   except UNK labels (UNK is input only: trained as a label, a small model's argmax collapses onto it),
+   next-token cross-entropy on random windows of the training stream (every token is input, user text too), the
+   labels those the drafter trains on (assistant tokens, the store's loss mask) except UNK (see next_token_loss),
    AdamW, linear warmup then cosine, seeded (same machine and threads -> same weights);
 4. `training.json` (steps, tokens, seconds, loss first -> last, held-out loss before -> after, vocabulary
    coverage), written last.
@@ -46,7 +45,7 @@ from dflash_lib.data.store import StoreSettings, build_token_store_from_config
 from dflash_lib.data.tokenizers import (MAPPED_VOCAB_FILE, MappedVocab, is_mapped_tokenizer, load_tokenizer,
                                         tokenizer_identity)
 
-DEMO_TARGET_FORMAT = 2  # bump when the build's semantics change (old folders then stop matching)
+DEMO_TARGET_FORMAT = 3  # bump when the build's semantics change (old folders then stop matching)
 TRAINING_FILE = "training.json"  # written last: its presence marks a complete folder
 
 
@@ -58,7 +57,7 @@ class DemoTargetSettings:
     steps: int = 200  # optimizer steps (~150 s on 2 idle cores at the demo shape; see training.json)
     tokens_per_step: int = 4096  # tokens per step: tokens_per_step // seq_len windows of seq_len tokens
     seq_len: int = 512  # tokens per training window (random windows of the concatenated training samples)
-    lr: float = 1e-2  # peak learning rate (AdamW)
+    lr: float = 3e-3  # peak learning rate (AdamW)
     warmup_steps: int = 20  # linear warmup steps, then cosine to min_lr_ratio * lr
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on norms)
@@ -172,10 +171,12 @@ def choose_vocab(counts: np.ndarray, vocab_size: int, must_keep: Sequence[int]) 
     return tuple(sorted(kept, key=lambda i: (-int(counts[i]), i)))
 
 
-def training_stream(store: Any, indices: np.ndarray) -> np.ndarray:
-    """The samples `indices` of `store` back to back: (T,) base ids (uint32)."""
-    parts = [np.asarray(store[int(i)][0]) for i in indices]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+def training_stream(store: Any, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The samples `indices` of `store` back to back: ((T,) base ids uint32, (T,) loss mask uint8)."""
+    if not len(indices):
+        return np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+    return (np.concatenate([np.asarray(store[int(i)][0]) for i in indices]),
+            np.concatenate([np.asarray(store[int(i)][1]) for i in indices]))
 
 
 def lr_at(step: int, s: DemoTargetSettings) -> float:
@@ -201,27 +202,33 @@ def build_model(cfg: Config, settings: DemoTargetSettings, vocab_size: int):
         return transformers.Qwen3ForCausalLM(hf_cfg)
 
 
-def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, unk_id: int) -> tuple[torch.Tensor, int, int]:
-    """ids (R, T) int64 -> (mean next-token CE in nats over the R*(T-1) positions whose label is not `unk_id`,
-    correct top-1 among them, their number). UNK is input, never a label: trained on, it is the single most
-    frequent "token" (12 % of the corpus at 8192 ids) and a small model's argmax collapses onto it."""
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, unk_id: int,
+                    trained: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """ids (R, T) int64, trained (R, T) bool (the store's loss mask: assistant tokens) -> (mean next-token CE in
+    nats over the positions whose label is trained and not `unk_id`, correct top-1 among them, their number).
+    UNK is input, never a label: trained on, it is the single most frequent "token" (12 % of the corpus at 8192
+    ids) and a small model's argmax collapses onto it. Only assistant labels, as the drafter's: trained on every
+    token, the small target's greedy answer to a generation prompt was the template's next header
+    (`<|im_start|>assistant\n` in a loop), which no drafter trained on assistant tokens ever drafts."""
     logits = model(input_ids=ids).logits[:, :-1]  # (R, T-1, V)
-    labels = ids[:, 1:].masked_fill(ids[:, 1:] == unk_id, -100)  # (R, T-1)
+    labels = ids[:, 1:].masked_fill((ids[:, 1:] == unk_id) | ~trained[:, 1:], -100)  # (R, T-1)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     scored = labels != -100
     return loss, int((logits.argmax(-1) == labels)[scored].sum()), int(scored.sum())
 
 
 @torch.no_grad()
-def document_loss(model: torch.nn.Module, docs: Sequence[np.ndarray], unk_id: int) -> dict[str, float]:
+def document_loss(model: torch.nn.Module, docs: Sequence[tuple[np.ndarray, np.ndarray]],
+                  unk_id: int) -> dict[str, float]:
     """Next-token CE (nats, token-weighted) and top-1 accuracy over whole documents (one forward each), on the
-    labels that are not UNK; also how often the model's top-1 is UNK (a collapse check)."""
+    labels `next_token_loss` trains. docs: (ids (T,), loss mask (T,)) per document."""
     model.eval()
     total = correct = n = 0.0
-    for doc in docs:
+    for doc, mask in docs:
         if len(doc) < 2:
             continue
-        loss, hits, scored = next_token_loss(model, torch.as_tensor(doc.astype(np.int64)).unsqueeze(0), unk_id)
+        loss, hits, scored = next_token_loss(model, torch.as_tensor(doc.astype(np.int64)).unsqueeze(0), unk_id,
+                                             torch.as_tensor(np.asarray(mask, bool)).unsqueeze(0))
         if scored:
             total += loss.item() * scored
             correct += hits
@@ -230,9 +237,9 @@ def document_loss(model: torch.nn.Module, docs: Sequence[np.ndarray], unk_id: in
     return dict(loss=total / n if n else math.nan, acc=correct / n if n else math.nan, tokens=int(n))
 
 
-def train_lm(model: torch.nn.Module, stream: np.ndarray, s: DemoTargetSettings, unk_id: int,
+def train_lm(model: torch.nn.Module, stream: np.ndarray, trained: np.ndarray, s: DemoTargetSettings, unk_id: int,
              say: Callable[[str], None] = lambda _: None) -> list[dict[str, float]]:
-    """`s.steps` AdamW steps on random windows of `stream` ((T,) new ids). Returns one row per step: step, loss
+    """`s.steps` AdamW steps on random windows of `stream` ((T,) new ids; `trained` (T,) its loss mask). Returns one row per step: step, loss
     (nats), lr, tokens, seconds and cpu_seconds (this process, all threads), all three cumulative."""
     if len(stream) < s.seq_len + 1:
         raise ConfigError(f"demo target: the training split holds {len(stream)} tokens, fewer than one window of "
@@ -252,8 +259,9 @@ def train_lm(model: torch.nn.Module, stream: np.ndarray, s: DemoTargetSettings, 
         for group in opt.param_groups:
             group["lr"] = lr
         starts = rng.integers(0, len(stream) - s.seq_len, size=rows_per_step)  # (R,)
-        ids = torch.from_numpy(stream[starts[:, None] + offsets])  # (R, L+1)
-        loss, _, _ = next_token_loss(model, ids, unk_id)
+        window = starts[:, None] + offsets  # (R, L+1)
+        loss, _, _ = next_token_loss(model, torch.from_numpy(stream[window]), unk_id,
+                                     torch.from_numpy(trained[window].astype(bool)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if s.grad_clip > 0:
@@ -289,15 +297,15 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
     base = load_tokenizer(d.tokenizer)
     template = get_template(d.template, base, d.thinking)
     specials = [base.special_id(t) for t in template.special_tokens] + [base.eos_id, base.pad_id]
-    base_stream = training_stream(store, split.train)  # (T,) base ids of the training split only
+    base_stream, trained = training_stream(store, split.train)  # (T,) base ids and loss mask, training split only
     counts = np.bincount(base_stream, minlength=base.n_vocab).astype(np.int64)  # (V_base,)
     vocab = MappedVocab(d.tokenizer, choose_vocab(counts, settings.vocab_size, specials), tokenizer_identity(d.tokenizer))
     vocab.write(out)
     mapped = load_tokenizer(str(out))  # the folder is a tokenizer from here on
     stream = mapped.map_ids(base_stream)  # (T,) new ids
     unk_train = float(np.mean(stream == vocab.unk_id)) if len(stream) else 0.0
-    heldout_docs = [mapped.map_ids(store[int(i)][0]) for i in split.heldout[: settings.eval_samples]]
-    heldout_tokens = np.concatenate(heldout_docs) if heldout_docs else np.zeros(0, np.uint32)
+    heldout_docs = [(mapped.map_ids(store[int(i)][0]), store[int(i)][1]) for i in split.heldout[: settings.eval_samples]]
+    heldout_tokens = np.concatenate([d for d, _ in heldout_docs]) if heldout_docs else np.zeros(0, np.uint32)
     unk_heldout = float(np.mean(heldout_tokens == vocab.unk_id)) if len(heldout_tokens) else math.nan
     say(f"demo target: vocabulary {vocab.vocab_size} ids ({len(vocab.kept)} kept of {int((counts > 0).sum())} seen "
         f"in {len(stream):,} training tokens; UNK share {unk_train:.1%} of training, {unk_heldout:.1%} of held-out "
@@ -310,7 +318,7 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
     before = document_loss(model, heldout_docs, vocab.unk_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        history = train_lm(model, stream, settings, vocab.unk_id, say)
+        history = train_lm(model, stream, trained, settings, vocab.unk_id, say)
     after = document_loss(model, heldout_docs, vocab.unk_id)
     model.save_pretrained(out, safe_serialization=True)
     first = history[0]["loss"]
