@@ -9,6 +9,7 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 import pytest
+from notebook_checks import assert_committed_clean
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "01_length_analysis.ipynb"
@@ -23,11 +24,7 @@ def test_notebook_is_committed_clean_with_one_parameters_cell():
     assert len(tagged) == 1
     names = {line.split("=")[0].strip() for line in tagged[0].source.splitlines() if "=" in line}
     assert names == PARAMETERS
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code)
-    source = "\n".join(c.source for c in code)
-    assert "def " not in source and "class " not in source
-    assert len(source.splitlines()) < 150
+    assert_committed_clean(nb)
 
 
 @pytest.mark.slow

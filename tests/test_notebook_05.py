@@ -11,6 +11,7 @@ import pytest
 
 from dflash_lib.evaluate import RUN_SUMMARY_KEYS
 from dflash_lib.runs import notebook_parameters
+from notebook_checks import assert_committed_clean
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
@@ -21,11 +22,7 @@ def test_notebook_is_committed_clean_with_one_parameters_cell():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert nb.metadata["kernelspec"]["name"] == "python3"
     assert set(notebook_parameters(NOTEBOOK)) == PARAMETERS
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code)
-    source = "\n".join(c.source for c in code)
-    assert "def " not in source and "class " not in source
-    assert len(source.splitlines()) < 150
+    assert_committed_clean(nb)
 
 
 @pytest.mark.slow
