@@ -217,6 +217,8 @@ class RegenerateConfig:
     backend: str = "local"  # "local" (the target in-process, batched generate) | "openai" (a chat-completions server)
     max_new_tokens: int = 1024  # tokens generated per assistant turn at most (beyond: finish_reason "length");
     # also each held-out prompt's answer in `evaluate` and notebook 05 (the same quantity: one answer's length)
+    min_new_tokens: int = 0  # the end-of-turn token is masked out of an answer's first N tokens (Hugging Face's
+    # `min_new_tokens`), in regeneration and in `evaluate`'s decoding alike; 0 = off
     temperature: float = 0.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0)
     gen_batch: int = 16  # local: conversations generated together (one batched generate per turn)
@@ -232,6 +234,10 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         _choice("backend", self.backend, ("local", "openai"))
         _positive("max_new_tokens", self.max_new_tokens)
+        _non_negative("min_new_tokens", self.min_new_tokens)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                              f"({self.max_new_tokens})")
         _non_negative("temperature", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -130,6 +130,24 @@ def test_stop_ids_end_the_output_the_same_way(target):
     assert res.outputs[0] == full[:full.index(stop) + 1]
 
 
+def test_min_new_tokens_keeps_stop_ids_out_of_the_first_tokens(target):
+    """A stop id the target would emit early is masked out of the first min_new_tokens tokens, the same way by
+    speculative and plain decoding; after them it stops the answer again."""
+    prompt = _prompts(1, seed=6)[0]
+    full = target.greedy(prompt, NEW)
+    stop = full[2]
+    assert full.index(stop) == 2
+    free = greedy_decode(target, [prompt], NEW, stop_ids=[stop]).outputs[0]
+    assert free == full[:3]
+    for min_new in (NEW, 7):
+        base = greedy_decode(target, [prompt], NEW, stop_ids=[stop], min_new_tokens=min_new).outputs[0]
+        res = acceptance_length(target, _drafter(target), [prompt], NEW, stop_ids=[stop], min_new_tokens=min_new)
+        assert res.outputs[0] == base
+        assert stop not in base[:min_new]
+        assert len(base) == NEW or base[-1] == stop and len(base) > min_new
+    assert len(greedy_decode(target, [prompt], NEW, [stop], min_new_tokens=NEW).outputs[0]) == NEW
+
+
 class _Scripted:
     """A real drafter doing all its work (context cache, block forward) whose proposals are then replaced by the
     target's true continuation with draft slot (cycle % B) corrupted: cycle c accepts exactly min(c % B, B-1)
@@ -299,7 +317,7 @@ def test_a_run_whose_store_changed_or_without_a_split_is_refused(smoke_run, tmp_
 
 def test_untrained_drafter_is_the_one_training_starts_from(smoke_run):
     from dflash_lib.evaluate import initial_drafter
-    from dflash_lib.train import build_parts
+    from dflash_lib.parts import build_parts
 
     _, config = smoke_run
     parts = build_parts(config, torch.device("cpu"))

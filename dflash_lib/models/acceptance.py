@@ -144,6 +144,16 @@ def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
             raise ValueError(f"prompt {i} is empty")
 
 
+def _greedy(logits: torch.Tensor, first: int, min_new_tokens: int, stops: frozenset[int]) -> list[int]:
+    """The greedy tokens of logits (T, V), row i being output token number `first + i` (0-based); rows before
+    `min_new_tokens` never pick a stop id (as Hugging Face's `min_new_tokens`: the stop ids' logits -inf)."""
+    early = min(max(min_new_tokens - first, 0), logits.shape[0])  # rows that may not stop yet
+    if early and stops:
+        logits = logits.clone()
+        logits[:early, sorted(stops)] = float("-inf")
+    return logits.argmax(dim=-1).tolist()
+
+
 def _finished(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
     return len(out) >= max_new_tokens or bool(stop_ids.intersection(out))
 
@@ -158,10 +168,11 @@ def _cut(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[
 
 @torch.no_grad()
 def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      stop_ids: Sequence[int] = ()) -> AcceptanceResult:
+                      stop_ids: Sequence[int] = (), min_new_tokens: int = 0) -> AcceptanceResult:
     """Speculative-decode every prompt (batch 1, greedy) to `max_new_tokens` tokens, or through the first token
-    in `stop_ids`. The first token comes from the target's prefill (not a cycle); a last cycle that overshoots
-    still counts its full accepted length, and the output is cut."""
+    in `stop_ids` (never among the first `min_new_tokens`, see `_greedy`). The first token comes from the
+    target's prefill (not a cycle); a last cycle that overshoots still counts its full accepted length, and the
+    output is cut."""
     _check(prompts, max_new_tokens)
     stops = frozenset(int(s) for s in stop_ids)
     hist: Counter[int] = Counter()
@@ -177,7 +188,7 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
         first = tc.forward(torch.tensor(list(prompt), dtype=torch.long))
         calls += 1
         drafting.extend(first.features)  # context 0 .. P-1
-        out = [int(first.logits[-1].argmax())]
+        out = _greedy(first.logits[-1:], 0, min_new_tokens, stops)
         while not _finished(out, max_new_tokens, stops):
             pending = out[-1]  # at position tc.length, not yet seen by the target
             draft = drafting.draft(pending)  # (B-1,) at positions tc.length+1 ..
@@ -185,7 +196,7 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
             base = tc.length
             check = tc.forward(torch.tensor([pending] + draft, dtype=torch.long))  # (B,) new tokens only
             calls += 1
-            verified = check.logits.argmax(dim=-1).tolist()  # (B,) the target's next token after each slot
+            verified = _greedy(check.logits, len(out), min_new_tokens, stops)  # (B,) the target's next tokens
             n = 0
             while n < len(draft) and draft[n] == verified[n]:
                 n += 1
@@ -206,9 +217,9 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
 
 @torch.no_grad()
 def greedy_decode(target: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  stop_ids: Sequence[int] = ()) -> DecodeResult:
+                  stop_ids: Sequence[int] = (), min_new_tokens: int = 0) -> DecodeResult:
     """Plain greedy decoding with the target's KV cache, one token per forward: the baseline speculative
-    decoding must equal token for token and is timed against."""
+    decoding must equal token for token and is timed against (same `stop_ids` and `min_new_tokens`)."""
     _check(prompts, max_new_tokens)
     stops = frozenset(int(s) for s in stop_ids)
     outputs: list[list[int]] = []
@@ -217,9 +228,10 @@ def greedy_decode(target: TargetModel, prompts: Sequence[Sequence[int]], max_new
     for prompt in prompts:
         tc = TargetCache(target)
         logits = tc.forward(torch.tensor(list(prompt), dtype=torch.long), features=False).logits
-        out = [int(logits[-1].argmax())]
+        out = _greedy(logits[-1:], 0, min_new_tokens, stops)
         while not _finished(out, max_new_tokens, stops):
-            out.append(int(tc.forward(torch.tensor(out[-1:]), features=False).logits[-1].argmax()))
+            out += _greedy(tc.forward(torch.tensor(out[-1:]), features=False).logits[-1:], len(out), min_new_tokens,
+                           stops)
         outputs.append(out)
     _sync(target.device)
     return DecodeResult(outputs=outputs, seconds=time.perf_counter() - start)
