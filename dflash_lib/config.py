@@ -222,6 +222,8 @@ class RegenerateConfig:
     temperature: float = 0.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0)
     gen_batch: int = 16  # local: conversations generated together (one batched generate per turn)
+    gen_tokens: int = 65536  # local: padded prompt tokens per `generate` call at most: a batch's prompts are sorted
+    # by length and split where rows x longest prompt would pass it (one long prompt no longer pads a whole batch)
     max_turns: int = 0  # assistant turns regenerated per conversation (0 = all; later turns are dropped)
     base_url: str = "http://127.0.0.1:8000/v1"  # openai: the server's API root (SGLang and vLLM serve /v1)
     model: str = ""  # openai: the served model name ("" = the first one the server lists at /models)
@@ -242,6 +244,7 @@ class RegenerateConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         _positive("gen_batch", self.gen_batch)
+        _positive("gen_tokens", self.gen_tokens)
         _non_negative("max_turns", self.max_turns)
         _positive("concurrency", self.concurrency)
         _non_negative("retries", self.retries)

@@ -92,7 +92,7 @@ class LocalBackend:
         return [int(i) for i in ids]
 
     def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
-        torch, cfg = self._torch, self.cfg
+        cfg = self.cfg
         ids = [self.prompt_ids(p) for p in prompts]
         limit = self.max_positions - cfg.max_new_tokens
         too_long = [i for i, x in enumerate(ids) if len(x) > limit]
@@ -100,6 +100,15 @@ class LocalBackend:
             raise RegenerateError(f"record {records[too_long[0]]}: prompt of {len(ids[too_long[0]])} tokens + "
                                   f"max_new_tokens {cfg.max_new_tokens} exceeds the target's {self.max_positions} "
                                   f"positions (lower max_new_tokens or max_turns)")
+        answers: list[Answer | None] = [None] * len(ids)
+        for group in length_groups([len(x) for x in ids], cfg.gen_tokens):
+            for i, answer in zip(group, self._generate([ids[i] for i in group], records[group[0]])):
+                answers[i] = answer
+        return answers  # type: ignore[return-value]
+
+    def _generate(self, ids: list[list[int]], seed_record: int) -> list[Answer]:
+        """One batched `generate` over prompts `ids` (left-padded); `seed_record` seeds sampling."""
+        torch, cfg = self._torch, self.cfg
         width = max(len(x) for x in ids)
         pad = self.tok.pad_id
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=self.target.device)  # (N, W)
@@ -108,16 +117,29 @@ class LocalBackend:
         kwargs = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if sample else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
         if sample:  # the same records sample the same answers on a resumed run
-            torch.manual_seed(1_000_003 * int(records[0]) + len(records))
+            torch.manual_seed(1_000_003 * int(seed_record) + len(ids))
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                      eos_token_id=self.tok.eos_id, pad_token_id=pad, **kwargs)  # (N, W + new)
+                                      min_new_tokens=cfg.min_new_tokens or None, eos_token_id=self.tok.eos_id,
+                                      pad_token_id=pad, **kwargs)  # (N, W + new)
         answers = []
         for row in out[:, width:].tolist():
             stop = row.index(self.tok.eos_id) if self.tok.eos_id in row else -1
             gen = row[:stop] if stop >= 0 else row
             answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen)))
         return answers
+
+
+def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` sorted by length (stable), cut into consecutive groups whose rows x longest length
+    stays within `max_tokens` (a group holds at least one index, however long)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,6 +196,8 @@ class OpenAIBackend:
         cfg = self.cfg
         body: dict[str, Any] = dict(model=self.model, messages=[{"role": r, "content": c} for r, c in turns],
                                     max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        if cfg.min_new_tokens:
+            body["min_tokens"] = cfg.min_new_tokens  # SGLang's and vLLM's extension of the OpenAI API
         if self.thinking != "keep":
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking == "on"}
         doc = self._request("/chat/completions", body, what)

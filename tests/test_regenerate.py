@@ -197,3 +197,49 @@ def test_openai_400_names_the_record_and_loses_nothing(source, server, tmp_path)
     with pytest.raises(RegenerateError, match=r"record 2: HTTP 400 .*context too long"):
         regenerate(cfg, out, progress=False)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]  # written, in order
+
+
+def test_length_groups_sort_and_cap_padded_tokens():
+    from dflash_lib.regenerate import length_groups
+
+    assert length_groups([5, 1, 3, 1], 100) == [[1, 3, 2, 0]]
+    assert length_groups([5, 1, 3, 1], 9) == [[1, 3, 2], [0]]  # 3 rows x 3 tokens = 9; 4 x 5 would be 20
+    assert length_groups([5, 1, 3, 1], 6) == [[1, 3], [2], [0]]
+    assert length_groups([50, 2], 10) == [[1], [0]]  # a prompt longer than the cap still gets its own group
+    assert sorted(i for g in length_groups([7, 3, 9, 3, 1], 12) for i in g) == [0, 1, 2, 3, 4]
+
+
+def test_gen_tokens_split_answers_each_record_in_its_place(source, tmp_path):
+    """A batch of 3 cut into one-prompt generate calls (gen_tokens 1, shortest prompt first) writes what one
+    record per batch (gen_batch 1) writes: every answer back at its own record."""
+    files = []
+    for name, kw in (("split", dict(gen_tokens=1)), ("single", dict(gen_batch=1))):
+        cfg = _cfg(source, **kw)
+        files.append(tmp_path / f"{name}.jsonl")
+        regenerate(cfg, files[-1], backend=LocalBackend(cfg), progress=False)
+    assert files[0].read_bytes() == files[1].read_bytes()
+
+
+def test_min_new_tokens_keeps_the_end_of_turn_out_of_the_first_tokens(source, backend):
+    """With the end-of-turn id set to the token the target writes second, the answer stops there; with
+    min_new_tokens it runs past it (Hugging Face's min_new_tokens masks the id)."""
+    turns = (("user", "Hello"),)
+    free = backend.model.generate(input_ids=__import__("torch").tensor([backend.prompt_ids(turns)]),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=backend.tok.pad_id)
+    second = int(free[0, -5])
+
+    class _Eos:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        eos_id = second
+
+    for min_new, expect in ((0, "stop"), (6, "length")):
+        cfg = _cfg(source, min_new_tokens=min_new)
+        b = LocalBackend(cfg, target=backend.target, tokenizer=_Eos(backend.tok))
+        answer = b.answer([turns], [0])[0]
+        assert answer.finish_reason == expect
+        assert answer.completion_tokens == (1 if expect == "stop" else 6)
