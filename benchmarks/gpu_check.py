@@ -62,7 +62,7 @@ from dflash_lib.config import Config, ModelConfig, PipelineConfig  # noqa: E402
 from dflash_lib.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length  # noqa: E402
 from dflash_lib.pipeline import Pipeline  # noqa: E402
-from dflash_lib.train import train_step  # noqa: E402
+from dflash_lib.step import train_step  # noqa: E402
 from dflash_lib.validate import BadStepGuard  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s): the MFU denominator

@@ -43,9 +43,11 @@ from dflash_lib.data.analysis import store_drafter_queries  # noqa: E402
 from dflash_lib.metrics import ThroughputMeter  # noqa: E402
 from dflash_lib.sampler import FixedBatchSampler  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
-from dflash_lib.train import (TrainingParts, Work, bucket_edges, build_optimizer, build_sampler,  # noqa: E402
-                              drafter_checkpointing, lr_at, make_collate, make_prepare, make_target_workers,
-                              noise_at, run_training, train_step)
+from dflash_lib.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
+from dflash_lib.parts import TrainingParts, bucket_edges, build_sampler, drafter_checkpointing  # noqa: E402
+from dflash_lib.schedule import lr_at, noise_at  # noqa: E402
+from dflash_lib.step import build_optimizer, train_step  # noqa: E402
+from dflash_lib.train import run_training  # noqa: E402
 from dflash_lib.validate import BadStepGuard  # noqa: E402
 
 

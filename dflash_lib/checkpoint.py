@@ -46,7 +46,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import distributed
 from .config import Config
+from .rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -772,3 +774,85 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
     if removed:
         _fsync_dir(ckpt_dir)
     return removed
+
+
+# -- a training run's checkpoints ------------------------------------------------------------------------------
+
+
+class TrainingCheckpoints:
+    """The checkpoints of one training run in `ckpt_dir`: the drafter's weights and AdamW state in torch's
+    distributed layout (`get_state_dict`: the plain drafter's parameter names whatever the engine, DTensor shards
+    under FSDP; DCP reshards them on load), every rank's RNG streams, and the trainer's own state (a dict of
+    plain values, the same on every rank). Every rank calls `save`, `finish` and `load` at the same point."""
+
+    def __init__(self, ckpt_dir: str | Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer,
+                 config: Config) -> None:
+        self.ckpt_dir, self.drafter, self.opt, self.config = Path(ckpt_dir), drafter, opt, config
+        self.resume_hash = resume_config_hash(config)
+        self.saved_step = -1  # step of the newest checkpoint written, started or loaded
+        self.latest: Path | None = None  # the newest checkpoint this invocation committed
+        self.pending: PendingSave | None = None  # an async save not yet committed
+        self._save_t0 = 0.0
+
+    def timeout_s(self) -> float:
+        """The checkpoint collectives' timeout: fp32 weights + two AdamW moments (12 bytes per trainable
+        parameter), sized by `distributed.checkpoint_timeout_s`."""
+        numel = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+        return distributed.checkpoint_timeout_s(12.0 * numel, distributed.info().world_size,
+                                                self.config.train.dist_timeout_s)
+
+    def model_state(self) -> dict[str, Any]:
+        """{"drafter": weights, "optimizer": AdamW state} as `get_state_dict` lays them out."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.drafter, self.opt)
+        return {"drafter": model, "optimizer": optim}
+
+    def save(self, step: int, epoch: int, trainer_state: Callable[[], dict[str, Any]],
+             say: Callable[[str], None]) -> None:
+        """Checkpoint optimizer step `step` (of data epoch `epoch`): every rank writes its part (DCP) and its RNG
+        state, rank 0 `trainer_state()` and, once every rank is done, the manifest; a previous async save is
+        committed first. With `async_ckpt` the tensors are staged and written in the background (committed at
+        the next save or `finish`). A failed write (full disk) raises CheckpointError on every rank, the previous
+        checkpoint intact."""
+        tc = self.config.train
+        self.finish(say)
+        group = distributed.checkpoint_group(self.timeout_s())
+        trainer = trainer_state()  # may be a collective (every rank's skip counts): after the group exists
+        state = {"step": step, **self.model_state(), "trainer": trainer}
+        meta = {"epoch": epoch, "resume_hash": self.resume_hash, "config": self.config.to_dict()}
+        self._save_t0 = time.perf_counter()
+        self.pending = start_save(self.ckpt_dir, state, step, config_hash=self.resume_hash,
+                                  keep_last=tc.keep_checkpoints, meta=meta, rank_state={"rng": capture_rng()},
+                                  async_save=tc.async_ckpt, group=group)
+        self.saved_step = step
+        if not tc.async_ckpt:
+            self.finish(say)
+
+    def finish(self, say: Callable[[str], None]) -> None:
+        """Commit the pending save, if any, and `say` where it went."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self.latest = pending.wait()
+        say(f"checkpoint step {pending.step}: {self.latest} ({time.perf_counter() - self._save_t0:.2f} s)")
+
+    def load(self, path: str | Path, step: int) -> None:
+        """Read the weights and AdamW state of the checkpoint of `step` at `path` (verified beforehand,
+        `resume.prepare_run_dir`) in place, at this run's world size and engine, whatever sharding wrote them."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        group = distributed.checkpoint_group(self.timeout_s())
+        state = load_into(path, self.model_state(), group)
+        set_state_dict(self.drafter, self.opt, model_state_dict=state["drafter"],
+                       optim_state_dict=state["optimizer"])
+        self.saved_step = step
+
+    def load_rng(self, path: str | Path, saved_world_size: int) -> None:
+        """This rank's RNG streams from the checkpoint at `path`; a rank the writing run (of `saved_world_size`
+        ranks) did not have takes rank (r mod W)'s."""
+        rank = distributed.info().rank % saved_world_size
+        mine = load_rank_state(path, rank)
+        if mine is None:
+            raise CheckpointError(f"checkpoint {path}: no rank state for rank {rank}")
+        restore_rng(mine["rng"])

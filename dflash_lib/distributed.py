@@ -4,7 +4,9 @@
 alike by --standalone and by c10d rendezvous across nodes) and joins a process group (gloo on CPU, NCCL on CUDA)
 whose collectives give up after `timeout_s`, so a dead peer makes the others fail with a DistributedError
 instead of hanging. Without torchrun it is a single process and every collective is a no-op. Call sites stay the
-same either way: `all_reduce_sum`, `all_gather_bytes`, `is_main`, `print0`, `barrier`, `destroy`.
+same either way: `all_reduce_sum`, `all_gather_bytes`, `is_main`, `print0`, `barrier`, `destroy`, and the
+trainer's few on top of them: `all_reduce_floats`, `any_rank`, `gather_states` (and `rank_shards`, which data
+shards a rank reads).
 
 `wrap_drafter` puts the drafter on an `Engine`: DistributedDataParallel (default) or FSDP2 (`fully_shard`), the
 frozen target replicated on every rank, never wrapped. `checkpoint_group` is a gloo group for checkpoint
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import io
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -181,6 +184,34 @@ def barrier() -> None:
     """Wait until every rank gets here (no-op in a single process); DistributedError after the timeout."""
     if _group_active():
         _collective("barrier", dist.barrier)
+
+
+def all_reduce_floats(values: Sequence[float]) -> list[float]:
+    """Sum a list of floats over ranks in one collective (identity in a single process)."""
+    if info().world_size == 1:
+        return [float(v) for v in values]
+    return all_reduce_sum(torch.tensor(list(values), dtype=torch.float64)).tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True when `flag` is set on at least one rank (every rank gets the same answer)."""
+    return all_reduce_floats([float(flag)])[0] > 0
+
+
+def gather_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `state` (tensors, numbers, strings, lists, dicts), in rank order; [state] in one process.
+    Sent as torch.save bytes and read back with weights_only=True (no object is ever unpickled)."""
+    if info().world_size == 1:
+        return [state]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in all_gather_bytes(buf.getvalue())]
+
+
+def rank_shards(rank: int, world_size: int, data_shards: int) -> list[int]:
+    """The data shards (0..D-1 of every sampler step) this rank trains on: d % world_size == rank. W == D: its
+    own; W < D: several, accumulated in one step (a 2-rank run resumed by one process); W > D: one or none."""
+    return list(range(rank, data_shards, world_size))
 
 
 def _collective(name: str, call: Callable[[], object]) -> None:

@@ -88,7 +88,7 @@ class StepSettings:
 def for_cuda(config: Config) -> StepSettings:
     """What `train.build_parts` resolves on a CUDA device: `auto` attention and checkpointing, bf16 target."""
     from dflash_lib.models.attention import resolve_attention
-    from dflash_lib.train import drafter_checkpointing
+    from dflash_lib.parts import drafter_checkpointing
 
     mc = config.model
     return StepSettings(resolve_attention(mc.drafter_attention, "cuda"),
@@ -582,7 +582,7 @@ def _with(config: Config, **params: Any) -> Config:
 def _epoch_batches(config: Config, lengths: np.ndarray, queries: np.ndarray, edges: Sequence[int]
                    ) -> tuple[list[int], int]:
     """(batches of each bucket in epoch 0 of the bucketed sampler, rows of the packed sampler), one rank."""
-    from dflash_lib.train import build_sampler
+    from dflash_lib.parts import build_sampler
 
     bucketed = build_sampler(_with(config, strategy="bucketed"), lengths, 0, 1, edges, queries).epoch_plan(0)
     packed = build_sampler(_with(config, strategy="packed"), lengths, 0, 1, [], queries).epoch_plan(0)
@@ -600,7 +600,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     from dflash_lib.data.analysis import store_drafter_queries
     from dflash_lib.models.target import target_hf_config
     from dflash_lib.sampler import resolve_block_budget
-    from dflash_lib.train import bucket_edges
+    from dflash_lib.parts import bucket_edges
 
     t0 = time.perf_counter()
     mc = config.model

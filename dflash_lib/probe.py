@@ -106,7 +106,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
 
     Warm-up left out: the steps before the steady state the first invocation's detector found (without one:
     the first half of the first invocation's steps), and the first RESUME_WARMUP steps after every resume."""
-    from .train import bucket_edges, build_sampler  # torch-heavy: imported on use
+    from .parts import bucket_edges, build_sampler  # torch-heavy: imported on use
 
     metrics = load_metrics(run_dir)
     steady = bool(first["steady"])

@@ -13,6 +13,8 @@ inspected nor touched: a notebook may train into its own run folder. env.json is
 `fresh=True` first deletes the checkpoints and this trainer's outputs.
 On resume, metrics.jsonl keeps only the rows up to the checkpoint's step, so that the rows appended next make
 it the true trajectory of the run (an interrupted run may have logged steps past its last checkpoint).
+`prepare_run_dir` applies all this under torchrun (rank 0 decides, every rank gets the verdict) and records the
+run's config.json and env.json; `shared_new_run_dir` makes a new run folder whose path every rank shares.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dflash_lib.checkpoint import CheckpointError, find_latest, fresh_run_dir, load_objects
-from dflash_lib.config import ConfigError
+from dflash_lib import distributed
+from dflash_lib.checkpoint import (CheckpointError, CheckpointMismatchError, find_latest, fresh_run_dir, load_objects,
+                                   resume_config_hash)
+from dflash_lib.config import Config, ConfigError
+from dflash_lib.runs import environment, new_run_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +156,49 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped
+
+
+def shared_new_run_dir(tag: str = "") -> Path:
+    """A new runs/<UTC>_train[_tag]/ folder created by rank 0; every rank gets rank 0's path."""
+    path = str(new_run_dir("train", tag)) if distributed.is_main() else ""
+    return Path(distributed.all_gather_bytes(path.encode())[0].decode())
+
+
+def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
+    """Decide whether the run resumes, starts, or is refused (`dflash_lib.resume`): rank 0 looks (verifying the
+    newest checkpoint's checksums) and every rank gets its verdict; `fresh` first clears the folder (rank 0).
+    Then rank 0 trims metrics.jsonl to the checkpoint's step and writes config.json and env.json."""
+    dist = distributed.info()
+    resume_hash = resume_config_hash(config)
+    verdict: dict[str, Any] = {}
+    if dist.rank == 0:
+        try:
+            if config.train.fresh:
+                removed = clear_run_dir(run_dir)
+                if removed:
+                    distributed.print0(f"fresh start in {run_dir}: removed {', '.join(removed)}")
+                point = ResumePoint(None, 0)  # files the trainer did not write stay, as the user asked to start here
+            else:
+                point = find_resume_point(run_dir, resume_hash)
+            verdict = {"path": None if point.path is None else str(point.path), "step": point.step,
+                       "data_shards": point.data_shards}
+        except (CheckpointError, ConfigError) as e:
+            if dist.world_size == 1:
+                raise
+            verdict = {"error": type(e).__name__, "message": str(e)}
+    verdict = json.loads(distributed.all_gather_bytes(json.dumps(verdict).encode())[0])
+    if "error" in verdict:
+        kind = {"CheckpointMismatchError": CheckpointMismatchError, "CheckpointError": CheckpointError}
+        raise kind.get(verdict["error"], ConfigError)(verdict["message"])
+    point = ResumePoint(None if verdict["path"] is None else Path(verdict["path"]), verdict["step"],
+                        verdict["data_shards"])
+    if dist.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dropped = truncate_metrics(run_dir / METRICS_FILE, point.step)
+        write_json(run_dir / CONFIG_FILE, {"config": config.to_dict(), "config_hash": config.hash(),
+                                           "resume_hash": resume_hash})
+        write_json(run_dir / "env.json", environment())
+        if point.path is not None:
+            distributed.print0(f"resuming from {point.path}" + (f" (dropped {dropped} metrics rows logged past "
+                                                                 f"it)" if dropped else ""))
+    return point

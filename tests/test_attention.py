@@ -271,7 +271,7 @@ def test_bf16_target_with_fp32_drafter_trains_under_autocast_and_drafts_without(
 
 def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     from dflash_lib.config import ConfigError, from_params, preset
-    from dflash_lib.train import build_parts
+    from dflash_lib.parts import build_parts
 
     config = from_params(dict(drafter_attention="flex", limit=20), preset("smoke"))
     with pytest.raises(ConfigError, match="flex' trains only on CUDA"):

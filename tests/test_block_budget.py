@@ -170,7 +170,7 @@ def test_short_documents_are_split_by_the_block_budget(kind):
 
 
 def test_static_batch_sizes_follow_the_block_budget():
-    from dflash_lib.train import static_batch_sizes
+    from dflash_lib.parts import static_batch_sizes
 
     assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
     # bucket maxima 64, 0 (no anchor anywhere) and 512 drafter query tokens under a 256-query budget
@@ -187,7 +187,7 @@ def test_static_batch_sizes_follow_the_block_budget():
 
 
 def test_build_sampler_applies_the_resolved_block_budget():
-    from dflash_lib.train import build_sampler
+    from dflash_lib.parts import build_sampler
 
     rng = np.random.default_rng(2)
     lengths = rng.integers(2, 512, 300)

@@ -13,7 +13,7 @@ import torch
 from dflash_lib.batch import collate_padded
 from dflash_lib.feed import Collated, Item, Work, make_target_workers
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.train import train_step
+from dflash_lib.step import train_step
 from dflash_lib.validate import BadStepGuard
 
 VOCAB = 200

@@ -239,7 +239,7 @@ def test_cli_errors_are_one_line_naming_the_path(tmp_path, capsys):
 
 
 def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path):
-    from dflash_lib.train import build_parts
+    from dflash_lib.parts import build_parts
 
     run_dir, config = smoke_run
     exported = tmp_path / "exported"

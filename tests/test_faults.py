@@ -23,7 +23,8 @@ from dflash_lib.config import from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.sampler import FixedBatchSampler
 from dflash_lib.stop import StopRequest
-from dflash_lib.train import TrainingParts, run_training
+from dflash_lib.parts import TrainingParts
+from dflash_lib.train import run_training
 from dflash_lib.validate import NonFiniteLossError
 
 REPO = Path(__file__).resolve().parent.parent

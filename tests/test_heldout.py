@@ -18,7 +18,8 @@ from dflash_lib.heldout import HELDOUT_KEYS, SubsetStore, sample_hash, split_sto
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import leading_run_stats, weighted_loss
-from dflash_lib.train import TrainingParts, build_sampler, run_training
+from dflash_lib.parts import TrainingParts, build_sampler
+from dflash_lib.train import run_training
 
 
 def random_store(n: int, seed: int = 0, lo: int = 12, hi: int = 60) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -211,7 +212,7 @@ def test_evaluation_leaves_the_training_trajectory_unchanged(tmp_path):
 
 
 def test_build_parts_keeps_held_out_samples_out_of_every_training_batch():
-    from dflash_lib.train import build_parts
+    from dflash_lib.parts import build_parts
 
     config = from_params({"heldout_fraction": 0.1, "strategy": "bucketed"}, preset("smoke"))
     parts = build_parts(config, torch.device("cpu"))

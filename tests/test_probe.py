@@ -112,7 +112,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
 def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly():
     from dflash_lib.config import preset
     from dflash_lib.probe import predicted_efficiency, strategy_config
-    from dflash_lib.train import build_sampler
+    from dflash_lib.parts import build_sampler
 
     cfg = strategy_config(preset("smoke"), "static", steps=5)
     assert cfg.sampler.strategy == "bucketed" and cfg.sampler.static_shapes and cfg.train.stop_at_step == 0

@@ -254,7 +254,7 @@ def test_pack_window_reaches_the_packed_sampler_and_changes_the_packing():
     the same epoch differently, both packings serve every sample exactly once within the budget, and the wider
     window packs tighter."""
     from dflash_lib.config import from_params, smoke
-    from dflash_lib.train import build_sampler
+    from dflash_lib.parts import build_sampler
 
     lengths = lognormal_lengths(3000, 6, mu=5.0, max_len=1024)
     packings, efficiency, samplers = {}, {}, {}

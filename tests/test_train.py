@@ -15,8 +15,11 @@ from dflash_lib.batch import collate_padded
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.pipeline import PipelineError
-from dflash_lib.train import (Item, TrainingParts, bucket_of, epoch_batches, lr_at, plan_steps,
-                              run_training, train_step, warmup_steps)
+from dflash_lib.feed import Item, bucket_of, epoch_batches
+from dflash_lib.parts import TrainingParts
+from dflash_lib.schedule import lr_at, plan_steps, warmup_steps
+from dflash_lib.step import train_step
+from dflash_lib.train import run_training
 from dflash_lib.validate import BadStepGuard
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
@@ -313,7 +316,8 @@ def test_command_line_trains_every_strategy(tmp_path, strategy):
 
 def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_path):
     from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.train import bucket_edges, static_batch_sizes, train
+    from dflash_lib.parts import bucket_edges, static_batch_sizes
+    from dflash_lib.train import train
 
     assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
     assert static_batch_sizes([100, 500], 2048, q=100.0) == [10, 1]  # costs 100 + 100^2/100 and 500 + 2500
@@ -335,7 +339,8 @@ import json, sys
 from pathlib import Path
 from dflash_lib import distributed
 from dflash_lib.config import from_params, preset
-from dflash_lib.train import build_parts, run_training
+from dflash_lib.parts import build_parts
+from dflash_lib.train import run_training
 
 config = from_params({"steps": 3, "log_every": 1}, preset("smoke"))
 dist = distributed.init_distributed(timeout_s=60, device="cpu")
@@ -382,7 +387,7 @@ def test_epoch_batches_split_the_same_global_steps_over_any_world_size():
     """The sampler is planned for D = 2 data shards; 1, 2 or 3 ranks take the same (step, shard, batch) work and
     cut the same optimizer steps (a rank with no shard gets one empty item per sampler step)."""
     from dflash_lib.sampler import RandomShuffleSampler
-    from dflash_lib.train import rank_shards
+    from dflash_lib.distributed import rank_shards
 
     lengths = np.random.default_rng(0).integers(20, 200, size=120)
     sampler = RandomShuffleSampler(lengths, 600, seed=3, rank=0, world_size=2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,16 +120,32 @@ def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, 
 
 
 def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-                   template: str = "", source: str = "", target_name: str = "") -> Path:
+                   template: str = "", source: str = "", target_name: str = "",
+                   weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `drafter` in the serving layout. `template`: the chat template it was trained with; `source`: where
-    it came from (a run folder, a checkpoint); `target_name` default the target's path."""
+    it came from (a run folder, a checkpoint); `target_name` default the target's path. `weights`: its full
+    trainable weights by name (e.g. `Engine.full_weights`: plain tensors whatever engine trained it); None = the
+    drafter's own trainable parameters."""
     target = drafter.target
-    weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    if weights is None:
+        weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     hf = target.model.config
     info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
                           source)
     return write_folder(drafter.cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
                         info)
+
+
+def save_drafter(drafter: "DFlashDrafter", directory: Path, weights: dict[str, torch.Tensor] | None = None,
+                 **info: str) -> Path:
+    """The drafter in the serving layout in fp32 (`info`: its README's template, source, target_name; `weights`:
+    see `export_drafter`) into a temporary sibling, then rename: a reader never sees half a folder."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_drafter(drafter, tmp, torch.float32, weights=weights, **info)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
 
 
 # -- reading -------------------------------------------------------------------------------------------------
