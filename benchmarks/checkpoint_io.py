@@ -13,10 +13,7 @@ with the ratios to plain. The plain save does not fsync, so the ratios include t
 from __future__ import annotations
 
 import argparse
-import os
-import queue
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +27,11 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from dflash_lib import distributed  # noqa: E402
 from dflash_lib.checkpoint import find_latest, load_into, save_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
+from _common import join_group, spawn_ranks  # noqa: E402
+
+del sys.path[0]
 
 TENSORS = 16  # weight tensors the parameters are split into (a drafter has a few large matrices per layer)
 
@@ -77,9 +79,7 @@ def run_dcp(state: dict, root: Path, repeats: int, group) -> tuple[float, float]
 
 
 def worker(rank: int, params: int, root: str, repeats: int, port: int, out: "mp.Queue") -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    distributed.init_distributed(timeout_s=1800, device="cpu")
+    join_group(rank, 2, port, timeout_s=1800)
     group = distributed.checkpoint_group(1800)
     state = make_state(params)
     out.put((rank, run_dcp(state, Path(root), repeats, group)))
@@ -105,28 +105,7 @@ def main() -> None:
         rows["1 rank save"], rows["1 rank load"] = run_dcp(state, root / "one", args.repeats, None)
         state = None  # free 3 GB before the 2-rank processes build theirs
         shutil.rmtree(root / "one")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, params, str(root / "two"), args.repeats, port, out))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        results = {}
-        while len(results) < len(procs):  # a rank that dies is reported instead of waited for
-            try:
-                rank, result = out.get(timeout=5)
-                results[rank] = result
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SystemExit(f"a rank exited with {dead[0]}") from None
-        for p in procs:
-            p.join(timeout=120)
-            if p.exitcode != 0:
-                raise SystemExit(f"a rank exited with {p.exitcode}")
+        results = spawn_ranks(worker, (params, str(root / "two"), args.repeats), join_timeout_s=120)
         rows["2 ranks save"] = max(results[r][0] for r in results)
         rows["2 ranks load"] = max(results[r][1] for r in results)
     print(f"state: {params / 1e6:.0f} M parameters, weights + AdamW = {gb:.2f} GB; median of {args.repeats}")

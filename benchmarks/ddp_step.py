@@ -16,9 +16,6 @@ The baseline lives here because it left the library: this script is its only rem
 from __future__ import annotations
 
 import argparse
-import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -35,8 +32,14 @@ from dflash_lib import distributed  # noqa: E402
 from dflash_lib.batch import collate_padded  # noqa: E402
 from dflash_lib.feed import Item  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
-from dflash_lib.train import all_reduce_floats, train_step  # noqa: E402
+from dflash_lib.distributed import all_reduce_floats  # noqa: E402
+from dflash_lib.step import train_step  # noqa: E402
 from dflash_lib.validate import BadStepGuard  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
+from _common import join_group, spawn_ranks  # noqa: E402
+
+del sys.path[0]
 
 VOCAB = 2048
 
@@ -91,10 +94,8 @@ def timed(step, n: int) -> float:
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    distributed.init_distributed(timeout_s=600, device="cpu")
+    join_group(rank, 2, port, timeout_s=600)
     result = {}
     drafter, items = build(args, rank)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -121,27 +122,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (2 documents)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < len(procs):  # a rank that dies is reported instead of waited for
-        try:
-            rank, result = out.get(timeout=5)
-            results[rank] = result
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a rank exited with {dead[0]}") from None
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise SystemExit(f"a rank exited with {p.exitcode}")
+    results = spawn_ranks(worker, (args,))
     r0, r1 = results[0], results[1]
     old = max(r0["old_s"], r1["old_s"])
     ddp = max(r0["ddp_s"], r1["ddp_s"])
