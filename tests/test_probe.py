@@ -109,10 +109,23 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
         run_probes(preset("smoke"), tmp_path / "x", steps=8, rounds=9)
 
 
+def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
+    """A probe times training alone: the demo preset checkpoints and evaluates every 20 steps; no probe does."""
+    from dflash_lib.config import preset
+    from dflash_lib.probe import PROBES, strategy_config
+
+    base = preset("demo")
+    assert base.train.eval_every == 20 and base.train.ckpt_every == 20
+    for strategy in PROBES:
+        cfg = strategy_config(base, strategy, steps=30, stop_at_step=10)
+        assert (cfg.train.eval_every, cfg.train.ckpt_every, cfg.train.steps, cfg.train.stop_at_step) == (0, 0, 30, 10)
+        assert cfg.train.eval_samples == base.train.eval_samples  # the end-of-run evaluation is left as it was
+
+
 def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly():
     from dflash_lib.config import preset
-    from dflash_lib.probe import predicted_efficiency, strategy_config
     from dflash_lib.parts import build_sampler
+    from dflash_lib.probe import predicted_efficiency, strategy_config
 
     cfg = strategy_config(preset("smoke"), "static", steps=5)
     assert cfg.sampler.strategy == "bucketed" and cfg.sampler.static_shapes and cfg.train.stop_at_step == 0
