@@ -24,22 +24,28 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dflash_lib", *args], cwd=cwd, env=ENV, capture_output=True,
+def cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dflash_lib", *args], cwd=cwd, env=env or ENV, capture_output=True,
                           text=True, timeout=300)
 
 
 @pytest.mark.slow
 def test_a_missing_corpus_is_one_error_line_and_exit_2_the_traceback_only_with_debug(tmp_path):
-    args = ["train", "--preset", "smoke", "-p", "source", "/no/such.jsonl", "--run-dir", str(tmp_path / "r")]
-    proc = cli(*args)
+    """... and no run folder: the source is opened before the folder is made (given with --run-dir, or a new
+    one under the runs root)."""
+    args = ["train", "--preset", "smoke", "-p", "source", "/no/such.jsonl"]
+    proc = cli(*args, "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [proc.stderr.strip()]  # one line, nothing else on stderr
     assert proc.stderr.startswith("error: ") and "/no/such.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-    debug = cli("--debug", *args)
+    assert not (tmp_path / "r").exists()
+    runs_root = tmp_path / "runs"
+    runs_root.mkdir()
+    debug = cli("--debug", *args, env={**ENV, "DFLASH_RUNS_ROOT": str(runs_root)})
     assert debug.returncode == 1
     assert "Traceback (most recent call last)" in debug.stderr and "DataError: source '/no/such.jsonl'" in debug.stderr
+    assert list(runs_root.iterdir()) == []
 
 
 def _fail_with(monkeypatch, exc: BaseException) -> None:
