@@ -62,10 +62,7 @@ class BucketConfig:
     def __post_init__(self) -> None:
         _choice("objective", self.objective, ("edge", "batch_max"))
         _choice("cost", self.cost, ("linear", "quadratic"))
-        _positive("k", self.k)
-        _positive("k_min", self.k_min)
-        _positive("multiple", self.multiple)
-        _positive("bucket_grid", self.bucket_grid)
+        _bounded(self, positive=("k", "k_min", "multiple", "bucket_grid"))
         if not 0.0 <= self.k_distance < 1.0:
             raise ConfigError(f"k_distance must be in [0, 1), got {self.k_distance}")
         if self.k_max < self.k_min:
@@ -118,10 +115,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
-        for name in ("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"):
-            _positive(name, getattr(self, name))
-        _non_negative("ce_chunk_blocks", self.ce_chunk_blocks)
-        _non_negative("gamma", self.gamma)
+        _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
+                 non_negative=("ce_chunk_blocks", "gamma"))
         _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
         _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
         _choice("drafter_checkpointing", self.drafter_checkpointing, ("auto", "true", "false"))
@@ -142,12 +137,8 @@ class PipelineConfig:
     close_timeout_s: float = 30.0  # close() waits this long (seconds) for all stage threads before reporting one stuck
 
     def __post_init__(self) -> None:
-        _positive("prefetch", self.prefetch)
-        _positive("queue_timeout_s", self.queue_timeout_s)
-        _positive("close_timeout_s", self.close_timeout_s)
-        _positive("target_workers", self.target_workers)
-        _positive("hs_queue", self.hs_queue)
-        _non_negative("target_threads", self.target_threads)
+        _bounded(self, positive=("prefetch", "queue_timeout_s", "close_timeout_s", "target_workers", "hs_queue"),
+                 non_negative=("target_threads",))
 
 
 @dataclass
@@ -188,16 +179,10 @@ class TrainConfig:
             raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        _positive("lr", self.lr)
-        _positive("log_every", self.log_every)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _positive("keep_checkpoints", self.keep_checkpoints)
-        _positive("max_bad_steps", self.max_bad_steps)
-        _positive("dist_timeout_s", self.dist_timeout_s)
-        _non_negative("stop_at_step", self.stop_at_step)
         _choice("parallel", self.parallel, ("ddp", "fsdp"))
-        _non_negative("eval_every", self.eval_every)
-        _non_negative("eval_samples", self.eval_samples)
+        _bounded(self, positive=("lr", "log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),
+                 non_negative=("stop_at_step", "eval_every", "eval_samples"))
 
 
 @dataclass
@@ -303,6 +288,14 @@ class Config:
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _bounded(section: Any, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    """Refuse a field of `section` named in `positive` that is <= 0, or named in `non_negative` that is < 0."""
+    for name in positive:
+        _positive(name, getattr(section, name))
+    for name in non_negative:
+        _non_negative(name, getattr(section, name))
 
 
 def _positive(name: str, value: float) -> None:
