@@ -341,6 +341,19 @@ class Engine:
             self.module.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def full_root(self) -> Any:
+        """FSDP: the root unit's parameters (fc, norms) unsharded while the drafter is called outside the
+        engine's forward (the layers all-gather in their own forward hooks). A no-op for DDP and one process."""
+        if self.kind != "fsdp":
+            yield
+            return
+        self.module.unshard()
+        try:
+            yield
+        finally:
+            self.module.reshard()
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The drafter's trainable weights as full, plain CPU tensors named as in the plain module (no `module.`
         prefix, no DTensor). A collective under FSDP (every rank calls it; rank 0 gets the tensors, the others
