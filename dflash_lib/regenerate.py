@@ -28,6 +28,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
@@ -118,7 +119,7 @@ class LocalBackend:
             do_sample=False, temperature=None, top_p=None, top_k=None)
         if sample:  # the same records sample the same answers on a resumed run
             torch.manual_seed(1_000_003 * int(seed_record) + len(ids))
-        with torch.no_grad():
+        with torch.no_grad(), padded_attention(self.model):
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                       min_new_tokens=cfg.min_new_tokens or None, eos_token_id=self.tok.eos_id,
                                       pad_token_id=pad, **kwargs)  # (N, W + new)
@@ -128,6 +129,25 @@ class LocalBackend:
             gen = row[:stop] if stop >= 0 else row
             answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen)))
         return answers
+
+
+@contextmanager
+def padded_attention(model: Any) -> Iterator[None]:
+    """Hugging Face's own SDPA while `model` generates from a left-padded batch. The trainer's per-document
+    attention (`target.SDPA_VARLEN`) has no mask function registered with transformers, which then builds no mask:
+    the padding would be attended and a padded row's answer would not be the one the target gives the prompt
+    alone (tested)."""
+    from dflash_lib.models.target import SDPA_VARLEN
+
+    before = model.config._attn_implementation
+    if before != SDPA_VARLEN:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -333,8 +353,10 @@ def _settings(config: Config, backend_name: str) -> dict[str, Any]:
     return dict(source=config.data.source, backend=backend_name, template=config.data.template,
                 thinking=config.data.thinking, tokenizer=config.data.tokenizer,
                 target=config.model.target if backend_name == "local" else r.model or r.base_url,
-                max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, max_turns=r.max_turns,
-                gen_batch=r.gen_batch if backend_name == "local" else 0)  # (local batches decide the numerics)
+                max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
+                top_p=r.top_p, max_turns=r.max_turns,
+                gen_batch=r.gen_batch if backend_name == "local" else 0,  # (local batches decide the numerics)
+                gen_tokens=r.gen_tokens if backend_name == "local" else 0)
 
 
 def _source(source: str, limit: int, stats: dict) -> Iterator[Conversation]:

@@ -209,15 +209,16 @@ def test_length_groups_sort_and_cap_padded_tokens():
     assert sorted(i for g in length_groups([7, 3, 9, 3, 1], 12) for i in g) == [0, 1, 2, 3, 4]
 
 
-def test_gen_tokens_split_answers_each_record_in_its_place(source, tmp_path):
-    """A batch of 3 cut into one-prompt generate calls (gen_tokens 1, shortest prompt first) writes what one
-    record per batch (gen_batch 1) writes: every answer back at its own record."""
-    files = []
-    for name, kw in (("split", dict(gen_tokens=1)), ("single", dict(gen_batch=1))):
+def test_a_padded_batch_answers_as_each_prompt_alone(source, reference, tmp_path):
+    """Batched generation (left-padded, gen_batch 3) writes what one record per generate call writes (gen_batch 1,
+    and gen_tokens 1 cutting a batch of 3 into one-prompt calls, shortest first): the padding is never attended and
+    every answer lands at its own record. (The trainer's per-document attention builds no padding mask: a padded
+    row then answered differently.)"""
+    out, _ = reference
+    for name, kw in (("single", dict(gen_batch=1)), ("split", dict(gen_tokens=1))):
         cfg = _cfg(source, **kw)
-        files.append(tmp_path / f"{name}.jsonl")
-        regenerate(cfg, files[-1], backend=LocalBackend(cfg), progress=False)
-    assert files[0].read_bytes() == files[1].read_bytes()
+        regenerate(cfg, tmp_path / f"{name}.jsonl", backend=LocalBackend(cfg), progress=False)
+        assert (tmp_path / f"{name}.jsonl").read_bytes() == out.read_bytes(), name
 
 
 def test_min_new_tokens_keeps_the_end_of_turn_out_of_the_first_tokens(source, backend):
