@@ -9,6 +9,13 @@ Parameters a notebook receives: the preset's values of the names it declares, th
 that accepts a name gets it: a notebook that builds its config from a preset takes every config field, e.g. a
 target and tokenizer made by a first step for the whole chain), then what its CHAIN link derives from the folders
 of the notebooks before it.
+
+The demo preset first builds its TRAINED target (`models.demo_target`: a small Qwen3 trained on the corpus over a
+shrunk vocabulary, cached) and the target's own answers to the first user turn of 1024 conversations (cached
+next to it): every notebook runs against that target and its tokenizer, notebooks 01-03 on the bundled corpus,
+notebook 04 trains the drafter on the target's answers (with buckets planned for them) and notebook 05 decodes
+held-out prompts of those answers. `trained_target=False` keeps the chain on the preset's own target (a random one
+unless `target` is set); `True` with other presets builds one with `target_settings` / `answer_settings`.
 """
 
 from __future__ import annotations
@@ -22,13 +29,24 @@ from .runs import REPO_ROOT, accepted_parameters, execute, new_run_dir, write_js
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
-# (notebook stem, parameters derived from the run folders of the notebooks before it)
-Link = tuple[str, Callable[[dict[str, Path]], dict[str, Any]]]
+ANSWERS = "answers"  # the key of the target's answers (a JSONL) among a chain's inputs, when it has them
+
+
+def _train_link(prev: dict[str, Path]) -> dict[str, Any]:
+    """Notebook 04: on the target's answers when the chain has them (buckets planned for that corpus), else on
+    the bundled corpus with notebook 02's plan."""
+    if ANSWERS in prev:
+        return {"source": str(prev[ANSWERS]), "plan": "", "heldout_fraction": float(prev[ANSWERS + "_heldout"])}
+    return {"plan": str(prev["02_bucket_optimization"] / "plan.json")}
+
+
+# (notebook stem, parameters derived from the chain's inputs and the run folders of the notebooks before it)
+Link = tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]
 CHAIN: list[Link] = [
     ("01_length_analysis", lambda prev: {}),
     ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
     ("03_throughput_probe", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
-    ("04_train", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
+    ("04_train", _train_link),
     ("05_evaluate", lambda prev: {"run": str(prev["04_train"])}),
 ]
 
@@ -47,19 +65,49 @@ KEY_FIGURES = [
 ]
 
 
+def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_settings: Any = None,
+                   answer_settings: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trained demo target and its answers for the preset's data (built or cached): (the parameters that put
+    every notebook on that target and tokenizer, the chain's inputs {ANSWERS: the JSONL, ...}) plus a record."""
+    from .models.demo_target import (DemoAnswerSettings, demo_target_params, ensure_demo_answers,
+                                     ensure_demo_target)
+    from .runs import load_config
+
+    cfg = load_config(dict(overrides or {}), preset_name)
+    answer_settings = answer_settings or DemoAnswerSettings()
+    t0 = time.perf_counter()
+    print("[demo] trained target ...", flush=True)
+    folder = ensure_demo_target(cfg, target_settings)
+    answers = ensure_demo_answers(cfg, folder, answer_settings)
+    print(f"[demo] trained target ready in {time.perf_counter() - t0:.0f} s -> {folder}", flush=True)
+    inputs = {ANSWERS: answers, ANSWERS + "_heldout": answer_settings.heldout_fraction}
+    n = answer_settings.new_tokens  # notebook 05 decodes answers as the drafter's data was made: exactly n tokens
+    return {**demo_target_params(folder), "max_new_tokens": n, "min_new_tokens": n}, inputs
+
+
 def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | None = None,
-             overrides: dict[str, Any] | None = None) -> Path:
+             overrides: dict[str, Any] | None = None, trained_target: bool | None = None,
+             target_settings: Any = None, answer_settings: Any = None) -> Path:
     """Run every notebook of the chain with `preset_name` (plus `overrides` where a notebook takes them).
 
-    Returns the demo folder. A failing notebook raises; the folders of the notebooks before it stay intact.
+    trained_target: build (or reuse) the trained demo target and its answers first (see the module doc);
+    None = only for the demo preset. Returns the demo folder. A failing notebook raises; the folders of the
+    notebooks before it stay intact.
     """
     demo_dir = new_run_dir("demo", tag if tag != "demo" else "", root)
-    done: dict[str, Path] = {}
+    done: dict[str, Path] = {}  # notebook stem -> its run folder
+    inputs: dict[str, Any] = {}  # what the chain's first step made (the target's answers), for CHAIN's links
     record: dict[str, Any] = {"preset": preset_name, "runs": []}
+    if trained_target if trained_target is not None else preset_name == "demo":
+        t0 = time.perf_counter()
+        target_params, inputs = prepare_target(preset_name, overrides, target_settings, answer_settings)
+        overrides = {**target_params, **(overrides or {})}
+        record["trained_target"] = {**target_params, "answers": str(inputs[ANSWERS]),
+                                    "seconds": round(time.perf_counter() - t0, 1)}
     for stem, derive in CHAIN:
         notebook = NOTEBOOKS / f"{stem}.ipynb"
         accepted = accepted_parameters(notebook)  # a notebook building its config takes every config field
-        params = {k: v for k, v in {**(overrides or {}), **derive(done)}.items() if k in accepted}
+        params = {k: v for k, v in {**(overrides or {}), **derive({**inputs, **done})}.items() if k in accepted}
         t0 = time.perf_counter()
         print(f"[demo] {stem} ...", flush=True)
         run_dir = execute(notebook, params, preset_name=preset_name, tag=tag, root=root)

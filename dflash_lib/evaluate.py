@@ -170,6 +170,11 @@ class Setup:
     def stop_ids(self) -> list[int]:
         return [self.prompts.eos_id] if self.config.evaluate.stop_at_eos else []
 
+    @property
+    def min_new_tokens(self) -> int:
+        """Output tokens before the end-of-turn token may end an answer (`regenerate.min_new_tokens`)."""
+        return self.config.regenerate.min_new_tokens
+
 
 def prepare(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
             say: Say = _stderr) -> Setup:
@@ -249,8 +254,8 @@ def _warm(setup: Setup, drafter: Any) -> None:
 
     if setup.config.evaluate.timing_warmup:
         few = min(setup.config.regenerate.max_new_tokens, 2 * drafter.cfg.block_size)
-        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few)
-        greedy_decode(setup.target, setup.prompts.prompts[:1], few)
+        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
+        greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
 
 
 def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
@@ -259,7 +264,7 @@ def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
     from dflash_lib.models.acceptance import acceptance_length
 
     n_new = setup.config.regenerate.max_new_tokens
-    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids)
+    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
     same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
     return {
         "tau": spec.tau,
@@ -271,6 +276,7 @@ def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
         "speedup": spec.tokens_per_s / baseline.tokens_per_s,
         "prompts": len(setup.prompts.prompts),
         "max_new_tokens": n_new,
+        "min_new_tokens": setup.min_new_tokens,
         "cycles": spec.cycles,
         "output_tokens": spec.output_tokens,
         "outputs_equal_baseline": same,
@@ -281,7 +287,8 @@ def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
 def _baseline(setup: Setup) -> Any:
     from dflash_lib.models.acceptance import greedy_decode
 
-    return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids)
+    return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids,
+                         setup.min_new_tokens)
 
 
 def _context(setup: Setup) -> dict[str, Any]:
@@ -406,8 +413,8 @@ def evaluate_run(run: str | Path, target: str, params: Mapping[str, Any] | None 
         "speedup": final["speedup"], **losses, "export": export, "export_files": export_files,
         "export_config": export_config, "final": {**final, **_context(setup)}, "by_step": by_step,
         "steps": final_step, "run": str(Path(run)), "train_dir": str(train_dir),
-        "prompts": final["prompts"], "max_new_tokens": final["max_new_tokens"], "block_size": final["block_size"],
-        "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices,
+        "prompts": final["prompts"], "max_new_tokens": final["max_new_tokens"],
+        "min_new_tokens": final["min_new_tokens"], "block_size": final["block_size"], "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices,
     }
     say(summary(report["final"]))
     return report
@@ -419,7 +426,8 @@ def run_summary(report: Mapping[str, Any]) -> dict[str, Any]:
     final = report["final"]
     extra = {k: final[k] for k in ("histogram", "per_position", "target_calls_per_token", "tokens_per_s",
                                    "baseline_tokens_per_s", "outputs_equal_baseline", "cycles")}
-    keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens", "block_size",
+    keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens",
+            "min_new_tokens", "block_size",
             "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
     return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
             "target": final["target"], "device": final["device"]}

@@ -2,22 +2,37 @@
 headless browser."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from browser_check import check_page, unavailable_reason
 from dflash_lib.demo import CHAIN, KEY_FIGURES, run_demo
+from dflash_lib.models import demo_target as dt
 from dflash_lib.report.demo import EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, external_references
 
 
 @pytest.mark.slow
 def test_demo_chain_on_smoke_parameters(tmp_path):
+    # the demo's own first step at a tiny scale: a trained target (10 steps) and its answers to 60 conversations
+    target = dt.DemoTargetSettings(vocab_size=4096, steps=10, tokens_per_step=512, seq_len=64, warmup_steps=2,
+                                   eval_samples=4, log_every=5)
+    answers = dt.DemoAnswerSettings(records=60, new_tokens=8, gen_batch=20, heldout_fraction=0.2)
     demo_dir = run_demo(preset_name="smoke", tag="test", root=tmp_path,
                         overrides={"steps": 12, "probe_steps": 12, "probe_rounds": 2, "limit": 300, "ckpt_every": 6,
-                                   "eval_every": 6, "prompts": 2, "max_new_tokens": 8})
+                                   "eval_every": 6, "prompts": 2},
+                        trained_target=True, target_settings=target, answer_settings=answers)
     chain = json.loads((demo_dir / "chain.json").read_text())
     assert [r["notebook"] for r in chain["runs"]] == [stem for stem, _ in CHAIN]
     runs = {r["notebook"]: r["run_dir"] for r in chain["runs"]}
+    made = chain["trained_target"]
+    assert made["max_new_tokens"] == made["min_new_tokens"] == 8
+    for r in chain["runs"]:  # every notebook on the trained target and its mapped tokenizer
+        assert r["params"]["target"] == r["params"].get("tokenizer", made["tokenizer"]) == made["target"]
+    train = chain["runs"][3]["params"]  # notebook 04: the target's answers, buckets planned for them
+    assert train["source"] == made["answers"] and train["plan"] == "" and train["heldout_fraction"] == 0.2
+    regen = [json.loads(x) for x in Path(made["answers"]).read_text().split("\n") if x]  # (U+2028 inside a record)
+    assert len(regen) == 60 and all(r["regen"]["completion_tokens"] == 8 for r in regen)
     for stem, run in runs.items():
         assert (tmp_path / run.split("/")[-1] / f"{stem}.ipynb").is_file()
     # each notebook read the one before it

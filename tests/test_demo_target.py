@@ -225,3 +225,49 @@ def test_command_line_prints_the_cached_folder(built, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(folder)
     assert main(["demo-target", "--set", "stepz", "1"]) == 2
 
+
+
+# -- the drafter's training data: the target's answers --------------------------------------------------------------
+
+
+def test_answers_are_the_targets_own_exactly_n_tokens_and_cached(built, monkeypatch):
+    """The first user turn of `records` conversations answered by the demo target, every answer exactly
+    new_tokens long (the end of turn masked before), in the mapped tokenizer's tokens; a second call reuses it, a
+    stopped build resumes."""
+    from dflash_lib import regenerate as rg
+    from dflash_lib.data import load_conversations
+
+    cfg, folder, _ = built
+    s = dt.DemoAnswerSettings(records=12, new_tokens=5, gen_batch=5, gen_tokens=4096)
+    out = dt.ensure_demo_answers(cfg, folder, s, progress=False)
+    assert out.parent == folder / "answers"
+    recs = [json.loads(x) for x in out.read_text().split("\n") if x]  # (not splitlines: U+2028 may be in a text)
+    assert [r["record"] for r in recs] == list(range(12))
+    assert all(r["regen"]["completion_tokens"] == 5 and r["messages"][-1]["role"] == "assistant" for r in recs)
+    assert all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in recs)  # first turn only
+    report = json.loads(rg.report_path(out).read_text())
+    assert report["settings"]["target"] == str(folder) and report["settings"]["min_new_tokens"] == 5
+    assert len(list(load_conversations(str(out)))) == 12  # a source a run reads
+
+    mtime = out.stat().st_mtime_ns
+    monkeypatch.setattr(rg, "regenerate", lambda *a, **k: pytest.fail("a complete file was regenerated"))
+    assert dt.ensure_demo_answers(cfg, folder, s, progress=False) == out and out.stat().st_mtime_ns == mtime
+    monkeypatch.undo()
+
+    full = out.read_bytes()
+    out.write_bytes(b"".join(full.splitlines(keepends=True)[:7]))  # a build stopped after 7 records ...
+    rg.report_path(out).write_text(json.dumps({**report, "run": {"status": "running"}}))
+    assert dt.ensure_demo_answers(cfg, folder, s, progress=False) == out
+    assert out.read_bytes() == full  # ... resumes to the same file
+
+
+def test_answer_settings_are_checked_and_change_the_file(built):
+    cfg, folder, _ = built
+    with pytest.raises(ConfigError, match="new_tokens"):
+        dt.DemoAnswerSettings(new_tokens=0)
+    with pytest.raises(ConfigError, match="heldout_fraction"):
+        dt.DemoAnswerSettings(heldout_fraction=1.0)
+    rc = dt.answers_config(cfg, folder, dt.DemoAnswerSettings(records=9, new_tokens=7))
+    r = rc.regenerate
+    assert (rc.data.limit, r.max_turns, r.max_new_tokens, r.min_new_tokens, r.temperature) == (9, 1, 7, 7, 0.0)
+    assert (rc.model.target, rc.data.tokenizer) == (str(folder), str(folder))

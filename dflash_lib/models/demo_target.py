@@ -45,7 +45,8 @@ from dflash_lib.data.store import StoreSettings, build_token_store_from_config
 from dflash_lib.data.tokenizers import (MAPPED_VOCAB_FILE, MappedVocab, is_mapped_tokenizer, load_tokenizer,
                                         tokenizer_identity)
 
-DEMO_TARGET_FORMAT = 3  # bump when the build's semantics change (old folders then stop matching)
+DEMO_TARGET_FORMAT = 4  # bump when the build's semantics change (old folders then stop matching)
+MAX_POSITIONS = 32768  # RoPE positions the target accepts: a regeneration prompt (a whole first user turn) may be long
 TRAINING_FILE = "training.json"  # written last: its presence marks a complete folder
 
 
@@ -195,7 +196,7 @@ def build_model(cfg: Config, settings: DemoTargetSettings, vocab_size: int):
 
     hf_cfg = tiny_qwen3_config(hidden_size=cfg.model.hidden_size, num_layers=cfg.model.target_layers,
                                num_heads=settings.num_heads, num_kv_heads=settings.num_kv_heads, vocab_size=vocab_size,
-                               max_position_embeddings=max(4096, cfg.data.max_len))
+                               max_position_embeddings=max(MAX_POSITIONS, cfg.data.max_len))
     hf_cfg.tie_word_embeddings = True
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
@@ -346,6 +347,63 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
     return record
 
 
+# -- the drafter's training data: the target's own answers ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoAnswerSettings:
+    """The corpus the demo's drafter trains on: the demo target's own greedy answers (DFlash trains on what the
+    target would say, dflash.md; `regenerate`), to the first user turn of the first `records` conversations.
+
+    Every answer is exactly `new_tokens` long (min_new_tokens = max_new_tokens): left free, the small target ends
+    most answers after two or three tokens, which leaves no block for a drafter to draft."""
+
+    records: int = 1024  # conversations of the source answered again (first assistant turn only)
+    new_tokens: int = 64  # tokens per answer, exactly
+    gen_batch: int = 64  # conversations per batched generate
+    gen_tokens: int = 16384  # padded prompt tokens per generate call at most (prompts sorted by length)
+    heldout_fraction: float = 0.03  # the drafter run's held-out split of these answers (~30 prompts of 1024)
+
+    def __post_init__(self) -> None:
+        for name in ("records", "new_tokens", "gen_batch", "gen_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"demo answers: {name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ConfigError(f"demo answers: heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+
+
+def answers_config(cfg: Config, target_dir: str | Path, s: DemoAnswerSettings) -> Config:
+    """`cfg` with the demo target and its tokenizer, and `regenerate`'s settings for the demo answers."""
+    from dflash_lib.config import from_params
+
+    return from_params(dict(demo_target_params(target_dir), limit=s.records, max_turns=1, max_new_tokens=s.new_tokens,
+                            min_new_tokens=s.new_tokens, temperature=0.0, gen_batch=s.gen_batch,
+                            gen_tokens=s.gen_tokens, backend="local"), cfg)
+
+
+def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswerSettings | None = None,
+                        progress: bool = True) -> Path:
+    """The JSONL of the target's answers (`regenerate`'s format, a source any run reads) under
+    `target_dir/answers/`: written once, resumed when a build was stopped, reused when complete."""
+    from dflash_lib.regenerate import regenerate, report_path
+
+    s = settings or DemoAnswerSettings()
+    rcfg = answers_config(cfg, target_dir, s)
+    payload = dict(source=rcfg.data.source, template=rcfg.data.template, thinking=rcfg.data.thinking,
+                   answers={k: v for k, v in asdict(s).items() if k != "heldout_fraction"})
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    out = Path(target_dir) / "answers" / f"answers-{key}.jsonl"
+    report = report_path(out)
+    if out.is_file() and report.is_file() and json.loads(report.read_text()).get("run", {}).get("status") == "complete":
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"demo answers: the target answers the first user turn of {s.records} conversations of "
+              f"{rcfg.data.source!r}, {s.new_tokens} tokens each -> {out}", file=sys.stderr, flush=True)
+    regenerate(rcfg, out, progress=progress)
+    return out
+
+
 def run_cli(preset_name: str, params: dict[str, str], pairs: Sequence[Sequence[str]] | None) -> Path:
     """`python -m dflash_lib demo-target`: the folder for the preset (+ -p data overrides, --set target settings)."""
     from dflash_lib.runs import load_config
@@ -353,5 +411,5 @@ def run_cli(preset_name: str, params: dict[str, str], pairs: Sequence[Sequence[s
     return ensure_demo_target(load_config(params, preset_name), DemoTargetSettings.from_pairs(pairs))
 
 
-__all__ = ["DemoTargetSettings", "TRAINING_FILE", "build_demo_target", "choose_vocab", "demo_target_key",
+__all__ = ["DemoAnswerSettings", "DemoTargetSettings", "answers_config", "ensure_demo_answers", "TRAINING_FILE", "build_demo_target", "choose_vocab", "demo_target_key",
            "demo_target_params", "ensure_demo_target", "lr_at", "training_stream", "train_lm"]

@@ -30,7 +30,7 @@ _FRACTION_KEYS = ("predicted_efficiency", "realized_efficiency", "co_batch_recur
 _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from ktok_s / sorted ktok_s (rounding)
 EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
 EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
-                    "block_size", "tokens_per_s", "baseline_tokens_per_s", "export")  # kept when notebook 05 has them
+                    "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export")  # kept when notebook 05 has them
 _FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
 
 FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
@@ -290,8 +290,11 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
     """Training loss first -> last, held-out loss, tau untrained -> trained (and per checkpoint), speedup."""
     held = ev.get("heldout_loss_last")
     window = ev.get("loss_window")
-    prompts = (f" on {ev['prompts']} held-out prompts, up to {ev['max_new_tokens']} new tokens each"
-               if "prompts" in ev and "max_new_tokens" in ev else " on held-out prompts")
+    prompts = " on held-out prompts"
+    if "prompts" in ev and "max_new_tokens" in ev:
+        exact = ev.get("min_new_tokens", 0) >= ev["max_new_tokens"]  # the end of turn masked: every answer that long
+        prompts = (f" on {ev['prompts']} held-out prompts, {'exactly' if exact else 'up to'} {ev['max_new_tokens']} "
+                   "new tokens each")
     rows = [
         ("training loss, first -> last", f"{ev['loss_first']:.3f} -> {ev['loss_last']:.3f} nats"
          + (f" (means of {window} steps)" if window else "")),
