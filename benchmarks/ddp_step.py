@@ -6,7 +6,7 @@ the same micro-batches (2 per step: accumulation) in both modes, each mode timed
 warm-up step:
   old: forward/backward of every micro-batch, then, after the whole backward, one all-reduce per parameter
        tensor on a clone of its gradient (what dflash_lib/train.py did before DDP: no bucketing, no overlap),
-  ddp: `train.train_step` on a `distributed.Engine("ddp")`: no_sync on the first micro-batch, bucketed
+  ddp: `step.train_step` on a `distributed.Engine("ddp")`: no_sync on the first micro-batch, bucketed
        all-reduce overlapped with the last backward.
 Prints each mode's median seconds per step and the old/ddp ratio (> 1: DDP is faster), and checks that both
 modes leave the two ranks with the same weights as each other.

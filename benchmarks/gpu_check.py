@@ -31,7 +31,7 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
   fsdp      the trainer's FSDP2 engine (`distributed.Engine("fsdp")`: fully_shard per drafter layer and the root,
             bf16 parameters / fp32 reduction on CUDA) in a 1-rank process group (NCCL on CUDA, gloo on CPU) against
             the same drafter without FSDP (fp32 master weights, bf16 autocast on CUDA): 3 accumulated steps
-            (2 micro-batches each) of `train.train_step`; the losses' max relative difference (<= 3e-2 on CUDA:
+            (2 micro-batches each) of `step.train_step`; the losses' max relative difference (<= 3e-2 on CUDA:
             bf16 parameters against an fp32 master; <= 1e-5 on CPU, fp32 both), and `Engine.full_weights`
             giving plain full tensors under the plain names. (2-rank FSDP is covered on CPU/gloo by
             tests/test_torchrun.py; one GPU cannot hold a 2-rank NCCL group.)

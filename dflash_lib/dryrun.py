@@ -86,7 +86,7 @@ class StepSettings:
 
 
 def for_cuda(config: Config) -> StepSettings:
-    """What `train.build_parts` resolves on a CUDA device: `auto` attention and checkpointing, bf16 target."""
+    """What `parts.build_parts` resolves on a CUDA device: `auto` attention and checkpointing, bf16 target."""
     from dflash_lib.models.attention import resolve_attention
     from dflash_lib.parts import drafter_checkpointing
 

@@ -138,7 +138,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
 
 
 def _lengths_and_queries(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
-    """(N,) tokens and (N,) drafter query tokens per sample of the store, as `train.build_parts` reads them."""
+    """(N,) tokens and (N,) drafter query tokens per sample of the store, as `parts.build_parts` reads them."""
     from .data import build_token_store_from_config
     from .data.analysis import store_drafter_queries
 
