@@ -222,7 +222,7 @@ def load_drafter(directory: str | Path, target: Any) -> Any:
 
 
 def initial_drafter(config: Config, target: Any) -> Any:
-    """The drafter a training run of `config` starts from (`train.build_parts`): built after
+    """The drafter a training run of `config` starts from (`parts.build_parts`): built after
     `torch.manual_seed(seed)` on the target's device, then `init_from` when set. The caller's RNG is untouched."""
     from dflash_lib.models import DFlashDrafter, DrafterConfig
     from dflash_lib.models.export import init_from
