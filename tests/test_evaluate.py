@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from dflash_lib.__main__ import main
-from dflash_lib.batch import collate_padded
 from dflash_lib.config import Config, from_params
 from dflash_lib.evaluate import REPORT_KEYS
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
+from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
 VOCAB, B, NEW = 256, 4, 16
 SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)
@@ -33,38 +33,23 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
-    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=VOCAB), 1, seed=0)
+    return decode_target(VOCAB)
 
 
 def _drafter(target: TargetModel, seed: int = 0) -> DFlashDrafter:
-    cfg = DrafterConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=96,
-                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
-                        block_size=B, mask_id=VOCAB - 1, num_anchors=64, ce_chunk_blocks=4)
-    torch.manual_seed(seed)
-    return DFlashDrafter(cfg, target)
+    return decode_drafter(target, B, seed)
 
 
 def _prompts(n: int, seed: int, longest: int = 8) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB - 1, int(rng.integers(1, longest))).tolist() for _ in range(n)]
+    return random_prompts(n, seed, VOCAB, longest)
 
 
 @pytest.fixture(scope="module")
 def overfit(target):
     """A drafter overfit on the target's own greedy continuations (what test_models_decode does)."""
     prompts = _prompts(4, seed=1)
-    conts = [target.greedy(p, NEW + B) for p in prompts]
-    docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]
-    batch = collate_padded(docs, pad_id=0)
-    feats = target.features(batch)
     drafter = _drafter(target)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(120):
-        out = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    _, _, conts, _ = overfit_on_greedy(target, drafter, prompts, NEW + B, steps=120)
     return drafter, prompts, conts
 
 

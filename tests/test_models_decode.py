@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from dflash_lib.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, TargetModel, acceptance_length
+from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
 VOCAB, B, NEW = 256, 4, 20
 
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
-    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=VOCAB), 1, seed=0)
-
-
-def _drafter(target: TargetModel, seed: int = 0) -> DFlashDrafter:
-    cfg = DrafterConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=96,
-                        vocab_size=VOCAB, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
-                        block_size=B, mask_id=VOCAB - 1, num_anchors=64, ce_chunk_blocks=4)
-    torch.manual_seed(seed)
-    return DFlashDrafter(cfg, target)
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB - 1, int(rng.integers(1, 8))).tolist() for _ in range(n)]
+    return decode_target(VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +21,17 @@ def trained(target):
     """A drafter overfit on the target's own greedy continuations of a few prompts (labels = what the
     target would say, as in the paper). Continuations run B tokens past NEW so every decoding cycle lands on
     trained ground."""
-    prompts = _prompts(6, seed=1)
-    conts = [target.greedy(p, NEW + B) for p in prompts]
-    docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]
-    batch = collate_padded(docs, pad_id=0)
-    feats = target.features(batch)
-    drafter = _drafter(target)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
-        out = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    prompts = random_prompts(6, seed=1)
+    drafter = decode_drafter(target, B)
+    batch, feats, conts, gen = overfit_on_greedy(target, drafter, prompts, NEW + B, steps=150)
     with torch.no_grad():
         final = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
     return drafter, prompts, conts, final
 
 
 def test_untrained_drafter_still_outputs_target_greedy(target):
-    prompts = _prompts(3, seed=2)
-    res = acceptance_length(target, _drafter(target, seed=3), prompts, NEW)
+    prompts = random_prompts(3, seed=2)
+    res = acceptance_length(target, decode_drafter(target, B, seed=3), prompts, NEW)
     assert res.outputs == [target.greedy(p, NEW) for p in prompts]
     with torch.no_grad():
         ids = torch.tensor(prompts[0])[None]
@@ -90,7 +66,7 @@ class _OracleDrafter:
 
 
 def test_acceptance_counts_the_matching_prefix_plus_bonus(target):
-    prompt = _prompts(1, seed=5)[0]
+    prompt = random_prompts(1, seed=5)[0]
     reference = prompt + target.greedy(prompt, 3 * NEW)
     oracle = _OracleDrafter(reference)
     res = acceptance_length(target, oracle, [prompt], NEW)
@@ -105,7 +81,7 @@ def test_mixed_acceptance_and_reload_still_give_target_greedy(target, trained, t
     drafter.save(tmp_path)
     loaded = DFlashDrafter.load(tmp_path, target)
     # Past the trained continuation (and on unseen prompts) drafts start failing: accepted and rejected mix.
-    mixed = prompts[:2] + _prompts(1, seed=9)
+    mixed = prompts[:2] + random_prompts(1, seed=9)
     res = acceptance_length(target, loaded, mixed, NEW + 2 * B)
     assert res.outputs == [target.greedy(p, NEW + 2 * B) for p in mixed]
     assert 1 in res.histogram and B in res.histogram

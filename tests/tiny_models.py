@@ -26,3 +26,52 @@ def tiny_drafter(target: TargetModel, attention: str = "dense", **overrides: Any
                   block_size=BLOCK, mask_id=MASK, num_anchors=64)
     torch.manual_seed(0)
     return DFlashDrafter(DrafterConfig(**(fields | overrides)), target, attention=attention)
+
+
+def overfit_on_greedy(target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int,
+                      steps: int, lr: float = 3e-3) -> tuple[Any, Any, list[list[int]], torch.Generator]:
+    """Train `drafter` in place for `steps` AdamW steps on the target's own greedy continuations (`new_tokens`
+    each) of `prompts`, labels on the continuations only (what the paper trains on). Returns (the padded batch,
+    its target features, the continuations, the anchor generator as training left it)."""
+    import numpy as np
+
+    from dflash_lib.batch import collate_padded
+
+    conts = [target.greedy(p, new_tokens) for p in prompts]
+    docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]
+    batch = collate_padded(docs, pad_id=0)
+    feats = target.features(batch)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        out = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return batch, feats, conts, gen
+
+
+# -- the decoding tests' models (test_evaluate, test_models_decode): 256 ids, the last one MASK -------------------
+
+
+def decode_target(vocab: int = 256) -> TargetModel:
+    """A random 4-layer Qwen3 of hidden 32 over `vocab` ids, one feature layer."""
+    return TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=vocab), 1, seed=0)
+
+
+def decode_drafter(target: TargetModel, block: int, seed: int = 0) -> DFlashDrafter:
+    """A 2-layer drafter on `target` (its last id as MASK), blocks of `block` tokens; seeded by `seed`."""
+    vocab = target.vocab_size
+    cfg = DrafterConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=96,
+                        vocab_size=vocab, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
+                        block_size=block, mask_id=vocab - 1, num_anchors=64, ce_chunk_blocks=4)
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg, target)
+
+
+def random_prompts(n: int, seed: int, vocab: int = 256, longest: int = 8) -> list[list[int]]:
+    """`n` prompts of 1 .. longest-1 ids below the MASK id (vocab - 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab - 1, int(rng.integers(1, longest))).tolist() for _ in range(n)]

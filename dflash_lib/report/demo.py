@@ -69,12 +69,7 @@ def validate_summary(per_strategy: Mapping[str, Mapping[str, Any]]) -> dict[str,
                               f"got {sorted(per_strategy)})")
     out: dict[str, dict[str, Any]] = {}
     for name, row in per_strategy.items():
-        if not isinstance(row, Mapping):
-            raise DemoReportError(f"summary[{name!r}] must be a mapping of key -> value, got {type(row).__name__}")
-        absent = [k for k in SUMMARY_KEYS if k not in row]
-        if absent:
-            raise DemoReportError(f"summary[{name!r}]: keys {absent} missing (need {list(SUMMARY_KEYS)})")
-        row = dict(row)
+        row = _record(f"summary[{name!r}]", row, SUMMARY_KEYS)
         for key in SUMMARY_KEYS:
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -100,6 +95,16 @@ def demo_evaluation(notebook05: Mapping[str, Any]) -> dict[str, Any]:
     return {k: notebook05[k] for k in (*EVALUATION_KEYS, *EVALUATION_EXTRA) if k in notebook05}
 
 
+def _record(where: str, value: Any, keys: Sequence[str]) -> dict[str, Any]:
+    """A plain-dict copy of `value`; DemoReportError naming `where` unless it is a mapping holding every key."""
+    if not isinstance(value, Mapping):
+        raise DemoReportError(f"{where} must be a mapping of key -> value, got {type(value).__name__}")
+    absent = [k for k in keys if k not in value]
+    if absent:
+        raise DemoReportError(f"{where}: keys {absent} missing (need {list(keys)})")
+    return dict(value)
+
+
 def _finite(where: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise DemoReportError(f"{where} must be a finite number, got {value!r}")
@@ -110,12 +115,7 @@ def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """A plain-dict copy of the evaluation entry; raises DemoReportError naming the field. EVALUATION_KEYS must be
     finite numbers, each tau >= 1 (a cycle always yields the target's own token), speedup > 0; tau_by_step, when
     present, maps steps to finite taus >= 1 and holds the untrained drafter at step "0"."""
-    if not isinstance(evaluation, Mapping):
-        raise DemoReportError(f"evaluation must be a mapping of key -> value, got {type(evaluation).__name__}")
-    absent = [k for k in EVALUATION_KEYS if k not in evaluation]
-    if absent:
-        raise DemoReportError(f"evaluation: keys {absent} missing (need {list(EVALUATION_KEYS)})")
-    out = dict(evaluation)
+    out = _record("evaluation", evaluation, EVALUATION_KEYS)
     for key in EVALUATION_KEYS:
         out[key] = _finite(f"evaluation[{key!r}]", evaluation[key])
     for key in ("tau_untrained", "tau_trained"):
