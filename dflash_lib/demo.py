@@ -116,13 +116,22 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
                                "seconds": round(time.perf_counter() - t0, 1)})
         print(f"[demo] {stem} done in {time.perf_counter() - t0:.0f} s -> {run_dir}", flush=True)
         write_json(demo_dir / "chain.json", record)
-    build_report(demo_dir, done)
+    build_report(demo_dir, done, record.get("trained_target"))
     return demo_dir
 
 
-def build_report(demo_dir: Path, done: dict[str, Path]) -> Path:
+def data_note(trained_target: dict[str, Any] | None) -> str:
+    """The report's sentence on what the drafter trained on (the chain record's `trained_target`, or None)."""
+    if not trained_target:
+        return ""
+    return (f"Target: {trained_target['target']} (a small Qwen3 the demo trained on the corpus). The drafter trained "
+            f"on that target's own greedy answers ({trained_target['answers']}, {trained_target['max_new_tokens']} "
+            "tokens each) and is evaluated on held-out prompts of them.")
+
+
+def build_report(demo_dir: Path, done: dict[str, Path], trained_target: dict[str, Any] | None = None) -> Path:
     """summary.json (per strategy from the probe, the evaluation from notebook 05) and report.html for a finished
-    chain."""
+    chain (`trained_target`: the chain record's entry for its trained target, when it made one)."""
     from .report.demo import build_demo_report, demo_evaluation, write_demo_summary
 
     probe = json.loads((done["03_throughput_probe"] / "summary.json").read_text())
@@ -133,4 +142,4 @@ def build_report(demo_dir: Path, done: dict[str, Path]) -> Path:
     if missing:
         raise FileNotFoundError(f"the demo report needs figures its notebooks did not write: {missing}")
     return build_demo_report(demo_dir, done, probe["strategies"], figures, title="DFlash Lab demo",
-                             evaluation=evaluation)
+                             evaluation=evaluation, data_note=data_note(trained_target))

@@ -55,6 +55,7 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     assert evaluation["prompts"] == 2 and evaluation["max_new_tokens"] == 8 and evaluation["speedup"] > 0
     page = (demo_dir / "report.html").read_text()
     assert "Evaluation: what training bought" in page
+    assert f"trained on that target&#x27;s own greedy answers ({made['answers']}" in page
     assert not external_references(page)
     for run in runs.values():
         assert run.split("/")[-1] in page  # every run folder is linked

@@ -141,13 +141,14 @@ def _json_scalar(value: Any) -> Any:
 
 def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summary: Mapping[str, Mapping[str, Any]],
                       figures: Sequence[FigureLike], title: str = "DFlash Lab demo",
-                      evaluation: Mapping[str, Any] | None = None) -> Path:
+                      evaluation: Mapping[str, Any] | None = None, data_note: str = "") -> Path:
     """Write `demo_dir/report.html` and return its path.
 
     runs: {label (e.g. notebook stem): run folder}; each is linked (folder, executed notebooks, HTML files in it).
     summary: {strategy: {column: value}}; the SUMMARY_KEYS columns come first, then any others in given order.
     figures: plotly Figures or plotly JSON files (embedded, plotly.js inlined once) and HTML files (linked).
     evaluation: notebook 05's figures (`validate_evaluation`), shown as a second table; None = no such section.
+    data_note: one sentence above that table saying what the drafter trained on and against which target.
     """
     demo_dir = Path(demo_dir)
     demo_dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,9 @@ def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summ
              f"in {_e(demo_dir.name)}. Self-contained: opens offline; links are relative to this folder.</p>",
              "<h2>Summary</h2>", _summary_table(summary)]
     if evaluation is not None:
-        parts += ["<h2>Evaluation: what training bought</h2>", _evaluation_table(validate_evaluation(evaluation))]
+        parts += ["<h2>Evaluation: what training bought</h2>"]
+        parts += [f'<p class="meta">{_e(data_note)}</p>'] if data_note else []
+        parts += [_evaluation_table(validate_evaluation(evaluation))]
     parts += ["<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
     if embedded:
         parts.append("<h2>Figures</h2>")
