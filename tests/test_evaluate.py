@@ -115,6 +115,21 @@ def test_stop_ids_end_the_output_the_same_way(target):
     assert res.outputs[0] == full[:full.index(stop) + 1]
 
 
+def test_greedy_masks_stop_ids_exactly_before_min_new_tokens():
+    """Rows are output tokens first .. first+T-1; stop ids may win only from output token min_new_tokens on.
+    Every row's argmax is the stop id 3 (runner-up 1): the expectation is written out, not computed by _greedy."""
+    from dflash_lib.models.acceptance import _greedy
+
+    logits = torch.zeros(4, 5)
+    logits[:, 3], logits[:, 1] = 2.0, 1.0  # (T=4, V=5)
+    assert _greedy(logits, 5, 7, frozenset({3})) == [1, 1, 3, 3]  # output tokens 5, 6 masked; 7, 8 free
+    assert _greedy(logits, 7, 7, frozenset({3})) == [3, 3, 3, 3]
+    assert _greedy(logits, 0, 0, frozenset({3})) == [3, 3, 3, 3]
+    assert _greedy(logits, 0, 9, frozenset({3})) == [1, 1, 1, 1]
+    assert _greedy(logits, 0, 9, frozenset()) == [3, 3, 3, 3]
+    assert logits[0, 3] == 2.0  # the caller's logits are left as they were
+
+
 def test_min_new_tokens_keeps_stop_ids_out_of_the_first_tokens(target):
     """A stop id the target would emit early is masked out of the first min_new_tokens tokens, the same way by
     speculative and plain decoding; after them it stops the answer again."""
