@@ -67,8 +67,9 @@ KEY_FIGURES = [
 
 def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_settings: Any = None,
                    answer_settings: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trained demo target and its answers for the preset's data (built or cached): (the parameters that put
-    every notebook on that target and tokenizer, the chain's inputs {ANSWERS: the JSONL, ...}) plus a record."""
+    """The trained demo target and its answers for the preset's data (built or cached). Returns (the parameters
+    that put every notebook on that target and tokenizer, the chain's inputs: {ANSWERS: the JSONL,
+    ANSWERS + "_heldout": the held-out fraction notebook 04 uses on it})."""
     from .models.demo_target import (DemoAnswerSettings, demo_target_params, ensure_demo_answers,
                                      ensure_demo_target)
     from .runs import load_config
