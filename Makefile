@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lab clean-venv bench
+.PHONY: setup browser demo test lab clean-venv bench
 
 setup: $(STAMP)
 
@@ -20,10 +20,22 @@ $(STAMP): pyproject.toml
 	$(VPY) -m ipykernel install --sys-prefix --name dflash --display-name "DFlash Lab (.venv)" >/dev/null
 	touch $(STAMP)
 
+# Debian's Chromium for the real-browser report check (tests/test_browser.py): installed with apt-get when it is
+# missing and this user may (root, or sudo without a password); never fatal, the browser tests then skip and say
+# why. `make test BROWSER=0` leaves the machine as it is.
+BROWSER ?= 1
+browser:
+	@if [ "$(BROWSER)" = 1 ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=no; fi; \
+	  if [ "$$SUDO" = no ]; then echo "note: no Chromium and no root/sudo to install it; the browser tests will skip"; \
+	  else echo "installing Debian's chromium for the browser tests (BROWSER=0 skips this)"; \
+	    { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; } \
+	      || echo "warning: installing chromium failed; the browser tests will skip"; fi; fi
+
 demo: setup
 	$(VPY) -m dflash_lib demo
 
-test: setup
+test: setup browser
 	WANDB_MODE=disabled $(VPY) -m pytest
 
 bench: setup

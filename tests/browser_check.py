@@ -57,8 +57,8 @@ def unavailable_reason() -> str | None:
                        "pip install -e '.[dev]')")
     if find_chromium() is None:
         missing.append(f"no Chromium found (looked for ${CHROMIUM_ENV}, {', '.join(CHROMIUM_CANDIDATES)}; "
-                       ".ci/run installs Debian's chromium with apt-get when /usr/bin/chromium is missing, "
-                       "and that install failed or was not run)")
+                       "`make test` installs Debian's chromium with apt-get when /usr/bin/chromium is missing and "
+                       "it runs as root or with sudo, and that install failed or was not run)")
     return "; ".join(missing) or None
 
 

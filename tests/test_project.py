@@ -65,6 +65,18 @@ def test_environment_yml_mirrors_pyproject():
     assert pins["torch"] == "torch==2.13.0"
 
 
+def test_the_declared_versions_install_where_the_users_are():
+    """The GPU image (Python 3.12, CUDA torch 2.11) can install the project; the venv's pinned 2.13 also fits."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    python = SpecifierSet(project["requires-python"])
+    assert "3.11" in python and "3.12" in python
+    torch = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    assert torch.specifier.contains("2.11.0") and torch.specifier.contains("2.13.0")
+
+
 def test_ci_runs_make_test():
     assert "make test" in (REPO_ROOT / ".ci" / "run").read_text()
     readme = (REPO_ROOT / "README.md").read_text()
