@@ -1,7 +1,7 @@
 """Bucket boundaries for length-aware batching: the cost model, EXACTLY optimal edges, the two baselines we
 compare against, the choice of k, and the worst-case fit check. numpy only.
 
-Units and conventions (see shared/design/bucketing.md):
+Units and conventions (see docs/batching.md):
 - Lengths are tokens. Bucket i holds lengths in (edges[i-1], edges[i]]; the first bucket starts above 0 and
   edges[-1] == max_len.
 - Cost of one sample g(l) = l ("linear") or l + l^2/q ("quadratic", attention's share; q in tokens). A token
