@@ -268,7 +268,7 @@ def assert_one_line(err: str, *parts: str) -> None:
         assert part in err, err
 
 
-def test_a_read_only_run_folder_is_one_line_exit_2_and_leaves_nothing(read_only, tmp_path, capsys, monkeypatch):
+def test_a_read_only_run_folder_is_one_line_exit_2_and_leaves_nothing(read_only, capsys, monkeypatch):
     from dflash_lib.__main__ import main
 
     args = ["train", "--preset", "smoke", "-p", "steps", "1"]
