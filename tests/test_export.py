@@ -238,6 +238,47 @@ def test_cli_errors_are_one_line_naming_the_path(tmp_path, capsys):
     assert "holds no checkpoint" in err and str(tmp_path / "empty") in err and "\n" not in err
 
 
+def _snapshot(folder) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_cli_export_never_overwrites_without_force_nor_a_run_folders_own_files(smoke_run, tmp_path, capsys):
+    run_dir, _ = smoke_run
+    before = _snapshot(run_dir)
+    ckpt = list_checkpoints(run_dir / "checkpoints")[-1]
+    for src, out, why in ((run_dir, run_dir, "is the source itself"),  # `export RUN RUN`: its config.json
+                          (run_dir / "drafter", run_dir, "is a training run folder"),
+                          (run_dir, run_dir / "drafter", f"is drafter of the training run {run_dir}"),
+                          (run_dir, ckpt, f"is checkpoints of the training run {run_dir}"),
+                          (run_dir, run_dir / "checkpoints" / "new", f"is checkpoints of the training run {run_dir}")):
+        assert main(["export", str(src), str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and f"destination {out} {why}" in err, err
+    other = tmp_path / "other_run"  # another training run folder: not written into even with --force
+    shutil.copytree(run_dir, other)
+    assert main(["export", str(run_dir), str(other), "--force"]) == 2
+    assert f"destination {other} is a training run folder" in capsys.readouterr().err
+    assert _snapshot(run_dir) == before == _snapshot(other)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (mine / "config.json").write_text("{}")
+    assert main(["export", str(run_dir), str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"destination {mine} is not empty (it holds config.json, notes.txt)" in err and "--force" in err
+    assert (mine / "config.json").read_text() == "{}" and sorted(p.name for p in mine.iterdir()) == ["config.json",
+                                                                                                        "notes.txt"]
+    assert main(["export", str(run_dir), str(mine), "--force"]) == 0
+    assert capsys.readouterr().out.strip() == str(mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes.txt"]
+    assert (mine / "notes.txt").read_text() == "keep" and "dflash_config" in json.loads((mine / "config.json").read_text())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["export", str(run_dir), str(empty)]) == 0  # an empty folder needs no --force
+    capsys.readouterr()
+
+
 def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path):
     from dflash_lib.parts import build_parts
 

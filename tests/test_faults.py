@@ -1,5 +1,6 @@
 """Fault injection through the real command line: kill -9 (during training and during a checkpoint save),
-SIGTERM, a failing pipeline stage, a full disk; in process: non-finite losses and samples failing validation."""
+SIGTERM, a failing pipeline stage, a full disk, read-only run and cache folders; in process: non-finite losses and
+samples failing validation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +214,129 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_the_previous_checkpoint_
     again = run_cli(tmp_path)  # space again: resumes from step 3
     assert again.returncode == 0, again.stderr[-3000:]
     assert_same_run(tmp_path, reference)
+
+
+# -- read-only run and cache folders: one line, exit 2, no run folder ----------------------------------------------
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch) -> Path:
+    """A folder `ro` whose tree behaves as on a read-only mount (EROFS on every write, EEXIST on mkdir of what
+    exists), faked at the os level: tests run as root, whom permission bits do not stop."""
+    import builtins
+    import errno
+    import io
+
+    root = tmp_path / "ro"
+    root.mkdir()
+
+    def inside(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)).startswith(str(root))
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+    def guard(real, writes):
+        def call(path, *args, **kwargs):
+            if inside(path) and writes(*args, **kwargs):
+                refuse(path)
+            return real(path, *args, **kwargs)
+        return call
+
+    def mkdir(path, *args, **kwargs):
+        if inside(path):
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path))
+            refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def writing(mode="r", *args, **kwargs) -> bool:
+        return any(c in mode for c in "wax+")
+
+    real_mkdir = os.mkdir
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    for module in (io, builtins):
+        monkeypatch.setattr(module, "open", guard(io.open, writing))
+    for name in ("replace", "rename", "unlink", "remove", "rmdir"):
+        monkeypatch.setattr(os, name, guard(getattr(os, name), lambda *args, **kwargs: True))
+    return root
+
+
+def assert_one_line(err: str, *parts: str) -> None:
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, err
+
+
+def test_a_read_only_run_folder_is_one_line_exit_2_and_leaves_nothing(read_only, capsys, monkeypatch):
+    from dflash_lib.__main__ import main
+
+    args = ["train", "--preset", "smoke", "-p", "steps", "1"]
+    run_dir = read_only / "run"
+    assert main([*args, "--run-dir", str(run_dir)]) == 2  # to be made on the read-only mount
+    assert_one_line(capsys.readouterr().err, f"cannot write the run folder {run_dir}: Read-only file system")
+    assert not run_dir.exists()
+    assert main([*args, "--run-dir", str(read_only)]) == 2  # an existing read-only folder
+    assert_one_line(capsys.readouterr().err, f"cannot write the run folder {read_only}: Read-only file system",
+                    str(read_only / "config.json.tmp"))
+    assert main([*args, "--run-dir", str(read_only), "--fresh"]) == 2
+    assert_one_line(capsys.readouterr().err, f"cannot write the run folder {read_only}")
+    assert list(read_only.iterdir()) == []
+    monkeypatch.setattr("dflash_lib.runs.RUNS_ROOT", read_only / "runs")  # the default: a new folder under runs/
+    assert main(args) == 2
+    assert_one_line(capsys.readouterr().err, f"cannot write the runs folder {read_only / 'runs'}: Read-only file "
+                                             f"system")
+    assert list(read_only.iterdir()) == []
+
+
+def test_a_read_only_cache_folder_is_one_line_exit_2_and_makes_no_run_folder(read_only, tmp_path, capsys):
+    from dflash_lib.__main__ import main
+
+    cache = read_only / "cache"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run"), "-p", "cache_dir", str(cache)]) == 2
+    assert_one_line(capsys.readouterr().err, f"cannot write the token store cache (-p cache_dir) {cache}: Read-only "
+                                             f"file system")
+    assert not (tmp_path / "run").exists() and list(read_only.iterdir()) == []
+
+
+def _read_only_mount_works(folder: Path) -> bool:
+    """Whether this machine lets us mount a read-only tmpfs on `folder` in a private mount namespace."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$0"', str(folder)],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+def test_on_a_real_read_only_tmpfs_run_and_cache_folders_are_one_line_exit_2(tmp_path):
+    """The same refusals on a real read-only mount (a tmpfs mounted ro in a private mount namespace)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if not _read_only_mount_works(ro):
+        pytest.skip("cannot mount a read-only tmpfs here (no unshare, or user namespaces are not allowed)")
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from dflash_lib.__main__ import main\n"
+        "ro, out = sys.argv[1], sys.argv[2]\n"
+        "train = ['train', '--preset', 'smoke', '-p', 'steps', '1']\n"
+        "results = []\n"
+        "for extra in (['--run-dir', ro + '/run'], ['--run-dir', ro], ['--run-dir', out, '-p', 'cache_dir', ro + '/c']):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(train + extra)\n"
+        "    results.append([rc, err.getvalue()])\n"
+        "print(json.dumps(results))\n")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$0" && exec "$@"', str(ro),
+                           sys.executable, "-c", script, str(ro), str(tmp_path / "run")],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rc1, err1), (rc2, err2), (rc3, err3) = json.loads(proc.stdout.splitlines()[-1])
+    assert (rc1, rc2, rc3) == (2, 2, 2)
+    assert_one_line(err1, f"cannot write the run folder {ro / 'run'}: Read-only file system")
+    assert_one_line(err2, f"cannot write the run folder {ro}: Read-only file system")
+    assert_one_line(err3, f"cannot write the token store cache (-p cache_dir) {ro / 'c'}: Read-only file system")
+    assert not (tmp_path / "run").exists()
 
 
 # -- in process: stop requests, non-finite losses, bad samples ----------------------------------------------------

@@ -197,3 +197,34 @@ def test_train_two_steps_from_a_local_target_directory(saved_target, tmp_path):
     assert summary["steps"] == 2 and summary["complete"] and np.isfinite(summary["final_loss"])
     assert drafter["hidden_size"] == 32 and drafter["num_target_layers"] == 4  # the saved target's shapes
     assert drafter["dflash_config"]["target_layer_ids"] == [2]  # smoke: one feature, the middle layer of 4
+
+
+def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folder(saved_target, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """An invalid config.json, a model_type transformers does not know, no safetensors: `error: ...` naming the
+    file, exit 2, and no run folder (the target is checked before it is made, --run-dir given or not)."""
+    import json
+    import shutil
+
+    from dflash_lib.__main__ import main
+
+    directory, _ = saved_target
+    good = json.loads((directory / "config.json").read_text())
+    cases = {"not_json": ("{\"model_type\": \"qwen3\",", "not valid JSON"),
+             "unknown_type": (json.dumps({**good, "model_type": "qwen99"}), "model_type 'qwen99' is not a model type "
+                                                                            "transformers"),
+             "no_weights": (json.dumps(good), "no model.safetensors")}
+    runs_root = tmp_path / "runs"
+    monkeypatch.setattr("dflash_lib.runs.RUNS_ROOT", runs_root)
+    for name, (text, why) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(directory, folder)
+        (folder / "config.json").write_text(text)
+        if name == "no_weights":
+            (folder / "model.safetensors").unlink()
+        for run_dir in (["--run-dir", str(tmp_path / "run")], []):
+            assert main(["train", "--preset", "smoke", *run_dir, "-p", "target", str(folder)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and err.count("\n") == 1 and why in err, err
+            assert str(folder / "config.json") in err if name != "no_weights" else str(folder) in err
+            assert not (tmp_path / "run").exists() and not (runs_root.exists() and list(runs_root.iterdir()))

@@ -17,7 +17,7 @@ from dflash_lib.__main__ import main
 from dflash_lib.checkpoint import (CheckpointError, CheckpointMismatchError, list_checkpoints, load_latest, resume_config_hash,
                                    save_checkpoint)
 from dflash_lib.config import ConfigError, from_params, preset
-from dflash_lib.resume import truncate_metrics
+from dflash_lib.resume import RUN_OUTPUTS, config_differences, prepare_run_dir, truncate_metrics
 from dflash_lib.train import train
 
 # lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss
@@ -132,7 +132,8 @@ def test_resume_inside_an_accumulated_step_sequence(tmp_path):
 
 def test_another_config_is_refused_and_fresh_starts_over(tmp_path):
     train(config(steps=2, ckpt_every=1), tmp_path)
-    with pytest.raises(CheckpointMismatchError, match=r"holds checkpoints of another config \(hash .* != .*\); "
+    with pytest.raises(CheckpointMismatchError, match=r"holds checkpoints of another config \(lr: 0.005 vs 0.01, "
+                                                      r"this run's vs the folder's; resume hash \w+ != \w+\); "
                                                       r"use --fresh or another --run-dir"):
         train(config(steps=2, lr=5e-3), tmp_path)
     summary = train(config(steps=2, lr=5e-3, fresh=True), tmp_path)
@@ -186,8 +187,74 @@ def test_a_run_that_died_before_its_first_checkpoint_starts_over(tmp_path):
     assert summary["resumed_from_step"] == 0 and [r["step"] for r in rows(tmp_path)] == [1, 2]
     assert rows(tmp_path)[0]["loss"] != 9.0  # the dead run's row was dropped, not kept before the new ones
     remove_outputs_but_traces(tmp_path)
-    with pytest.raises(ConfigError, match=r"already holds the outputs of another config \(resume hash"):
+    with pytest.raises(ConfigError, match=r"already holds the outputs of another config \(lr: 0.005 vs 0.01, this "
+                                          r"run's vs the folder's; resume hash \w+ != \w+\) but no checkpoint"):
         train(config(steps=2, lr=5e-3), tmp_path)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_fresh_refuses_a_folder_that_is_not_a_training_run_and_touches_nothing(tmp_path):
+    notebook = tmp_path / "20260101T000000Z_01_length_analysis"  # what `run 01_length_analysis` leaves
+    notebook.mkdir()
+    for name, text in (("01_length_analysis.ipynb", "{}"), ("params.json", "{}"), ("env.json", '{"host": "a"}'),
+                       ("summary.json", '{"samples": 224}'), ("lengths.html", "<html>")):
+        (notebook / name).write_text(text)
+    plain = tmp_path / "mine"  # a user's folder
+    (plain / "wandb").mkdir(parents=True)
+    (plain / "notes.txt").write_text("keep")
+    (plain / "metrics.jsonl").write_text('{"step": 1}\n')
+    (plain / "wandb" / "run.log").write_text("mine")
+    for folder in (notebook, plain):
+        before = _files(folder)
+        with pytest.raises(ConfigError, match=rf"--fresh: {folder} is not a training run folder \(no config.json "
+                                              r"written by the trainer, no checkpoint\) and holds .*give a new or "
+                                              r"empty --run-dir"):
+            prepare_run_dir(config(fresh=True), folder)
+        assert _files(folder) == before
+    # without --fresh the refusal does not send the user to --fresh
+    with pytest.raises(ConfigError, match=r"already holds summary.json but .* not a training run folder .* which "
+                                          r"--fresh never clears: use another --run-dir"):
+        prepare_run_dir(config(), notebook)
+    assert prepare_run_dir(config(fresh=True), tmp_path / "new").step == 0  # a new folder is fine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert prepare_run_dir(config(fresh=True), empty).step == 0
+    assert sorted(p.name for p in empty.iterdir()) == ["config.json", "env.json"]
+
+
+def test_fresh_deletes_exactly_what_a_training_run_owns(tmp_path):
+    cfg = config(steps=2)
+    prepare_run_dir(cfg, tmp_path)  # the trainer's config.json: now a training run folder
+    for name in ("metrics.jsonl", "heldout.json", "summary.json", "summary.json.tmp"):
+        (tmp_path / name).write_text("{}")
+    for folder in ("drafter", "wandb", "checkpoints/ckpt-00000002", "notebook_figures"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "x").write_text("x")
+    (tmp_path / "04_train.ipynb").write_text("{}")
+    prepare_run_dir(config(steps=2, lr=5e-3, fresh=True), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["04_train.ipynb", "config.json", "env.json",
+                                                         "notebook_figures"]
+    assert (tmp_path / "notebook_figures" / "x").read_text() == "x"
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["train"]["lr"] == 5e-3
+    assert {"metrics.jsonl", "heldout.json", "summary.json", "drafter", "wandb", "checkpoints"} <= RUN_OUTPUTS
+
+
+def test_config_differences_name_the_settings_this_run_first():
+    mine = config(lr=5e-3, steps=3)
+    assert config_differences(mine, config().to_dict()) == "steps: 3 vs 8, lr: 0.005 vs 0.01"
+    assert config_differences(mine, config(log_every=1, ckpt_every=9).to_dict()) == "steps: 3 vs 8, lr: 0.005 vs 0.01"
+    many = config(lr=5e-3, steps=3, seed=7, warmup_steps=2, grad_clip=0.5, max_len=200)
+    diff = config_differences(many, config().to_dict(), most=4)
+    assert diff.count(" vs ") == 4 and diff.endswith(" and 2 more")
+    recorded = config().to_dict()
+    recorded["train"]["retired_setting"] = 1  # a setting of another version of the code
+    del recorded["train"]["seed"]
+    assert config_differences(config(), recorded) == "seed: 0 vs (unset), retired_setting: (unset) vs 1"
+    assert config_differences(config(), None) == ""
 
 
 def test_truncate_metrics_keeps_a_prefix(tmp_path):
@@ -202,7 +269,8 @@ def test_command_line_fresh_flag(tmp_path, capsys):
     args = ["train", "--preset", "smoke", "--run-dir", str(tmp_path), "-p", "steps", "1"]
     assert main(args) == 0
     assert main(args + ["-p", "lr", "0.005"]) == 1  # a mismatching checkpoint: a clear error, exit 1
-    assert "CheckpointMismatchError: run folder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "CheckpointMismatchError: run folder" in err and f"(lr: 0.005 vs {preset('smoke').train.lr}, this run's" in err
     assert main(args + ["-p", "lr", "0.005", "--fresh"]) == 0
     assert "fresh start in" in capsys.readouterr().out
     assert main(args + ["--fresh", "-p", "fresh", "true"]) == 2

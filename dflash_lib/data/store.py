@@ -33,6 +33,7 @@ from dflash_lib.data.readers import (OVER_MAX_LEN, TEMPLATE_ERROR, Conversation,
                                      load_conversations, resolve_source)
 from dflash_lib.data.templates import TemplateError, check_template_name, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, EncodedBatch, load_tokenizer, tokenizer_identity
+from dflash_lib.runs import writable
 
 STORE_FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenization semantics change
 CHUNK_CHARS = 1 << 19  # characters of content per tokenizer job (one tiktoken call; bounds transient memory)
@@ -135,8 +136,9 @@ def build_token_store(source: str = "sharegpt", tokenizer: str = "qwen", templat
     final = Path(cache_dir) / key
     if (final / META_FILE).is_file():
         return TokenStore.open(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+    with writable("the token store cache (-p cache_dir)", final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
     try:
         _build(settings, key, tmp, workers, progress)
         try:

@@ -73,7 +73,59 @@ def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
     if not os.path.isdir(cfg.target):
         raise ConfigError(f"target {cfg.target!r} is neither 'tiny', a named shape {sorted(NAMED_SHAPES)} nor a local "
                           "model directory (give a local Hugging Face folder with -p target DIR; nothing is downloaded)")
-    return transformers.AutoConfig.from_pretrained(cfg.target, local_files_only=True)
+    return local_hf_config(cfg.target)
+
+
+def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
+    """The config of the local Hugging Face model folder `directory` (its config.json; no weight is read).
+    ConfigError naming the file when it is missing, is not a JSON object, or names a model_type that this
+    transformers does not know."""
+    path = Path(directory) / "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    model_type = doc.get("model_type")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not a model type transformers "
+                          f"{transformers.__version__} knows (a newer transformers, or not a causal LM folder?)")
+    try:
+        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as e:  # what transformers raises for a config it cannot build
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
+
+
+def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
+    """The target's config for training, refusing what `TargetModel.from_model_config` would refuse before
+    loading a weight: a named shape (no weights), a local folder whose config.json `local_hf_config` refuses or
+    that holds no safetensors. Reads config.json only: `train()` calls it before it makes a run folder."""
+    if cfg.target in NAMED_SHAPES:
+        raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
+                          f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
+    hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
+    if cfg.target != "tiny":
+        weight_files(cfg.target)
+    return hf_cfg
+
+
+def weight_files(directory: str | Path) -> list[str]:
+    """The safetensors files of a local model folder (from model.safetensors.index.json, else model.safetensors);
+    ConfigError when there is none (pickled .bin checkpoints are never loaded)."""
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index}: not an index of safetensors files ({type(e).__name__}: {e})") from None
+    if (root / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise ConfigError(f"target {str(root)!r}: no model.safetensors(.index.json); only safetensors checkpoints "
+                      "are loaded (pickled .bin files are not)")
 
 
 def feature_layer_ids(num_layers: int, num_features: int) -> list[int]:
@@ -198,10 +250,7 @@ class TargetModel(torch.nn.Module):
             hf_cfg = tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
             return cls.from_hf_config(hf_cfg, cfg.num_features, cfg.target_layer_ids or None, device, dtype, seed,
                                       backend)
-        if cfg.target in NAMED_SHAPES:
-            raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
-                              f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
-        hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
+        hf_cfg = trainable_target_config(cfg)
         model = load_local(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
         ids = cfg.target_layer_ids or feature_layer_ids(model.config.num_hidden_layers, cfg.num_features)
         return cls(model, ids, backend)
@@ -314,14 +363,7 @@ def load_local(directory: str | Path, hf_cfg: transformers.PretrainedConfig, dev
     `from_pretrained(device_map=...)` does, without needing `accelerate`). Refuses pickled (.bin) checkpoints,
     and names missing and unknown weights."""
     root = Path(directory)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (root / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(f"target {str(root)!r}: no model.safetensors(.index.json); only safetensors checkpoints "
-                          "are loaded (pickled .bin files are not)")
+    files = weight_files(root)
     from safetensors import safe_open
 
     with torch.device(device):  # built on the device: its random init is overwritten below
