@@ -17,7 +17,8 @@ with bounded concurrency and retries. Resume: every record is appended with ONE 
 rerun the records already in OUT are skipped and a torn last line (a kill mid-write) is cut off and redone.
 A record the backend still cannot answer after its retries goes to `<OUT stem>.rejects.jsonl` with its error
 and the run goes on (`regen_on_error skip`) or stops there (`abort`); rejected records are not in OUT, so a rerun
-tries each of them again, once, and the rejects file keeps only those still failing.
+tries each of them again, once (one that succeeds is appended after the others: out of source order), and the
+rejects file keeps only those still failing.
 A report (counts, rejects, mean answer length before/after in tokens, time, `status` running | stopped |
 complete | failed with its error) is written to `<OUT stem>.report.json`.
 """
@@ -127,7 +128,7 @@ class LocalBackend:
         limit = self.max_positions - cfg.max_new_tokens
         answers: list[Answer | Failure | None] = [
             Failure(f"record {records[i]}: prompt of {len(x)} tokens + max_new_tokens {cfg.max_new_tokens} exceeds "
-                    f"the target's {self.max_positions} positions (lower max_new_tokens or max_turns)", 1)
+                    f"the target's {self.max_positions} positions (lower max_new_tokens or max_turns)", 0)
             if len(x) > limit else None for i, x in enumerate(ids)]
         fits = [i for i, a in enumerate(answers) if a is None]
         for group in length_groups([len(ids[i]) for i in fits], cfg.gen_tokens):

@@ -133,7 +133,7 @@ class ChatServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.02), daemon=True)
         self.thread.start()
 
     def handle(self, req):
@@ -218,9 +218,16 @@ def _openai(source, server, **kw):
                                     model="tiny-qwen3"), **kw))
 
 
-def test_openai_a_failing_record_is_rejected_the_run_goes_on_and_a_rerun_retries_it(server, tmp_path):
+def _served(cfg, out, local):
+    """regenerate(cfg, out) through the openai backend, counting tokens with `local`'s tokenizer (loaded once)."""
+    served = OpenAIBackend(cfg)
+    served.tok = local.tok
+    return regenerate(cfg, out, backend=served, progress=False)
+
+
+def test_openai_a_failing_record_is_rejected_the_run_goes_on_and_a_rerun_retries_it(server, backend, tmp_path):
     out, bad = tmp_path / "out.jsonl", _bad_source(tmp_path)
-    report = regenerate(_openai(bad, server), out, progress=False)
+    report = _served(_openai(bad, server), out, backend)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
     (rej,) = read_rejects(rejects_path(out)).values()
     assert (rej["record"], rej["id"], rej["attempts"]) == (2, "x", 1)  # a 400 is not retried
@@ -229,21 +236,21 @@ def test_openai_a_failing_record_is_rejected_the_run_goes_on_and_a_rerun_retries
     assert json.loads(report_path(out).read_text())["totals"]["rejected"] == 1
 
     asked = sum("BAD400" in m[-1]["content"] for m in server.seen)
-    again = regenerate(_openai(bad, server), out, progress=False)  # still failing: tried once more, listed once
+    again = _served(_openai(bad, server), out, backend)  # still failing: tried once more, listed once
     assert sum("BAD400" in m[-1]["content"] for m in server.seen) == asked + 1
     assert again["run"]["written_now"] == 0 and again["totals"]["rejected"] == 1
     assert len(rejects_path(out).read_text().splitlines()) == 1
 
     server.bad400 = False  # fixed: the rerun writes it (after the others: its "record" says where it belongs)
-    fixed = regenerate(_openai(bad, server), out, progress=False)
+    fixed = _served(_openai(bad, server), out, backend)
     assert [json.loads(line)["record"] for line in out.read_text().splitlines()] == [0, 1, 3, 2]
     assert (fixed["run"]["written_now"], fixed["totals"]["rejected"]) == (1, 0) and not rejects_path(out).exists()
 
 
-def test_openai_abort_on_error_stops_at_the_record_and_the_report_says_failed(server, tmp_path):
+def test_openai_abort_on_error_stops_at_the_record_and_the_report_says_failed(server, backend, tmp_path):
     out, bad = tmp_path / "out.jsonl", _bad_source(tmp_path)
     with pytest.raises(RegenerateError, match=r"record 2: HTTP 400 .*context too long"):
-        regenerate(_openai(bad, server, regen_on_error="abort"), out, progress=False)
+        _served(_openai(bad, server, regen_on_error="abort"), out, backend)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]  # written, in order
     assert list(read_rejects(rejects_path(out))) == [2]
     run = json.loads(report_path(out).read_text())["run"]
@@ -282,12 +289,26 @@ def test_openai_retries_exactly_the_transient_statuses(source, server, code):
         assert isinstance(e.value, RecordError) == (code != 404)
 
 
+def test_openai_a_server_refusing_connections_stops_the_run(source):
+    """After its retries a refused connection is not one record's failure (every record would wait them out)."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    b = OpenAIBackend(_cfg(source, backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="m", retries=1,
+                           retry_backoff_s=0.0))
+    with pytest.raises(RegenerateError, match="record 3: .* failed 2 times, last: URLError") as e:
+        b.complete((("user", "hi"),), "record 3")
+    assert not isinstance(e.value, RecordError)
+
+
 def test_a_fatal_error_ends_the_run_as_failed_not_running(source, server, backend, tmp_path):
     """A model the server does not serve (404: every record would get it) stops the run, rejecting nothing; any
     exception leaves the report `failed` with the error."""
     out = tmp_path / "out.jsonl"
     with pytest.raises(RegenerateError, match="record 0: HTTP 404 .*does not exist"):
-        regenerate(_openai(source, server, model="other"), out, progress=False)
+        _served(_openai(source, server, model="other"), out, backend)
     run = json.loads(report_path(out).read_text())["run"]
     assert run["status"] == "failed" and "HTTP 404" in run["error"] and not rejects_path(out).exists()
 
@@ -325,22 +346,22 @@ def _messages(out):
             for r in map(json.loads, out.read_text().splitlines())}
 
 
-def test_openai_keeps_a_leading_assistant_turn_and_never_sends_no_user_turn(leading, server, tmp_path):
-    report = regenerate(_openai(leading, server), tmp_path / "out.jsonl", progress=False)
+def test_openai_keeps_a_leading_assistant_turn_and_never_sends_no_user_turn(leading, server, backend, tmp_path):
+    report = _served(_openai(leading, server), tmp_path / "out.jsonl", backend)
     assert server.requests == 2 and all(any(m["role"] == "user" for m in seen) for seen in server.seen)
     got = _messages(tmp_path / "out.jsonl")
     assert got["p"][0] == [("assistant", "Welcome! Ask me anything."), ("user", "CANNED hi"),
                            ("assistant", "A canned answer.")]
     assert (got["p"][1]["finish"], got["p"][1]["leading_kept"]) == (["stop"], 1)
+    assert got["p"][1]["source_tokens"] == len(backend.tok.encode_texts(["old"], [None])[0][0])  # the turn answered
     assert got["q"][0] == [("system", "Be nice."), ("assistant", "Hello.")] and got["q"][1]["finish"] == []
     assert got["r"][0][-1] == ("assistant", "A canned answer.") and got["r"][1]["leading_kept"] == 0
     t = report["totals"]
     assert (t["records"], t["assistant_turns"], t["leading_kept"], t["rejected"]) == (3, 2, 2, 0)
 
 
-def test_skip_leaves_out_records_with_a_leading_assistant_turn_counted(leading, server, tmp_path):
-    report = regenerate(_openai(leading, server, regen_leading_assistant="skip"), tmp_path / "out.jsonl",
-                        progress=False)
+def test_skip_leaves_out_records_with_a_leading_assistant_turn_counted(leading, server, backend, tmp_path):
+    report = _served(_openai(leading, server, regen_leading_assistant="skip"), tmp_path / "out.jsonl", backend)
     assert list(_messages(tmp_path / "out.jsonl")) == ["r"] and server.requests == 1
     assert (report["run"]["skipped_leading_assistant"], report["totals"]["records"]) == (2, 1)
 
