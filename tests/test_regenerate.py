@@ -101,13 +101,14 @@ def test_resume_after_a_stop_and_a_torn_line_gives_the_same_file(source, backend
 class ChatServer:
     """A chat-completions server on 127.0.0.1: answers from the tiny target (or canned text for "CANNED"
     prompts, finish "stop"), a 500 on the first "FAIL500" request, a 400 for "BAD400" (while `bad400`), HTTP
-    <code> on the first request of a "STATUS<code>" prompt (then canned text), and, like vLLM and SGLang, a 400
+    <code> on the first request of a "STATUS<code>" prompt (then canned text; always while `canned`), and, like
+    vLLM and SGLang, a 400
     for no messages and a 404 for a model it does not serve."""
 
     def __init__(self, backend):
         self.backend, self.lock = backend, threading.Lock()
         self.inflight = self.max_inflight = self.requests = 0
-        self.failed_once, self.bad400 = False, True
+        self.failed_once, self.bad400, self.canned = False, True, False
         self.seen: list[list[dict]] = []  # the messages of every chat request
         self.status_hits: dict[str, int] = {}  # "STATUS<code>" prompt -> requests received
         server = self
@@ -160,7 +161,7 @@ class ChatServer:
             if "FAIL500" in last and not self.failed_once:
                 self.failed_once = True
                 return 500, {"error": {"message": "overloaded"}}
-            if "CANNED" in last or last.startswith("STATUS"):
+            if self.canned or "CANNED" in last or last.startswith("STATUS"):
                 text, finish, n = "A canned answer.", "stop", 4
             else:
                 turns = tuple((m["role"], m["content"]) for m in req["messages"])
@@ -358,6 +359,20 @@ def test_openai_keeps_a_leading_assistant_turn_and_never_sends_no_user_turn(lead
     assert got["r"][0][-1] == ("assistant", "A canned answer.") and got["r"][1]["leading_kept"] == 0
     t = report["totals"]
     assert (t["records"], t["assistant_turns"], t["leading_kept"], t["rejected"]) == (3, 2, 2, 0)
+
+
+def test_the_bundled_corpus_record_4_is_written_not_sent_empty(server, backend, tmp_path):
+    """Record 4 of the bundled corpus opens with an assistant turn (sent as `messages: []` before: a 400 on
+    every rerun)."""
+    cfg = _openai("sharegpt", server, limit=6, max_turns=1)
+    server.canned = True  # (the tiny target on these long prompts would only cost time)
+    report = _served(cfg, tmp_path / "out.jsonl", backend)
+    source = next(c for c in load_conversations("sharegpt", 6) if c.record == 4)
+    rec = next(r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines()) if r["record"] == 4)
+    assert rec["messages"][0] == {"role": "assistant", "content": source.turns[0][1]}
+    assert [m["role"] for m in rec["messages"]] == ["assistant", "user", "assistant"]
+    assert (report["totals"]["records"], report["totals"]["rejected"], server.requests) == (6, 0, 6)
+    assert all(any(m["role"] == "user" for m in seen) for seen in server.seen)
 
 
 def test_skip_leaves_out_records_with_a_leading_assistant_turn_counted(leading, server, backend, tmp_path):
