@@ -90,8 +90,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    """The `regenerate` subcommand: 0 when OUT is complete, 1 when the backend failed (the message names the
-    record; what was written stays and a rerun resumes)."""
+    """The `regenerate` subcommand: 0 when the run went through the source (rejected records are counted and
+    listed in the rejects file; a rerun tries them again), 1 when the backend failed or regen_on_error abort
+    stopped at a record (the message names it; what was written stays and a rerun resumes)."""
     import json
 
     from .config import from_params, preset
@@ -111,7 +112,12 @@ def _regenerate(args: argparse.Namespace) -> int:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
-    print(json.dumps(dict(out=report["out"], **report["totals"]), indent=None))
+    totals = report["totals"]
+    if totals["rejected"]:
+        print(f"warning: {totals['rejected']} records could not be regenerated, listed in {report['rejects']} "
+              "(a rerun tries them again)", file=sys.stderr)
+    print(json.dumps(dict(out=report["out"], **totals,
+                          skipped_leading_assistant=report["run"]["skipped_leading_assistant"]), indent=None))
     return 0
 
 

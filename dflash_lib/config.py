@@ -213,13 +213,19 @@ class RegenerateConfig:
     base_url: str = "http://127.0.0.1:8000/v1"  # openai: the server's API root (SGLang and vLLM serve /v1)
     model: str = ""  # openai: the served model name ("" = the first one the server lists at /models)
     concurrency: int = 64  # openai: conversations in flight at once (each one's turns go in order)
-    retries: int = 5  # openai: retries of a request after a transport error, 429 or 5xx
+    retries: int = 5  # openai: retries of a request after a transport error, 429, 500, 502, 503 or 504
     retry_backoff_s: float = 1.0  # openai: wait before the first retry (seconds), doubled for each next one
     request_timeout_s: float = 600.0  # openai: seconds one request may take
+    regen_leading_assistant: str = "keep"  # an assistant turn before any user turn answers no prompt: "keep" it
+    # verbatim (the later turns are regenerated) | "skip" the whole record (counted in the report)
+    regen_on_error: str = "skip"  # a record still failing after its retries: "skip" = list it in <OUT stem>.rejects
+    # .jsonl and go on (one bad prompt must not stop a long run; a rerun retries it) | "abort" = stop the run there
     regenerated: str = ""  # notebook 01: a file written by `regenerate` from `source` (lengths before vs after)
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, ("local", "openai"))
+        _choice("regen_leading_assistant", self.regen_leading_assistant, ("keep", "skip"))
+        _choice("regen_on_error", self.regen_on_error, ("skip", "abort"))
         _positive("max_new_tokens", self.max_new_tokens)
         _non_negative("min_new_tokens", self.min_new_tokens)
         if self.min_new_tokens > self.max_new_tokens:

@@ -3,18 +3,24 @@ target would say, dflash.md).
 
 For each conversation of `source` (any reader format), turn by turn, each assistant turn is replaced by the
 target's answer to the conversation so far (later turns see the regenerated answers). Turns after the last
-assistant turn are dropped (nothing answers them). Output: JSONL, one record per conversation, in source order,
-in the `messages` format `load_conversations` reads:
+assistant turn are dropped (nothing answers them). An assistant turn before any user turn answers no prompt:
+it is kept verbatim, or its record skipped (`regen_leading_assistant`); no backend is ever asked for it.
+Output: JSONL, one record per conversation, in source order, in the `messages` format `load_conversations` reads:
 
     {"id": ..., "record": <source index>, "messages": [{"role", "content"}...],
-     "regen": {"finish": ["stop" | "length" | ...], "truncated": bool, "refused": bool,
+     "regen": {"finish": ["stop" | "length" | ...], "truncated": bool, "refused": bool, "leading_kept": int,
                "completion_tokens": int, "source_tokens": int, "answer_tokens": int}}
 
 Two backends answer a batch of prompts: `LocalBackend` (the target in-process: prompts rendered with the data
 template, batched `generate` with a KV cache) and `OpenAIBackend` (any chat-completions server: SGLang, vLLM),
 with bounded concurrency and retries. Resume: every record is appended with ONE write of its whole line; on a
 rerun the records already in OUT are skipped and a torn last line (a kill mid-write) is cut off and redone.
-A report (counts, mean answer length before/after in tokens, time) is written to `<OUT stem>.report.json`.
+A record the backend still cannot answer after its retries goes to `<OUT stem>.rejects.jsonl` with its error
+and the run goes on (`regen_on_error skip`) or stops there (`abort`); rejected records are not in OUT, so a rerun
+tries each of them again, once (one that succeeds is appended after the others: out of source order), and the
+rejects file keeps only those still failing.
+A report (counts, rejects, mean answer length before/after in tokens, time, `status` running | stopped |
+complete | failed with its error) is written to `<OUT stem>.report.json`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,21 @@ REFUSAL = re.compile(r"^\s*(I'm sorry|I am sorry|I apologi[sz]e|Sorry, (but )?I|
 
 
 class RegenerateError(RuntimeError):
-    """Regeneration cannot go on (a 4xx from the server, retries exhausted, a corrupt OUT); names the record."""
+    """Regeneration cannot go on (the server unreachable or refusing every request, a corrupt OUT)."""
+
+
+class RecordError(RegenerateError):
+    """One request failed for good (a 4xx about its content, retries exhausted); names the record."""
+
+    def __init__(self, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts  # requests sent for it
+
+
+# The statuses a server or its proxy answers when busy or restarting: retried. Any other 4xx/5xx is not.
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# The URL, the API key or the model name is wrong: every record would get the same, so the run stops.
+FATAL_STATUS = frozenset({401, 403, 404, 405})
 
 
 @dataclass(frozen=True)
@@ -54,9 +74,18 @@ class Answer:
     refusal: bool = False  # the server said so (OpenAI `refusal` field / content_filter)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A turn the backend could not answer: its record goes to the rejects file."""
+
+    error: str  # one line naming the record
+    attempts: int  # requests (or generate calls) made for it
+
+
 class Backend(Protocol):
-    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
-        """One answer per conversation-so-far (turns ending before the assistant turn to write)."""
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]],
+               records: Sequence[int]) -> list[Answer | Failure]:
+        """One answer (or Failure) per conversation-so-far (turns ending before the assistant turn to write)."""
         ...
 
 
@@ -92,17 +121,18 @@ class LocalBackend:
         ids, _ = self.tok.encode_segments(self.template.prompt_segments(prepared))
         return [int(i) for i in ids]
 
-    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]],
+               records: Sequence[int]) -> list[Answer | Failure]:
         cfg = self.cfg
         ids = [self.prompt_ids(p) for p in prompts]
         limit = self.max_positions - cfg.max_new_tokens
-        too_long = [i for i, x in enumerate(ids) if len(x) > limit]
-        if too_long:
-            raise RegenerateError(f"record {records[too_long[0]]}: prompt of {len(ids[too_long[0]])} tokens + "
-                                  f"max_new_tokens {cfg.max_new_tokens} exceeds the target's {self.max_positions} "
-                                  f"positions (lower max_new_tokens or max_turns)")
-        answers: list[Answer | None] = [None] * len(ids)
-        for group in length_groups([len(x) for x in ids], cfg.gen_tokens):
+        answers: list[Answer | Failure | None] = [
+            Failure(f"record {records[i]}: prompt of {len(x)} tokens + max_new_tokens {cfg.max_new_tokens} exceeds "
+                    f"the target's {self.max_positions} positions (lower max_new_tokens or max_turns)", 0)
+            if len(x) > limit else None for i, x in enumerate(ids)]
+        fits = [i for i, a in enumerate(answers) if a is None]
+        for group in length_groups([len(ids[i]) for i in fits], cfg.gen_tokens):
+            group = [fits[j] for j in group]
             for i, answer in zip(group, self._generate([ids[i] for i in group], records[group[0]])):
                 answers[i] = answer
         return answers  # type: ignore[return-value]
@@ -170,7 +200,8 @@ class OpenAIBackend:
     """A chat-completions endpoint (`base_url`/chat/completions). `thinking` goes to the server's chat template
     as `chat_template_kwargs.enable_thinking` (SGLang and vLLM pass it on; "keep" sends nothing). A reasoning
     parser's separate `reasoning_content` is put back inline as <think>...</think> unless thinking is "off".
-    Transport errors, 429 and 5xx are retried with doubling backoff; any other 4xx raises naming the record."""
+    Transport errors and RETRY_STATUS are retried with doubling backoff; a record that still fails, or gets
+    another status, is a Failure (rejected); FATAL_STATUS, or a refused connection after the retries, raises."""
 
     def __init__(self, config: Config) -> None:
         self.cfg = config.regenerate
@@ -186,25 +217,35 @@ class OpenAIBackend:
         return h
 
     def _request(self, path: str, body: dict | None, what: str) -> dict:
+        """The JSON answer of GET (body None) or POST `path`; RecordError when this request fails for good,
+        RegenerateError when no request can succeed (FATAL_STATUS, the server refusing connections)."""
         cfg = self.cfg
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(cfg.retries + 1):
             req = urllib.request.Request(self.url + path, data=data, headers=self._headers(),
                                          method="GET" if body is None else "POST")
+            refused = False
             try:
                 with urllib.request.urlopen(req, timeout=cfg.request_timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
-                detail = e.read()[:500].decode(errors="replace")
-                if e.code != 429 and e.code < 500:
-                    raise RegenerateError(f"{what}: HTTP {e.code} from {self.url + path}: {detail}") from None
+                detail = " ".join(e.read()[:500].decode(errors="replace").split())
+                message = f"{what}: HTTP {e.code} from {self.url + path}: {detail}"
+                if e.code in FATAL_STATUS:
+                    raise RegenerateError(message) from None
+                if e.code not in RETRY_STATUS:
+                    raise RecordError(message, attempt + 1) from None
                 last = f"HTTP {e.code}: {detail}"
             except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout,
                     TimeoutError, json.JSONDecodeError) as e:
+                refused = isinstance(getattr(e, "reason", e), ConnectionRefusedError)
                 last = f"{type(e).__name__}: {e}"
             if attempt < cfg.retries:
                 time.sleep(cfg.retry_backoff_s * 2 ** attempt)
-        raise RegenerateError(f"{what}: {self.url + path} failed {cfg.retries + 1} times, last: {last}")
+        message = f"{what}: {self.url + path} failed {cfg.retries + 1} times, last: {last}"
+        if refused:  # the server is gone: every other record would wait out the same retries
+            raise RegenerateError(message)
+        raise RecordError(message, cfg.retries + 1)
 
     def _first_model(self) -> str:
         models = self._request("/models", None, "listing models").get("data") or []
@@ -214,6 +255,8 @@ class OpenAIBackend:
 
     def complete(self, turns: tuple[tuple[str, str], ...], what: str) -> Answer:
         cfg = self.cfg
+        if not any(role == "user" for role, _ in turns):  # _plan never asks this; a server would answer 400
+            raise RecordError(f"{what}: no user turn to answer (refusing to send {len(turns)} messages)", 0)
         body: dict[str, Any] = dict(model=self.model, messages=[{"role": r, "content": c} for r, c in turns],
                                     max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         if cfg.min_new_tokens:
@@ -225,7 +268,7 @@ class OpenAIBackend:
             choice = doc["choices"][0]
             msg = choice["message"]
         except (KeyError, IndexError, TypeError):
-            raise RegenerateError(f"{what}: the server's answer has no choices[0].message: {str(doc)[:300]}") from None
+            raise RecordError(f"{what}: the server's answer has no choices[0].message: {str(doc)[:300]}", 1) from None
         text = msg.get("content") or ""
         reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
         if reasoning and self.thinking != "off":
@@ -233,8 +276,15 @@ class OpenAIBackend:
         tokens = int((doc.get("usage") or {}).get("completion_tokens") or 0)
         return Answer(text, str(choice.get("finish_reason") or "stop"), tokens, bool(msg.get("refusal")))
 
-    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]], records: Sequence[int]) -> list[Answer]:
-        return [self.complete(p, f"record {r}") for p, r in zip(prompts, records)]
+    def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]],
+               records: Sequence[int]) -> list[Answer | Failure]:
+        answers: list[Answer | Failure] = []
+        for p, r in zip(prompts, records):
+            try:
+                answers.append(self.complete(p, f"record {r}"))
+            except RecordError as e:
+                answers.append(Failure(str(e), e.attempts))
+        return answers
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,16 +295,24 @@ class OpenAIBackend:
 class _Work:
     conv: Conversation
     turns: list[tuple[str, str]]  # the conversation being rewritten (assistant turns replaced as they come)
-    todo: list[int]  # indices of the assistant turns still to answer, in order
+    todo: list[int]  # indices of the assistant turns to answer, in order
+    leading: int = 0  # assistant turns before the first user turn, kept verbatim (no prompt to answer)
     answers: list[Answer] = field(default_factory=list)
+    failure: Failure | None = None  # set when a turn could not be answered: the record is rejected
+
+
+def leading_assistant_turns(conv: Conversation) -> int:
+    """Assistant turns of `conv` before its first user turn (0 when a user speaks before every assistant)."""
+    first_user = next((i for i, (role, _) in enumerate(conv.turns) if role == "user"), len(conv.turns))
+    return sum(role == "assistant" for role, _ in conv.turns[:first_user])
 
 
 def _plan(conv: Conversation, max_turns: int) -> _Work:
     turns = list(conv.turns)
-    todo = [i for i, (role, _) in enumerate(turns) if role == "assistant"]
-    if max_turns:
-        todo = todo[:max_turns]
-    return _Work(conv, turns[: todo[-1] + 1], todo)  # (readers guarantee one assistant turn)
+    assistant = [i for i, (role, _) in enumerate(turns) if role == "assistant"]  # (readers guarantee one)
+    leading = leading_assistant_turns(conv)
+    todo = assistant[leading:][:max_turns] if max_turns else assistant[leading:]
+    return _Work(conv, turns[: (todo or assistant)[-1] + 1], todo, leading)
 
 
 def regenerate_batch(backend: Backend, convs: Sequence[Conversation], max_turns: int = 0) -> list[_Work]:
@@ -262,20 +320,24 @@ def regenerate_batch(backend: Backend, convs: Sequence[Conversation], max_turns:
     every conversation that has one (one batched call), so later turns see the regenerated earlier ones."""
     works = [_plan(c, max_turns) for c in convs]
     while True:
-        active = [w for w in works if len(w.answers) < len(w.todo)]
+        active = [w for w in works if w.failure is None and len(w.answers) < len(w.todo)]
         if not active:
             return works
         at = [w.todo[len(w.answers)] for w in active]
         answers = backend.answer([tuple(w.turns[:i]) for w, i in zip(active, at)], [w.conv.record for w in active])
         for w, i, a in zip(active, at, answers):
+            if isinstance(a, Failure):
+                w.failure = a
+                continue
             w.turns[i] = ("assistant", a.text)
             w.answers.append(a)
 
 
 def _record_line(work: _Work, count_tokens) -> bytes:
-    source = [c for r, c in work.conv.turns if r == "assistant"][: len(work.todo)]
+    source = [work.conv.turns[i][1] for i in work.todo]
     finish = [a.finish_reason for a in work.answers]
     regen = dict(finish=finish, truncated="length" in finish, refused=any(is_refusal(a) for a in work.answers),
+                 leading_kept=work.leading,
                  completion_tokens=sum(a.completion_tokens for a in work.answers),
                  source_tokens=sum(count_tokens(t) for t in source),
                  answer_tokens=sum(count_tokens(a.text) for a in work.answers))
@@ -348,13 +410,54 @@ def report_path(out: str | Path) -> Path:
     return out.with_name(out.stem + ".report.json")
 
 
+def rejects_path(out: str | Path) -> Path:
+    """`<OUT stem>.rejects.jsonl`: one line per record that could not be regenerated,
+    {"record": <source index>, "id", "error": one line, "attempts": requests made}; absent when there is none."""
+    out = Path(out)
+    return out.with_name(out.stem + ".rejects.jsonl")
+
+
+def read_rejects(path: Path) -> dict[int, dict]:
+    """Source index -> its latest line of the rejects file `path` ({} when absent). A line that does not parse
+    (a kill mid-write) is dropped: its record is not in OUT either, so the next run tries it again."""
+    rejects: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_bytes().split(b"\n"):
+            try:
+                entry = json.loads(line)
+                rejects[int(entry["record"])] = entry
+            except (ValueError, KeyError, TypeError):
+                continue
+    return rejects
+
+
+def _prune_rejects(path: Path, written: set[int]) -> int:
+    """Rewrite the rejects file with one line per record still rejected (not in `written`, the source indices
+    in OUT), in source order; remove it when none is left. Returns how many are left."""
+    rejects = read_rejects(path)
+    left = [rejects[i] for i in sorted(rejects) if i not in written]
+    if left:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in left))
+        os.replace(tmp, path)
+    elif path.is_file():
+        path.unlink()
+    return len(left)
+
+
+def _append_reject(path: Path, work: _Work) -> None:
+    entry = dict(record=work.conv.record, id=work.conv.id, error=work.failure.error, attempts=work.failure.attempts)
+    with open(path, "ab") as f:  # rare: opened per reject, one write of the whole line
+        f.write((json.dumps(entry, ensure_ascii=False) + "\n").encode())
+
+
 def _settings(config: Config, backend_name: str) -> dict[str, Any]:
     r = config.regenerate
     return dict(source=config.data.source, backend=backend_name, template=config.data.template,
                 thinking=config.data.thinking, tokenizer=config.data.tokenizer,
                 target=config.model.target if backend_name == "local" else r.model or r.base_url,
                 max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens, temperature=r.temperature,
-                top_p=r.top_p, max_turns=r.max_turns,
+                top_p=r.top_p, max_turns=r.max_turns, leading_assistant=r.regen_leading_assistant,
                 gen_batch=r.gen_batch if backend_name == "local" else 0,  # (local batches decide the numerics)
                 gen_tokens=r.gen_tokens if backend_name == "local" else 0)
 
@@ -365,18 +468,29 @@ def _source(source: str, limit: int, stats: dict) -> Iterator[Conversation]:
     stats["source_report"] = stream.report.to_dict()
 
 
+def _without_leading_assistant(convs: Iterator[Conversation], counts: dict) -> Iterator[Conversation]:
+    """`convs` less those with an assistant turn before their first user turn (counted, never written)."""
+    for conv in convs:
+        if leading_assistant_turns(conv):
+            counts["skipped_leading_assistant"] += 1
+        else:
+            yield conv
+
+
 def regenerate(config: Config, out: str | Path, backend: Backend | None = None, progress: bool = True,
                stop_after: int = 0) -> dict[str, Any]:
     """Regenerate `config.data.source` (first `config.data.limit` records) into `out`; returns the report.
 
     backend: None = build the one `config.regenerate.backend` names. stop_after: stop after writing this many
-    records (0 = all; what a kill would do, without the kill). Resumes from what `out` holds."""
+    records (0 = all; what a kill would do, without the kill). Resumes from what `out` holds. A record that
+    fails goes to `rejects_path(out)` (or, with regen_on_error abort, raises RegenerateError after it is listed
+    there); whatever ends the run, the report's `status` says so (`failed` with the error on an exception)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
     r = config.regenerate
     settings = _settings(config, r.backend)
-    rep_file = report_path(out)
+    rep_file, rej_file = report_path(out), rejects_path(out)
     if out.is_file() and rep_file.is_file():
         before = json.loads(rep_file.read_text()).get("settings", {})
         changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
@@ -394,36 +508,57 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
         tok = load_tokenizer(config.data.tokenizer)
     count = lambda text: len(tok.encode_texts([text], [None])[0][0])  # noqa: E731 (tokens of plain text)
     stats: dict[str, Any] = {}
-    _write_report(rep_file, settings, dict(status="running"), out)
-    appender = _Appender(out, keep)
+    counts = dict(rejected_now=0, skipped_leading_assistant=0)
+    written = set(done)  # source indices in OUT
+    status, error, works, appender = "failed", "", None, None
+    # a clean rejects file to append to; its records are not in `done`, so they are tried again below
+    _write_report(rep_file, settings, dict(status="running"), out, _prune_rejects(rej_file, written))
     prog = Progress()
     bar = tqdm(total=config.data.limit or None, initial=len(done), unit="rec", desc="regenerate",
                disable=not progress, smoothing=0.1)
     try:
+        appender = _Appender(out, keep)
         convs = _source(config.data.source, config.data.limit, stats)
+        if r.regen_leading_assistant == "skip":
+            convs = _without_leading_assistant(convs, counts)
         if isinstance(backend, OpenAIBackend):
             works = _run_concurrent(backend, (c for c in convs if c.record not in done), r)
         else:
             works = _run_batched(backend, convs, done, r.gen_batch, r.max_turns)
         for work in works:
+            bar.update(1)
+            if work.failure is not None:
+                _append_reject(rej_file, work)
+                counts["rejected_now"] += 1
+                if r.regen_on_error == "abort":
+                    raise RegenerateError(f"{work.failure.error} (regen_on_error abort; the records before it "
+                                          f"are written, a rerun resumes)")
+                continue
             appender.write(_record_line(work, count))
+            written.add(work.conv.record)
             prog.records += 1
             prog.tokens += sum(a.completion_tokens for a in work.answers)
             rec_s, tok_s = prog.rates()
-            bar.update(1)
             bar.set_postfix_str(f"{rec_s:.2f} rec/s, {tok_s:.0f} tok/s", refresh=False)
             if stop_after and prog.records >= stop_after:
                 break
+        status = "stopped" if stop_after and prog.records >= stop_after else "complete"
+    except BaseException as e:  # (KeyboardInterrupt too: the report must not say "running")
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise
     finally:
+        if works is not None:
+            works.close()  # a stopped generator cancels what is queued and joins the request threads
         bar.close()
-        appender.close()
-    seconds = time.perf_counter() - prog.start
-    run = dict(status="stopped" if stop_after and prog.records >= stop_after else "complete",
-               written_now=prog.records, generated_tokens_now=prog.tokens, seconds=round(seconds, 3),
-               records_per_s=prog.records / max(seconds, 1e-9), tokens_per_s=prog.tokens / max(seconds, 1e-9),
-               already_done=len(done), torn_bytes_cut=torn,
-               source_report=stats.get("source_report"))
-    return _write_report(rep_file, settings, run, out)
+        if appender is not None:
+            appender.close()
+        seconds = time.perf_counter() - prog.start
+        run = dict(status=status, **(dict(error=error) if error else {}), written_now=prog.records,
+                   generated_tokens_now=prog.tokens, seconds=round(seconds, 3),
+                   records_per_s=prog.records / max(seconds, 1e-9), tokens_per_s=prog.tokens / max(seconds, 1e-9),
+                   already_done=len(done), torn_bytes_cut=torn, **counts, source_report=stats.get("source_report"))
+        report = _write_report(rep_file, settings, run, out, _prune_rejects(rej_file, written))
+    return report
 
 
 def _run_batched(backend: Backend, convs: Iterator[Conversation], done: set[int], batch: int,
@@ -449,8 +584,9 @@ def _answer_missing(backend: Backend, chunk: list[Conversation], done: set[int],
 
 def _run_concurrent(backend: OpenAIBackend, pending: Iterator[Conversation], cfg) -> Iterator[_Work]:
     """Conversations on `concurrency` threads (each one's turns in order), yielded in SOURCE order: at most
-    2 x concurrency conversations are in flight or waiting for an earlier one. On an error the conversations
-    before the failing one are still yielded (written), then the error is raised."""
+    2 x concurrency conversations are in flight or waiting for an earlier one. A record that failed comes out
+    as a work with its `failure`; on a fatal error the conversations before the failing one are still yielded
+    (written), then the error is raised."""
     window = 2 * cfg.concurrency
     with cf.ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="regen") as pool:
         queue: list[cf.Future] = []  # source order
@@ -472,10 +608,11 @@ def _run_concurrent(backend: OpenAIBackend, pending: Iterator[Conversation], cfg
                 f.cancel()
 
 
-def _write_report(path: Path, settings: dict, run: dict, out: Path) -> dict[str, Any]:
-    """The report over the WHOLE output file (earlier invocations included) plus this invocation's figures."""
-    totals = dict(records=0, assistant_turns=0, truncated=0, refused=0, source_tokens=0, answer_tokens=0,
-                  completion_tokens=0)
+def _write_report(path: Path, settings: dict, run: dict, out: Path, rejected: int) -> dict[str, Any]:
+    """The report over the WHOLE output file (earlier invocations included) plus this invocation's figures;
+    `rejected`: the records in the rejects file now."""
+    totals = dict(records=0, assistant_turns=0, truncated=0, refused=0, leading_kept=0, source_tokens=0,
+                  answer_tokens=0, completion_tokens=0, rejected=rejected)
     if out.is_file():
         for line in out.read_bytes().split(b"\n"):
             try:
@@ -487,10 +624,11 @@ def _write_report(path: Path, settings: dict, run: dict, out: Path) -> dict[str,
             totals["assistant_turns"] += len(g["finish"])
             totals["truncated"] += bool(g["truncated"])
             totals["refused"] += bool(g["refused"])
+            totals["leading_kept"] += int(g.get("leading_kept", 0))  # (absent in files of older versions)
             for k in ("source_tokens", "answer_tokens", "completion_tokens"):
                 totals[k] += int(g[k])
     turns = max(totals["assistant_turns"], 1)
-    doc = dict(out=str(out), settings=settings, totals=totals,
+    doc = dict(out=str(out), rejects=str(rejects_path(out)), settings=settings, totals=totals,
                mean_answer_tokens_before=totals["source_tokens"] / turns,
                mean_answer_tokens_after=totals["answer_tokens"] / turns, run=run)
     tmp = path.with_name(path.name + ".tmp")

@@ -236,18 +236,21 @@ def test_answers_are_the_targets_own_exactly_n_tokens_and_cached(built, monkeypa
     stopped build resumes."""
     from dflash_lib import regenerate as rg
     from dflash_lib.data import load_conversations
+    from dflash_lib.regenerate import leading_assistant_turns
 
     cfg, folder, _ = built
     s = dt.DemoAnswerSettings(records=12, new_tokens=5, gen_batch=5, gen_tokens=4096)
     out = dt.ensure_demo_answers(cfg, folder, s, progress=False)
     assert out.parent == folder / "answers"
     recs = [json.loads(x) for x in out.read_text().split("\n") if x]  # (not splitlines: U+2028 may be in a text)
-    assert [r["record"] for r in recs] == list(range(12))
+    opens_with_user = [c.record for c in load_conversations(cfg.data.source, 12) if not leading_assistant_turns(c)]
+    assert [r["record"] for r in recs] == opens_with_user and len(opens_with_user) < 12  # the others skipped
     assert all(r["regen"]["completion_tokens"] == 5 and r["messages"][-1]["role"] == "assistant" for r in recs)
     assert all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in recs)  # first turn only
     report = json.loads(rg.report_path(out).read_text())
     assert report["settings"]["target"] == str(folder) and report["settings"]["min_new_tokens"] == 5
-    assert len(list(load_conversations(str(out)))) == 12  # a source a run reads
+    assert report["run"]["skipped_leading_assistant"] == 12 - len(opens_with_user)
+    assert len(list(load_conversations(str(out)))) == len(opens_with_user)  # a source a run reads
 
     mtime = out.stat().st_mtime_ns
     monkeypatch.setattr(rg, "regenerate", lambda *a, **k: pytest.fail("a complete file was regenerated"))

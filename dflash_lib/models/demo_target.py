@@ -353,7 +353,8 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
 @dataclass(frozen=True)
 class DemoAnswerSettings:
     """The corpus the demo's drafter trains on: the demo target's own greedy answers (DFlash trains on what the
-    target would say, dflash.md; `regenerate`), to the first user turn of the first `records` conversations.
+    target would say, dflash.md; `regenerate`), to the first user turn of the first `records` conversations
+    (those that open with an assistant turn are skipped: that turn would be trained on without being the target's).
 
     Every answer is exactly `new_tokens` long (min_new_tokens = max_new_tokens): left free, the small target ends
     most answers after two or three tokens, which leaves no block for a drafter to draft."""
@@ -378,7 +379,7 @@ def answers_config(cfg: Config, target_dir: str | Path, s: DemoAnswerSettings) -
 
     return from_params(dict(demo_target_params(target_dir), limit=s.records, max_turns=1, max_new_tokens=s.new_tokens,
                             min_new_tokens=s.new_tokens, temperature=0.0, gen_batch=s.gen_batch,
-                            gen_tokens=s.gen_tokens, backend="local"), cfg)
+                            gen_tokens=s.gen_tokens, backend="local", regen_leading_assistant="skip"), cfg)
 
 
 def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswerSettings | None = None,
@@ -390,6 +391,7 @@ def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswe
     s = settings or DemoAnswerSettings()
     rcfg = answers_config(cfg, target_dir, s)
     payload = dict(source=rcfg.data.source, template=rcfg.data.template, thinking=rcfg.data.thinking,
+                   leading_assistant=rcfg.regenerate.regen_leading_assistant,
                    answers={k: v for k, v in asdict(s).items() if k != "heldout_fraction"})
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(target_dir) / "answers" / f"answers-{key}.jsonl"
