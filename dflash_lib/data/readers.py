@@ -32,8 +32,8 @@ ROLE_MAP = {
     "system": "system",
 }
 
-# Skip reasons, counted in LoadReport.skipped (the store adds the last three). One word each, so that the
-# one-line report (`LoadReport.summary_line`) reads unambiguously.
+# Skip reasons, counted in LoadReport.skipped (the store adds the last three). Identifiers without spaces, so
+# that the one-line report (`LoadReport.summary_line`) reads unambiguously.
 INVALID_JSON = "invalid_json"
 BAD_ENCODING = "bad_encoding"  # a JSONL line that is not valid UTF-8
 NOT_AN_OBJECT = "record_not_an_object"
@@ -123,7 +123,7 @@ class LoadReport:
 
     def summary_line(self) -> str:
         """One line for the console, e.g. 'data: 300 records read, 255 kept; skipped: no_assistant_within_max_len
-        42 (record 3, record 17, ...), invalid_json 1 (line 12)'."""
+        42 (record 25, record 27, ...), invalid_json 1 (line 12)': per reason its count and first locations."""
         line = f"data: {self.records_seen:,} records read, {self.records_kept:,} kept"
         parts = []
         for reason, n in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])):

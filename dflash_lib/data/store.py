@@ -143,7 +143,8 @@ def build_token_store(source: str = "sharegpt", tokenizer: str = "qwen", templat
     """Tokenize `source` into a TokenStore under `cache_dir`, or open the cached one with the same settings.
 
     max_len: tokens per sample; longer samples are cut (policy="truncate") or skipped and counted
-    (policy="drop"). limit: records read (0 = all). workers: tokenizer threads.
+    (policy="drop"); a sample left with no assistant token within max_len is dropped and counted too
+    (NO_ASSISTANT_WITHIN_MAX_LEN). limit: records read (0 = all). workers: tokenizer threads.
     """
     DataConfig(source=source, tokenizer=tokenizer, template=template, max_len=max_len, policy=policy,
                limit=limit, cache_dir=str(cache_dir), workers=workers, thinking=thinking)  # validates, ConfigError naming the field
