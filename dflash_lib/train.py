@@ -143,6 +143,8 @@ class Trainer:
         stop; then the drafter and summary.json. Returns the summary."""
         tc, p = self.config.train, self.progress
         log = RunLog(self.config, self.run_dir, self.main, p.total_steps, p.step, self.extra_sinks)
+        if self.data_report() is not None:  # what the token store read, kept and skipped
+            log.say(self.data_report().summary_line())
         if p.resumed_from:
             log.say(f"resuming at step {p.resumed_from} of {p.total_steps} (epoch {p.position[0]}, "
                     f"sampler step {p.position[1]})")
@@ -301,6 +303,12 @@ class Trainer:
         source_index = getattr(self.parts.store, "source_index", None)
         return index if source_index is None else source_index(index)
 
+    def data_report(self) -> Any:
+        """The token store's LoadReport (records read, kept, skipped by reason with examples); None for a
+        store that has none (a stand-in)."""
+        store = self.parts.full_store if self.parts.full_store is not None else self.parts.store
+        return getattr(store, "report", None)
+
     def all_skips(self) -> SkipCounter:
         """The samples skipped by every rank (a collective under torchrun: every rank calls it)."""
         if self.dist.world_size == 1:
@@ -319,7 +327,7 @@ class Trainer:
         last, steady = p.last, m.detector.steady
         tok_s = m.steady_tok_s or (last.get("ktok_s") or 0.0) * 1000.0  # last window's rate without a steady state
         full_eta = eta_seconds(self.full_tokens, tok_s)
-        heldout = self.parts.heldout
+        heldout, data = self.parts.heldout, self.data_report()
         return dict(
             run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.ckpts.resume_hash,
             strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
@@ -332,6 +340,7 @@ class Trainer:
             final_loss=last.get("loss"), mean_loss=p.loss_mean.mean, final_acc=last.get("acc"),
             mean_acc=p.acc_mean.mean, final_eal=last.get("eal"), bad_steps=self.guard.total,
             skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
+            data_records=data.counts() if data is not None else None,
             steady=steady, steady_start_step=m.detector.start_step,
             steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=last.get("ktok_s"),
             data_wait_pct=last.get("data_wait_pct_total"), steady_data_wait_pct=m.steady_data_wait_pct,
@@ -376,7 +385,9 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     summary.json (steps, complete / stop_reason / resumed_from_step, tokens, padding efficiency, losses,
     accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
     full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes, final_tau_inbatch,
-    heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures).
+    heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures;
+    data_records: the token store's records read, kept and skipped by reason with their first locations, as
+    printed in one line at the start).
     """
     return Trainer(config, parts, run_dir, clock, setup_s, resume, stop, sinks).run()
 

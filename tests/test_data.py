@@ -242,6 +242,40 @@ def test_every_skip_reason_is_counted(tmp_path):
     assert stream.report.records_seen == len(SKIP_CASES) + 1
 
 
+def test_skips_name_their_line_the_role_seen_and_bad_encoding(tmp_path):
+    """JSONL skips keep their 1-based line (blank lines count), an unknown role is named, and a line that is not
+    UTF-8 is bad_encoding, not invalid_json; the one-line report says all of it."""
+    tool = {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]}
+    lines = [json.dumps(CONV_B).encode(), b"", b"{not json", json.dumps(tool).encode(),
+             b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', json.dumps(CONV_A).encode()]
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    stream = load_conversations(str(path))
+    assert [(c.id, c.record, c.line, c.where) for c in stream] == [("b", 0, 1, "line 1"), ("a", 4, 6, "line 6")]
+    rep = stream.report
+    assert rep.skipped == {readers.INVALID_JSON: 1, readers.UNKNOWN_ROLE: 1, readers.BAD_ENCODING: 1}
+    assert rep.examples == {readers.INVALID_JSON: ["line 3"], readers.UNKNOWN_ROLE: ["role 'tool' at line 4"],
+                            readers.BAD_ENCODING: ["line 5"]}
+    assert rep.summary_line() == ("data: 5 records read, 2 kept; skipped: bad_encoding 1 (line 5), invalid_json 1 "
+                                  "(line 3), unknown_role 1 (role 'tool' at line 4)")
+    assert rep.counts()["skipped"] == rep.skipped and rep.counts()["examples"] == rep.examples
+
+
+def test_skips_in_a_json_array_name_the_record_and_keep_the_first_few(tmp_path):
+    records = [CONV_B] + [{"conversations": []}] * (readers.SKIP_EXAMPLES + 2) + [{"messages": [{"role": 7}]}]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(records))
+    stream = load_conversations(str(path))
+    assert len(list(stream)) == 1
+    rep = stream.report
+    assert rep.examples[readers.EMPTY_CONVERSATION] == [f"record {i}" for i in range(1, readers.SKIP_EXAMPLES + 1)]
+    assert rep.skipped == {readers.EMPTY_CONVERSATION: readers.SKIP_EXAMPLES + 2, readers.MISSING_CONTENT: 1}
+    assert rep.summary_line() == ("data: 9 records read, 1 kept; skipped: empty_conversation 7 (record 1, record 2, "
+                                  "record 3, record 4, record 5, ...), missing_content 1 (record 8)")
+    assert LoadReport(source="x", records_seen=2, records_kept=2).summary_line() == (
+        "data: 2 records read, 2 kept; nothing skipped")
+
+
 def test_zero_usable_records_names_the_source(tmp_path):
     path = write_jsonl(tmp_path / "allbad.jsonl", [{"conversations": []}, "nope"])
     with pytest.raises(DataError, match="allbad.jsonl.*no usable conversation"):
@@ -442,10 +476,54 @@ def test_truncate_and_drop_policies_are_counted(tmp_path, corpus):
     np.testing.assert_array_equal(cut[longest][0], full[longest][0][:max_len])
     drop = build_token_store(str(corpus), max_len=max_len, policy="drop", cache_dir=cache, progress=False)
     assert len(drop) == 2 and drop.report.skipped[readers.OVER_MAX_LEN] == 1
+    assert drop.report.examples[readers.OVER_MAX_LEN] == [f"line {longest + 1}"]
     rep = drop.report
     assert rep.records_seen == rep.records_kept + sum(rep.skipped.values())
     with pytest.raises(DataError, match="no sample left.*max_len=2"):
         build_token_store(str(corpus), max_len=2, policy="drop", cache_dir=cache, progress=False)
+
+
+def test_samples_with_no_assistant_token_within_max_len_are_dropped_at_build(tmp_path, monkeypatch):
+    """A long question cut before its answer leaves nothing to learn: the store drops the sample once, counts and
+    locates it (kept in a cached store too), and the before-truncation figures still count it."""
+    long_question = {"id": "long", "messages": [{"role": "user", "content": "why " * 60},
+                                                {"role": "assistant", "content": "because"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [CONV_B, long_question, CONV_C])
+    cache = tmp_path / "cache"
+    full = build_token_store(str(path), max_len=4096, cache_dir=cache, progress=False)
+    max_len = int(full.lengths[1]) - 10  # cuts the long question's answer (a few tokens), keeps CONV_C's start
+    assert full.lengths[2] > max_len and full.lengths_frame()["assistant_tokens"][1] < 10
+    store = build_token_store(str(path), max_len=max_len, cache_dir=cache, progress=False)
+    assert len(store) == 2 and store.lengths_frame()["id"].tolist() == ["b", "c"]
+    assert all(store[i][1].any() for i in range(len(store)))  # every stored sample trains on something
+    np.testing.assert_array_equal(store[1][0], full[2][0][:max_len])  # the tokens of the dropped one are gone
+    rep = store.report
+    assert rep.skipped == {readers.NO_ASSISTANT_WITHIN_MAX_LEN: 1} and rep.records_kept == 2
+    assert rep.examples == {readers.NO_ASSISTANT_WITHIN_MAX_LEN: ["line 2"]} and rep.truncated_max_len == 1
+    assert rep.total_tokens == store.num_tokens == int(full.lengths[0]) + max_len
+    assert store.dropped_frame().to_dict("list") == {"record": [1], "id": ["long"], "raw_length": [full.lengths[1]]}
+    np.testing.assert_array_equal(store.raw_lengths(), full.lengths[[0, 2, 1]])
+    s = summarize_store(store)  # before truncation: all three samples; after: the two the store holds
+    assert (s.samples, s.dropped, s.above_max_len, s.share_above_max_len) == (2, 1, 2, pytest.approx(2 / 3))
+    assert s.raw_tokens == int(full.lengths.sum()) and s.total_tokens == store.num_tokens
+
+    monkeypatch.setattr(store_mod, "load_tokenizer", lambda spec: pytest.fail("a cache hit loads no tokenizer"))
+    cached = build_token_store(str(path), max_len=max_len, cache_dir=cache, progress=False)
+    assert cached.path == store.path and cached.report.summary_line() == rep.summary_line()
+    assert "no_assistant_within_max_len 1 (line 2)" in rep.summary_line()
+
+
+def test_store_format_is_part_of_the_key_and_an_old_store_is_refused(tmp_path, corpus, monkeypatch):
+    store = build_token_store(str(corpus), max_len=4096, cache_dir=tmp_path, progress=False)
+    meta = json.loads((store.path / "meta.json").read_text())
+    assert meta["format"] == store_mod.STORE_FORMAT_VERSION
+    (store.path / "meta.json").write_text(json.dumps(dict(meta, format=store_mod.STORE_FORMAT_VERSION - 1)))
+    with pytest.raises(DataError, match="store format .* rebuild it"):
+        TokenStore.open(store.path)
+    settings = store_mod.StoreSettings(str(corpus), "qwen", "chatml", 4096, "truncate", 0)
+    key = settings.key()
+    monkeypatch.setattr(store_mod, "STORE_FORMAT_VERSION", store_mod.STORE_FORMAT_VERSION - 1)
+    assert settings.key() != key  # a store of the older format lives under another key: never opened as this one
 
 
 def test_failed_build_leaves_no_store(tmp_path, corpus, monkeypatch):
@@ -499,6 +577,7 @@ def test_template_errors_are_skipped_and_counted(tmp_path, corpus, hf_dir):
                               cache_dir=tmp_path / "cache", progress=False)
     assert store.lengths_frame()["id"].tolist() == ["b", "c"]  # CONV_A has a system prompt
     assert store.report.skipped == {readers.TEMPLATE_ERROR: 1, readers.EMPTY_CONVERSATION: 1}
+    assert store.report.examples == {readers.TEMPLATE_ERROR: ["line 1"], readers.EMPTY_CONVERSATION: ["line 4"]}
     assert store.report.records_kept == 2 and store.report.records_seen == 4
 
 
@@ -511,7 +590,10 @@ def test_summarize_lengths_numbers():
     assert (s.samples, s.total_tokens, s.raw_tokens, s.assistant_tokens) == (4, 100, 150, 40)
     assert s.assistant_share == pytest.approx(0.4) and s.mean == 25.0 and (s.min, s.max) == (10, 40)
     assert s.percentiles["p50"] == 25.0 and s.raw_percentiles["p99"] == pytest.approx(88.2)
-    assert s.above_max_len == 1 and s.share_above_max_len == 0.25
+    assert s.above_max_len == 1 and s.share_above_max_len == 0.25 and s.dropped == 0
+    d = summarize_lengths(np.array([10, 40]), np.array([10, 90]), np.array([5, 20]), 40, np.array([50, 30]))
+    assert (d.samples, d.dropped, d.total_tokens, d.raw_tokens, d.assistant_tokens) == (2, 2, 50, 180, 25)
+    assert d.above_max_len == 2 and d.share_above_max_len == 0.5 and d.mean == 25.0
     with pytest.raises(ValueError, match="equal, non-empty"):
         summarize_lengths(np.array([1]), np.array([1, 2]), np.array([1]), 4)
 

@@ -92,15 +92,19 @@ def read(path: Path) -> tuple[int | DataError, readers.LoadReport]:
 
 
 def _check_jsonl(data: bytes, out: int | DataError, report: readers.LoadReport) -> None:
-    """Every non-blank line is one record, and each that json cannot parse is an INVALID_JSON skip."""
+    """Every non-blank line is one record; each that json cannot decode is a BAD_ENCODING skip, each it cannot
+    parse an INVALID_JSON skip."""
     lines = [line for line in data.split(b"\n") if line.strip()]
-    invalid = 0
+    invalid = bad_encoding = 0
     for line in lines:
         try:
             json.loads(line)
+        except UnicodeDecodeError:
+            bad_encoding += 1
         except (ValueError, RecursionError):
             invalid += 1
     assert report.records_seen == len(lines) and report.skipped.get(readers.INVALID_JSON, 0) == invalid
+    assert report.skipped.get(readers.BAD_ENCODING, 0) == bad_encoding
     if isinstance(out, DataError):
         assert f"no usable conversation among {len(lines)} records" in str(out)
 

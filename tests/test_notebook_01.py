@@ -45,7 +45,10 @@ def test_notebook_runs_on_a_small_limit(tmp_path):
     lengths = pd.read_parquet(out_dir / "lengths.parquet")
     assert len(lengths) == summary["samples"] and lengths["length"].max() <= 1024
     assert lengths["length"].sum() == summary["total_tokens"]
-    assert summary["above_max_len"] == int((lengths["raw_length"] > 1024).sum()) == report["truncated_max_len"]
+    assert int((lengths["raw_length"] > 1024).sum()) == report["truncated_max_len"]  # the store's samples
+    dropped = report["skipped"].get("no_assistant_within_max_len", 0)  # left out of the store, not of the figures
+    assert summary["dropped"] == dropped and summary["above_max_len"] == report["truncated_max_len"] + dropped
+    assert summary["share_above_max_len"] == pytest.approx(summary["above_max_len"] / (len(lengths) + dropped))
     assert 0.3 < summary["assistant_share"] < 1.0
     assert summary["percentiles"]["p50"] <= summary["percentiles"]["p99"] <= 1024
     for name in ("length_histogram.html", "length_tail.html"):

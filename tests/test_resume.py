@@ -108,15 +108,16 @@ def test_async_checkpoints_resume_like_synchronous_ones(tmp_path, reference):
 
 
 def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
-    """40 samples: 12 sampler steps per epoch; 1.5 epochs = 18 steps; stop exactly at the end of epoch 0."""
+    """1.5 epochs of the first 40 records; stop exactly at the end of epoch 0."""
     params = dict(limit=40, steps=0, epochs=1.5, ckpt_every=0)
     ref = train(config(**params), tmp_path / "ref")
-    assert ref["steps"] == 18 and ref["last_epoch"] == 1
-    stopped = train(config(**params, stop_at_step=12), tmp_path / "run")
+    per_epoch = sum(r["epoch"] == 0 for r in rows(tmp_path / "ref"))  # sampler steps of one epoch
+    assert ref["steps"] == ref["planned_steps"] == math.ceil(1.5 * per_epoch) and ref["last_epoch"] == 1
+    stopped = train(config(**params, stop_at_step=per_epoch), tmp_path / "run")
     assert stopped["last_epoch"] == 0 and [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
-        "ckpt-00000012"]
+        f"ckpt-{per_epoch:08d}"]
     resumed = train(config(**params), tmp_path / "run")
-    assert resumed["steps"] == 18 and resumed["complete"]
+    assert resumed["steps"] == ref["steps"] and resumed["complete"]
     assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 

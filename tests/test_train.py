@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dflash_lib.batch import collate_padded
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
+from dflash_lib.data import LoadReport
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.pipeline import PipelineError
 from dflash_lib.feed import Item, bucket_of, epoch_batches
@@ -264,6 +265,26 @@ def test_loop_by_epochs_ends_with_the_data(tmp_path, data):
     assert summary["last_epoch"] == 1
 
 
+class ReportedStore(list):
+    """A stand-in store with a token store's LoadReport."""
+
+    report = LoadReport(source="c.jsonl", records_seen=40, records_kept=32, complete=True,
+                        skipped={"no_assistant_within_max_len": 6, "invalid_json": 2},
+                        examples={"no_assistant_within_max_len": ["line 3", "line 9"], "invalid_json": ["line 12"]})
+
+
+def test_loop_says_what_the_data_skipped_first_and_keeps_it_in_the_summary(tmp_path, data, capsys):
+    store, lengths = data
+    summary, _, _ = run_loop(tmp_path, (ReportedStore(store), lengths))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("data: 40 records read, 32 kept; skipped: no_assistant_within_max_len 6 (line 3, line 9, "
+                        "...), invalid_json 2 (line 12, ...)")
+    assert summary["data_records"] == ReportedStore.report.counts()
+    assert json.loads((tmp_path / "summary.json").read_text())["data_records"]["skipped"] == {
+        "no_assistant_within_max_len": 6, "invalid_json": 2}
+    assert run_loop(tmp_path / "plain", data)[0]["data_records"] is None  # a store without a report
+
+
 class BrokenStore(list):
     """A store whose sample 5 cannot be read (as a truncated memmap would fail)."""
 
@@ -283,6 +304,8 @@ def test_unreadable_sample_surfaces_as_a_named_stage_error(tmp_path, data):
 
 
 def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
+    from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.data.readers import NO_ASSISTANT_WITHIN_MAX_LEN
     from dflash_lib.train import train
 
     run_dir = tmp_path / "run"
@@ -296,6 +319,9 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
     assert 0 < summary["padding_efficiency"] <= 1 and math.isfinite(summary["final_loss"])
     assert json.loads((run_dir / "config.json").read_text())["config_hash"] == summary["config_hash"]
     assert not (run_dir / "wandb").exists()  # WANDB_MODE=disabled in tests
+    assert "no_assistant_token" not in summary["skipped_samples"]  # dropped by the store, not skipped each epoch
+    report = build_token_store_from_config(preset("smoke").data, progress=False).report
+    assert summary["data_records"] == report.counts() and report.skipped[NO_ASSISTANT_WITHIN_MAX_LEN] > 0
 
 
 @pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])

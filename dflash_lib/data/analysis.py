@@ -17,31 +17,39 @@ PERCENTILES = (50, 90, 95, 99)  # reported length percentiles (tokens)
 class LengthSummary:
     samples: int  # samples in the store
     total_tokens: int  # tokens in the store (after the max_len policy)
-    raw_tokens: int  # tokens before truncation
+    raw_tokens: int  # tokens before truncation (of the samples in the store and the `dropped` ones)
     assistant_tokens: int  # trained tokens (loss_mask = 1)
     assistant_share: float  # assistant_tokens / total_tokens
     mean: float  # tokens per sample (after policy)
     min: int  # tokens
     max: int  # tokens
     percentiles: dict[str, float]  # "p50" ... -> tokens (after policy)
-    raw_percentiles: dict[str, float]  # same, before truncation
+    raw_percentiles: dict[str, float]  # same, before truncation (with the `dropped` ones)
     max_len: int  # the policy's limit (tokens)
-    above_max_len: int  # samples whose raw length exceeds max_len
-    share_above_max_len: float  # above_max_len / samples
+    above_max_len: int  # samples whose raw length exceeds max_len (with the `dropped` ones)
+    share_above_max_len: float  # above_max_len / (samples + dropped)
+    dropped: int = 0  # samples tokenized but left out of the store: no assistant token within max_len
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def summarize_lengths(length: np.ndarray, raw_length: np.ndarray, assistant_tokens: np.ndarray,
-                      max_len: int) -> LengthSummary:
-    """Statistics of per-sample token counts; all arrays (N,) ints, N >= 1. Share above max_len uses raw_length."""
+                      max_len: int, dropped_raw_length: np.ndarray | None = None) -> LengthSummary:
+    """Statistics of per-sample token counts; all arrays (N,) ints, N >= 1. Share above max_len uses raw_length.
+
+    dropped_raw_length: (M,) raw lengths of samples the store left out (no assistant token within max_len);
+    they count in the before-truncation figures only (raw_tokens, raw_percentiles, above and share above max_len),
+    which describe the corpus, while the others describe what training sees.
+    """
     length, raw = np.asarray(length, np.int64), np.asarray(raw_length, np.int64)
     assistant = np.asarray(assistant_tokens, np.int64)
     if not len(length) or not len(length) == len(raw) == len(assistant):
         raise ValueError(f"summarize_lengths needs equal, non-empty arrays; got lengths {len(length)}, "
                          f"raw_length {len(raw)}, assistant_tokens {len(assistant)}")
+    dropped = np.zeros(0, np.int64) if dropped_raw_length is None else np.asarray(dropped_raw_length, np.int64)
     total = int(length.sum())
+    raw = np.concatenate([raw, dropped])  # (N + M,)
     above = int(np.sum(raw > max_len))
     return LengthSummary(
         samples=len(length), total_tokens=total, raw_tokens=int(raw.sum()), assistant_tokens=int(assistant.sum()),
@@ -49,15 +57,16 @@ def summarize_lengths(length: np.ndarray, raw_length: np.ndarray, assistant_toke
         min=int(length.min()), max=int(length.max()),
         percentiles={f"p{q}": float(v) for q, v in zip(PERCENTILES, np.percentile(length, PERCENTILES))},
         raw_percentiles={f"p{q}": float(v) for q, v in zip(PERCENTILES, np.percentile(raw, PERCENTILES))},
-        max_len=max_len, above_max_len=above, share_above_max_len=above / len(length),
+        max_len=max_len, above_max_len=above, share_above_max_len=above / len(raw), dropped=len(dropped),
     )
 
 
 def summarize_store(store) -> LengthSummary:
-    """summarize_lengths over a TokenStore's lengths table, with the store's own max_len."""
+    """summarize_lengths over a TokenStore's lengths table (and its dropped samples), with its own max_len."""
     frame = store.lengths_frame()
     return summarize_lengths(frame["length"].to_numpy(), frame["raw_length"].to_numpy(),
-                             frame["assistant_tokens"].to_numpy(), store.meta["settings"]["max_len"])
+                             frame["assistant_tokens"].to_numpy(), store.meta["settings"]["max_len"],
+                             store.dropped_frame()["raw_length"].to_numpy())
 
 
 def valid_anchor_counts(loss_mask: np.ndarray, offsets: np.ndarray, max_len: int | None = None,

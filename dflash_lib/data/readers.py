@@ -32,28 +32,38 @@ ROLE_MAP = {
     "system": "system",
 }
 
-# Skip reasons, counted in LoadReport.skipped (the store adds TEMPLATE_ERROR and OVER_MAX_LEN).
-INVALID_JSON = "invalid json"
-NOT_AN_OBJECT = "record not an object"
-MISSING_CONVERSATION = "missing conversations/messages"
-NOT_A_LIST = "conversations not a list"
-EMPTY_CONVERSATION = "empty conversation"
-TURN_NOT_AN_OBJECT = "turn not an object"
-MISSING_ROLE = "missing role"
-MISSING_CONTENT = "missing content"
-UNKNOWN_ROLE = "unknown role"
-NON_STRING_CONTENT = "non-string content"
-NO_ASSISTANT_TURN = "no assistant turn"
-TEMPLATE_ERROR = "template error"
-OVER_MAX_LEN = "longer than max_len (policy=drop)"
+# Skip reasons, counted in LoadReport.skipped (the store adds the last three). Identifiers without spaces, so
+# that the one-line report (`LoadReport.summary_line`) reads unambiguously.
+INVALID_JSON = "invalid_json"
+BAD_ENCODING = "bad_encoding"  # a JSONL line that is not valid UTF-8
+NOT_AN_OBJECT = "record_not_an_object"
+MISSING_CONVERSATION = "missing_conversations"  # neither "conversations" nor "messages"
+NOT_A_LIST = "conversations_not_a_list"
+EMPTY_CONVERSATION = "empty_conversation"
+TURN_NOT_AN_OBJECT = "turn_not_an_object"
+MISSING_ROLE = "missing_role"
+MISSING_CONTENT = "missing_content"
+UNKNOWN_ROLE = "unknown_role"  # its examples name the role seen
+NON_STRING_CONTENT = "non_string_content"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+TEMPLATE_ERROR = "template_error"
+OVER_MAX_LEN = "longer_than_max_len"  # policy "drop"
+NO_ASSISTANT_WITHIN_MAX_LEN = "no_assistant_within_max_len"  # no trained token in the first max_len: nothing to learn
 SKIP_REASONS = (
-    INVALID_JSON, NOT_AN_OBJECT, MISSING_CONVERSATION, NOT_A_LIST, EMPTY_CONVERSATION, TURN_NOT_AN_OBJECT,
-    MISSING_ROLE, MISSING_CONTENT, UNKNOWN_ROLE, NON_STRING_CONTENT, NO_ASSISTANT_TURN, TEMPLATE_ERROR, OVER_MAX_LEN,
+    INVALID_JSON, BAD_ENCODING, NOT_AN_OBJECT, MISSING_CONVERSATION, NOT_A_LIST, EMPTY_CONVERSATION,
+    TURN_NOT_AN_OBJECT, MISSING_ROLE, MISSING_CONTENT, UNKNOWN_ROLE, NON_STRING_CONTENT, NO_ASSISTANT_TURN,
+    TEMPLATE_ERROR, OVER_MAX_LEN, NO_ASSISTANT_WITHIN_MAX_LEN,
 )
+SKIP_EXAMPLES = 5  # locations kept per skip reason (the first ones met)
 
 
 class DataError(ValueError):
     """A corpus, tokenizer or store cannot be used; the message names the file, record or parameter."""
+
+
+def location(record: int, line: int = 0) -> str:
+    """Where a record is, for a person: "line N" (1-based) in a JSONL file, else "record N" (0-based index)."""
+    return f"line {line}" if line else f"record {record}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,19 @@ class Conversation:
     record: int  # 0-based index of the record in its source
     id: str  # the record's own "id" field ("" when it has none)
     turns: tuple[tuple[str, str], ...]  # (role, content); role is "system", "user" or "assistant"
+    line: int = 0  # 1-based line of a JSONL file (0: the source has no lines)
+
+    @property
+    def where(self) -> str:
+        return location(self.record, self.line)
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """Why a raw record is not a conversation: a SKIP_REASONS string and, for some, what was seen."""
+
+    reason: str
+    detail: str = ""  # e.g. "role 'tool'" for UNKNOWN_ROLE
 
 
 @dataclass
@@ -74,6 +97,7 @@ class LoadReport:
     records_seen: int = 0  # records read from the source (up to `limit`)
     records_kept: int = 0  # conversations kept (after the store's policy: samples in the store)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> records skipped
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> the first SKIP_EXAMPLES, "line 12"
     trailing_bytes: int = 0  # bytes at the end of a truncated JSON array that could not be parsed
     complete: bool = False  # the whole source was read (False when `limit` stopped the reader early)
     truncated_max_len: int = 0  # samples cut to max_len (policy=truncate)
@@ -81,8 +105,41 @@ class LoadReport:
     total_tokens: int = 0  # tokens in the store
     assistant_tokens: int = 0  # tokens in the store with loss_mask = 1
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, where: str = "") -> None:
+        """Count one record skipped for `reason`; `where` ("line 7", "role 'tool' at line 7") is kept as an
+        example while the reason has fewer than SKIP_EXAMPLES."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        examples = self.examples.setdefault(reason, [])
+        if where and len(examples) < SKIP_EXAMPLES:
+            examples.append(where)
+
+    def absorb(self, later: "LoadReport") -> None:
+        """Add the skips of `later`, records this report counted as kept and a later stage skipped."""
+        for reason, n in later.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+            self.records_kept -= n
+            examples = self.examples.setdefault(reason, [])
+            examples.extend(later.examples.get(reason, [])[:SKIP_EXAMPLES - len(examples)])
+
+    def summary_line(self) -> str:
+        """One line for the console, e.g. 'data: 300 records read, 255 kept; skipped: no_assistant_within_max_len
+        42 (record 25, record 27, ...), invalid_json 1 (line 12)': per reason its count and first locations."""
+        line = f"data: {self.records_seen:,} records read, {self.records_kept:,} kept"
+        parts = []
+        for reason, n in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])):
+            examples = self.examples.get(reason, [])
+            more = ", ..." if n > len(examples) else ""
+            parts.append(f"{reason} {n:,}" + (f" ({', '.join(examples)}{more})" if examples else ""))
+        line += ("; skipped: " + ", ".join(parts)) if parts else "; nothing skipped"
+        if self.trailing_bytes:
+            line += f"; {self.trailing_bytes:,} bytes at the end of the file not parsed (cut off mid-record)"
+        return line
+
+    def counts(self) -> dict[str, Any]:
+        """What `summary_line` says, as a plain dict (a run's summary.json keeps it)."""
+        return dict(source=self.source, records_read=self.records_seen, records_kept=self.records_kept,
+                    skipped=dict(self.skipped), examples={k: list(v) for k, v in self.examples.items()},
+                    trailing_bytes=self.trailing_bytes, complete=self.complete)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,44 +185,47 @@ def _first_present(obj: dict, *keys: str) -> Any:
     return None
 
 
-def normalize_record(raw: Any, index: int) -> Conversation | str:
-    """A raw record -> Conversation, or the skip reason (a SKIP_REASONS string) when it is malformed.
+def normalize_record(raw: Any, index: int, line: int = 0) -> Conversation | Skip:
+    """A raw record -> Conversation, or a Skip (reason, detail) when it is malformed.
 
     Accepts ShareGPT turns ({"from", "value"}) and OpenAI turns ({"role", "content"}) under either the
-    "conversations" or the "messages" key. System prompts are kept as turns.
+    "conversations" or the "messages" key. System prompts are kept as turns. `index`: the record's 0-based
+    index; `line`: its 1-based JSONL line (0 = none).
     """
     if not isinstance(raw, dict):
-        return NOT_AN_OBJECT
+        return Skip(NOT_AN_OBJECT)
     turns_raw = _first_present(raw, "conversations", "messages")
     if turns_raw is None:
-        return MISSING_CONVERSATION
+        return Skip(MISSING_CONVERSATION)
     if not isinstance(turns_raw, list):
-        return NOT_A_LIST
+        return Skip(NOT_A_LIST)
     if not turns_raw:
-        return EMPTY_CONVERSATION
+        return Skip(EMPTY_CONVERSATION)
     turns = []
     for turn in turns_raw:
         if not isinstance(turn, dict):
-            return TURN_NOT_AN_OBJECT
+            return Skip(TURN_NOT_AN_OBJECT)
         speaker = _first_present(turn, "from", "role")  # ShareGPT or OpenAI turn
         if speaker is None:
-            return MISSING_ROLE
+            return Skip(MISSING_ROLE)
         content = _first_present(turn, "value", "content")
         if content is None:
-            return MISSING_CONTENT
+            return Skip(MISSING_CONTENT)
         role = ROLE_MAP.get(speaker.lower()) if isinstance(speaker, str) else None
         if role is None:
-            return UNKNOWN_ROLE
+            seen = repr(speaker)
+            return Skip(UNKNOWN_ROLE, f"role {seen if len(seen) <= 40 else seen[:37] + '...'}")
         if not isinstance(content, str):
-            return NON_STRING_CONTENT
+            return Skip(NON_STRING_CONTENT)
         turns.append((role, content))
     if not any(role == "assistant" for role, _ in turns):
-        return NO_ASSISTANT_TURN
+        return Skip(NO_ASSISTANT_TURN)
     rid = raw.get("id", "")
-    return Conversation(record=index, id=rid if isinstance(rid, str) else str(rid), turns=tuple(turns))
+    return Conversation(record=index, id=rid if isinstance(rid, str) else str(rid), turns=tuple(turns), line=line)
 
 
 _INVALID = object()  # a JSONL line that is not JSON
+_BAD_ENCODING = object()  # a JSONL line that is not valid UTF-8 (nor another encoding json detects)
 
 
 class ConversationStream:
@@ -186,17 +246,22 @@ class ConversationStream:
         self.report = report = LoadReport(source=self.report.source)
         path = self.resolved.path
         suffix = path.suffix.lower()
-        raw_records = (_iter_json_array(path, report) if suffix == ".json"
-                       else _iter_jsonl(path) if suffix == ".jsonl" else _iter_parquet(path))
+        if suffix == ".jsonl":
+            numbered = _iter_jsonl(path)
+        else:  # no lines to name: records are named by their index
+            numbered = ((0, raw) for raw in (_iter_json_array(path, report) if suffix == ".json"
+                                             else _iter_parquet(path)))
         stopped_early = False
-        for index, raw in enumerate(raw_records):
+        for index, (line, raw) in enumerate(numbered):
             if self.limit and index >= self.limit:
                 stopped_early = True
                 break
             report.records_seen += 1
-            conv = INVALID_JSON if raw is _INVALID else normalize_record(raw, index)
-            if isinstance(conv, str):
-                report.skip(conv)
+            conv = (Skip(INVALID_JSON) if raw is _INVALID else Skip(BAD_ENCODING) if raw is _BAD_ENCODING
+                    else normalize_record(raw, index, line))
+            if isinstance(conv, Skip):
+                where = location(index, line)
+                report.skip(conv.reason, f"{conv.detail} at {where}" if conv.detail else where)
                 continue
             report.records_kept += 1
             yield conv
@@ -218,7 +283,7 @@ def load_conversations(source: str = BUNDLED_SOURCE, limit: int = 0) -> Conversa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Format readers: yield raw Python objects (or _INVALID) in file order.
+# Format readers: yield raw Python objects (JSONL: (line, object or _INVALID / _BAD_ENCODING)) in file order.
 
 _SEPARATORS = re.compile(r"[\s,]*")
 
@@ -285,16 +350,19 @@ def _iter_json_array(path: Path, report: LoadReport) -> Iterator[Any]:
             refill(len(buf) - pos)  # grow geometrically so a large record costs O(size), not O(size^2)
 
 
-def _iter_jsonl(path: Path) -> Iterator[Any]:
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, record) for every non-blank line."""
     with open(path, "rb") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):  # bad JSON or UTF-8, nesting too deep, a huge integer
+                record = json.loads(line)  # bytes: json detects UTF-8 (with or without BOM), UTF-16, UTF-32
+            except UnicodeDecodeError:  # (a ValueError: caught first)
+                record = _BAD_ENCODING
+            except (ValueError, RecursionError):  # bad JSON, nesting too deep, a huge integer
                 record = _INVALID
-            yield record
+            yield number, record
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:

@@ -5,7 +5,10 @@ Layout of one store directory (`<cache_dir>/<key>/`):
     loss_mask.bin    (T,) uint8, 1 = assistant token (content and its end-of-turn token)
     offsets.npy      (N+1,) int64, sample i is tokens[offsets[i]:offsets[i+1]]
     lengths.parquet  one row per sample: record, id, length, raw_length, assistant_tokens, turns
-    report.json      the LoadReport (records seen/kept, skips by reason, truncated bytes, policy counts)
+    dropped.parquet  one row per sample tokenized but left out for no assistant token within max_len: record, id,
+                     raw_length (so the length statistics before truncation still cover it)
+    report.json      the LoadReport (records seen/kept, skips by reason with their first locations, truncated
+                     bytes, policy counts)
     meta.json        settings, tokenizer facts and the key; written last
 The directory is built under a temporary name and renamed when complete, so a crash never leaves a partial
 store that looks complete.
@@ -29,16 +32,18 @@ from typing import Any
 import numpy as np
 
 from dflash_lib.config import ConfigError, DataConfig
-from dflash_lib.data.readers import (OVER_MAX_LEN, TEMPLATE_ERROR, Conversation, DataError, LoadReport,
-                                     load_conversations, resolve_source)
+from dflash_lib.data.readers import (NO_ASSISTANT_WITHIN_MAX_LEN, OVER_MAX_LEN, TEMPLATE_ERROR, Conversation,
+                                     DataError, LoadReport, load_conversations, resolve_source)
 from dflash_lib.data.templates import TemplateError, check_template_name, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, EncodedBatch, load_tokenizer, tokenizer_identity
 from dflash_lib.runs import writable
 
-STORE_FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenization semantics change
+STORE_FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenization semantics change (2: samples with
+# no assistant token within max_len dropped, dropped.parquet, skip examples in report.json)
 CHUNK_CHARS = 1 << 19  # characters of content per tokenizer job (one tiktoken call; bounds transient memory)
 TOKENS_FILE, MASK_FILE, OFFSETS_FILE = "tokens.bin", "loss_mask.bin", "offsets.npy"
 LENGTHS_FILE, REPORT_FILE, META_FILE = "lengths.parquet", "report.json", "meta.json"
+DROPPED_FILE = "dropped.parquet"
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,19 @@ class TokenStore:
 
         return pd.read_parquet(self.path / LENGTHS_FILE)
 
+    def dropped_frame(self):
+        """pandas DataFrame of dropped.parquet: record, id, raw_length of the samples left out of the store for
+        having no assistant token within max_len (skip reason NO_ASSISTANT_WITHIN_MAX_LEN)."""
+        import pandas as pd
+
+        return pd.read_parquet(self.path / DROPPED_FILE)
+
+    def raw_lengths(self) -> np.ndarray:
+        """(N + dropped,) int64 tokens before truncation of every sample tokenized: the store's, then those of
+        `dropped_frame` (what the corpus looks like before max_len, not what training sees)."""
+        frames = (self.lengths_frame(), self.dropped_frame())
+        return np.concatenate([f["raw_length"].to_numpy(np.int64) for f in frames])
+
     @property
     def num_tokens(self) -> int:
         return int(self._offsets[-1])
@@ -126,7 +144,8 @@ def build_token_store(source: str = "sharegpt", tokenizer: str = "qwen", templat
     """Tokenize `source` into a TokenStore under `cache_dir`, or open the cached one with the same settings.
 
     max_len: tokens per sample; longer samples are cut (policy="truncate") or skipped and counted
-    (policy="drop"). limit: records read (0 = all). workers: tokenizer threads.
+    (policy="drop"); a sample left with no assistant token within max_len is dropped and counted too
+    (NO_ASSISTANT_WITHIN_MAX_LEN). limit: records read (0 = all). workers: tokenizer threads.
     """
     DataConfig(source=source, tokenizer=tokenizer, template=template, max_len=max_len, policy=policy,
                limit=limit, cache_dir=str(cache_dir), workers=workers, thinking=thinking)  # validates, ConfigError naming the field
@@ -172,7 +191,11 @@ class _SampleTable:
     assistant_tokens: list[np.ndarray] = field(default_factory=list)
     turns: list[np.ndarray] = field(default_factory=list)
 
-    def write(self, path: Path) -> None:
+    dropped_record: list[int] = field(default_factory=list)  # samples dropped: no assistant token within max_len
+    dropped_id: list[str] = field(default_factory=list)
+    dropped_raw_length: list[int] = field(default_factory=list)
+
+    def write(self, path: Path, dropped_path: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -182,6 +205,9 @@ class _SampleTable:
                               raw_length=cols["raw_length"], assistant_tokens=cols["assistant_tokens"],
                               turns=cols["turns"]))
         pq.write_table(table, path)
+        pq.write_table(pa.table(dict(record=pa.array(self.dropped_record, pa.int64()),
+                                     id=pa.array(self.dropped_id, pa.string()),
+                                     raw_length=pa.array(self.dropped_raw_length, pa.int64()))), dropped_path)
 
 
 def _progress_bar(**kwargs):
@@ -199,7 +225,8 @@ def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress:
     template = get_template(settings.template, tok, settings.thinking)
     stream = load_conversations(settings.source, settings.limit)
     table = _SampleTable()
-    report_extra = dict(truncated=0, raw=0, stored=0, template_errors=0, dropped=0)
+    report_extra = dict(truncated=0, raw=0, stored=0)
+    store_skips = LoadReport(source=settings.source)  # records the reader kept and the store leaves out
     bar = _progress_bar(total=settings.limit or None, unit="record", desc=f"tokenizing {settings.source}",
                disable=not progress)
     pending: deque[tuple[Future, list[Conversation]]] = deque()
@@ -210,7 +237,7 @@ def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress:
         def drain(until: int) -> None:
             while len(pending) > until:
                 future, convs = pending.popleft()
-                _write_chunk(future.result(), convs, settings, f_tok, f_mask, table, report_extra)
+                _write_chunk(future.result(), convs, settings, f_tok, f_mask, table, report_extra, store_skips)
                 bar.update(stream.report.records_seen - bar.n)
                 bar.set_postfix(Mtok=f"{report_extra['stored'] / 1e6:.1f}", refresh=False)
 
@@ -221,7 +248,7 @@ def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress:
                 try:
                     segs = template.segments(turns)
                 except TemplateError:
-                    report_extra["template_errors"] += 1
+                    store_skips.skip(TEMPLATE_ERROR, conv.where)
                     continue
                 chunk.append(conv)
                 segments.append(segs)
@@ -238,10 +265,10 @@ def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress:
                 future.cancel()
             bar.close()
     report = stream.report
-    _finish_report(report, table, report_extra, settings)
+    _finish_report(report, table, report_extra, store_skips, settings)
     lengths = np.concatenate(table.length)
     np.save(out / OFFSETS_FILE, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    table.write(out / LENGTHS_FILE)
+    table.write(out / LENGTHS_FILE, out / DROPPED_FILE)
     (out / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=1))
     meta = dict(format=STORE_FORMAT_VERSION, key=key, settings=asdict(settings), samples=len(lengths),
                 tokens=int(lengths.sum()), build_seconds=round(time.perf_counter() - t0, 3),
@@ -250,28 +277,41 @@ def _build(settings: StoreSettings, key: str, out: Path, workers: int, progress:
 
 
 def _write_chunk(batch: EncodedBatch, convs: list[Conversation], settings: StoreSettings, f_tok, f_mask,
-                 table: _SampleTable, extra: dict[str, int]) -> None:
-    """Apply the max_len policy to one encoded chunk and append it to the store files."""
+                 table: _SampleTable, extra: dict[str, int], skips: LoadReport) -> None:
+    """Apply the max_len policy to one encoded chunk and append it to the store files. A sample the policy
+    leaves with no assistant token (all of them past max_len) is dropped here, counted in `skips`, so that it
+    never reaches a sampler."""
     raw = batch.lengths  # (n,)
     starts = np.cumsum(raw) - raw  # (n,)
+    allowed = raw <= settings.max_len if settings.policy == "drop" else np.ones(len(raw), bool)  # (n,)
+    sample_of, keep = None, None  # (T,) sample index of each token; (T,) token kept (None: all)
     if raw.max(initial=0) <= settings.max_len and raw.min(initial=1) > 0:  # common case: nothing to cut
-        keep_sample = np.ones(len(raw), bool)
-        ids, mask, length = batch.ids, batch.mask, raw
-        assistant = np.add.reduceat(mask, starts, dtype=np.int64) if len(raw) else np.zeros(0, np.int64)
+        length = raw
+        assistant = np.add.reduceat(batch.mask, starts, dtype=np.int64) if len(raw) else np.zeros(0, np.int64)
     else:
-        sample_of = np.repeat(np.arange(len(raw)), raw)  # (T,) sample index of each token
+        sample_of = np.repeat(np.arange(len(raw)), raw)
         if settings.policy == "truncate":
-            keep_sample = np.ones(len(raw), bool)
-            keep = np.arange(len(batch.ids)) - starts[sample_of] < settings.max_len  # (T,) position < max_len
-            extra["truncated"] += int(np.sum(raw > settings.max_len))
+            keep = np.arange(len(batch.ids)) - starts[sample_of] < settings.max_len  # position < max_len
         else:
-            keep_sample = raw <= settings.max_len
-            keep = keep_sample[sample_of]  # (T,)
-            extra["dropped"] += int(np.sum(~keep_sample))
-        ids, mask = batch.ids[keep], batch.mask[keep]  # (T',)
+            keep = allowed[sample_of]
         kept_of = sample_of[keep]  # (T',)
-        length = np.bincount(kept_of, minlength=len(raw))[keep_sample]
-        assistant = np.bincount(kept_of, weights=mask, minlength=len(raw))[keep_sample].astype(np.int64)
+        length = np.bincount(kept_of, minlength=len(raw))  # (n,) after the policy (0 when dropped)
+        assistant = np.bincount(kept_of, weights=batch.mask[keep], minlength=len(raw)).astype(np.int64)  # (n,)
+    unlearnable = allowed & (assistant == 0)  # (n,)
+    keep_sample = allowed & ~unlearnable  # (n,)
+    if unlearnable.any():
+        sample_of = np.repeat(np.arange(len(raw)), raw) if sample_of is None else sample_of
+        keep = keep_sample[sample_of] if keep is None else keep & keep_sample[sample_of]
+    ids, mask = (batch.ids, batch.mask) if keep is None else (batch.ids[keep], batch.mask[keep])  # (T',)
+    extra["truncated"] += int(np.sum(keep_sample & (raw > settings.max_len)))  # (policy "truncate" only)
+    for i in np.flatnonzero(~allowed):
+        skips.skip(OVER_MAX_LEN, convs[i].where)
+    for i in np.flatnonzero(unlearnable):
+        skips.skip(NO_ASSISTANT_WITHIN_MAX_LEN, convs[i].where)
+        table.dropped_record.append(convs[i].record)
+        table.dropped_id.append(convs[i].id)
+        table.dropped_raw_length.append(int(raw[i]))
+    length, assistant = length[keep_sample], assistant[keep_sample]
     f_tok.write(np.ascontiguousarray(ids, "<u4").data)  # no copy
     f_mask.write(np.ascontiguousarray(mask, np.uint8).data)
     kept = [c for c, k in zip(convs, keep_sample) if k]
@@ -285,11 +325,9 @@ def _write_chunk(batch: EncodedBatch, convs: list[Conversation], settings: Store
     table.turns.append(np.array([len(c.turns) for c in kept], np.int64))
 
 
-def _finish_report(report: LoadReport, table: _SampleTable, extra: dict[str, int], s: StoreSettings) -> None:
-    for reason, n in ((TEMPLATE_ERROR, extra["template_errors"]), (OVER_MAX_LEN, extra["dropped"])):
-        if n:
-            report.skipped[reason] = report.skipped.get(reason, 0) + n
-            report.records_kept -= n
+def _finish_report(report: LoadReport, table: _SampleTable, extra: dict[str, int], store_skips: LoadReport,
+                   s: StoreSettings) -> None:
+    report.absorb(store_skips)
     samples = int(sum(len(x) for x in table.length))
     if samples == 0:
         raise DataError(f"source {s.source!r}: no sample left after templating and max_len={s.max_len} "
