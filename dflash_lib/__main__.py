@@ -1,5 +1,5 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
-evaluate, export, regenerate, dryrun (see README).
+evaluate, export, regenerate, dryrun, params (see README).
 
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
 `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError
+from .config import SECTION_CLASSES, ConfigError, params_table
+from .runs import notebook_names
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -121,6 +122,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+P_HELP = "set a config field (`python -m dflash_lib params` lists every key, its type and default)"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_lib", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="execute a notebook headlessly into a new runs/<id>/ folder")
-    run.add_argument("notebook", help="path, or a name under notebooks/")
-    run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    names = notebook_names()
+    run.add_argument("notebook", help="path, or a name under notebooks/: " + (", ".join(names) or "(none found)"))
+    run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default, qwen3-8b; "
                      "default: the notebook's own, demo); -p sets any config field")
     run.add_argument("--tag", default="", help="suffix for the run folder name")
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         "resumes from the run folder's newest checkpoint of the same config")
     tr.add_argument("--preset", default="default")
     tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
-    tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     tr.add_argument("--tag", default="")
     tr.add_argument("--fresh", action="store_true",
                     help="delete the run folder's checkpoints and outputs and start over (same as -p fresh true)")
@@ -151,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                         "corpus over a shrunk vocabulary; prints its folder (a -p target and -p tokenizer DIR)")
     dt.add_argument("--preset", default="demo", help="the data (-p source, limit, max_len, ...) and model shape "
                     "(hidden_size, target_layers) come from this preset")
-    dt.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    dt.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     dt.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
                     help="a training setting of models.demo_target.DemoTargetSettings (vocab_size, steps, lr, ...)")
 
     ev = sub.add_parser("evaluate", help="speculative decoding of held-out prompts with a saved drafter: tau, "
                         "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON)")
     ev.add_argument("--drafter", required=True, help="a saved drafter folder or a trainer run folder")
-    ev.add_argument("--target", required=True, help="'tiny' or a local Hugging Face model folder")
+    ev.add_argument("--target", default=None, help="'tiny' or a local Hugging Face model folder (default: the "
+                    "target a trainer run folder records)")
     ev.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                     help="prompts N, max_new_tokens M, stop_at_eos, timing_warmup, or any config field")
 
@@ -174,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(local model or an OpenAI-compatible server); resumable")
     rg.add_argument("--source", required=True, help="a corpus: 'sharegpt' or a local .json/.jsonl/.parquet file")
     rg.add_argument("--out", required=True, help="the JSONL to write (rerunning with it resumes)")
-    rg.add_argument("--backend", default="", choices=["", "local", "openai"], help="default: -p backend, else local")
+    rg.add_argument("--backend", default=None, choices=["local", "openai"], help="default: -p backend, else local")
     rg.add_argument("--preset", default="default")
-    rg.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    rg.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
 
     dry = sub.add_parser("dryrun", help="one training step of a preset at its real shapes in fake mode: peak memory "
                          "and FLOPs of every bucket's worst batch; exit 1 when one does not fit --device-gib")
     dry.add_argument("--preset", default="qwen3-8b", help="a named preset (default qwen3-8b)")
-    dry.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    dry.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     dry.add_argument("--device-gib", type=float, default=80.0, help="device memory in GiB (H100 80, H200 141)")
     dry.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
     dry.add_argument("--corpus-samples", type=int, default=0,
@@ -192,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="allocator overhead, a fraction of the measured peak (default dryrun.Reserve's)")
     dry.add_argument("--compare", action="store_true",
                      help="also run the other drafter attention backends (dense, blocks, flex)")
+
+    par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
+    par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
 
     for command in sub.choices.values():  # `--debug` also after the command name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -230,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             from .dryrun import run_cli
 
             return run_cli(args)
+        elif args.cmd == "params":
+            print(params_table(args.section))
     except Exception as e:
         message = _user_error_message(e)
         if args.debug or message is None:

@@ -302,6 +302,8 @@ class BucketPlan:
     objective_value: float  # predicted padded cost of one epoch (sum of g over padded slots)
     exact: bool  # True: proven optimal over every boundary set; False: grid search, a baseline or given edges
     method: str  # "optimal" | "seed" | "equal_length" | "given"
+    corpus: dict[str, Any] | None = None  # the corpus planned for (notebook 02: source, store_key, samples);
+    # training refuses the plan for a token store with another key. None = not recorded (never checked)
 
     @property
     def k(self) -> int:
@@ -317,7 +319,8 @@ class BucketPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "BucketPlan":
-        """Inverse of to_json; refuses missing or unknown keys with a BucketError naming them."""
+        """Inverse of to_json; refuses missing or unknown keys with a BucketError naming them (`corpus` may be
+        missing: plans written before it was recorded)."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -325,7 +328,7 @@ class BucketPlan:
         if not isinstance(raw, dict):
             raise BucketError(f"plan JSON must be an object, got {type(raw).__name__}")
         names = {f.name for f in fields(cls)}
-        if missing := names - raw.keys():
+        if missing := names - raw.keys() - {"corpus"}:
             raise BucketError(f"plan JSON lacks {sorted(missing)}")
         if unknown := raw.keys() - names:
             raise BucketError(f"plan JSON has unknown keys {sorted(unknown)}")

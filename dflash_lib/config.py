@@ -7,10 +7,15 @@ wrong types are refused with a `ConfigError` naming the key.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
+import inspect
+import io
 import json
 import math
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -181,7 +186,9 @@ class TrainConfig:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("parallel", self.parallel, ("ddp", "fsdp"))
-        _bounded(self, positive=("lr", "log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),
+        if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
+            raise ConfigError(f"lr must be in (0, 1], got {self.lr}")
+        _bounded(self, positive=("log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),
                  non_negative=("stop_at_step", "eval_every", "eval_samples"))
 
 
@@ -337,6 +344,50 @@ SECTION_CLASSES: dict[str, type] = {
     "evaluate": EvalConfig,
 }
 FLAT_FIELDS: dict[str, tuple[str, Any]] = _flat_fields()  # flat key -> (section, type)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its comment} of a section dataclass, read from its source: the `#` comment after the field
+    and the comment-only lines right below it (a comment continued on the next lines), joined by spaces."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}  # source line (1-based) -> the text of its comment
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            line = node.end_lineno
+            parts = [comments[line]] if line in comments else []
+            while line < len(lines) and lines[line].lstrip().startswith("#"):  # lines[line] is line + 1
+                line += 1
+                parts.append(comments[line])
+            out[node.target.id] = " ".join(p for p in parts if p)
+    return out
+
+
+def _type_name(typ: Any) -> str:
+    return typ.__name__ if isinstance(typ, type) and not typing.get_args(typ) else str(typ).replace("typing.", "")
+
+
+def params_table(section: str = "") -> str:
+    """Every flat parameter (of one section, or all): its key, type, default and comment, one line each under a
+    `[section]` header. ConfigError for an unknown section."""
+    if section and section not in SECTION_CLASSES:
+        raise ConfigError(f"unknown section {section!r}; sections: {', '.join(SECTION_CLASSES)}")
+    rows: list[tuple[str, ...]] = []
+    for sec, cls in SECTION_CLASSES.items():
+        if section and sec != section:
+            continue
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        rows.append((f"[{sec}]",))
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((f.name, _type_name(hints[f.name]), json.dumps(default), docs.get(f.name, "")))
+    widths = [max(len(r[i]) for r in rows if len(r) > 1) for i in range(3)]
+    return "\n".join(r[0] if len(r) == 1 else "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3]
+                     for r in rows)
 
 
 def coerce(key: str, value: Any) -> Any:

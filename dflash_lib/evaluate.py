@@ -1,9 +1,11 @@
 """A drafter's acceptance measured by real speculative decoding on HELD-OUT prompts.
 
-    python -m dflash_lib evaluate --drafter DIR --target DIR|tiny [-p prompts N] [-p max_new_tokens M] [-p KEY V]
+    python -m dflash_lib evaluate --drafter DIR [--target DIR|tiny] [-p prompts N] [-p max_new_tokens M] [-p KEY V]
 
 DIR is a saved drafter folder or a trainer run folder (its `drafter/`; the run's recorded config is then the
-base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target and data settings). Decodes N
+base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target and data settings, and without
+`--target` the run's recorded target is used). A drafter that does not fit the target is refused before the
+target is built, the message naming each shape that differs (hidden size, target layers, fused features). Decodes N
 prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
 the target alone (the baseline), and checks the two outputs agree. Prints a summary to stderr and, as the LAST
 stdout line, one JSON object (`REPORT_KEYS`). For a notebook: `evaluate(...)` returns the same dict, and
@@ -65,15 +67,21 @@ def find_drafter(path: str | Path) -> tuple[Path, Path | None, dict[str, Any] | 
     return drafter_dir, None, None
 
 
-def build_config(params: Mapping[str, Any], target: str,
+def build_config(params: Mapping[str, Any], target: str | None,
                  recorded: Mapping[str, Any] | None = None) -> tuple[Config, list[str]]:
     """`-p` pairs (config fields, the evaluation's included) laid over a run's recorded config; the recorded keys
-    this version no longer has are dropped and listed."""
+    this version no longer has are dropped and listed. `target` None: `-p target`, else the run's recorded one
+    (ConfigError when there is neither)."""
     dropped: list[str] = []
     base = None
     if recorded:
         dropped = sorted(k for k in recorded if k not in FLAT_FIELDS)
         base = from_params({k: v for k, v in recorded.items() if k in FLAT_FIELDS})
+    if target is None:
+        target = params.get("target", (recorded or {}).get("target"))
+        if target is None:
+            raise ConfigError("--target is required: the drafter is not in a trainer run folder (config.json), so "
+                              "no target is recorded; give --target tiny or a local model folder")
     return from_params({**params, "target": target}, base), dropped
 
 
@@ -96,6 +104,14 @@ class HeldOutPrompts:
     samples: int  # samples in the token store
     eos_id: int  # the tokenizer's end-of-turn id (stops an answer)
     source: str  # where the prompts came from, in words (the report's prompt_source)
+
+
+def larger_fraction(fraction: float, n: int, samples: int) -> float | None:
+    """The smallest of 0.01, 0.02, 0.05, 0.1, 0.2, 0.5 above `fraction` expected to hold out 2n of `samples`
+    (the hash split holds out about fraction x samples; some prompts repeat), else the largest above it; None
+    when `fraction` is already 0.5 or more."""
+    above = [f for f in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5) if f > fraction]
+    return next((f for f in above if f * samples >= 2 * n), above[-1] if above else None)
 
 
 def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> HeldOutPrompts:
@@ -126,8 +142,11 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
     if not order:
         why = ("heldout_fraction is 0: nothing is held out" if fraction == 0 else
                f"heldout_fraction {fraction} of {len(store)} samples holds out none")
-        raise ConfigError(f"no held-out prompts: {why}; train and evaluate with a larger -p heldout_fraction "
-                          f"(e.g. 0.01) so that the prompts are samples the drafter never trained on")
+        larger = larger_fraction(fraction, n, len(store))
+        fix = (f"train and evaluate with a larger -p heldout_fraction (e.g. {larger})" if larger is not None else
+               f"{len(store)} samples are too few to hold {n} out: use a larger corpus (-p source, -p limit)")
+        raise ConfigError(f"no held-out prompts: {why}; {fix} so that the prompts are samples the drafter never "
+                          f"trained on")
     prompts, indices, seen = [], [], set()
     for i, h in zip(order, hashes):
         if len(prompts) == n:
@@ -176,11 +195,11 @@ class Setup:
         return self.config.regenerate.min_new_tokens
 
 
-def prepare(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
+def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
             say: Say = _stderr) -> Setup:
     """Config (a run's recorded one under `params`), target (bf16 on CUDA, fp32 on CPU, as the trainer runs
     it), the saved drafter on it (refused first when it does not fit) and the held-out prompts, every vocabulary
-    id checked against the target."""
+    id checked against the target. `target` None: the run's recorded one (`build_config`)."""
     from dflash_lib.models import TargetModel
 
     drafter_dir, run_dir, recorded = find_drafter(drafter)
@@ -196,6 +215,7 @@ def prepare(drafter: str | Path, target: str, params: Mapping[str, Any] | None =
         raise ConfigError("device='cuda' was asked for but CUDA is not available")
     device = torch.device("cuda" if device_name != "cpu" and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the trainer runs the target
+    check_fit(drafter_dir, config)  # before the target is built: its own checks would blame the wrong setting
     tgt = TargetModel.from_model_config(config.model, device=device, dtype=dtype, seed=config.train.seed)
     model = load_drafter(drafter_dir, tgt)
     prompts = heldout_prompts(config, config.evaluate.prompts, run_dir)
@@ -208,6 +228,32 @@ def prepare(drafter: str | Path, target: str, params: Mapping[str, Any] | None =
         f"max_new_tokens {config.regenerate.max_new_tokens}, device {device}, target {config.model.target!r} "
         f"({dtype})")
     return Setup(config, drafter_dir, run_dir, tgt, model, prompts)
+
+
+def check_fit(drafter_dir: Path, config: Config) -> None:
+    """Refuse a drafter made for another target shape than `config`'s target has, from the drafter's config.json
+    and the target's (no weights): hidden size, decoder layers, fused feature layers, each named with the
+    drafter's and the target's value and the -p that sets it. DFlashDrafter.load checks the rest (vocabulary,
+    the exact layer ids) once the target is built."""
+    from dflash_lib.models import export
+    from dflash_lib.models.target import target_hf_config
+
+    try:
+        mine = export.drafter_config(export.read_doc(drafter_dir), str(drafter_dir / export.CONFIG_FILE))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    m = config.model
+    theirs = target_hf_config(m)
+    tiny = m.target == "tiny"  # its shape is set by -p; any other target's is its own
+    rows = [("hidden size", mine.hidden_size, "the target's", theirs.hidden_size, "hidden_size" if tiny else ""),
+            ("target layers", mine.target_num_layers, "the target has", theirs.num_hidden_layers,
+             "target_layers" if tiny else ""),
+            ("fused features", len(mine.target_layer_ids), "num_features is", len(m.target_layer_ids) or m.num_features,
+             "num_features")]
+    bad = [f"{what} {a} ({whose} {b}" + (f"; -p {key} {a})" if key else ")")
+           for what, a, whose, b, key in rows if a != b]
+    if bad:
+        raise ConfigError(f"drafter {drafter_dir} does not fit target {m.target!r}: drafter " + ", ".join(bad))
 
 
 def load_drafter(directory: str | Path, target: Any) -> Any:
@@ -303,7 +349,7 @@ def _warn_differ(report: Mapping[str, Any], say: Say, what: str = "") -> None:
             "(expected only from low-precision ties, e.g. bf16 on CUDA)")
 
 
-def evaluate(drafter: str | Path, target: str, params: Mapping[str, Any] | None = None,
+def evaluate(drafter: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
              say: Say = _stderr) -> dict[str, Any]:
     """Load, decode, time and compare one drafter; returns the report (REPORT_KEYS and more). ConfigError on
     user errors."""
@@ -354,7 +400,7 @@ def _same_weights(a: Any, b: Any) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-def evaluate_run(run: str | Path, target: str, params: Mapping[str, Any] | None = None,
+def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
                  out_dir: str | Path | None = None, say: Say = _stderr) -> dict[str, Any]:
     """Every drafter of a training run on the SAME held-out prompts against the same target: the untrained one
     (step 0, `initial_drafter`), each saved checkpoint's, and the final `drafter/` (decoded in full: histogram,

@@ -10,6 +10,7 @@ it first, so a missing source or an empty store leaves no half-made run behind.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,7 +74,8 @@ def load_training_data(config: Config) -> TrainingData:
                           f"{len(lengths)} samples")
     if len(split.heldout):  # the sampler and its bucket plan see the training part only
         store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
-    edges = bucket_edges(config, lengths) if config.sampler.strategy == "bucketed" else []
+    edges = (bucket_edges(config, lengths, full_store.meta.get("key")) if config.sampler.strategy == "bucketed"
+             else [])
     queries = store_drafter_queries(full_store, config.model.num_anchors,
                                     config.model.block_size)[split.train]  # (N,) query tokens
     pad_id = store.meta.get("tokenizer", {}).get("pad_id")
@@ -82,9 +84,11 @@ def load_training_data(config: Config) -> TrainingData:
     return TrainingData(store, lengths, queries, edges, int(pad_id), split, full_store)
 
 
-def bucket_edges(config: Config, lengths: np.ndarray) -> list[int]:
+def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None) -> list[int]:
     """Bucket upper edges (tokens) for the bucketed sampler: `plan` (a plan.json) if set, else `edges`, else
-    the optimal edges for these lengths (`buckets.optimal_boundaries` with the buckets section's settings)."""
+    the optimal edges for these lengths (`buckets.optimal_boundaries` with the buckets section's settings).
+    `store_key`: the key of the token store the lengths come from; a plan made for a store of another key is
+    refused (ConfigError naming both corpora and how to use its edges anyway)."""
     from dflash_lib.buckets import BucketPlan, optimal_boundaries
 
     sc, bc = config.sampler, config.buckets
@@ -92,7 +96,14 @@ def bucket_edges(config: Config, lengths: np.ndarray) -> list[int]:
         path = Path(sc.plan)
         if not path.is_file():
             raise ConfigError(f"plan {str(path)!r}: no such file (a plan.json written by notebook 02)")
-        return list(BucketPlan.from_json(path.read_text()).edges)
+        plan = BucketPlan.from_json(path.read_text())
+        made_for = (plan.corpus or {}).get("store_key")
+        if store_key is not None and made_for is not None and made_for != store_key:
+            raise ConfigError(f"plan {str(path)!r} was made for another corpus: {plan.corpus.get('source')!r} (token "
+                              f"store {made_for}), this run reads {config.data.source!r} (token store {store_key}); "
+                              f"plan this corpus with notebook 02, or take those edges anyway: -p plan '' -p edges "
+                              f"'{json.dumps(list(plan.edges))}'")
+        return list(plan.edges)
     if sc.edges:
         return list(sc.edges)
     q = bc.q if bc.cost == "quadratic" else None

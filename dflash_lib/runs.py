@@ -228,9 +228,13 @@ def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, prese
     """Execute `notebook` with papermill into a new run folder and return that folder.
 
     Parameters are validated first (a `ConfigError` before anything is created). The folder gets the executed
-    notebook, `params.json`, `env.json` and whatever the notebook writes (it receives `out_dir` = the folder).
+    notebook, `params.json`, `env.json` and whatever the notebook writes (it receives `out_dir` = the folder, so
+    `params` may not hold one).
     """
     notebook = find_notebook(notebook)
+    if "out_dir" in (params or {}):  # it would be overwritten below: refuse it rather than ignore it
+        raise ConfigError(f"parameter 'out_dir' is not for `run`: {notebook.name} writes into the new run folder "
+                          f"runs/<id>/ it makes (name it with --tag)")
     chosen = resolve_params(notebook, params or {}, preset_name)
     run_dir = new_run_dir(notebook.stem, tag, root)
     if "out_dir" in accepted_parameters(notebook):
@@ -245,6 +249,11 @@ def execute(notebook: str | Path, params: dict[str, Any] | None = None, *, prese
                         cwd=str(REPO_ROOT), progress_bar=False, log_output=False, report_mode=False,
                         kernel_manager_class=_ipc_kernel_manager())
     return run_dir
+
+
+def notebook_names() -> list[str]:
+    """The stems of the notebooks under notebooks/ (what `run NAME` takes), sorted."""
+    return sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("*.ipynb"))
 
 
 def find_notebook(name: str | Path) -> Path:

@@ -5,8 +5,10 @@ read the plan.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -39,6 +41,24 @@ def load_lengths(lengths_from: str, data: DataConfig) -> np.ndarray:
     return frame["length"].to_numpy(dtype=np.int64)
 
 
+def plan_corpus(lengths_from: str, data: DataConfig) -> dict[str, Any] | None:
+    """What a plan made from `load_lengths(lengths_from, data)` is for (plan.json's `corpus`): {"source",
+    "store_key", "samples"} of the token store the lengths came from, read from the notebook-01 run folder's
+    summary.json (None without one: the plan is then never checked), else of the store `data` builds."""
+    if not lengths_from:
+        from .data import build_token_store_from_config
+
+        store = build_token_store_from_config(data)  # (the cached store load_lengths built)
+        return {"source": data.source, "store_key": store.meta["key"], "samples": len(store)}
+    folder = Path(lengths_from)
+    summary_file = (folder if folder.is_dir() else folder.parent) / "summary.json"
+    if not summary_file.is_file():
+        return None
+    summary = json.loads(summary_file.read_text())
+    return {"source": summary.get("params", {}).get("source"), "store_key": summary.get("store_key"),
+            "samples": summary.get("samples")}
+
+
 def load_plan(plan: str) -> BucketPlan:
     """A BucketPlan from a plan.json path or a notebook-02 run folder holding one."""
     path = Path(plan)
@@ -52,8 +72,6 @@ def load_plan(plan: str) -> BucketPlan:
 def fitted_cost(cost_from: str) -> tuple[str, float]:
     """("quadratic", q) from the step-time model notebook 03 fitted (q = b / c: the row length, in tokens, at
     which attention costs as much as the per-token work). A cost_model.json path or a notebook-03 run folder."""
-    import json
-
     path = Path(cost_from)
     if path.is_dir():
         path = path / "cost_model.json"
@@ -111,7 +129,10 @@ def method_table(plans: dict[str, list[BucketPlan]], k_values: Sequence[int]) ->
 
 
 def chosen_plan(lengths: np.ndarray, k: int, *, max_len: int, token_budget: int, objective: str, cost: str,
-                q: float | None, multiple: int, policy: str, grid: int) -> BucketPlan:
-    """The exact optimal plan the rest of the study uses (the parameters of notebook 02)."""
-    return optimal_boundaries(lengths, k, max_len=max_len, objective=objective, cost=cost, q=q,
+                q: float | None, multiple: int, policy: str, grid: int,
+                corpus: dict[str, Any] | None = None) -> BucketPlan:
+    """The exact optimal plan the rest of the study uses (the parameters of notebook 02), recording `corpus`
+    (`plan_corpus`: what training checks it against)."""
+    plan = optimal_boundaries(lengths, k, max_len=max_len, objective=objective, cost=cost, q=q,
                               token_budget=token_budget, multiple=multiple, policy=policy, grid=grid)
+    return dataclasses.replace(plan, corpus=corpus)

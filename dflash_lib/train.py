@@ -126,7 +126,7 @@ class Trainer:
         self.progress = Progress(total_steps, parts.data_shards)
         self.filler = (filler_item(parts.drafter, parts.targets[0], self.device) if self.engine.kind != "single"
                        else None)
-        self.guard = BadStepGuard(tc.max_bad_steps)
+        self.guard = BadStepGuard(tc.max_bad_steps, checkpoints=run_dir / CHECKPOINTS)
         self.skips = SkipCounter()  # this rank's skipped samples
         self.full_tokens = full_run_tokens(tc, parts.lengths)
         self.meter = ThroughputMeter(clock=clock)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from dflash_lib.checkpoint import list_checkpoints
 
 # Reasons a sample is skipped (stable strings: they are the keys of the skip counts in the run summary).
 NOT_1D = "not_1d"  # tokens or loss mask is not a flat sequence
@@ -139,6 +142,7 @@ class BadStepGuard:
     in_a_row: int = 0  # current streak of non-finite losses
     total: int = 0  # non-finite losses over the whole run
     last_bad_step: int = -1  # step of the most recent non-finite loss (-1 = none)
+    checkpoints: Path | None = None  # the run's checkpoint folder: the abort says what a rerun resumes from
 
     def __post_init__(self) -> None:
         if type(self.max_in_a_row) is not int or self.max_in_a_row < 1:
@@ -156,9 +160,17 @@ class BadStepGuard:
         self.last_bad_step = step
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteLossError(f"loss was {value} for {self.in_a_row} steps in a row (up to step {step}); "
-                                     f"aborting (max_bad_steps={self.max_in_a_row}); the last good checkpoint is "
-                                     f"intact")
+                                     f"aborting (max_bad_steps={self.max_in_a_row}){self._resume_note()}")
         return False
+
+    def _resume_note(self) -> str:
+        """'; ' + what a rerun resumes from: the newest checkpoint in `checkpoints` (a skipped step leaves the
+        weights as they were, so any checkpoint holds finite ones), or that there is none ("" without a folder)."""
+        if self.checkpoints is None:
+            return ""
+        saved = list_checkpoints(self.checkpoints)
+        return (f"; the newest checkpoint, {saved[-1]}, is intact" if saved else
+                f"; no checkpoint was written yet (none in {self.checkpoints}): a rerun starts from step 0")
 
     def state_dict(self) -> dict[str, int]:
         return {"in_a_row": self.in_a_row, "total": self.total, "last_bad_step": self.last_bad_step}

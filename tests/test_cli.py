@@ -141,3 +141,39 @@ def test_a_corpus_with_fewer_lengths_than_buckets_trains_and_says_so_once(tmp_pa
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [1, 2, 3] and all(r["bucket"] < buckets for r in rows if "bucket" in r)
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir)
+
+
+def test_bad_settings_and_a_folder_as_corpus_are_one_line_before_any_run_folder(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "-p", "lr", "1e9", "--run-dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err == "error: lr must be in (0, 1], got 1000000000.0\n"
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    assert main(["train", "--preset", "smoke", "-p", "source", str(corpus_dir), "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: source '{corpus_dir}' is a directory; give one .json/.jsonl/.parquet file")
+    assert not run_dir.exists()
+
+
+def test_params_lists_every_key_and_help_names_the_notebooks_and_backends(capsys):
+    from dflash_lib.config import FLAT_FIELDS, TrainConfig
+    from dflash_lib.runs import notebook_names
+
+    assert main(["params"]) == 0
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert sorted(keys) == sorted(FLAT_FIELDS)
+    assert main(["params", "train"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[train]" and len(out) == 1 + len(TrainConfig.__dataclass_fields__)
+    assert main(["params", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown section 'nope'; sections: data, buckets")
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    names = notebook_names()
+    assert names == sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb")) and "04_train" in names
+    shown = " ".join(capsys.readouterr().out.split())  # (argparse wraps the help text)
+    assert all(name in shown for name in names)
+    with pytest.raises(SystemExit):
+        main(["regenerate", "--help"])
+    out = capsys.readouterr().out
+    assert "--backend {local,openai}" in out and "{," not in out

@@ -45,6 +45,8 @@ def test_cli_strings_are_parsed_by_field_type():
         ({"block_size": 1}, "block_size must be >= 2"),
         ({"edges": [10, 5]}, "strictly ascending"),
         ({"noise": 0.0}, "noise must be in (0, 1]"),
+        ({"lr": "1e9"}, "lr must be in (0, 1], got 1000000000.0"),  # a typo, not a learning rate
+        ({"lr": 0.0}, "lr must be in (0, 1], got 0.0"),
     ],
 )
 def test_bad_parameters_are_refused_naming_the_key(params, message):
@@ -112,3 +114,24 @@ def test_hash_is_the_same_in_another_interpreter():
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == here
     assert len(set(here)) == len(here)
+
+
+def test_params_table_lists_every_field_with_its_type_default_and_comment():
+    table = C.params_table()
+    rows = {line.split()[0]: line for line in table.splitlines() if line.startswith("  ")}
+    assert set(rows) == set(C.FLAT_FIELDS)  # every -p key, once
+    headers = [line for line in table.splitlines() if not line.startswith("  ")]
+    assert headers == [f"[{sec}]" for sec in C.SECTION_CLASSES]
+    assert rows["lr"].split()[1:4] == ["float", "0.0006", "peak"]
+    assert rows["edges"].split()[1:3] == ["list[int]", "[]"] and rows["static_shapes"].split()[1:3] == ["bool", "false"]
+    # a comment continued on the lines below its field is read whole
+    assert rows["static_shapes"].endswith("(k fixed shapes, as CUDA graphs / torch.compile want; what the \"edge\" "
+                                          "objective prices exactly)")
+    assert rows["heldout_fraction"].endswith("(dflash_lib.heldout: stable across runs and corpus order); 0 = none")
+    docs = {k: v for cls in C.SECTION_CLASSES.values() for k, v in C.field_docs(cls).items()}
+    assert [k for k in C.FLAT_FIELDS if not docs.get(k)] == []  # every setting has its comment
+    train = C.params_table("train").splitlines()
+    assert train[0] == "[train]" and {line.split()[0] for line in train[1:]} == {
+        f.name for f in dataclasses.fields(C.TrainConfig)}
+    with pytest.raises(C.ConfigError, match="unknown section 'trian'; sections: data, buckets, sampler"):
+        C.params_table("trian")

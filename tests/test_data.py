@@ -285,6 +285,9 @@ def test_zero_usable_records_names_the_source(tmp_path):
 def test_bad_sources_are_named(tmp_path):
     with pytest.raises(DataError, match="missing.json.*no such file"):
         load_conversations(str(tmp_path / "missing.json"))
+    (tmp_path / "shards.jsonl").mkdir()  # a folder, even one named like a corpus file, is not "no such file"
+    with pytest.raises(DataError, match=r"source '.*shards.jsonl' is a directory; give one .json/.jsonl/.parquet file"):
+        load_conversations(str(tmp_path / "shards.jsonl"))
     (tmp_path / "c.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         load_conversations(str(tmp_path / "c.csv"))

@@ -38,6 +38,9 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     # each notebook read the one before it
     assert chain["runs"][1]["params"]["lengths_from"] == runs["01_length_analysis"]
     assert chain["runs"][2]["params"]["plan"].startswith(runs["02_bucket_optimization"])
+    plan = json.loads((Path(runs["02_bucket_optimization"]) / "plan.json").read_text())  # planned for 01's store,
+    assert plan["corpus"]["store_key"] == json.loads((Path(runs["01_length_analysis"]) / "summary.json").read_text())[
+        "store_key"]  # the one notebook 03 trained on (another key would have been refused)
     assert chain["runs"][4]["params"]["run"] == runs["04_train"]  # notebook 05 evaluates notebook 04's run
     assert chain["runs"][3]["params"]["ckpt_every"] == 6  # an override reaches every notebook declaring it
     doc = json.loads((demo_dir / "summary.json").read_text())

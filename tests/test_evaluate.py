@@ -232,14 +232,31 @@ def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
     assert "held-out split of 'sharegpt' (heldout_fraction 0.01" in report["prompt_source"]
     assert report["prompt_source"] in err and "tau" in err and len(report["prompt_indices"]) == 2
 
-    # The drafter folder outside its run: no run config, so the default tiny target (hidden 64) does not fit it.
+    # Without --target: the run's recorded one.
+    assert main(["evaluate", "--drafter", run, "-p", "prompts", "1", "-p", "max_new_tokens", "2",
+                 "-p", "timing_warmup", "false"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["target"] == "tiny"
+
+    # The drafter folder outside its run: no run config, so the default tiny target (hidden 64, 2 features) does
+    # not fit it; the message names each shape that differs, the drafter's value and the -p that sets it.
     alone = shutil.copytree(tmp_path / "drafter", tmp_path / "elsewhere" / "drafter")
     assert main(["evaluate", "--drafter", str(alone), "--target", "tiny", "-p", "prompts", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "hidden_size" in err
+    assert capsys.readouterr().err == (f"error: drafter {alone} does not fit target 'tiny': drafter hidden size 32 "
+                                       f"(the target's 64; -p hidden_size 32), fused features 1 (num_features is 2; "
+                                       f"-p num_features 1)\n")
+    assert main(["evaluate", "--drafter", str(alone), "--target", "tiny", "-p", "hidden_size", "32",
+                 "-p", "target_layers", "2"]) == 2  # (a 2-layer target for 2 features: not the layer-id rule's fault)
+    assert capsys.readouterr().err == (f"error: drafter {alone} does not fit target 'tiny': drafter target layers 4 "
+                                       f"(the target has 2; -p target_layers 4), fused features 1 (num_features is 2; "
+                                       f"-p num_features 1)\n")
+    assert main(["evaluate", "--drafter", str(alone)]) == 2
+    assert capsys.readouterr().err.startswith("error: --target is required: the drafter is not in a trainer run")
     for bad, message in ((["-p", "prompts", "0"], "prompts must be > 0"),
                          (["-p", "max_new_tokens", "x"], "parameter 'max_new_tokens': cannot parse"),
                          (["-p", "heldout_fraction", "0"], "heldout_fraction is 0"),
+                         (["-p", "limit", "20", "-p", "prompts", "1"],  # 0.01 of 20 samples holds out none:
+                          "heldout_fraction 0.01 of 20 samples holds out none; train and evaluate with a larger -p "
+                          "heldout_fraction (e.g. 0.1)"),  # (not "e.g. 0.01", the value it has)
                          (["-p", "prompts", "400"], "prompts 400: the held-out split holds only"),
                          (["-p", "bogus", "1"], "unknown parameter 'bogus'")):
         assert main(["evaluate", "--drafter", run, "--target", "tiny", *bad]) == 2
@@ -297,6 +314,14 @@ def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smok
         assert prompt == tokens[:len(prompt)].tolist()  # a prefix of the held-out sample ...
         assert not mask[:len(prompt)].any() and mask[len(prompt)]  # ... ending right before its first answer token
     assert got.eos_id == store.meta["tokenizer"]["eos_id"] and got.heldout == len(split.heldout)
+
+
+def test_the_larger_heldout_fraction_advised_holds_out_twice_the_prompts():
+    from dflash_lib.evaluate import larger_fraction
+
+    assert larger_fraction(0.0, 3, 300) == 0.02 and larger_fraction(1e-6, 3, 1000) == 0.01  # 6 of 300, 10 of 1000
+    assert larger_fraction(0.01, 8, 20) == 0.5  # none is enough: the largest above
+    assert larger_fraction(0.5, 1, 10) is None  # nothing larger to advise
 
 
 def test_a_run_whose_store_changed_or_without_a_split_is_refused(smoke_run, tmp_path):

@@ -411,12 +411,25 @@ def test_too_many_non_finite_losses_abort_with_the_last_good_checkpoint_intact(t
     config = small_config(max_bad_steps=2)
     parts = small_parts(config, small_store())
     poison(parts.drafter, {5, 6})  # steps 5 and 6 blow up; checkpoints every 2 steps
-    with pytest.raises(NonFiniteLossError, match="loss was nan for 2 steps in a row \\(up to step 6\\)"):
+    with pytest.raises(NonFiniteLossError, match="loss was nan for 2 steps in a row \\(up to step 6\\)") as e:
         run_training(config, parts, tmp_path)
     state, path = load_latest(tmp_path / "checkpoints", resume_config_hash(config))
     assert path.name == "ckpt-00000004"
+    assert str(e.value).endswith(f"aborting (max_bad_steps=2); the newest checkpoint, {path}, is intact")
     assert state["trainer"]["guard"] == {"in_a_row": 0, "total": 0, "last_bad_step": -1}
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_an_abort_before_any_checkpoint_says_there_is_none(tmp_path):
+    config = small_config(max_bad_steps=2, ckpt_every=0)
+    parts = small_parts(config, small_store())
+    poison(parts.drafter, {2, 3})
+    with pytest.raises(NonFiniteLossError) as e:
+        run_training(config, parts, tmp_path)
+    assert str(e.value) == ("loss was nan for 2 steps in a row (up to step 3); aborting (max_bad_steps=2); no "
+                            f"checkpoint was written yet (none in {tmp_path / 'checkpoints'}): a rerun starts from "
+                            "step 0")
+    assert not list((tmp_path / "checkpoints").glob("ckpt-*"))
 
 
 def test_samples_failing_validation_are_skipped_and_counted(tmp_path):

@@ -68,6 +68,9 @@ def test_notebook_04_trains_and_writes_figures(tmp_path):
     assert (out / "train" / "drafter" / "model.safetensors").exists()
     executed = (out / "nb.ipynb").read_text()
     assert "(live, step 6)" in executed  # the live loss figure was redrawn up to the last step while training
+    plotly = [o for c in json.loads(executed)["cells"] for o in c.get("outputs", [])
+              if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plotly) == 3  # the live figure once (each redraw replaced it), the final loss figure, the dashboard
 
 
 def test_live_figure_collects_and_redraws_outside_ipython():
@@ -82,3 +85,34 @@ def test_live_figure_collects_and_redraws_outside_ipython():
     assert sum(len(t.x) for t in fig.data if t.mode == "markers") == 6
     with pytest.raises(ValueError):
         LiveFigure(every=0)
+
+
+def test_live_figure_is_one_output_updated_in_place_at_most_every_interval(monkeypatch):
+    """In an IPython shell the live figure publishes ONE display output and then only updates of that output (an
+    executed notebook keeps one figure, not one per redraw), and redraws at most once per min_interval_s."""
+    import plotly.io as pio
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from dflash_lib.report.training import LiveFigure
+
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # what a notebook kernel renders with
+    now = [0.0]
+    live = LiveFigure(every=1, min_interval_s=5.0, clock=lambda: now[0])
+    InteractiveShell.instance()
+    try:
+        with capture_output(stdout=False, stderr=False, display=True) as cap:
+            for r in _rows(12):  # one step per second: redraws at steps 1, 6 and 11, the last state at close
+                live.log(r, r["step"])
+                now[0] += 1.0
+            live.close()
+    finally:
+        InteractiveShell.clear_instance()
+    outputs = cap.outputs
+    ids = [(o.transient or {}).get("display_id") for o in outputs]
+    assert [o.update for o in outputs] == [False, True, True, True]
+    assert ids[0] is not None and set(ids) == {ids[0]}  # every update replaces that first output
+    titles = [o.data["application/vnd.plotly.v1+json"]["layout"]["title"]["text"] for o in outputs]
+    assert [t.rsplit(" ", 1)[-1] for t in titles] == ["1)", "6)", "11)", "12)"]
+    with pytest.raises(ValueError, match="min_interval_s"):
+        LiveFigure(min_interval_s=-1.0)

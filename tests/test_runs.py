@@ -46,6 +46,8 @@ def test_notebook_parameters_are_read(tiny_nb):
         ({"limit": "many"}, "parameter 'limit': cannot parse"),
         ({"limit": "2.5"}, "parameter 'limit' must be int"),
         ({"limit": "-1"}, "limit must be >= 0"),
+        ({"out_dir": "/tmp/elsewhere"}, "parameter 'out_dir' is not for `run`: tiny.ipynb writes into the new run "
+                                        "folder"),  # (it would be overwritten with the run folder: never ignored)
     ],
 )
 def test_bad_parameters_refused_before_any_folder_or_kernel(tiny_nb, tmp_path, params, message):

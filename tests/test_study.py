@@ -59,11 +59,60 @@ def test_plan_round_trip_through_a_folder(tmp_path, lengths):
         load_plan(str(tmp_path / "missing.json"))
 
 
+def test_a_plan_records_its_corpus_and_training_refuses_it_for_another(tmp_path, lengths):
+    from dflash_lib.config import from_params
+    from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.parts import bucket_edges, load_training_data
+    from dflash_lib.study import plan_corpus
+
+    nb01 = tmp_path / "nb01"  # a notebook-01 run folder: its summary.json names the store the lengths came from
+    nb01.mkdir()
+    (nb01 / "summary.json").write_text(json.dumps({"store_key": "k01", "samples": 3000,
+                                                   "params": {"source": "a.jsonl"}}))
+    corpus = plan_corpus(str(nb01), DataConfig())
+    assert corpus == {"source": "a.jsonl", "store_key": "k01", "samples": 3000}
+    assert plan_corpus(str(nb01 / "lengths.parquet"), DataConfig()) == corpus
+    assert plan_corpus(str(tmp_path / "bare"), DataConfig()) is None  # lengths without a summary: not recorded
+    plan = chosen_plan(lengths, 3, max_len=2048, token_budget=8192, objective="edge", cost="linear", q=None,
+                       multiple=1, policy="truncate", grid=64, corpus=corpus)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    assert load_plan(str(tmp_path)).corpus == corpus
+    config = from_params({"plan": str(tmp_path / "plan.json"), "max_len": 2048})
+    assert bucket_edges(config, lengths, "k01") == list(plan.edges)
+    with pytest.raises(ConfigError) as e:
+        bucket_edges(config, lengths, "k02")
+    assert str(e.value) == (f"plan '{tmp_path / 'plan.json'}' was made for another corpus: 'a.jsonl' (token store "
+                            f"k01), this run reads 'sharegpt' (token store k02); plan this corpus with notebook 02, or "
+                            f"take those edges anyway: -p plan '' -p edges '{json.dumps(list(plan.edges))}'")
+    raw = json.loads(plan.to_json())
+    raw.pop("corpus")  # a plan written before plans recorded their corpus: read, never checked
+    (tmp_path / "plan.json").write_text(json.dumps(raw))
+    assert load_plan(str(tmp_path)).corpus is None and bucket_edges(config, lengths, "k02") == list(plan.edges)
+
+    # training checks the plan against the key of the store it reads (the smoke preset's corpus)
+    data = from_params({"limit": 300, "max_len": 512}).data
+    key = build_token_store_from_config(data, progress=False).meta["key"]
+    for made_for, refused in ((key, False), ("0" * 24, True)):
+        (tmp_path / "plan.json").write_text(json.dumps(raw | {"corpus": {"source": "sharegpt", "store_key": made_for},
+                                                              "edges": [128, 512], "counts": [1, 1], "max_len": 512,
+                                                              "batch_sizes": None}))
+        run = from_params({"limit": 300, "max_len": 512, "plan": str(tmp_path / "plan.json")})
+        if refused:
+            with pytest.raises(ConfigError, match=f"token store {'0' * 24}\\), this run reads 'sharegpt' \\(token "
+                                                  f"store {key}\\)"):
+                load_training_data(run)
+        else:
+            assert load_training_data(run).edges == [128, 512]
+
+
 @pytest.mark.slow
 def test_notebook_02_writes_a_plan(tmp_path, lengths):
     src = tmp_path / "nb01"
     src.mkdir()
     pd.DataFrame({"length": lengths}).to_parquet(src / "lengths.parquet")
+    corpus = {"source": "chats.jsonl", "store_key": "abc", "samples": len(lengths)}
+    (src / "summary.json").write_text(json.dumps({"store_key": "abc", "samples": len(lengths),
+                                                  "params": {"source": "chats.jsonl"}}))
     out = tmp_path / "run"
     out.mkdir()
     pm.execute_notebook(str(REPO_ROOT / "notebooks" / "02_bucket_optimization.ipynb"), str(out / "nb.ipynb"),
@@ -72,6 +121,7 @@ def test_notebook_02_writes_a_plan(tmp_path, lengths):
                         kernel_name="python3", cwd=str(REPO_ROOT), progress_bar=False)
     plan = load_plan(str(out))
     assert plan.k == 4 and plan.edges[-1] == 2048 and plan.exact
+    assert plan.corpus == corpus  # notebook 01's store, what training checks the plan against
     summary = json.loads((out / "summary.json").read_text())
     assert summary["predicted_efficiency"] == pytest.approx(plan.efficiency)
     names = {s["strategy"]: s for s in summary["strategies"]}

@@ -167,6 +167,9 @@ def resolve_source(source: str) -> ResolvedSource:
                         size=path.stat().st_size)
         return ResolvedSource(path=Path(path), label=f"sharegpt ({path})", identity=identity)
     path = Path(source).expanduser()
+    if path.is_dir():
+        raise DataError(f"source {source!r} is a directory; give one {'/'.join(SUFFIXES)} file (or "
+                        f"{BUNDLED_SOURCE!r})")
     if not path.is_file():
         raise DataError(f"source {source!r}: no such file (expected {BUNDLED_SOURCE!r} or a local "
                         f"{'/'.join(SUFFIXES)} file)")

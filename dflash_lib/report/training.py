@@ -8,8 +8,9 @@ instability.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -116,25 +117,32 @@ def summary_table(summary: Mapping[str, Any]) -> pd.DataFrame:
 class LiveFigure:
     """A metrics sink that redraws the loss-by-bucket figure in a notebook while training runs.
 
-    Pass it to `train(..., sinks=[LiveFigure()])`: every `every` steps it rebuilds the figure from the steps
-    logged so far and replaces the notebook output in place (an IPython display handle); at close it draws the
-    final state. Outside IPython it only collects rows.
+    Pass it to `train(..., sinks=[LiveFigure()])`: every `every` steps, and at most once per `min_interval_s`
+    seconds, it rebuilds the figure from the steps logged so far and replaces ONE notebook output in place (an
+    IPython display handle); at close it draws the final state. The executed notebook keeps that one output, not a
+    copy per redraw. Outside IPython it only collects rows. `clock`: seconds (a test passes its own).
     """
 
-    def __init__(self, every: int = 5, window: int = 5) -> None:
+    def __init__(self, every: int = 5, window: int = 5, min_interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        self.every, self.window = every, window
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
+        self.every, self.window, self.min_interval_s, self.clock = every, window, min_interval_s, clock
         self.rows: list[dict[str, Any]] = []
         self._handle = None
+        self._drawn_at: float | None = None  # clock() of the last redraw
+        self._drawn_rows = 0  # rows the last redraw showed
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         self.rows.append({k: metrics[k] for k in ("step", "loss", "bucket") if k in metrics})
-        if step % self.every == 0:
+        # each redraw rebuilds the whole figure (O(steps)): a redraw per step would cost O(steps^2) in all
+        if step % self.every == 0 and (self._drawn_at is None or self.clock() - self._drawn_at >= self.min_interval_s):
             self._draw()
 
     def close(self) -> None:
-        if self.rows:
+        if self.rows and self._drawn_rows != len(self.rows):
             self._draw()
 
     def figure(self) -> go.Figure:
@@ -151,8 +159,11 @@ class LiveFigure:
             return
         if get_ipython() is None:
             return
-        fig = self.figure()
+        self._drawn_at, self._drawn_rows = self.clock(), len(self.rows)
+        # A plotly Figure displays itself (`_ipython_display_`), which ignores display_id: every update would add
+        # a new output. Its mime bundle, shown raw, is one output that each update replaces.
+        bundle = self.figure()._repr_mimebundle_()
         if self._handle is None:
-            self._handle = display(fig, display_id=True)
+            self._handle = display(bundle, raw=True, display_id=True)
         else:
-            self._handle.update(fig)
+            self._handle.update(bundle, raw=True)
