@@ -136,6 +136,20 @@ def test_corrupt_newest_is_refused_and_the_previous_used(tmp_path: Path, kind: s
     assert len(skipped) == 1 and message in skipped[0], caplog.text
 
 
+@pytest.mark.parametrize("kind", ["truncated", "no manifest"])
+def test_a_corrupt_checkpoint_does_not_count_towards_keep_last(tmp_path: Path, kind: str, caplog) -> None:
+    """keep_last counts complete checkpoints only: with the corrupt step 3 among the newest, pruning after step
+    4 keeps steps 2 and 4 (the two newest good ones) and deletes step 3 and step 1."""
+    _write_steps(tmp_path, [1, 2, 3])
+    CORRUPTIONS[kind][0](tmp_path / "ckpt-00000003")
+    with caplog.at_level(logging.WARNING, logger="dflash_lib.checkpoint"):
+        _write_steps(tmp_path, [4], keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002", "ckpt-00000004"]
+    assert "deleting incomplete or corrupt checkpoint" in caplog.text and "ckpt-00000003" in caplog.text
+    state, path = load_latest(tmp_path, H)
+    assert path.name == "ckpt-00000004" and state["step"] == 4
+
+
 def test_no_good_checkpoint_is_an_error_naming_each(tmp_path: Path) -> None:
     _write_steps(tmp_path, [1, 2])
     for p in list_checkpoints(tmp_path):

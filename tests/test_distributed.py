@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,10 +13,20 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from dflash_lib import distributed as D
+from dflash_lib.batch import collate_padded
+from dflash_lib.checkpoint import CheckpointError, TrainingCheckpoints, save_checkpoint
+from dflash_lib.config import smoke
+from dflash_lib.feed import Item
+from dflash_lib.rng import capture_rng, restore_rng
+from dflash_lib.step import filler_item, train_step
+from dflash_lib.validate import BadStepGuard
+from tiny_models import decode_drafter, decode_target
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 6.0  # collective timeout the worker processes are configured with
@@ -177,3 +188,163 @@ def test_one_process_trains_on_the_plain_drafter_and_an_unknown_engine_is_refuse
     assert set(engine.full_weights()) == {"weight", "bias"}
     with pytest.raises(D.DistributedError, match=r"parallel must be one of \('ddp', 'fsdp'\), got 'zero'"):
         D.Engine(model, "zero", 2, torch.device("cpu"))
+
+
+# -- the distributed invariants in one process: a 1-rank gloo group under DDP, a simulated idle peer ---------------
+
+
+@pytest.fixture
+def gloo_one(tmp_path, monkeypatch):
+    """A 1-rank gloo process group (FileStore in tmp_path) that DDP can wrap; `distributed`'s own state stays that
+    of a single process (its collectives are identities). Destroyed afterwards. One intra-op thread meanwhile:
+    tiny matmuls on a busy 2-core machine run several times faster than on two."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    D.destroy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        D.destroy()
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def step_target():
+    return decode_target()
+
+
+def _docs(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """n documents of 12 .. 29 ids below the MASK id, the second half of each scored (the "answer")."""
+    rng = np.random.default_rng(4)
+    out = []
+    for length in rng.integers(12, 30, n):
+        mask = np.zeros(length, np.uint8)
+        mask[length // 2:] = 1
+        out.append((rng.integers(0, 255, length), mask))
+    return out
+
+
+def _items(target, drafter, docs, split: list[int]) -> list[Item]:
+    """Ready micro-batches of docs[0:split[0]], docs[split[0]:split[1]], ...; anchors from ONE generator in
+    document order, so any split draws the same anchors."""
+    gen, out, lo = torch.Generator().manual_seed(3), [], 0
+    for hi in split:
+        batch = collate_padded(docs[lo:hi], pad_id=0, indices=list(range(lo, hi)))
+        layout = drafter.layout(batch, drafter.sample_anchors(batch, gen))
+        out.append(Item(0, batch, batch, target.features(batch), layout=layout, device_layout=layout))
+        lo = hi
+    return out
+
+
+def _idle_peer_mean(reduced: list[int]):
+    """A DDP communication hook standing in for the all-reduce (mean) of a 2-rank group whose other rank
+    contributes an exactly-zero gradient (an idle rank running the filler): each bucket comes back halved. The
+    index of every bucket reduced is appended to `reduced`."""
+
+    def hook(state, bucket):
+        reduced.append(bucket.index())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer() / 2)
+        return fut
+
+    return hook
+
+
+def _sgd_update(target, kind: str, world_size: int, split: list[int], hook=None):
+    """The parameter change of one train_step (SGD, lr 1, no clipping) of a fresh drafter over _docs(6) cut at
+    `split`, on an Engine of `kind` for `world_size` ranks; and the step's StepResult."""
+    drafter = decode_drafter(target, 4)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    engine = D.Engine(drafter, kind, world_size, torch.device("cpu"))
+    if hook is not None:
+        engine.module.register_comm_hook(None, hook)
+    items = _items(target, drafter, _docs(6), split)
+    res = train_step(engine, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0, autocast=False,
+                     guard=BadStepGuard(3), step=1)
+    return torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res
+
+
+def test_ddp_step_over_two_micro_batches_equals_one_process_holding_both(gloo_one, step_target):
+    """DDP, 2 micro-batches (the first under no_sync): the update of one process holding the whole batch. On 2
+    ranks whose peer is idle (zero gradient, `_idle_peer_mean`) the all-reduce halves the gradient and the loss x
+    world-size scale restores it; each bucket is reduced once per step, after the last micro-batch."""
+    want, one = _sgd_update(step_target, "single", 1, [6])
+    assert want.abs().max() > 0
+    got, res = _sgd_update(step_target, "ddp", 1, [4, 6])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert res.weight_sum == pytest.approx(one.weight_sum) and res.loss == pytest.approx(one.loss, rel=1e-5)
+    reduced: list[int] = []
+    got, res = _sgd_update(step_target, "ddp", 2, [4, 6], hook=_idle_peer_mean(reduced))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert res.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    assert reduced and sorted(reduced) == sorted(set(reduced))  # every bucket once
+
+
+def test_the_loss_scale_is_the_world_size_under_ddp_and_fsdp(gloo_one, step_target):
+    """DDP and FSDP average gradients over ranks while the loss is normalised by the GLOBAL weight sum: each
+    loss is multiplied back by the world size. One process scales nothing."""
+    assert D.Engine(decode_drafter(step_target, 4), "single", 4, torch.device("cpu")).loss_scale == 1.0
+    assert D.Engine(decode_drafter(step_target, 4), "ddp", 2, torch.device("cpu")).loss_scale == 2.0
+    assert D.Engine(decode_drafter(step_target, 4), "fsdp", 3, torch.device("cpu")).loss_scale == 3.0
+
+
+def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step_target, monkeypatch):
+    """A rank with nothing to score in a step its peer trains on runs the filler, so it joins the gradient
+    reduction: its loss is exactly 0 and every trainable parameter gets an exactly-zero gradient (it moves
+    nothing). Then through train_step on 2 ranks whose peer holds all the weight (`all_reduce_floats` adds the
+    peer's weight sum): the filler runs, its gradient is reduced, the update is zero."""
+    drafter = decode_drafter(step_target, 4)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    filler = filler_item(drafter, step_target, torch.device("cpu"))
+    assert filler.layout.num_blocks > 0 and filler.layout.weight_sum == 0.0
+    out = drafter.loss(filler.device_batch, filler.features, filler.device_layout, normalizer=7.0)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+    for p in params:
+        p.grad = None
+
+    reduced: list[int] = []
+    engine = D.Engine(drafter, "ddp", 2, torch.device("cpu"))
+    engine.module.register_comm_hook(None, _idle_peer_mean(reduced))
+    calls = []
+
+    def with_peer(values):  # the step's first reduction is its weight sum: the peer's 5.0 joins it
+        calls.append(values)
+        return [values[0] + 5.0, *values[1:]] if len(calls) == 1 else list(values)
+
+    monkeypatch.setattr("dflash_lib.step.all_reduce_floats", with_peer)
+    silent = [(tok, np.zeros_like(mask)) for tok, mask in _docs(2)]  # this rank: nothing scored
+    (item,) = _items(step_target, drafter, silent, [2])
+    before = [p.detach().clone() for p in params]
+    res = train_step(engine, [item], params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
+                     autocast=False, guard=BadStepGuard(3), step=1, filler=filler)
+    assert not res.skipped and res.weight_sum == 5.0 and res.grad_norm == 0.0 and reduced
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_load_rng_gives_rank_1_of_a_one_rank_checkpoint_rank_0s_streams(tmp_path, monkeypatch):
+    """A 1-rank run resumed on 2 ranks: rank 1 (no rank file of its own) restores rank (1 mod 1) = 0's streams."""
+    drafter = torch.nn.Linear(2, 2)
+    ckpts = TrainingCheckpoints(tmp_path, drafter, torch.optim.SGD(drafter.parameters(), lr=0.1), smoke())
+    outside = capture_rng()
+    try:
+        torch.manual_seed(11)
+        random.seed(11)
+        path = save_checkpoint(tmp_path, {"step": 1}, 1, config_hash="h", rank_state={"rng": capture_rng()})
+        want = (torch.rand(3).tolist(), random.random())
+        torch.manual_seed(99)
+        random.seed(99)
+        monkeypatch.setattr(D, "info", lambda: D.DistInfo(1, 2, 1, torch.device("cpu"), "gloo", 5.0))
+        ckpts.load_rng(path, saved_world_size=1)
+        assert (torch.rand(3).tolist(), random.random()) == want
+        with pytest.raises(CheckpointError, match="no rank state for rank 1"):  # a 2-rank checkpoint has its own
+            ckpts.load_rng(path, saved_world_size=2)
+    finally:
+        restore_rng(outside)

@@ -78,6 +78,42 @@ def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
     assert dryrun.flex_tiles(layout) == want > 0
 
 
+def test_flex_attention_flops_are_those_of_the_kept_tiles():
+    """The flex stand-in's FLOPs: per layer, 4 x heads x head_dim per (query, key) pair of the 128 x 128 tiles the
+    block mask keeps (2 matmuls) in the forward, 2.5 times that in the backward (5 matmuls)."""
+    from dflash_lib.models.layout import build_layout
+
+    cfg = _tiny(target_layers=2, num_features=1, drafter_layers=1)  # few ops: fake dispatch dominates the time
+    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=2, vocab_size=VOCAB),
+                                      dryrun.StepSettings("flex", False), fake=True)
+    batch = dryrun.host_batch(dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80), VOCAB, cfg.model.mask_id)
+    fig = dryrun.measure_step(models, batch, seed=0)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+    pairs = dryrun.flex_tiles(layout) * dryrun.FLEX_TILE ** 2
+    assert pairs > 0 and fig.attention_pairs["computed"] == pairs
+    c = models.drafter.cfg
+    per_layer = 4 * c.num_heads * c.head_dim * pairs * (1 + 2.5)  # forward + backward
+    assert fig.flops["drafter_attention"] == per_layer  # 1 drafter layer, no recomputation
+    assert fig.kernel_allowance == 0
+
+
+def test_required_memory_is_peak_with_fragmentation_plus_kernel_allowance_plus_reserve():
+    """required = peak x (1 + fragmentation) + kernel_allowance + reserve_gib, the figure a batch's fit is judged
+    by; the dense kernel's allowance is one (Q, K) bf16 mask, K padded to a multiple of 16."""
+    GIB = dryrun.GIB
+    assert dryrun.Reserve(reserve_gib=2.0, fragmentation=0.25).required_bytes(4 * GIB, GIB) == 8 * GIB
+    assert dryrun.Reserve().required_bytes(10 * GIB, 0.5 * GIB) == pytest.approx(13.0 * GIB, rel=1e-12)
+
+    cfg = _tiny(target_layers=2, num_features=1, drafter_layers=1)
+    worst = dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)
+    (r,) = dryrun.measure_batches(cfg, [worst], dryrun.StepSettings("dense", False), device_gib=80.0)
+    Q, C = worst.drafter_queries, worst.target_tokens  # 80 block queries; 4 x 64 context slots
+    allowance = r.figures.kernel_allowance
+    assert allowance == Q * (-(-(C + Q) // 16) * 16) * 2 > 0
+    assert r.required_bytes == pytest.approx(r.figures.peak_bytes * 1.1 + allowance + 1.5 * GIB, rel=1e-12)
+    assert r.fits and r.record()["required_gib"] == round(r.required_bytes / GIB, 3)
+
+
 def test_worst_batches_honour_token_and_block_budgets():
     cfg = _tiny(num_anchors=16, block_size=4, token_budget=1000, max_len=200)
     worst = dryrun.worst_batches(cfg, [50, 120, 200], block_budget=150)

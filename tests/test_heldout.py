@@ -4,8 +4,10 @@ never changes, and no held-out sample in a training batch."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -65,6 +67,15 @@ def test_duplicates_fall_on_the_same_side_and_the_record_lists_the_hashes():
     assert record["heldout"] == len(held) and record["train"] == len(store) - len(held)
     assert record["hashes"] == [f"{sample_hash(store[i][0]):016x}" for i in record["indices"]]
     assert all(int(h, 16) < 0.2 * 2 ** 64 for h in record["hashes"])
+
+
+def test_sample_hash_is_the_documented_rule_pinned():
+    """HASH_RULE decides which samples every run holds out: a change (byte order, prefix, digest bytes) would move
+    the split of every existing run folder, so its value on fixed ids is pinned, and recomputed from the rule."""
+    tokens = [0, 1, 255, 256, 65536, 151669, 2 ** 32 - 1]
+    rule = hashlib.sha256(b"dflash-heldout-v1:" + b"".join(struct.pack("<I", t) for t in tokens)).digest()
+    assert sample_hash(np.array(tokens, dtype=np.int64)) == int.from_bytes(rule[:8], "little") == 0xE4EE563353BC47EE
+    assert sample_hash(np.array(tokens, dtype=np.uint32)) == sample_hash(np.array(tokens, dtype=">u4"))  # the ids
 
 
 def test_fraction_is_a_validated_config_field_in_the_resume_hash():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_lib.models import DFlashDrafter, TargetModel, acceptance_length
+from dflash_lib.models.acceptance import greedy_decode
 from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
 VOCAB, B, NEW = 256, 4, 20
@@ -87,3 +88,44 @@ def test_mixed_acceptance_and_reload_still_give_target_greedy(target, trained, t
     assert 1 in res.histogram and B in res.histogram
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         acceptance_length(target, drafter, [[1], []], 4)
+
+
+class _ReferenceDrafter:
+    """Drafts what follows the anchor in `reference` (prompt + the decoding to reproduce): while the decoding
+    follows the reference, every cycle accepts its whole block (up to the reference's end)."""
+
+    def __init__(self, reference: list[int]):
+        self.reference = reference
+
+    def draft(self, features: torch.Tensor, anchor_pos: int, anchor_token: int) -> list[int]:
+        return (self.reference[anchor_pos + 1: anchor_pos + B] + [0] * B)[:B - 1]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a busy 2-core machine: one intra-op thread is several times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_min_new_tokens_boundary_inside_accepted_blocks_is_plain_greedys(target, one_thread):
+    """The stop id the target prefers at output token p (its first occurrence) ends the output there when
+    min_new_tokens <= p and is masked when min_new_tokens >= p + 1: speculative decoding with blocks accepted
+    whole (the stop's row inside a verified block) gives plain greedy's output for every min_new_tokens 1 .. N."""
+    n = 10
+    prompt = random_prompts(1, seed=5)[0]
+    free = target.greedy(prompt, n)
+    p = next(i for i in range(3, n) if free[i] not in free[:i])  # the stop id's first occurrence, past the prefill
+    stop = free[p]
+    for min_new in range(1, n + 1):
+        want = greedy_decode(target, [prompt], n, stop_ids=[stop], min_new_tokens=min_new).outputs[0]
+        if min_new <= p:
+            assert want == free[:p + 1]  # ends on the stop id at output token p
+        else:
+            assert stop not in want[:min_new] and want[:p] == free[:p]
+        res = acceptance_length(target, _ReferenceDrafter(prompt + want), [prompt], n, stop_ids=[stop],
+                                min_new_tokens=min_new)
+        assert res.outputs == [want], min_new
+        assert max(res.histogram) >= 3  # cycles accept several drafts
