@@ -108,15 +108,19 @@ def test_async_checkpoints_resume_like_synchronous_ones(tmp_path, reference):
 
 
 def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
-    """40 samples: 12 sampler steps per epoch; 1.5 epochs = 18 steps; stop exactly at the end of epoch 0."""
+    """40 samples: 12 sampler steps per epoch, 1.5 epochs = 18 planned; epoch 0's last sampler step holds one sample
+    with nothing to score (no step), so 17 steps; stop after epoch 0's last step: the resume reads that empty
+    sampler step first, then crosses into epoch 1 (stopped again after step 12, the count of empty reads resumes)."""
     params = dict(limit=40, steps=0, epochs=1.5, ckpt_every=0)
     ref = train(config(**params), tmp_path / "ref")
-    assert ref["steps"] == 18 and ref["last_epoch"] == 1
-    stopped = train(config(**params, stop_at_step=12), tmp_path / "run")
+    assert (ref["steps"], ref["planned_steps"], ref["empty_batches"], ref["last_epoch"]) == (17, 18, 1, 1)
+    stopped = train(config(**params, stop_at_step=11), tmp_path / "run")
     assert stopped["last_epoch"] == 0 and [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
-        "ckpt-00000012"]
+        "ckpt-00000011"]
+    into = train(config(**params, stop_at_step=12), tmp_path / "run")  # reads the empty sampler step, then step 12
+    assert (into["steps"], into["last_epoch"], into["empty_batches"]) == (12, 1, 1)
     resumed = train(config(**params), tmp_path / "run")
-    assert resumed["steps"] == 18 and resumed["complete"]
+    assert resumed["steps"] == 17 and resumed["complete"] and resumed["empty_batches"] == 1  # kept by the checkpoint
     assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 

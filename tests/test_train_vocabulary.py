@@ -1,5 +1,5 @@
-"""Training refuses at start a tokenizer or MASK id its target cannot embed and takes a target folder's own tokenizer
-unless `-p tokenizer` says otherwise."""
+"""Training refuses at start a tokenizer or MASK id its target cannot embed, takes a target folder's own
+tokenizer unless `-p tokenizer` says otherwise, and fails (exit 1, no drafter) when nothing is fit for training."""
 
 from __future__ import annotations
 
@@ -120,3 +120,21 @@ def test_training_on_a_target_folder_uses_its_tokenizer_and_says_so(target_with_
     code = main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "qwen"), "-p", "target", str(folder),
                  "-p", "tokenizer", "qwen", "-p", "mask_id", str(vocab - 1)])
     assert code == 2 and f"has vocab_size {vocab}: pass the target's own tokenizer" in _error_line(capsys)
+
+
+def test_a_run_with_no_sample_fit_for_training_exits_1_without_a_drafter(tmp_path, capsys):
+    """max_len 8 keeps the start of each conversation, its long user turn: no sample has an assistant token."""
+    source = tmp_path / "chats.jsonl"
+    question = " ".join(["why is the sky blue"] * 10)
+    source.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"{i}: {question}"}, {"from": "gpt", "value": "Rayleigh scattering."}]}) + "\n"
+        for i in range(20)))
+    run_dir = tmp_path / "run"
+    code = main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "source", str(source),
+                 "-p", "max_len", "8", "-p", "steps", "2", "-p", "strategy", "sorted", "-p", "heldout_fraction", "0.0",
+                 "-p", "cache_dir", str(tmp_path / "cache")])
+    line = _error_line(capsys)
+    assert code == 1 and line.startswith("error: NothingTrainedError: nothing to train on in a whole epoch "
+                                  "(1 sampler step(s) in a row without a token to score) after 0 training steps")
+    assert "skipped 20 samples: no_assistant_token 20" in line
+    assert not (run_dir / "drafter").exists() and not (run_dir / "summary.json").exists()
