@@ -160,7 +160,7 @@ class TrainConfig:
     seed: int = 0  # model init and anchor generator seed
     probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
     probe_rounds: int = 1  # notebook 03: chunks each probe is trained in, the strategies taking turns (drift control)
-    full_run_epochs: float = 6.0  # the full run the ETA is computed for
+    full_run_epochs: float = 6.0  # the full run `full_run_eta_s` is for (the log line's ETA: this invocation's)
     full_run_samples: int = 0  # samples in that full run (0 = this corpus)
     keep_checkpoints: int = 3  # newest checkpoints kept in the run folder (older ones deleted after a save)
     max_bad_steps: int = 5  # non-finite losses in a row that abort the run (each one skips its step)

@@ -247,6 +247,8 @@ class Trainer:
         p.step += 1
         rate = self.meter.step(p.step, res.real_tokens, res.padded_tokens, wait_s)
         done = self.meter.real_tokens
+        per_step = done / p.step  # real tokens per step so far (a resumed run's steps included)
+        end = min(p.total_steps, tc.stop_at_step) if tc.stop_at_step > 0 else p.total_steps  # this invocation's
         p.loss_mean.add(res.loss)
         p.acc_mean.add(res.acc)
         live = [it.batch for it in items if it.batch is not None]
@@ -255,8 +257,9 @@ class Trainer:
             real_tokens=res.real_tokens, padded_tokens=res.padded_tokens, ktok_s=rate.ktok_s,
             data_wait_pct=rate.data_wait_pct_window, data_wait_pct_total=rate.data_wait_pct,
             **pipeline.depths(), bucket=live[0].bucket if live else -1,
-            eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
-            run_eta_s=eta_seconds((p.total_steps - p.step) * done / p.step, rate.eta_tok_s),
+            eta_s=eta_seconds((end - p.step) * per_step, rate.eta_tok_s),
+            run_eta_s=eta_seconds((p.total_steps - p.step) * per_step, rate.eta_tok_s),
+            full_run_eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
             steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, eal_marginal=res.eal,
             tau_inbatch=res.tau_inbatch, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
@@ -399,8 +402,9 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     globally normalised), acc, acc_per_pos, eal, lr, noise, real_tokens and padded_tokens (all ranks),
     ktok_s (real tokens, rolling window), data_wait_pct (rolling window) and data_wait_pct_total (cumulative),
     q_pre and q_hs (queue depths per target worker), bucket (of the step's first micro-batch; -1 = none),
-    eta_s (seconds to the end of a full run of `full_run_epochs`, at the steady throughput or provisionally
-    at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since this invocation's
+    eta_s (seconds to the end of THIS invocation: the planned steps or `stop_at_step`, at the steady throughput or
+    provisionally at the rolling one; the log line's ETA), run_eta_s (to the end of the planned steps),
+    full_run_eta_s (to the end of a full run of `full_run_epochs`), steady, time (seconds since this invocation's
     loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
     skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
     head_rows (scored positions run through the LM head + CE here), eal_marginal (= eal: the marginal-product

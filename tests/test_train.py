@@ -17,6 +17,7 @@ from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.pipeline import PipelineError
 from dflash_lib.feed import Item, bucket_of, epoch_batches
+from dflash_lib.metrics import format_duration
 from dflash_lib.parts import TrainingParts
 from dflash_lib.schedule import lr_at, plan_steps, warmup_steps
 from dflash_lib.step import train_step
@@ -24,7 +25,8 @@ from dflash_lib.train import run_training
 from dflash_lib.validate import BadStepGuard
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
-              "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "steady", "acc_per_pos", "eal", "time"}
+              "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "run_eta_s", "full_run_eta_s", "steady",
+              "acc_per_pos", "eal", "time"}
 SUMMARY_KEYS = {"steps", "empty_batches", "real_tokens", "final_loss", "mean_loss", "final_acc", "steady_ktok_s",
                 "steady", "steady_start_step", "data_wait_pct", "padding_efficiency", "full_run_eta_s", "wall_s",
                 "config_hash"}
@@ -263,6 +265,23 @@ def test_loop_by_epochs_ends_with_the_data(tmp_path, data):
     summary, _, _ = run_loop(tmp_path, data, steps=0, epochs=1.5)
     assert summary["steps"] == summary["planned_steps"] == 12  # 8 batches per epoch x 1.5
     assert summary["last_epoch"] == 1
+
+
+def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_path, data, capsys):
+    """stop_at_step 3 of 6 planned steps: `eta_s` (the log line's ETA) runs to step 3, `run_eta_s` to step 6 and
+    `full_run_eta_s` to the end of `full_run_epochs` (2) over the corpus, all at the same throughput."""
+    summary, _, _ = run_loop(tmp_path, data, steps=6, stop_at_step=3)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and summary["complete"] is False
+    done = np.cumsum([r["real_tokens"] for r in rows])  # (3,) real tokens trained after each step
+    for k, (r, d) in enumerate(zip(rows, done), start=1):
+        per_step = d / k
+        assert r["eta_s"] == pytest.approx(r["run_eta_s"] * (3 - k) / (6 - k), rel=1e-9)
+        assert r["full_run_eta_s"] == pytest.approx(r["run_eta_s"] * (summary["full_run_tokens"] - d)
+                                                    / ((6 - k) * per_step), rel=1e-9)
+    assert rows[-1]["eta_s"] == 0.0 and rows[-1]["run_eta_s"] > 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")]
+    assert len(printed) == 1 and f"| ETA ~{format_duration(rows[1]['eta_s'])} |" in printed[0]
 
 
 def silenced(store: list, indices) -> list:
