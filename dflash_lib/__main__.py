@@ -63,13 +63,14 @@ def _params(pairs: list[list[str]] | None) -> dict[str, str]:
 
 def _train(args: argparse.Namespace) -> int:
     """The `train` subcommand: 0 when the run finished or stopped cleanly on SIGTERM/SIGINT (resumable),
-    1 when training failed (the message names the checkpoint, stage or rank at fault; --debug: its traceback)."""
+    1 when training failed (the message names the checkpoint, stage or rank at fault, or says no sample was fit
+    for training; --debug: its traceback)."""
     from .checkpoint import CheckpointError
     from .distributed import DistributedError
     from .pipeline import PipelineError
     from .runs import load_config
     from .train import train
-    from .validate import NonFiniteLossError
+    from .validate import NonFiniteLossError, NothingTrainedError
 
     params = _params(args.param)
     if args.fresh:
@@ -80,7 +81,7 @@ def _train(args: argparse.Namespace) -> int:
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
     try:
         summary = train(config, Path(args.run_dir) if args.run_dir else None, tag=args.tag)
-    except (CheckpointError, DistributedError, NonFiniteLossError, PipelineError) as e:
+    except (CheckpointError, DistributedError, NonFiniteLossError, NothingTrainedError, PipelineError) as e:
         if args.debug:
             raise
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)

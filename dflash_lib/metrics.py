@@ -3,10 +3,11 @@
 Stdlib only (wandb is imported lazily, and only when a sink is not disabled). Every timing takes an injected
 clock (a callable returning seconds) so tests drive it with a synthetic one.
 
-ETA convention: `eta_s` is the time (seconds) to process the remaining REAL tokens at the STEADY-STATE
-throughput. Before the `SteadyStateDetector` declares steady state the ETA uses the throughput of the last
-window instead and is provisional: the log line shows it as `ETA ~5.1d` (steady: `ETA 5.1d`; no estimate yet:
-`ETA --`).
+ETA convention: an ETA is the time (seconds) to process the remaining REAL tokens at the STEADY-STATE
+throughput. Before the `SteadyStateDetector` declares steady state it uses the throughput of the last window
+instead and is provisional: the log line shows it as `ETA ~5.1d` (steady: `ETA 5.1d`; no estimate yet:
+`ETA --`). The log line's `eta_s` is the trainer's ETA of THIS invocation (to `steps` or `stop_at_step`); the
+full run's is `full_run_eta_s` (see `train.run_training`).
 """
 
 from __future__ import annotations

@@ -20,10 +20,12 @@ import torch
 
 from dflash_lib import distributed
 from dflash_lib.config import Config, ConfigError
+from dflash_lib.data.tokenizers import target_tokenizer
 from dflash_lib.heldout import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
+from dflash_lib.models.target import target_hf_config
 
 
 @dataclass
@@ -59,8 +61,9 @@ class TrainingData:
 
 def load_training_data(config: Config) -> TrainingData:
     """Build (or read from its cache) the token store of `config.data`, hold out `heldout_fraction` of it and
-    compute what the sampler needs. Raises DataError / ConfigError on a missing source, an empty store, a
-    split that leaves nothing to train on, a missing bucket plan or a store without a pad id."""
+    compute what the sampler needs; prints which tokenizer the run uses. Raises DataError / ConfigError on a
+    missing source, an empty store, ids or a MASK id the target cannot embed (`check_vocabulary`), a split that
+    leaves nothing to train on, a missing bucket plan or a store without a pad id."""
     from dflash_lib.data import build_token_store_from_config
     from dflash_lib.data.analysis import store_drafter_queries
 
@@ -68,6 +71,7 @@ def load_training_data(config: Config) -> TrainingData:
     lengths = np.asarray(store.lengths)
     if len(lengths) == 0:
         raise ConfigError(f"the token store {store.path} holds no sample (source {config.data.source!r})")
+    distributed.print0(check_vocabulary(config, store.meta.get("tokenizer", {})))
     full_store, split = store, split_store(store, config.data.heldout_fraction)
     if len(split.train) == 0:
         raise ConfigError(f"heldout_fraction {config.data.heldout_fraction} holds out every one of the "
@@ -82,6 +86,32 @@ def load_training_data(config: Config) -> TrainingData:
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
     return TrainingData(store, lengths, queries, edges, int(pad_id), split, full_store)
+
+
+def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
+    """Refuse (ConfigError) a run whose ids the target cannot embed: a tokenizer emitting ids 0 .. n_vocab-1
+    (`tokenizer`: the token store's facts, special tokens included) beyond the target's vocab_size (every sample
+    would be skipped as token_out_of_vocab), or a mask_id outside [0, vocab_size). Reads the target's config
+    only, no weight. Returns the log line naming the tokenizer used and why."""
+    data, model = config.data, config.model
+    vocab = int(target_hf_config(model).vocab_size)  # embedding rows of the target
+    n_vocab = tokenizer.get("n_vocab")
+    if n_vocab is None:
+        raise ConfigError(f"token store of {data.source!r}: meta.json records no tokenizer n_vocab (rebuild it)")
+    own = target_tokenizer(model.target)
+    if n_vocab > vocab:
+        fix = ("the folder's tokenizer and model do not match" if own == data.tokenizer
+               else "pass the target's own tokenizer with -p tokenizer DIR")
+        raise ConfigError(f"tokenizer {data.tokenizer!r} emits ids up to {n_vocab - 1} ({n_vocab} ids) but target "
+                          f"{model.target!r} has vocab_size {vocab}: {fix}")
+    if not 0 <= model.mask_id < vocab:
+        free = f", e.g. {vocab - 1}: a row the tokenizer (ids < {n_vocab}) never emits" if n_vocab < vocab else ""
+        raise ConfigError(f"mask_id {model.mask_id} is outside target {model.target!r}'s vocabulary [0, {vocab}): "
+                          f"pass -p mask_id N with N < {vocab}{free}")
+    why = ("the target folder's own" if own == data.tokenizer
+           else f"-p tokenizer; the target folder ships its own, {own!r}" if own is not None else "")
+    return (f"tokenizer {data.tokenizer!r}{f' ({why})' if why else ''}: {n_vocab} ids, target {model.target!r}: "
+            f"vocab_size {vocab}, mask_id {model.mask_id}")
 
 
 def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None) -> list[int]:

@@ -4,7 +4,8 @@ side by side, and the step-time cost model calibrated on (and checked against) t
 Per strategy the probe reports real-token throughput at steady state (warm-up discarded by the trainer's
 steady-state detector), its ratio to sorted batches, the padding efficiency PREDICTED before running (bucketed:
 the analytic plan, as the seed did; the others: their epoch plans) and the one REALIZED on the probe's steps,
-steps per epoch, the ETA of a configurable full run, and the randomness figures of its sampler.
+steps per epoch, the ETA of a configurable full run (`full_run_eta_days`), and the randomness figures of its
+sampler.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class StrategyProbe:
     predicted_efficiency: float  # real / padded tokens predicted before running
     realized_efficiency: float  # real / padded tokens over the observed steps
     steps_per_epoch: int  # batches in one epoch of this sampler
-    eta_days: float | None  # the full run (full_run_epochs over the corpus) at this throughput, days
+    full_run_eta_days: float | None  # the full run (full_run_epochs over the corpus) at this throughput, days
     co_batch_recurrence: float  # fraction of co-batched pairs batched together again next epoch
     lag1: float  # lag-1 correlation of consecutive batch lengths
 
@@ -195,7 +196,7 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
                    ratio_to_sorted=p.ktok_s / ref.ktok_s, steady=p.steady,
                    predicted_efficiency=p.predicted_efficiency, realized_efficiency=p.realized_efficiency,
                    efficiency_gap_pts=100 * (p.predicted_efficiency - p.realized_efficiency),
-                   steps_per_epoch=p.steps_per_epoch, eta_days=p.eta_days,
+                   steps_per_epoch=p.steps_per_epoch, full_run_eta_days=p.full_run_eta_days,
                    co_batch_recurrence=p.co_batch_recurrence, lag1=p.lag1,
                    padding_only_ktok_s=padding_only, padding_only_error_pct=100 * (padding_only / p.ktok_s - 1))
         if choice is not None:
@@ -209,8 +210,8 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
 def demo_summary(table: pd.DataFrame) -> dict[str, dict[str, float]]:
     """The per-strategy figures `runs/<id>_demo/summary.json` holds."""
     keys = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
-    extra = [c for c in ("eta_days", "cost_model_error_pct", "nested_error_pct", "padding_only_error_pct")
-             if c in table.columns]
+    extra = [c for c in ("full_run_eta_days", "cost_model_error_pct", "nested_error_pct",
+                         "padding_only_error_pct") if c in table.columns]
     return {s: {k: float(table.loc[s, k]) for k in (*keys, *extra)} for s in table.index}
 
 

@@ -47,6 +47,8 @@ class Progress:
     position: tuple[int, int] = (0, 0)  # (epoch, sampler step) of the next batch to consume
     batches_done: int = 0  # sampler steps consumed since the run began
     skipped_samples: int = 0  # samples skipped by validation since the run began, all ranks
+    empty_batches: int = 0  # sampler steps read since the run began in which no rank had a token to score:
+    # they advance `position` and `batches_done`, not `step`
     loss_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' global losses (nats)
     acc_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' top-1 accuracies
     last: dict[str, Any] = field(default_factory=dict)  # the latest step's metrics record
@@ -61,7 +63,7 @@ class Progress:
         state = {
             "format": TRAIN_STATE_FORMAT, "step": self.step, "total_steps": self.total_steps,
             "data_shards": self.data_shards, "world_size": world_size,
-            "position": {"epoch": epoch, "step": step, "done": self.batches_done},
+            "position": {"epoch": epoch, "step": step, "done": self.batches_done, "empty": self.empty_batches},
             "guard": guard.state_dict(), "skips": skips.state_dict(),
             "tokens": {"steps": meter.steps, "real": meter.real_tokens, "padded": meter.padded_tokens,
                        "skipped_samples": self.skipped_samples},
@@ -101,5 +103,6 @@ class Progress:
         self.step = self.resumed_from = int(state["step"])
         pos = state["position"]
         self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])
+        self.empty_batches = int(pos.get("empty", 0))  # absent from checkpoints written before it was counted
         if "sampler" in state and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(state["sampler"])

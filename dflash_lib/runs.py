@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from .config import Config, ConfigError, FLAT_FIELDS, coerce, from_params, preset as get_preset
+from .config import Config, ConfigError, FLAT_FIELDS, coerce, from_params, new_target_tokenizer, preset as get_preset
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (editable install)
 RUNS_ROOT = Path(os.environ.get("DFLASH_RUNS_ROOT", REPO_ROOT / "runs"))  # override for tests
@@ -183,6 +183,9 @@ def resolve_params(notebook: Path, params: dict[str, Any], preset_name: str = ""
             raise ConfigError(f"parameter {key!r} is not a parameter of {notebook.name}{hint}; "
                               f"it takes: {', '.join(sorted(declared))}{more}")
         chosen[key] = coerce(key, value)
+    own = new_target_tokenizer(params, (base or Config()).model.target)  # as from_params would: the notebook
+    if own is not None and "tokenizer" in accepted:  # receives its parameters cell's `tokenizer` otherwise
+        chosen["tokenizer"] = own
     defaults = {k: coerce(k, v) for k, v in declared.items() if k != PRESET}
     if builds_config(declared):
         from_params({**defaults, **chosen}, base)  # the config the notebook will build: cross-field checks

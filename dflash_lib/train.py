@@ -20,6 +20,9 @@ global RNG and the loop's `progress.Progress` (step, GLOBAL data position, guard
 batches and anchors an uninterrupted run would have used (`dflash_lib.resume` says when a folder resumes).
 
 Steps are numbered from 1 in logs (step 1 = the first optimizer step); the schedules take the 0-based index.
+A read whose batches hold nothing to score on any rank (every sample failed validation, or has no anchor block to
+score) is NOT a step: no update, no metrics row, the step counter and the lr stay; its data is consumed (and
+counted in `empty_batches`). A whole epoch of such reads, or a run of nothing else, fails with NothingTrainedError.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from dflash_lib.runs import write_json
 from dflash_lib.schedule import lr_at, noise_at, plan_steps
 from dflash_lib.step import build_optimizer, filler_item, train_step
 from dflash_lib.stop import StopRequest
-from dflash_lib.validate import BadStepGuard, SkipCounter
+from dflash_lib.validate import BadStepGuard, NothingTrainedError, SkipCounter
 
 
 def in_notebook() -> bool:
@@ -128,6 +131,8 @@ class Trainer:
                        else None)
         self.guard = BadStepGuard(tc.max_bad_steps, checkpoints=run_dir / CHECKPOINTS)
         self.skips = SkipCounter()  # this rank's skipped samples
+        self.empty_in_a_row = 0  # sampler steps read in a row with nothing scored (a whole epoch: nothing to learn)
+        self.empty_wait_s = 0.0  # data wait of those reads, added to the next step's (its wall time holds them)
         self.full_tokens = full_run_tokens(tc, parts.lengths)
         self.meter = ThroughputMeter(clock=clock)
         self.stop = stop if stop is not None else StopRequest()
@@ -159,7 +164,13 @@ class Trainer:
                     items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s)
                     if not items:
                         break
-                    p.last = self._train_one(items, wait_s, pipeline)
+                    record = self._train_one(items, wait_s, pipeline)
+                    if record is None:  # nothing scored on any rank: not a training step
+                        self._report_empty(items, log.say)
+                        if ended:
+                            break
+                        continue
+                    p.last = record
                     if self.heldout.due(p.step, final=self._final_step(ended)):
                         p.last.update(self.heldout.run(p.step, log.say))
                     log.log(p.last, p.step, line=p.step % tc.log_every == 0 or p.step == p.total_steps or ended)
@@ -168,6 +179,9 @@ class Trainer:
                         self.save(log.say)
                     if ended:
                         break
+                if (p.step > 0 and self.stop_reason is None and self.heldout.latest.get("heldout_step") != p.step
+                        and self.heldout.due(p.step, final=True)):  # the data ended on reads without a step
+                    self.heldout.run(p.step, log.say)  # (its figures reach the summary, not a metrics row)
                 if p.step > max(self.ckpts.saved_step, 0):  # the end, a stop signal or stop_at_step
                     self.save(log.say)
                 self.ckpts.finish(log.say)  # an async save commits before the run reports
@@ -203,16 +217,18 @@ class Trainer:
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
                         clock=self.clock)
 
-    def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any]:
-        """One optimizer step on `items`; advances the progress and returns the step's metrics record."""
+    def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any] | None:
+        """One optimizer step on `items`; advances the progress and returns the step's metrics record. None when
+        no rank scored a token (the step's global weight sum is 0, the same on every rank): no update was made
+        and no step is counted, only the data consumed; NothingTrainedError after a whole epoch of those."""
         tc, p = self.config.train, self.progress
         lr = lr_at(p.step, p.total_steps, tc)
         noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(p.batches_done, tc))
         res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,
                          self.device.type == "cuda", self.guard, p.step + 1, self.filler)
-        p.step += 1
         p.position = (items[-1].epoch, items[-1].step + 1)
-        p.batches_done += sum(it.last_shard for it in items)
+        read = sum(it.last_shard for it in items)  # sampler steps
+        p.batches_done += read
         skipped_tokens = 0
         for it in items:
             for reason, index, tokens in it.skips:
@@ -220,8 +236,22 @@ class Trainer:
                 skipped_tokens += tokens
         n_skipped, skipped_tokens = all_reduce_floats([sum(len(it.skips) for it in items), skipped_tokens])
         p.skipped_samples += int(n_skipped)
+        if not res.weight_sum > 0:
+            p.empty_batches += read
+            self.empty_in_a_row += read
+            self.empty_wait_s += wait_s
+            if self.empty_in_a_row >= len(self.parts.sampler):  # every later epoch reads the same samples
+                raise NothingTrainedError(
+                    f"nothing to train on in a whole epoch ({self.empty_in_a_row} sampler step(s) in a row without a "
+                    f"token to score) after {p.step} training steps: {self.all_skips().summary()}")
+            return None
+        self.empty_in_a_row = 0
+        wait_s, self.empty_wait_s = wait_s + self.empty_wait_s, 0.0
+        p.step += 1
         rate = self.meter.step(p.step, res.real_tokens, res.padded_tokens, wait_s)
         done = self.meter.real_tokens
+        per_step = done / p.step  # real tokens per step so far (a resumed run's steps included)
+        end = min(p.total_steps, tc.stop_at_step) if tc.stop_at_step > 0 else p.total_steps  # this invocation's
         p.loss_mean.add(res.loss)
         p.acc_mean.add(res.acc)
         live = [it.batch for it in items if it.batch is not None]
@@ -230,8 +260,9 @@ class Trainer:
             real_tokens=res.real_tokens, padded_tokens=res.padded_tokens, ktok_s=rate.ktok_s,
             data_wait_pct=rate.data_wait_pct_window, data_wait_pct_total=rate.data_wait_pct,
             **pipeline.depths(), bucket=live[0].bucket if live else -1,
-            eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
-            run_eta_s=eta_seconds((p.total_steps - p.step) * done / p.step, rate.eta_tok_s),
+            eta_s=eta_seconds((end - p.step) * per_step, rate.eta_tok_s),
+            run_eta_s=eta_seconds((p.total_steps - p.step) * per_step, rate.eta_tok_s),
+            full_run_eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
             steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, eal_marginal=res.eal,
             tau_inbatch=res.tau_inbatch, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
@@ -252,13 +283,25 @@ class Trainer:
                 f"({self.guard.in_a_row} in a row, {self.guard.total} in all; {self.guard.max_in_a_row} in a row "
                 f"abort the run)")
 
+    def _report_empty(self, items: list[Item], say: Callable[[str], None]) -> None:
+        """Log a read that trained nothing (`_train_one` returned None) and why: the samples failing validation."""
+        skipped = [f"{reason} (sample {self._store_index(index)})" for it in items for reason, index, _ in it.skips]
+        why = (f"samples failing validation: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped
+               else "no anchor block with a position to score")
+        say(f"epoch {items[-1].epoch}, sampler step {items[-1].step}: nothing to score ({why}); not a training step "
+            f"(no update, {self.progress.step} steps so far)")
+
     def _finish(self, say: Callable[[str], None]) -> dict[str, Any]:
         """After the loop: rank 0 writes drafter/ (every rank joins the weights' gather) and summary.json; a stop
-        says how to resume. Returns the summary."""
+        says how to resume. Returns the summary. A run that read batches but trained on none of them raises
+        NothingTrainedError and writes neither."""
         p = self.progress
-        if p.step == 0 and self.stop_reason is None:
-            raise ConfigError("training ran no step: the sampler produced no batch")
         skips = self.all_skips()
+        if p.step == 0 and self.stop_reason is None:
+            if p.empty_batches:
+                raise NothingTrainedError(f"trained on nothing: none of the {p.empty_batches} sampler steps read "
+                                          f"had a token to score ({skips.summary()}); no drafter written")
+            raise ConfigError("training ran no step: the sampler produced no batch")
         summary = self.summary(skips)
         weights = self.engine.full_weights() if p.step > 0 else {}  # a collective under FSDP
         if self.main:
@@ -332,7 +375,8 @@ class Trainer:
             run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.ckpts.resume_hash,
             strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
             data_shards=p.data_shards, parallel=self.engine.kind, device=str(self.device),
-            steps=p.step, planned_steps=p.total_steps, complete=self.stop_reason is None,
+            steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
+            complete=self.stop_reason is None,
             stop_reason=self.stop_reason, resumed_from_step=p.resumed_from,
             checkpoint=str(self.ckpts.latest) if self.ckpts.latest else None, last_epoch=last.get("epoch"),
             real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
@@ -368,8 +412,9 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     globally normalised), acc, acc_per_pos, eal, lr, noise, real_tokens and padded_tokens (all ranks),
     ktok_s (real tokens, rolling window), data_wait_pct (rolling window) and data_wait_pct_total (cumulative),
     q_pre and q_hs (queue depths per target worker), bucket (of the step's first micro-batch; -1 = none),
-    eta_s (seconds to the end of a full run of `full_run_epochs`, at the steady throughput or provisionally
-    at the rolling one), run_eta_s (to the end of this run), steady, time (seconds since this invocation's
+    eta_s (seconds to the end of THIS invocation: the planned steps or `stop_at_step`, at the steady throughput or
+    provisionally at the rolling one; the log line's ETA), run_eta_s (to the end of the planned steps),
+    full_run_eta_s (to the end of a full run of `full_run_epochs`), steady, time (seconds since this invocation's
     loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
     skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
     head_rows (scored positions run through the LM head + CE here), eal_marginal (= eal: the marginal-product
@@ -382,7 +427,8 @@ def run_training(config: Config, parts: TrainingParts, run_dir: Path,
     (estimate), heldout_blocks, heldout_samples and heldout_s; the same scalars to wandb; heldout.json (the
     split: fraction, hash rule, counts, held-out store indices and hashes); checkpoints/ckpt-<step>/ every `ckpt_every`
     steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and
-    summary.json (steps, complete / stop_reason / resumed_from_step, tokens, padding efficiency, losses,
+    summary.json (steps, empty_batches (sampler steps read with nothing to score: no step), complete /
+    stop_reason / resumed_from_step, tokens, padding efficiency, losses,
     accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
     full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes, final_tau_inbatch,
     heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures;

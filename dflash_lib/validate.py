@@ -131,6 +131,11 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or infinite loss: the run is aborted."""
 
 
+class NothingTrainedError(RuntimeError):
+    """No sample fit for training in a whole epoch of batches, or in any batch of the run: nothing to learn from,
+    so the run fails instead of writing a drafter that was never trained."""
+
+
 @dataclass
 class BadStepGuard:
     """Decides, per step, whether the loss is finite enough to step on; aborts after `max_in_a_row` bad ones.

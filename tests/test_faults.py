@@ -432,7 +432,7 @@ def test_an_abort_before_any_checkpoint_says_there_is_none(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("ckpt-*"))
 
 
-def test_samples_failing_validation_are_skipped_and_counted(tmp_path):
+def test_samples_failing_validation_are_skipped_and_counted(tmp_path, capsys):
     store = small_store()
     tok, mask = store[1]
     store[1] = (np.where(np.arange(len(tok)) == 5, 10 ** 7, tok), mask)  # a token id outside the vocabulary
@@ -446,14 +446,20 @@ def test_samples_failing_validation_are_skipped_and_counted(tmp_path):
         store[i] = (store[i][0], mask)
     config = small_config(steps=6, ckpt_every=0)
     summary = run_training(config, small_parts(config, store), tmp_path)
-    assert summary["steps"] == 6 and summary["skipped_samples"] == {
-        "token_out_of_vocab": 1, "no_assistant_token": 1, "mask_length_mismatch": 1, "empty": 4}
+    # the third and fourth batches are read but trained on nothing: no step, so steps 5 and 6 are epoch 1's first
+    # two batches (their bad samples skipped again)
+    assert summary["steps"] == 6 and summary["empty_batches"] == 2 and summary["skipped_samples"] == {
+        "token_out_of_vocab": 2, "no_assistant_token": 2, "mask_length_mismatch": 2, "empty": 4}
     assert summary["skipped_sample_examples"]["empty"] == ["8", "9", "10"]  # the first few record ids
     table = rows(tmp_path)
-    assert [r["skipped_samples"] for r in table] == [2, 3, 7, 7, 7, 7]
-    assert table[2]["skipped"] and table[2]["real_tokens"] == 0 and table[2]["bucket"] == -1  # an all-bad batch
-    assert table[3]["skipped"] and table[3]["real_tokens"] > 0 and table[3]["blocks"] == 0  # nothing to score
-    assert [r["skipped"] for r in table[4:]] == [False, False] and summary["bad_steps"] == 0
+    assert [r["skipped_samples"] for r in table] == [2, 3, 7, 7, 9, 10]
+    assert [r["epoch"] for r in table] == [0, 0, 0, 0, 1, 1]
+    assert not any(r["skipped"] for r in table) and summary["bad_steps"] == 0
+    said = capsys.readouterr().out
+    assert ("epoch 0, sampler step 2: nothing to score (samples failing validation: empty (sample 8), empty "
+            "(sample 9), empty (sample 10), empty (sample 11)); not a training step (no update, 2 steps so far)") in said
+    assert ("epoch 0, sampler step 3: nothing to score (no anchor block with a position to score); not a training "
+            "step (no update, 2 steps so far)") in said
     clean = [len(t) for i, (t, _) in enumerate(store[:8]) if i not in (1, 2, 6)]
     assert table[0]["real_tokens"] + table[1]["real_tokens"] == sum(clean)
     assert table[0]["skipped_tokens"] + table[1]["skipped_tokens"] == sum(len(store[i][0]) for i in (1, 2, 6))

@@ -21,6 +21,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expecte
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import leading_run_stats, weighted_loss
 from dflash_lib.parts import TrainingParts, build_sampler
+from dflash_lib.sampler import FixedBatchSampler
 from dflash_lib.train import run_training
 
 
@@ -204,6 +205,23 @@ def test_eval_rows_every_n_steps_and_the_split_in_the_run_folder(tmp_path):
     assert record["indices"] == split.heldout.tolist() and record["fraction"] == 0.2
     assert not recorder.read & set(split.heldout.tolist())  # training never read a held-out sample
     assert recorder.read <= set(split.train.tolist())
+
+
+def test_the_last_step_is_evaluated_when_the_data_ends_on_a_read_with_nothing_to_score(tmp_path):
+    """An epoch whose last batch has no sample fit for training: that read is no step, and the evaluation after
+    the run's last step still runs (its figures in the summary: the last step's row was written before)."""
+    store = random_store(48)
+    config = tiny_config(steps=0, epochs=1.0)
+    parts, split, _ = held_out_parts(config, store)
+    n = len(parts.lengths)
+    batches = [list(range(i, min(i + 4, n))) for i in range(0, n, 4)]
+    view = [parts.store[i] for i in range(n)]
+    parts.store = [(tok, np.zeros_like(m)) if i in batches[-1] else (tok, m) for i, (tok, m) in enumerate(view)]
+    parts.sampler = FixedBatchSampler(batches)
+    summary = run_training(config, parts, tmp_path)
+    assert (summary["steps"], summary["empty_batches"]) == (len(batches) - 1, 1)
+    assert summary["heldout_step"] == summary["steps"] and math.isfinite(summary["heldout_loss"])
+    assert not any("heldout_loss" in r for r in rows_of(tmp_path))  # eval_every 0: no evaluation before
 
 
 def test_evaluation_leaves_the_training_trajectory_unchanged(tmp_path):

@@ -71,9 +71,11 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
     assert gap == pytest.approx(100 * (0.62 - probes[1].realized_efficiency))
     # the seed's padding-only estimate misses random, the fitted model does not
     assert abs(table.loc["random", "padding_only_error_pct"]) > 5
+    assert table.loc["packed", "full_run_eta_days"] == probes[3].full_run_eta_days  # the full run's, named so
     summary = demo_summary(table)
     assert set(summary["packed"]) >= {"ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency",
-                                      "co_batch_recurrence", "cost_model_error_pct", "nested_error_pct"}
+                                      "co_batch_recurrence", "cost_model_error_pct", "nested_error_pct",
+                                      "full_run_eta_days"}
     js = json.loads(json.dumps(cost_model_json(choice)))
     assert js["model"]["terms"][0] == "a" and js["max_abs_error"] < 1e-6 and js["nested_max_abs_error"] < 1e-6
     assert math.isclose(js["q"], choice.model.b / choice.model.c, rel_tol=1e-9)

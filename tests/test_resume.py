@@ -118,6 +118,7 @@ def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
         f"ckpt-{per_epoch:08d}"]
     resumed = train(config(**params), tmp_path / "run")
     assert resumed["steps"] == ref["steps"] and resumed["complete"]
+    assert resumed["empty_batches"] == ref["empty_batches"]  # kept by the checkpoint
     assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 

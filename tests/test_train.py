@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from dflash_lib.data import LoadReport
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.pipeline import PipelineError
 from dflash_lib.feed import Item, bucket_of, epoch_batches
+from dflash_lib.metrics import format_duration
 from dflash_lib.parts import TrainingParts
 from dflash_lib.schedule import lr_at, plan_steps, warmup_steps
 from dflash_lib.step import train_step
@@ -24,9 +26,10 @@ from dflash_lib.train import run_training
 from dflash_lib.validate import BadStepGuard
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
-              "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "steady", "acc_per_pos", "eal", "time"}
-SUMMARY_KEYS = {"steps", "real_tokens", "final_loss", "mean_loss", "final_acc", "steady_ktok_s", "steady",
-                "steady_start_step", "data_wait_pct", "padding_efficiency", "full_run_eta_s", "wall_s",
+              "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "run_eta_s", "full_run_eta_s", "steady",
+              "acc_per_pos", "eal", "time"}
+SUMMARY_KEYS = {"steps", "empty_batches", "real_tokens", "final_loss", "mean_loss", "final_acc", "steady_ktok_s",
+                "steady", "steady_start_step", "data_wait_pct", "padding_efficiency", "full_run_eta_s", "wall_s",
                 "config_hash"}
 
 
@@ -285,6 +288,66 @@ def test_loop_says_what_the_data_skipped_first_and_keeps_it_in_the_summary(tmp_p
     assert run_loop(tmp_path / "plain", data)[0]["data_records"] is None  # a store without a report
 
 
+def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_path, data, capsys):
+    """stop_at_step 3 of 6 planned steps: `eta_s` (the log line's ETA) runs to step 3, `run_eta_s` to step 6 and
+    `full_run_eta_s` to the end of `full_run_epochs` (2) over the corpus, all at the same throughput."""
+    summary, _, _ = run_loop(tmp_path, data, steps=6, stop_at_step=3)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and summary["complete"] is False
+    done = np.cumsum([r["real_tokens"] for r in rows])  # (3,) real tokens trained after each step
+    for k, (r, d) in enumerate(zip(rows, done), start=1):
+        per_step = d / k
+        assert r["eta_s"] == pytest.approx(r["run_eta_s"] * (3 - k) / (6 - k), rel=1e-9)
+        assert r["full_run_eta_s"] == pytest.approx(r["run_eta_s"] * (summary["full_run_tokens"] - d)
+                                                    / ((6 - k) * per_step), rel=1e-9)
+    assert rows[-1]["eta_s"] == 0.0 and rows[-1]["run_eta_s"] > 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")]
+    assert len(printed) == 1 and f"| ETA ~{format_duration(rows[1]['eta_s'])} |" in printed[0]
+
+
+def silenced(store: list, indices) -> list:
+    """`store` with the samples at `indices` left without an assistant token (each fails validation)."""
+    return [(tok, np.zeros_like(mask)) if i in indices else (tok, mask) for i, (tok, mask) in enumerate(store)]
+
+
+def test_a_read_without_a_sample_to_train_on_is_no_step(tmp_path, data, capsys):
+    """Batches 1 and 2 (samples 4..11) hold no sample fit for training: reading them makes no update, no metrics
+    row and no step; the 6 steps are trained on the other batches, on the schedule of 6 steps."""
+    store, lengths = data
+    summary, config, _ = run_loop(tmp_path, (silenced(store, range(4, 12)), lengths), steps=6)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["real_tokens"] > 0 and math.isfinite(r["loss"]) and not r["skipped"] for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, 6, config.train) for s in range(6)])
+    trained = empty = 0  # the reads of ListSampler's epoch-0 order of the 8 batches, up to the 6th step
+    for batch in np.random.default_rng(0).permutation(8):
+        if trained == 6:
+            break
+        empty, trained = (empty + 1, trained) if batch in (1, 2) else (empty, trained + 1)
+    assert summary["steps"] == 6 and summary["empty_batches"] == empty > 0
+    assert summary["skipped_samples"] == {"no_assistant_token": 4 * empty}
+    said = [line for line in capsys.readouterr().out.splitlines() if "nothing to score" in line]
+    pattern = (r"epoch 0, sampler step \d: nothing to score \(samples failing validation: no_assistant_token \(sample "
+               r"\d+\)(, no_assistant_token \(sample \d+\)){3}\); not a training step \(no update, \d steps so far\)")
+    assert len(said) == empty and all(re.fullmatch(pattern, line) for line in said), said
+
+
+@pytest.mark.parametrize("length, message", [
+    (dict(steps=0, epochs=0.5), "trained on nothing: none of the 4 sampler steps read had a token to score "
+                                r"\(skipped 16 samples: no_assistant_token 16"),  # the data ends first
+    (dict(steps=6), r"nothing to train on in a whole epoch \(8 sampler step\(s\) in a row without a token to "
+                    r"score\) after 0 training steps: skipped 32 samples"),  # steps: epoch after epoch of them
+])
+def test_a_run_with_nothing_to_train_on_fails_and_writes_no_drafter(tmp_path, data, length, message):
+    from dflash_lib.validate import NothingTrainedError
+
+    store, lengths = data
+    with pytest.raises(NothingTrainedError, match=message):
+        run_loop(tmp_path, (silenced(store, range(len(store))), lengths), **length)
+    assert not (tmp_path / "drafter").exists() and not (tmp_path / "summary.json").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # no step row
+
+
 class BrokenStore(list):
     """A store whose sample 5 cannot be read (as a truncated memmap would fail)."""
 
@@ -407,6 +470,74 @@ def test_two_ranks_stay_in_sync(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     log_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ") and " | loss " in line]
     assert len(log_lines) == 3  # printed by rank 0 only
+
+
+DDP_EMPTY_SCRIPT = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from dflash_lib import distributed
+from dflash_lib.config import from_params, preset
+from dflash_lib.parts import build_parts
+from dflash_lib.train import run_training
+
+
+class Silenced:
+    # the training view with the samples in `indices` left without an assistant token
+
+    def __init__(self, store, indices):
+        self.store, self.indices = store, set(indices)
+
+    def __len__(self):
+        return len(self.store)
+
+    def __getitem__(self, i):
+        tok, mask = self.store[i]
+        return (tok, np.zeros_like(mask)) if i in self.indices else (tok, mask)
+
+
+config = from_params({"steps": 3, "log_every": 1}, preset("smoke"))
+dist = distributed.init_distributed(timeout_s=60, device="cpu")
+parts = build_parts(config, dist.device)
+plan = parts.sampler.epoch_plan(0)
+# sampler step 1: nothing on either shard (no step); sampler step 2: nothing on shard 1 only (a step)
+parts.store = Silenced(parts.store, plan.batch(1, 0) + plan.batch(1, 1) + plan.batch(2, 1))
+summary = run_training(config, parts, Path(sys.argv[1]))
+checksum = sum(float(p.detach().double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
+result = {"rank": dist.rank, "checksum": checksum, "steps": summary["steps"], "empty": summary["empty_batches"],
+          "step2_tokens": [int(parts.lengths[plan.batch(2, d)].sum()) for d in (0, 1)]}
+(Path(sys.argv[1]).parent / f"rank{dist.rank}.json").write_text(json.dumps(result))
+distributed.destroy()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_that_a_sampler_step_with_nothing_to_score_is_no_step(tmp_path):
+    """torchrun, 2 gloo ranks: sampler step 1 has nothing to score on either rank, so neither steps (the run's
+    3 steps are sampler steps 0, 2 and 3); sampler step 2 has nothing on rank 1 only, a step both take (rank 1
+    joins the gradient reduction with its filler): the two drafters end identical."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_empty.py"
+    script.write_text(DDP_EMPTY_SCRIPT)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["steps"], r["empty"]) for r in results] == [(3, 1), (3, 1)]
+    assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and not any(r["skipped"] for r in rows)
+    shard0, shard1 = results[0]["step2_tokens"]  # step 2 = sampler step 2: rank 1's samples all left out
+    assert rows[1]["real_tokens"] + rows[1]["skipped_tokens"] == shard0 + shard1
+    assert 0 < rows[1]["real_tokens"] <= shard0 and rows[1]["skipped_tokens"] >= shard1
+    said = [line for line in proc.stdout.splitlines() if "nothing to score" in line]
+    assert len(said) == 1 and said[0].startswith("epoch 0, sampler step 1: nothing to score")  # rank 0 says it
 
 
 def test_epoch_batches_split_the_same_global_steps_over_any_world_size():

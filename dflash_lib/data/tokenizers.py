@@ -456,6 +456,17 @@ def tokenizer_identity(spec: str) -> dict[str, Any]:
     return dict(name="hf", path=str(path.resolve()), files_sha256=digest.hexdigest())
 
 
+TARGET_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", MAPPED_VOCAB_FILE)  # any: a folder ships one
+
+
+def target_tokenizer(target: str) -> str | None:
+    """The tokenizer a target folder ships: the folder itself when it holds one of TARGET_TOKENIZER_FILES (a
+    Hugging Face tokenizer, or a mapped vocabulary as the demo target's), else None ("tiny", a named shape, a
+    folder of weights only). Opens no file: a folder's tokenizer is only loaded when the store is built."""
+    path = Path(target).expanduser()
+    return target if path.is_dir() and any((path / f).is_file() for f in TARGET_TOKENIZER_FILES) else None
+
+
 def load_tokenizer(spec: str) -> ChatTokenizer:
     """"qwen" -> the bundled Qwen BPE; a folder holding MAPPED_VOCAB_FILE -> a MappedTokenizer over its base;
     anything else must be a local Hugging Face tokenizer directory."""

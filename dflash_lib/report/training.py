@@ -102,8 +102,8 @@ def dashboard(df: pd.DataFrame, title: str = "Training run") -> go.Figure:
     fig.add_trace(go.Scatter(x=x, y=q_hs, name="q_hs", mode="lines", line=dict(dash="dash")), 2, 2)
     if "data_wait_pct" in df:
         fig.add_trace(go.Scatter(x=x, y=df["data_wait_pct"], name="data wait %", mode="lines"), 3, 1)
-    if "eta_s" in df:
-        fig.add_trace(go.Scatter(x=x, y=df["eta_s"] / 86400.0, name="ETA (d)", mode="lines"), 3, 2)
+    if "full_run_eta_s" in df:  # (`eta_s` is this invocation's)
+        fig.add_trace(go.Scatter(x=x, y=df["full_run_eta_s"] / 86400.0, name="ETA (d)", mode="lines"), 3, 2)
     fig.update_layout(title=title, template="plotly_white", height=900, showlegend=True)
     return fig
 

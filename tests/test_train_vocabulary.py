@@ -1,0 +1,140 @@
+"""Training refuses at start a tokenizer or MASK id its target cannot embed, takes a target folder's own
+tokenizer unless `-p tokenizer` says otherwise, and fails (exit 1, no drafter) when nothing is fit for training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from dflash_lib import runs
+from dflash_lib.__main__ import main
+from dflash_lib.config import from_params, preset
+from dflash_lib.data.tokenizers import MappedVocab, load_tokenizer
+from dflash_lib.models.target import tiny_qwen3_config
+
+NB04 = runs.REPO_ROOT / "notebooks" / "04_train.ipynb"
+QWEN_IDS = 151851  # ids the bundled Qwen BPE emits, its special tokens included
+
+
+def save_target(directory, vocab_size: int):
+    """A random 4-layer Qwen3 of hidden size 32 over `vocab_size` ids, saved as a local Hugging Face folder."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_config(hidden_size=32, num_layers=4,
+                                                                                vocab_size=vocab_size))
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    """The issue's case: a local target of 1,000 ids and no tokenizer of its own."""
+    return save_target(tmp_path_factory.mktemp("target_1000"), 1000)
+
+
+@pytest.fixture(scope="module")
+def target_with_tokenizer(tmp_path_factory):
+    """A local target folder that ships its tokenizer: a byte-level BPE of ~400 ids with the ChatML specials
+    trained here, and a model with one more row than it has ids (the MASK row). Returns (folder, vocab_size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["user\nHi there", "assistant\nHello! How can I help?", "system\nBe brief.", "2+2? 4"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    folder = tmp_path_factory.mktemp("target_with_tokenizer")
+    hf.save_pretrained(folder)
+    vocab = len(hf) + 1
+    save_target(folder, vocab)
+    return folder, vocab
+
+
+def _error_line(capsys) -> str:
+    """The one `error: ` line on stderr (a token store built on the way draws its progress bar there too)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and err[-1] == errors[0], err
+    return errors[0]
+
+
+def test_a_tokenizer_whose_ids_the_target_cannot_embed_is_refused_before_the_run_folder(tmp_path, small_target,
+                                                                                     capsys):
+    run_dir = tmp_path / "run"
+    code = main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "target", str(small_target),
+                 "-p", "mask_id", "999"])
+    line = _error_line(capsys)
+    assert code == 2 and not run_dir.exists()
+    assert (f"tokenizer 'qwen' emits ids up to {QWEN_IDS - 1} ({QWEN_IDS} ids) but target {str(small_target)!r} "
+            "has vocab_size 1000: pass the target's own tokenizer with -p tokenizer DIR") in line
+
+
+def test_a_mask_id_outside_the_target_vocabulary_is_refused_before_the_run_folder(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "mask_id", "151936"])
+    line = _error_line(capsys)
+    assert code == 2 and not run_dir.exists()
+    assert ("mask_id 151936 is outside target 'tiny''s vocabulary [0, 151936): pass -p mask_id N with N < 151936, "
+            f"e.g. 151935: a row the tokenizer (ids < {QWEN_IDS}) never emits") in line
+
+
+def test_a_new_target_folder_brings_its_tokenizer_unless_one_is_given(target_with_tokenizer, tmp_path):
+    folder, _ = target_with_tokenizer
+    smoke = preset("smoke")
+    assert from_params({"target": str(folder)}, smoke).data.tokenizer == str(folder)
+    assert from_params({"target": str(folder), "tokenizer": "qwen"}, smoke).data.tokenizer == "qwen"
+    on_it = from_params({"target": str(folder)}, smoke)
+    assert from_params({"steps": 3}, on_it).data.tokenizer == str(folder)  # laid over: it stays
+    assert from_params({"target": str(folder)}, from_params({"tokenizer": "qwen"}, on_it)).data.tokenizer == "qwen"
+    assert from_params({"target": str(tmp_path)}, smoke).data.tokenizer == "qwen"  # a folder without a tokenizer
+    # a notebook receives its parameters cell's tokenizer unless the target brings one
+    assert runs.resolve_params(NB04, {"target": str(folder)})["tokenizer"] == str(folder)
+    assert runs.resolve_params(NB04, {"target": str(folder), "tokenizer": "qwen"})["tokenizer"] == "qwen"
+    # the demo target's folder is a tokenizer through its mapped vocabulary (dflash_vocab.json)
+    qwen = load_tokenizer("qwen")
+    MappedVocab("qwen", (qwen.special_id("<|im_start|>"), qwen.special_id("<|im_end|>"), qwen.pad_id)).write(tmp_path)
+    assert from_params({"target": str(tmp_path)}, smoke).data.tokenizer == str(tmp_path)
+
+
+def test_training_on_a_target_folder_uses_its_tokenizer_and_says_so(target_with_tokenizer, tmp_path, capsys):
+    folder, vocab = target_with_tokenizer
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "target", str(folder),
+                 "-p", "mask_id", str(vocab - 1), "-p", "steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"tokenizer {str(folder)!r} (the target folder's own): {vocab - 1} ids, target {str(folder)!r}: "
+            f"vocab_size {vocab}, mask_id {vocab - 1}") in out
+    recorded = json.loads((run_dir / "config.json").read_text())["config"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert recorded["data"]["tokenizer"] == str(folder) and summary["steps"] == 2 and summary["real_tokens"] > 0
+    assert "token_out_of_vocab" not in summary["skipped_samples"]  # every id fits the target
+    # `-p tokenizer qwen` overrides the folder's: its ids do not fit this target, refused
+    code = main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "qwen"), "-p", "target", str(folder),
+                 "-p", "tokenizer", "qwen", "-p", "mask_id", str(vocab - 1)])
+    assert code == 2 and f"has vocab_size {vocab}: pass the target's own tokenizer" in _error_line(capsys)
+
+
+def test_a_run_with_no_sample_fit_for_training_exits_1_without_a_drafter(tmp_path, capsys):
+    """max_len 8 keeps the start of each conversation, its long user turn: no sample has an assistant token."""
+    source = tmp_path / "chats.jsonl"
+    question = " ".join(["why is the sky blue"] * 10)
+    source.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": f"{i}: {question}"}, {"from": "gpt", "value": "Rayleigh scattering."}]}) + "\n"
+        for i in range(20)))
+    run_dir = tmp_path / "run"
+    code = main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "source", str(source),
+                 "-p", "max_len", "8", "-p", "steps", "2", "-p", "strategy", "sorted", "-p", "heldout_fraction", "0.0",
+                 "-p", "cache_dir", str(tmp_path / "cache")])
+    line = _error_line(capsys)
+    assert code == 1 and line.startswith("error: NothingTrainedError: nothing to train on in a whole epoch "
+                                  "(1 sampler step(s) in a row without a token to score) after 0 training steps")
+    assert "skipped 20 samples: no_assistant_token 20" in line
+    assert not (run_dir / "drafter").exists() and not (run_dir / "summary.json").exists()
