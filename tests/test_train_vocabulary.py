@@ -122,8 +122,9 @@ def test_training_on_a_target_folder_uses_its_tokenizer_and_says_so(target_with_
     assert code == 2 and f"has vocab_size {vocab}: pass the target's own tokenizer" in _error_line(capsys)
 
 
-def test_a_run_with_no_sample_fit_for_training_exits_1_without_a_drafter(tmp_path, capsys):
-    """max_len 8 keeps the start of each conversation, its long user turn: no sample has an assistant token."""
+def test_a_corpus_with_no_sample_fit_for_training_is_refused_at_start(tmp_path, capsys):
+    """max_len 8 keeps the start of each conversation, its long user turn: no sample has an assistant token. The
+    token store drops them all at build time, so the run is refused before its folder exists (exit 2)."""
     source = tmp_path / "chats.jsonl"
     question = " ".join(["why is the sky blue"] * 10)
     source.write_text("".join(json.dumps({"id": str(i), "conversations": [
@@ -134,7 +135,21 @@ def test_a_run_with_no_sample_fit_for_training_exits_1_without_a_drafter(tmp_pat
                  "-p", "max_len", "8", "-p", "steps", "2", "-p", "strategy", "sorted", "-p", "heldout_fraction", "0.0",
                  "-p", "cache_dir", str(tmp_path / "cache")])
     line = _error_line(capsys)
-    assert code == 1 and line.startswith("error: NothingTrainedError: nothing to train on in a whole epoch "
-                                  "(1 sampler step(s) in a row without a token to score) after 0 training steps")
-    assert "skipped 20 samples: no_assistant_token 20" in line
-    assert not (run_dir / "drafter").exists() and not (run_dir / "summary.json").exists()
+    assert code == 2 and line.startswith(f"error: source {str(source)!r}: no sample left") and \
+        "'no_assistant_within_max_len': 20" in line
+    assert not run_dir.exists()
+
+
+def test_a_run_that_trained_on_nothing_exits_1(tmp_path, capsys, monkeypatch):
+    """Samples that pass the store but fail validation every step end in NothingTrainedError (the loop's own test
+    covers when); the command line reports it in one line with exit code 1."""
+    import dflash_lib.train
+    from dflash_lib.validate import NothingTrainedError
+
+    def nothing(*args, **kwargs):
+        raise NothingTrainedError("trained on nothing: none of the 4 sampler steps read had a token to score")
+
+    monkeypatch.setattr(dflash_lib.train, "train", nothing)
+    code = main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run")])
+    assert code == 1 and _error_line(capsys) == ("error: NothingTrainedError: trained on nothing: none of the 4 "
+                                                 "sampler steps read had a token to score")
