@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 from dflash_lib.config import Config, ConfigError
-from dflash_lib.data.readers import Conversation, load_conversations
+from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
 
 # An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
@@ -488,6 +488,7 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
     from tqdm.auto import tqdm
 
     out = Path(out)
+    resolve_source(config.data.source)  # a missing or unreadable corpus is refused before OUT or its report exist
     r = config.regenerate
     settings = _settings(config, r.backend)
     rep_file, rej_file = report_path(out), rejects_path(out)

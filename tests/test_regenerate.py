@@ -273,6 +273,18 @@ def test_cli_counts_rejects_and_abort_exits_1_naming_the_record(server, tmp_path
     assert "error: record 2: HTTP 400 " in capsys.readouterr().err
 
 
+def test_cli_a_missing_source_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """A corpus that is not there leaves no OUT and no report behind (a later run with other settings would be
+    refused as "written with other settings")."""
+    from dflash_lib.__main__ import main
+
+    out = tmp_path / "out.jsonl"
+    assert main(["regenerate", "--source", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: source {str(tmp_path / 'nope.jsonl')!r}: no such file "
+                                               "(expected 'sharegpt' or a local .json/.jsonl/.parquet file)")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("code", [429, 500, 502, 503, 504, 400, 404, 422])
 def test_openai_retries_exactly_the_transient_statuses(source, server, code):
     """A status the server or its proxy answers when busy is retried (the second request succeeds); any other
