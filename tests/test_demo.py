@@ -2,13 +2,16 @@
 headless browser."""
 
 import json
+from itertools import islice
 from pathlib import Path
 
 import pytest
 
 from browser_check import check_page, unavailable_reason
+from dflash_lib.data import load_conversations
 from dflash_lib.demo import CHAIN, KEY_FIGURES, run_demo
 from dflash_lib.models import demo_target as dt
+from dflash_lib.regenerate import leading_assistant_turns
 from dflash_lib.report.demo import EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, external_references
 
 
@@ -32,7 +35,9 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     train = chain["runs"][3]["params"]  # notebook 04: the target's answers, buckets planned for them
     assert train["source"] == made["answers"] and train["plan"] == "" and train["heldout_fraction"] == 0.2
     regen = [json.loads(x) for x in Path(made["answers"]).read_text().split("\n") if x]  # (U+2028 inside a record)
-    assert len(regen) == 60 and all(r["regen"]["completion_tokens"] == 8 for r in regen)
+    asked = list(islice((c.record for c in load_conversations("sharegpt") if not leading_assistant_turns(c)), 60))
+    assert asked[-1] > 60  # records opening with an assistant turn answer no prompt: read past
+    assert [r["record"] for r in regen] == asked and all(r["regen"]["completion_tokens"] == 8 for r in regen)
     for stem, run in runs.items():
         assert (tmp_path / run.split("/")[-1] / f"{stem}.ipynb").is_file()
     # each notebook read the one before it

@@ -243,14 +243,14 @@ def test_answers_are_the_targets_own_exactly_n_tokens_and_cached(built, monkeypa
     out = dt.ensure_demo_answers(cfg, folder, s, progress=False)
     assert out.parent == folder / "answers"
     recs = [json.loads(x) for x in out.read_text().split("\n") if x]  # (not splitlines: U+2028 may be in a text)
-    opens_with_user = [c.record for c in load_conversations(cfg.data.source, 12) if not leading_assistant_turns(c)]
-    assert [r["record"] for r in recs] == opens_with_user and len(opens_with_user) < 12  # the others skipped
+    opens_with_user = [c.record for c in load_conversations(cfg.data.source, 20) if not leading_assistant_turns(c)]
+    assert len(opens_with_user) > 12 and [r["record"] for r in recs] == opens_with_user[:12]  # the others read past
     assert all(r["regen"]["completion_tokens"] == 5 and r["messages"][-1]["role"] == "assistant" for r in recs)
     assert all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in recs)  # first turn only
     report = json.loads(rg.report_path(out).read_text())
     assert report["settings"]["target"] == str(folder) and report["settings"]["min_new_tokens"] == 5
-    assert report["run"]["skipped_leading_assistant"] == 12 - len(opens_with_user)
-    assert len(list(load_conversations(str(out)))) == len(opens_with_user)  # a source a run reads
+    assert report["run"]["skipped_leading_assistant"] == opens_with_user[11] + 1 - 12
+    assert len(list(load_conversations(str(out)))) == 12  # a source a run reads
 
     mtime = out.stat().st_mtime_ns
     monkeypatch.setattr(rg, "regenerate", lambda *a, **k: pytest.fail("a complete file was regenerated"))
@@ -272,5 +272,7 @@ def test_answer_settings_are_checked_and_change_the_file(built):
         dt.DemoAnswerSettings(heldout_fraction=1.0)
     rc = dt.answers_config(cfg, folder, dt.DemoAnswerSettings(records=9, new_tokens=7))
     r = rc.regenerate
-    assert (rc.data.limit, r.max_turns, r.max_new_tokens, r.min_new_tokens, r.temperature) == (9, 1, 7, 7, 0.0)
+    assert (rc.data.limit, r.max_turns, r.max_new_tokens, r.min_new_tokens, r.temperature) == (
+        dt.records_to_read(cfg.data.source, 9), 1, 7, 7, 0.0)
+    assert rc.data.limit > 9  # 9 conversations that open with a user turn lie further in (records 4, 5 do not)
     assert (rc.model.target, rc.data.tokenizer) == (str(folder), str(folder))

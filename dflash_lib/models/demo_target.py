@@ -353,13 +353,14 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
 @dataclass(frozen=True)
 class DemoAnswerSettings:
     """The corpus the demo's drafter trains on: the demo target's own greedy answers (DFlash trains on what the
-    target would say, dflash.md; `regenerate`), to the first user turn of the first `records` conversations
-    (those that open with an assistant turn are skipped: that turn would be trained on without being the target's).
+    target would say, docs/dflash.md; `regenerate`), to the first user turn of the first `records` conversations
+    that open with a user turn (a conversation opening with an assistant turn, e.g. the second part of a split
+    ShareGPT chat, is read past: that turn answers no prompt and would be trained on without being the target's).
 
     Every answer is exactly `new_tokens` long (min_new_tokens = max_new_tokens): left free, the small target ends
     most answers after two or three tokens, which leaves no block for a drafter to draft."""
 
-    records: int = 1024  # conversations of the source answered again (first assistant turn only)
+    records: int = 1024  # conversations answered again (their first assistant turn only)
     new_tokens: int = 64  # tokens per answer, exactly
     gen_batch: int = 64  # conversations per batched generate
     gen_tokens: int = 16384  # padded prompt tokens per generate call at most (prompts sorted by length)
@@ -373,11 +374,27 @@ class DemoAnswerSettings:
             raise ConfigError(f"demo answers: heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
 
 
+def records_to_read(source: str, answered: int) -> int:
+    """Records of `source` to read (a `limit`) so that `answered` of them open with a user turn (all there are
+    when the source holds fewer)."""
+    from dflash_lib.data.readers import load_conversations
+    from dflash_lib.regenerate import leading_assistant_turns
+
+    read = found = 0
+    for conv in load_conversations(source):
+        read = conv.record + 1
+        found += not leading_assistant_turns(conv)
+        if found == answered:
+            break
+    return read
+
+
 def answers_config(cfg: Config, target_dir: str | Path, s: DemoAnswerSettings) -> Config:
     """`cfg` with the demo target and its tokenizer, and `regenerate`'s settings for the demo answers."""
     from dflash_lib.config import from_params
 
-    return from_params(dict(demo_target_params(target_dir), limit=s.records, max_turns=1, max_new_tokens=s.new_tokens,
+    limit = records_to_read(cfg.data.source, s.records)
+    return from_params(dict(demo_target_params(target_dir), limit=limit, max_turns=1, max_new_tokens=s.new_tokens,
                             min_new_tokens=s.new_tokens, temperature=0.0, gen_batch=s.gen_batch,
                             gen_tokens=s.gen_tokens, backend="local", regen_leading_assistant="skip"), cfg)
 
