@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser demo test lab clean-venv bench
+.PHONY: setup browser demo test test-fast lab clean-venv bench
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ demo: setup
 
 test: setup browser
 	WANDB_MODE=disabled $(VPY) -m pytest
+
+# every test not marked slow (notebooks, subprocesses, torchrun, long training runs, the paper-shape dry runs)
+test-fast: setup browser
+	WANDB_MODE=disabled $(VPY) -m pytest -m "not slow"
 
 bench: setup
 	# -P: do not put benchmarks/ on sys.path (benchmarks/tokenize.py would shadow the stdlib module)

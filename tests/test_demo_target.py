@@ -91,6 +91,7 @@ def test_mapped_vocabulary_refuses_bad_files(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_mapped_store_never_collides_with_the_base_store(built):
     cfg, folder, _ = built
     base_store = build_token_store_from_config(cfg.data, progress=False)

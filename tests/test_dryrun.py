@@ -141,6 +141,7 @@ def _cli(capsys, *args):
     return code, out, json.loads(out[-1])
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table_and_one_json_line_last(capsys):
     code, out, report = _cli(capsys, "--preset", "smoke", "-p", "drafter_attention", "blocks")
     assert code == 0 and report["fits"] is True and report["device_gib"] == 80
@@ -157,6 +158,7 @@ def test_cli_prints_the_table_and_one_json_line_last(capsys):
     assert report["eta"]["corpus_samples"] > 0 and report["eta"]["seconds"]["bucketed"] > 0
 
 
+@pytest.mark.slow
 def test_cli_exits_1_when_a_batch_does_not_fit(capsys):
     code, _, report = _cli(capsys, "--preset", "smoke", "-p", "drafter_attention", "dense", "--device-gib", "1")
     assert code == 1 and report["fits"] is False
@@ -173,6 +175,7 @@ def test_qwen3_8b_preset_is_the_paper_recipe():
     assert dryrun.for_cuda(cfg) == dryrun.StepSettings("flex", True)
 
 
+@pytest.mark.slow
 def test_qwen3_8b_shapes_reduced_depth(capsys):
     """The real Qwen3-8B widths, the target cut at layer 5 and a 2-layer drafter, two buckets: fast enough to run
     every time; the figures follow from the shapes."""
@@ -190,6 +193,7 @@ def test_qwen3_8b_shapes_reduced_depth(capsys):
         assert b["tflops_split"]["head_ce"] == pytest.approx(4 * 4096 * 151936 * scored / 1e12, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_qwen3_8b_dry_run_fits_80_gib(capsys):
     """The whole paper configuration (about 40 s on 2 cores): every bucket fits 80 GiB on the flex path."""
     code, _, report = _cli(capsys, "--preset", "qwen3-8b")
@@ -197,6 +201,7 @@ def test_qwen3_8b_dry_run_fits_80_gib(capsys):
     assert len(report["buckets"]) == 6 and all(b["required_gib"] <= 80 for b in report["buckets"])
 
 
+@pytest.mark.slow
 def test_measure_plan_gives_every_bucket_its_measured_peak():
     """Notebook 02's check: every bucket of a plan gets the peak of its worst batch, measured in fake mode."""
     from dflash_lib.buckets import optimal_boundaries

@@ -30,6 +30,7 @@ def trained(target):
     return drafter, prompts, conts, final
 
 
+@pytest.mark.slow
 def test_untrained_drafter_still_outputs_target_greedy(target):
     prompts = random_prompts(3, seed=2)
     res = acceptance_length(target, decode_drafter(target, B, seed=3), prompts, NEW)
@@ -43,6 +44,7 @@ def test_untrained_drafter_still_outputs_target_greedy(target):
     assert sum(k * v for k, v in res.histogram.items()) >= len(prompts) * (NEW - 1)
 
 
+@pytest.mark.slow
 def test_overfit_drafter_accepts_most_of_each_block(target, trained):
     drafter, prompts, conts, final = trained
     assert final.acc >= 0.95 and min(final.acc_per_pos) >= 0.9 and final.eal >= 0.8 * B
@@ -77,6 +79,7 @@ def test_acceptance_counts_the_matching_prefix_plus_bonus(target):
     assert res.tau == pytest.approx(sum(want) / len(want))
 
 
+@pytest.mark.slow
 def test_mixed_acceptance_and_reload_still_give_target_greedy(target, trained, tmp_path):
     drafter, prompts, conts, _ = trained
     drafter.save(tmp_path)

@@ -84,6 +84,7 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
         probe_table(probes[1:])
 
 
+@pytest.mark.slow
 def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tmp_path, monkeypatch):
     import dflash_lib.train as train_mod
     from dflash_lib.config import preset

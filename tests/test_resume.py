@@ -58,6 +58,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     return run_dir, rows(run_dir)
 
 
+@pytest.mark.slow
 def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     ref_dir, ref_rows = reference
     first = train(config(stop_at_step=4), tmp_path)
@@ -78,6 +79,7 @@ def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     assert again["steps"] == 8 and again["resumed_from_step"] == 8 and len(rows(tmp_path)) == 8
 
 
+@pytest.mark.slow
 def test_resume_skips_a_corrupt_checkpoint_and_drops_the_rows_logged_past_the_one_used(tmp_path, reference, caplog):
     _, ref_rows = reference
     train(config(stop_at_step=5), tmp_path)  # checkpoints at 3 and 5, rows 1..5
@@ -93,6 +95,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_drops_the_rows_logged_past_the_on
     assert_same_trajectory(rows(tmp_path), ref_rows)  # rows 4, 5 and the cut row 6 were dropped, then retrained
 
 
+@pytest.mark.slow
 def test_async_checkpoints_resume_like_synchronous_ones(tmp_path, reference):
     """async_ckpt: DCP stages the tensors and writes them in a background thread; the next save or the end commits
     each one (manifest last), so a stop and a resume still reproduce the uninterrupted run."""
@@ -107,6 +110,7 @@ def test_async_checkpoints_resume_like_synchronous_ones(tmp_path, reference):
     assert_same_trajectory(rows(tmp_path), ref_rows)
 
 
+@pytest.mark.slow
 def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
     """1.5 epochs of the first 40 records; stop exactly at the end of epoch 0."""
     params = dict(limit=40, steps=0, epochs=1.5, ckpt_every=0)
@@ -122,6 +126,7 @@ def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
     assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 
+@pytest.mark.slow
 def test_resume_inside_an_accumulated_step_sequence(tmp_path):
     params = dict(steps=5, accum_tokens=3000, ckpt_every=0)
     train(config(**params), tmp_path / "ref")

@@ -81,6 +81,7 @@ def test_new_run_dirs_are_new_and_named(tmp_path):
         runs.new_run_dir("nb", "bad tag/../x", tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_run_executes_into_a_new_folder_and_prints_it_last(tiny_nb, tmp_path):
     env = {**os.environ, "DFLASH_RUNS_ROOT": str(tmp_path / "runs")}
     out = subprocess.run([sys.executable, "-m", "dflash_lib", "run", str(tiny_nb), "-p", "limit", "7",
@@ -99,6 +100,7 @@ def test_cli_run_executes_into_a_new_folder_and_prints_it_last(tiny_nb, tmp_path
     assert "Debugger warning" not in out.stderr and "WARNING" not in out.stderr  # kernel noise silenced
 
 
+@pytest.mark.slow
 def test_cli_refuses_unknown_key_with_exit_2(tiny_nb, tmp_path):
     env = {**os.environ, "DFLASH_RUNS_ROOT": str(tmp_path / "runs")}
     out = subprocess.run([sys.executable, "-m", "dflash_lib", "run", str(tiny_nb), "-p", "bogus", "1"],
@@ -133,6 +135,7 @@ def test_a_preset_notebook_takes_any_config_field_and_refuses_the_rest(preset_nb
         runs.resolve_params(preset_nb, {"steps": "-1"})
 
 
+@pytest.mark.slow
 def test_cli_injects_undeclared_fields_into_the_notebook_config(preset_nb, tmp_path):
     """papermill injects `-p steps 4` although the parameters cell does not declare it; notebook_config picks it up,
     the rest comes from the preset."""
