@@ -331,6 +331,7 @@ def _watch(d: Path, stop, accepted: list, problems: list) -> None:
         accepted.append(state["step"])
 
 
+@pytest.mark.slow
 def test_a_reader_never_sees_a_partial_checkpoint_while_writers_are_killed(tmp_path: Path) -> None:
     """A watcher thread loads the newest checkpoint over and over while writer processes saving back to back are
     killed (SIGKILL) at random moments; after each kill, at rest, every listed checkpoint loads and the newest is

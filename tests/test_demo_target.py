@@ -163,6 +163,7 @@ def test_a_killed_build_leaves_nothing_that_looks_cached(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "demo_targets").iterdir()) == [stale.name]
 
 
+@pytest.mark.slow
 def test_the_build_is_deterministic(built, tmp_path):
     cfg, folder, rec = built
     small = dt.DemoTargetSettings(**{**SETTINGS.__dict__, "steps": 4})

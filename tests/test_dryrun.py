@@ -24,6 +24,7 @@ def _tiny(**params):
     return from_params({**base, **params})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention,checkpointing", [("dense", False), ("blocks", True), ("blocks", False)])
 def test_fake_step_matches_a_real_step(attention, checkpointing):
     cfg = _tiny()

@@ -353,6 +353,7 @@ def test_untrained_drafter_is_the_one_training_starts_from(smoke_run):
     assert all(torch.equal(p, theirs[n]) for n, p in mine.named_parameters())
 
 
+@pytest.mark.slow
 def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smoke_run, tmp_path):
     from dflash_lib.evaluate import RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, prepare, run_summary
     from dflash_lib.models.export import read_doc

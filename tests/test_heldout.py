@@ -224,6 +224,7 @@ def test_the_last_step_is_evaluated_when_the_data_ends_on_a_read_with_nothing_to
     assert not any("heldout_loss" in r for r in rows_of(tmp_path))  # eval_every 0: no evaluation before
 
 
+@pytest.mark.slow
 def test_evaluation_leaves_the_training_trajectory_unchanged(tmp_path):
     store = random_store(48)
     runs = []
