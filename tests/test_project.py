@@ -94,3 +94,28 @@ def test_the_chain_ends_by_evaluating_the_training_run():
                                                                              "loss_vs_heldout"]
     declared = notebook_parameters(REPO_ROOT / "notebooks" / "04_train.ipynb")
     assert {"ckpt_every", "eval_every"} <= declared.keys()  # so that a run has checkpoints to evaluate
+
+
+CITED_MD = re.compile(r"[A-Za-z0-9_./-]+\.md\b")
+
+
+def cited_markdown(text: str) -> set[str]:
+    """The `*.md` paths a text cites (a bare name means a file at the top or in docs/)."""
+    return {m.lstrip("./") for m in CITED_MD.findall(text) if not m.startswith("http")}
+
+
+def test_every_cited_markdown_file_is_in_the_repository():
+    """Users have no ../shared: every *.md the code, notebooks, benchmarks or docs cite is a file we hold."""
+    sources = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md"), *(REPO_ROOT / "dflash_lib").rglob("*.py"),
+               *(REPO_ROOT / "notebooks").glob("*.ipynb"), *(REPO_ROOT / "benchmarks").glob("*.py")]
+    missing = {}
+    for path in sources:
+        for cited in cited_markdown(path.read_text()):
+            here = REPO_ROOT / cited
+            bare = "/" not in cited and ((REPO_ROOT / "docs" / cited).is_file() or here.is_file())
+            if not (here.is_file() or bare):
+                missing.setdefault(cited, []).append(str(path.relative_to(REPO_ROOT)))
+    assert missing == {}, f"cited but not in the repository: {missing}"
+    assert cited_markdown("see shared/design/bucketing.md and docs/dflash.md") == {"shared/design/bucketing.md",
+                                                                                  "docs/dflash.md"}
+
