@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -423,6 +424,22 @@ def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_
         assert r["rows"] * r["row_len"] <= config.sampler.token_budget
 
 
+def two_ranks(tmp_path: Path, script_text: str, run_dir: Path) -> tuple[list[dict], str]:
+    """Run `script_text` under torchrun on 2 CPU ranks (argument: run_dir): each rank's rank<r>.json in rank order,
+    and what the job printed."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(script_text)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)], proc.stdout
+
+
 DDP_SCRIPT = """
 import json, sys
 from pathlib import Path
@@ -448,19 +465,8 @@ distributed.destroy()  # as train() does: a process group left to interpreter ex
 def test_two_ranks_stay_in_sync(tmp_path):
     """torchrun, 2 gloo ranks on different shards: statistics are summed over ranks, gradients too (the two
     drafters end identical), and rank 0 alone logs and writes."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "ddp_train.py"
-    script.write_text(DDP_SCRIPT)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results, stdout = two_ranks(tmp_path, DDP_SCRIPT, run_dir)
     assert [r["rank"] for r in results] == [0, 1] and all(r["steps"] == 3 for r in results)
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -468,7 +474,7 @@ def test_two_ranks_stay_in_sync(tmp_path):
     assert served == [a + b for a, b in zip(results[0]["tokens"], results[1]["tokens"])]
     assert results[0]["tokens"] != results[1]["tokens"]  # the ranks really saw different data
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
-    log_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ") and " | loss " in line]
+    log_lines = [line for line in stdout.splitlines() if line.startswith("step ") and " | loss " in line]
     assert len(log_lines) == 3  # printed by rank 0 only
 
 
@@ -516,19 +522,8 @@ def test_two_ranks_agree_that_a_sampler_step_with_nothing_to_score_is_no_step(tm
     """torchrun, 2 gloo ranks: sampler step 1 has nothing to score on either rank, so neither steps (the run's
     3 steps are sampler steps 0, 2 and 3); sampler step 2 has nothing on rank 1 only, a step both take (rank 1
     joins the gradient reduction with its filler): the two drafters end identical."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "ddp_empty.py"
-    script.write_text(DDP_EMPTY_SCRIPT)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results, stdout = two_ranks(tmp_path, DDP_EMPTY_SCRIPT, run_dir)
     assert [(r["steps"], r["empty"]) for r in results] == [(3, 1), (3, 1)]
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -536,7 +531,7 @@ def test_two_ranks_agree_that_a_sampler_step_with_nothing_to_score_is_no_step(tm
     shard0, shard1 = results[0]["step2_tokens"]  # step 2 = sampler step 2: rank 1's samples all left out
     assert rows[1]["real_tokens"] + rows[1]["skipped_tokens"] == shard0 + shard1
     assert 0 < rows[1]["real_tokens"] <= shard0 and rows[1]["skipped_tokens"] >= shard1
-    said = [line for line in proc.stdout.splitlines() if "nothing to score" in line]
+    said = [line for line in stdout.splitlines() if "nothing to score" in line]
     assert len(said) == 1 and said[0].startswith("epoch 0, sampler step 1: nothing to score")  # rank 0 says it
 
 
