@@ -21,6 +21,7 @@ from dflash_lib.data import (ChatMLTemplate, ChatTokenizer, DataError, LoadRepor
                              load_tokenizer, render, skip_table, summarize_lengths, summarize_store)
 from dflash_lib.data import readers, store as store_mod  # noqa: E402
 from dflash_lib.report.lengths import length_histogram, length_tail  # noqa: E402
+from tiny_models import tiny_chatml_tokenizer  # noqa: E402
 
 CONV_A = {"id": "a", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
                                        {"from": "gpt", "value": "Hello! ü"}]}
@@ -376,18 +377,7 @@ def test_unknown_template_and_tokenizer_errors(tmp_path, qwen):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny byte-level BPE trained here, saved as a local Hugging Face tokenizer with ChatML specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = ["user\nHi there", "assistant\nHello! How can I help?", "system\nBe brief.", "2+2? 4"] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 additional_special_tokens=["<|im_start|>"])
+    hf = tiny_chatml_tokenizer()
     hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}")
     path = tmp_path_factory.mktemp("hf_tok")

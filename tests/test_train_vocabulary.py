@@ -14,6 +14,7 @@ from dflash_lib.__main__ import main
 from dflash_lib.config import from_params, preset
 from dflash_lib.data.tokenizers import MappedVocab, load_tokenizer
 from dflash_lib.models.target import tiny_qwen3_config
+from tiny_models import tiny_chatml_tokenizer
 
 NB04 = runs.REPO_ROOT / "notebooks" / "04_train.ipynb"
 QWEN_IDS = 151851  # ids the bundled Qwen BPE emits, its special tokens included
@@ -39,18 +40,7 @@ def small_target(tmp_path_factory):
 def target_with_tokenizer(tmp_path_factory):
     """A local target folder that ships its tokenizer: a byte-level BPE of ~400 ids with the ChatML specials
     trained here, and a model with one more row than it has ids (the MASK row). Returns (folder, vocab_size)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = ["user\nHi there", "assistant\nHello! How can I help?", "system\nBe brief.", "2+2? 4"] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 additional_special_tokens=["<|im_start|>"])
+    hf = tiny_chatml_tokenizer()
     folder = tmp_path_factory.mktemp("target_with_tokenizer")
     hf.save_pretrained(folder)
     vocab = len(hf) + 1

@@ -75,3 +75,21 @@ def random_prompts(n: int, seed: int, vocab: int = 256, longest: int = 8) -> lis
 
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab - 1, int(rng.integers(1, longest))).tolist() for _ in range(n)]
+
+
+def tiny_chatml_tokenizer():
+    """A byte-level BPE of ~400 ids trained here on a few chat lines, as a Hugging Face fast tokenizer with the
+    ChatML specials (<|endoftext|> pad, <|im_start|>, <|im_end|> eos); no chat template set."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["user\nHi there", "assistant\nHello! How can I help?", "system\nBe brief.", "2+2? 4"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    return hf
