@@ -19,6 +19,7 @@ import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 
@@ -450,12 +451,22 @@ def from_params(params: dict[str, Any], base: Config | None = None) -> Config:
     return Config(**{s: SECTION_CLASSES[s](**kw) for s, kw in sections.items()})
 
 
+MAPPED_VOCAB_FILE = "dflash_vocab.json"  # marks a folder as a MappedTokenizer (data/tokenizers.py)
+TARGET_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", MAPPED_VOCAB_FILE)  # any: a folder ships one
+
+
+def target_tokenizer(target: str) -> str | None:
+    """The tokenizer a target folder ships: the folder itself when it holds one of TARGET_TOKENIZER_FILES (a
+    Hugging Face tokenizer, or a mapped vocabulary as the demo target's), else None ("tiny", a named shape, a
+    folder of weights only). Opens no file: a folder's tokenizer is only loaded when the store is built."""
+    path = Path(target).expanduser()
+    return target if path.is_dir() and any((path / f).is_file() for f in TARGET_TOKENIZER_FILES) else None
+
+
 def new_target_tokenizer(params: Mapping[str, Any], was: str) -> str | None:
     """The tokenizer that comes with a NEW target: when flat `params` set `target` to a folder other than `was`
-    (the base's target) that ships a tokenizer (`data.tokenizers.target_tokenizer`) and do not set `tokenizer`,
+    (the base's target) that ships a tokenizer (`target_tokenizer`) and do not set `tokenizer`,
     that folder; None otherwise (`-p tokenizer` given, or the target holds no tokenizer)."""
-    from dflash_lib.data.tokenizers import target_tokenizer  # here: dflash_lib.data imports this module
-
     target = params.get("target")
     if "tokenizer" in params or not isinstance(target, str) or target == was:
         return None

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from dflash_lib import distributed
-from dflash_lib.config import Config, ConfigError
-from dflash_lib.data.tokenizers import target_tokenizer
+from dflash_lib.config import Config, ConfigError, target_tokenizer
 from dflash_lib.heldout import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.attention import resolve_attention

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dflash_lib.config import MAPPED_VOCAB_FILE
 from dflash_lib.data.readers import DataError
 from dflash_lib.data.templates import Segment
 
@@ -289,7 +290,6 @@ class HFTokenizer(ChatTokenizer):
         return out
 
 
-MAPPED_VOCAB_FILE = "dflash_vocab.json"  # marks a folder as a MappedTokenizer (see MappedTokenizer)
 MAPPED_VOCAB_FORMAT = "dflash-mapped-vocab-v1"
 UNK_MARKER = "\u2047"  # how decode shows the UNK id ("⁇", as sentencepiece shows unknown pieces)
 MASK_MARKER = "<|dflash_mask|>"  # how decode shows the MASK id (never produced by encoding)
@@ -454,17 +454,6 @@ def tokenizer_identity(spec: str) -> dict[str, Any]:
     for name in found:
         digest.update(name.encode() + b"\0" + (path / name).read_bytes())
     return dict(name="hf", path=str(path.resolve()), files_sha256=digest.hexdigest())
-
-
-TARGET_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", MAPPED_VOCAB_FILE)  # any: a folder ships one
-
-
-def target_tokenizer(target: str) -> str | None:
-    """The tokenizer a target folder ships: the folder itself when it holds one of TARGET_TOKENIZER_FILES (a
-    Hugging Face tokenizer, or a mapped vocabulary as the demo target's), else None ("tiny", a named shape, a
-    folder of weights only). Opens no file: a folder's tokenizer is only loaded when the store is built."""
-    path = Path(target).expanduser()
-    return target if path.is_dir() and any((path / f).is_file() for f in TARGET_TOKENIZER_FILES) else None
 
 
 def load_tokenizer(spec: str) -> ChatTokenizer:

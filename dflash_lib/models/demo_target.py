@@ -40,10 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_lib.config import Config, ConfigError
+from dflash_lib.config import MAPPED_VOCAB_FILE, Config, ConfigError
 from dflash_lib.data.store import StoreSettings, build_token_store_from_config
-from dflash_lib.data.tokenizers import (MAPPED_VOCAB_FILE, MappedVocab, is_mapped_tokenizer, load_tokenizer,
-                                        tokenizer_identity)
+from dflash_lib.data.tokenizers import MappedVocab, is_mapped_tokenizer, load_tokenizer, tokenizer_identity
 
 DEMO_TARGET_FORMAT = 4  # bump when the build's semantics change (old folders then stop matching)
 MAX_POSITIONS = 32768  # RoPE positions the target accepts: a regeneration prompt (a whole first user turn) may be long

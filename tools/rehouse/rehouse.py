@@ -116,11 +116,12 @@ SPLITS = {
     "sampler.budget": {"plan.sampler.base": ["PaddedBudgetSampler"]},
     "sampler.base": {"plan.sampler.budget": ["SamplerError"]},
     "runs": {"rundir": ["REPO_ROOT", "RUNS_ROOT", "_TAG_RE", "_PACKAGES", "new_run_dir", "git_state",
-                        "environment", "write_json", "load_config"]},
+                        "environment", "write_json", "load_config", "UNWRITABLE",
+                        "writable"]},
     "report.training": {"train.metrics": ["load_metrics"]},
     "report.evaluation": {"evaluate": ["LOSS_WINDOW", "_number", "loss_figures"]},
     # PRE_PATCHES["export: the command's checkpoint half"] writes these two into models/export.py first
-    "models.export": {"train.checkpoint": ["export_checkpoint", "export_source"]},
+    "models.export": {"train.resume": ["check_destination", "export_checkpoint", "export_source"]},
 }
 
 # New packages and the modules that exist only as the target of a split: their docstrings.
@@ -242,15 +243,44 @@ _EXPORT_COMMAND_OLD = '''def _checkpoint_drafter(ckpt: Path) -> tuple[DrafterCon
     return cfg, state["drafter"], int(getattr(hf, "max_position_embeddings", 0) or 0), info
 
 
-def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
+    """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
+    unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
+    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
+    from dflash_lib.checkpoint import MANIFEST_FILE
+    from dflash_lib.resume import RUN_OUTPUTS, is_training_run
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"destination {out} exists and is not a folder")
+    where = out.resolve()
+    if where == Path(src).resolve():
+        raise ConfigError(f"destination {out} is the source itself: give another folder")
+    for inner, folder in zip([where, *where.parents], where.parents):
+        if inner.name in RUN_OUTPUTS and is_training_run(folder):
+            raise ConfigError(f"destination {out} is {inner.name} of the training run {folder}: give a folder "
+                              f"outside its own files")
+    if is_training_run(where) or (where / MANIFEST_FILE).is_file():
+        raise ConfigError(f"destination {out} is a training run folder or a checkpoint: give another folder")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if names and not force:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ConfigError(f"destination {out} is not empty (it holds {shown}): give a new or empty folder, or "
+                          f"--force to replace its {CONFIG_FILE}, {WEIGHTS_FILE} and {README_FILE}")
+
+
+def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                  force: bool = False) -> Path:
     """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
     drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
-    loaded: the shapes come from the run's config (and a local target's config.json)."""
+    loaded: the shapes come from the run's config (and a local target's config.json). OUT_DIR must be new or
+    empty unless `force`, and is never a run folder's own files (`check_destination`)."""
     from dflash_lib.checkpoint import MANIFEST_FILE, list_checkpoints
 
     src = Path(src)
     if not src.is_dir():
         raise ConfigError(f"{src} is not a folder")
+    check_destination(out_dir, src, force)
     if (src / MANIFEST_FILE).is_file():
         cfg, weights, max_pos, info = _checkpoint_drafter(src)
         return write_folder(cfg, weights, out_dir, dtype, max_pos, info)
@@ -321,15 +351,44 @@ def export_checkpoint(ckpt: Path, out_dir: str | Path, dtype: torch.dtype = torc
                               f"{ckpt} (step {manifest.step})", f"checkpoint {ckpt}")
 
 
-def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
+    """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
+    unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
+    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
+    from dflash_lib.checkpoint import MANIFEST_FILE
+    from dflash_lib.resume import RUN_OUTPUTS, is_training_run
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"destination {out} exists and is not a folder")
+    where = out.resolve()
+    if where == Path(src).resolve():
+        raise ConfigError(f"destination {out} is the source itself: give another folder")
+    for inner, folder in zip([where, *where.parents], where.parents):
+        if inner.name in RUN_OUTPUTS and is_training_run(folder):
+            raise ConfigError(f"destination {out} is {inner.name} of the training run {folder}: give a folder "
+                              f"outside its own files")
+    if is_training_run(where) or (where / MANIFEST_FILE).is_file():
+        raise ConfigError(f"destination {out} is a training run folder or a checkpoint: give another folder")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if names and not force:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ConfigError(f"destination {out} is not empty (it holds {shown}): give a new or empty folder, or "
+                          f"--force to replace its {CONFIG_FILE}, {WEIGHTS_FILE} and {README_FILE}")
+
+
+def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                  force: bool = False) -> Path:
     """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
     drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
-    loaded: the shapes come from the run's config (and a local target's config.json)."""
+    loaded: the shapes come from the run's config (and a local target's config.json). OUT_DIR must be new or
+    empty unless `force`, and is never a run folder's own files (`check_destination`)."""
     from dflash_lib.checkpoint import MANIFEST_FILE, list_checkpoints
 
     src = Path(src)
     if not src.is_dir():
         raise ConfigError(f"{src} is not a folder")
+    check_destination(out_dir, src, force)
     if (src / MANIFEST_FILE).is_file():
         return export_checkpoint(src, out_dir, dtype)
     ckpts = list_checkpoints(src / "checkpoints")
