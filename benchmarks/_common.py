@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from dflash_lib import distributed
+from dflash_lib.train import distributed
 
 
 def join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:

@@ -25,10 +25,10 @@ from typing import Any, Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from dflash_lib.buckets import (efficiency_vs_k, equal_length_boundaries, length_histogram, optimal_boundaries,
-                                seed_boundaries)  # noqa: E402
 from dflash_lib.config import BucketConfig, DataConfig, SamplerConfig  # noqa: E402
-from dflash_lib.sampler import BucketedShuffleSampler, evaluate_strategies, format_points  # noqa: E402
+from dflash_lib.plan.buckets import (efficiency_vs_k, equal_length_boundaries, length_histogram,  # noqa: E402
+                                     optimal_boundaries, seed_boundaries)
+from dflash_lib.plan.sampler import BucketedShuffleSampler, evaluate_strategies, format_points  # noqa: E402
 
 
 def best_time(fn: Callable[[], Any], repeat: int = 3) -> tuple[float, Any]:

@@ -1,4 +1,4 @@
-"""What the distributed checkpoints cost: save and load of a weights + AdamW state with `dflash_lib.checkpoint`
+"""What the distributed checkpoints cost: save and load of a weights + AdamW state with `dflash_lib.train.checkpoint`
 (DCP shards, fsync, sha256 of every file, manifest, rename) on 1 and 2 ranks vs plain torch.save/torch.load.
 
 Run: .venv/bin/python benchmarks/checkpoint_io.py [--params 250e6] [--repeats 2] [--dir PATH]
@@ -25,8 +25,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from dflash_lib import distributed  # noqa: E402
-from dflash_lib.checkpoint import find_latest, load_into, save_checkpoint  # noqa: E402
+from dflash_lib.train import distributed  # noqa: E402
+from dflash_lib.train.checkpoint import find_latest, load_into, save_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
 from _common import join_group, spawn_ranks  # noqa: E402

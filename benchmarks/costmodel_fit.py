@@ -22,11 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_lib.costmodel import (
-    BatchShape, StepObservation, attention_q_from_fit, describe_packed, describe_padded, select_cost_model,
-    throughput_rel_sd,
-)
-from dflash_lib.sampler import split_by_budget
+from dflash_lib.plan.costmodel import (BatchShape, StepObservation, attention_q_from_fit, describe_packed,
+                                       describe_padded, select_cost_model, throughput_rel_sd)
+from dflash_lib.plan.sampler import split_by_budget
 
 
 class Block(torch.nn.Module):

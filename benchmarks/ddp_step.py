@@ -5,7 +5,7 @@ Two processes (spawned here, gloo on localhost, one CPU thread each) train the s
 the same micro-batches (2 per step: accumulation) in both modes, each mode timed over `--steps` steps after one
 warm-up step:
   old: forward/backward of every micro-batch, then, after the whole backward, one all-reduce per parameter
-       tensor on a clone of its gradient (what dflash_lib/train.py did before DDP: no bucketing, no overlap),
+       tensor on a clone of its gradient (what dflash_lib/train/loop.py did before DDP: no bucketing, no overlap),
   ddp: `step.train_step` on a `distributed.Engine("ddp")`: no_sync on the first micro-batch, bucketed
        all-reduce overlapped with the last backward.
 Prints each mode's median seconds per step and the old/ddp ratio (> 1: DDP is faster), and checks that both
@@ -28,13 +28,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from dflash_lib import distributed  # noqa: E402
-from dflash_lib.batch import collate_padded  # noqa: E402
-from dflash_lib.feed import Item  # noqa: E402
+from dflash_lib.data.batch import collate_padded  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
-from dflash_lib.distributed import all_reduce_floats  # noqa: E402
-from dflash_lib.step import train_step  # noqa: E402
-from dflash_lib.validate import BadStepGuard  # noqa: E402
+from dflash_lib.train import distributed  # noqa: E402
+from dflash_lib.train.distributed import all_reduce_floats  # noqa: E402
+from dflash_lib.train.feed import Item  # noqa: E402
+from dflash_lib.train.state import BadStepGuard  # noqa: E402
+from dflash_lib.train.step import train_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
 from _common import join_group, spawn_ranks  # noqa: E402

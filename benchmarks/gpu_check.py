@@ -23,7 +23,7 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
             MFU = (FLOPs per real token, counted by torch.utils.flop_counter.FlopCounterMode over one full step) x
             tokens/s / 989 TFLOP/s (H200 dense bf16 peak), the peak memory (`torch.cuda.max_memory_allocated`) of
             the run and of one step on the costliest batch alone, and the dry run's prediction for that same
-            batch (`dflash_lib.dryrun.measure_step` in fake mode on the CPU, run BEFORE any GPU step).
+            batch (`dflash_lib.train.dryrun.measure_step` in fake mode on the CPU, run BEFORE any GPU step).
   pipeline  the same models and batches: a plain loop (collate -> target -> step, one thread, default stream)
             vs the Pipeline (a target worker thread on its own CUDA stream); Ktok/s of each and their ratio.
   drafting  `acceptance_length` with the bf16 target and the trained drafter (bf16 autocast) on a few prompts;
@@ -57,13 +57,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dflash_lib.batch import collate_packed, collate_padded  # noqa: E402
 from dflash_lib.config import Config, ModelConfig, PipelineConfig  # noqa: E402
-from dflash_lib.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
+from dflash_lib.data.batch import collate_packed, collate_padded  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length  # noqa: E402
-from dflash_lib.pipeline import Pipeline  # noqa: E402
-from dflash_lib.step import train_step  # noqa: E402
-from dflash_lib.validate import BadStepGuard  # noqa: E402
+from dflash_lib.train.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
+from dflash_lib.train.pipeline import Pipeline  # noqa: E402
+from dflash_lib.train.state import BadStepGuard  # noqa: E402
+from dflash_lib.train.step import train_step  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s): the MFU denominator
 GIB = 2 ** 30
@@ -198,8 +198,8 @@ def section_fsdp(device: torch.device) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from dflash_lib import distributed as D
-    from dflash_lib.feed import Item
+    from dflash_lib.train import distributed as D
+    from dflash_lib.train.feed import Item
 
     cuda = device.type == "cuda"
     target, drafter = small_models(device, torch.bfloat16 if cuda else torch.float32, "blocks")
@@ -336,11 +336,11 @@ class Run:
 def dry_prediction(run: Run, batch) -> dict[str, Any]:
     """The dry run's peak for `batch` at the run's shapes, in fake mode on the CPU (before any GPU step)."""
     try:
-        from dflash_lib import dryrun
+        from dflash_lib.train import dryrun
     except Exception as e:  # noqa: BLE001 (reported, not fatal)
-        return {"available": False, "reason": f"import dflash_lib.dryrun: {type(e).__name__}: {e}"}
+        return {"available": False, "reason": f"import dflash_lib.train.dryrun: {type(e).__name__}: {e}"}
     if not all(hasattr(dryrun, n) for n in ("StepSettings", "build_step_models", "measure_step")):
-        return {"available": False, "reason": "dflash_lib.dryrun lacks StepSettings/build_step_models/measure_step"}
+        return {"available": False, "reason": "dflash_lib.train.dryrun lacks StepSettings/build_step_models/measure_step"}
     t0 = time.perf_counter()
     settings = dryrun.StepSettings(attention="flex", checkpointing=True, target_dtype=torch.bfloat16, autocast=True)
     cfg = run.config()

@@ -32,8 +32,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dflash_lib.batch import Batch, collate_packed, collate_padded  # noqa: E402
 from dflash_lib.config import demo  # noqa: E402
+from dflash_lib.data.batch import Batch, collate_packed, collate_padded  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
 
 

@@ -39,16 +39,16 @@ import torch  # noqa: E402
 
 from dflash_lib.config import Config, from_params, preset  # noqa: E402
 from dflash_lib.data import build_token_store_from_config  # noqa: E402
-from dflash_lib.data.analysis import store_drafter_queries  # noqa: E402
-from dflash_lib.metrics import ThroughputMeter  # noqa: E402
-from dflash_lib.sampler import FixedBatchSampler  # noqa: E402
+from dflash_lib.data.stats import store_drafter_queries  # noqa: E402
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
-from dflash_lib.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
-from dflash_lib.parts import TrainingParts, bucket_edges, build_sampler, drafter_checkpointing  # noqa: E402
-from dflash_lib.schedule import lr_at, noise_at  # noqa: E402
-from dflash_lib.step import build_optimizer, train_step  # noqa: E402
-from dflash_lib.train import run_training  # noqa: E402
-from dflash_lib.validate import BadStepGuard  # noqa: E402
+from dflash_lib.plan.sampler import FixedBatchSampler  # noqa: E402
+from dflash_lib.train.build import TrainingParts, bucket_edges, build_sampler, drafter_checkpointing  # noqa: E402
+from dflash_lib.train.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
+from dflash_lib.train.loop import run_training  # noqa: E402
+from dflash_lib.train.metrics import ThroughputMeter  # noqa: E402
+from dflash_lib.train.schedule import lr_at, noise_at  # noqa: E402
+from dflash_lib.train.state import BadStepGuard  # noqa: E402
+from dflash_lib.train.step import build_optimizer, train_step  # noqa: E402
 
 
 def steady_rate(times: list[float], tokens: list[int], waits: list[float]) -> dict:

@@ -4,27 +4,31 @@ evaluate, export, regenerate, dryrun, params (see README).
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
 `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
 anything else is a bug and keeps its traceback. `--debug` shows the traceback of every error.
+
+Each command imports its stage when it runs (the package's only function-local imports): `--help` and a
+mistyped argument answer without loading torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-from .config import SECTION_CLASSES, ConfigError, params_table
-from .runs import notebook_names
+from dflash_lib.config import SECTION_CLASSES, ConfigError, params_table
+from dflash_lib.lab.runs import notebook_names
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The project's exceptions for bad input (settings, corpus, bucket or sampler requests, paths that do not
     exist): the command line reports them in one line with exit code 2."""
-    from .buckets import BucketError
-    from .costmodel import CostModelError
-    from .data.readers import DataError
-    from .report.demo import DemoReportError
-    from .sampler import SamplerError
+    from dflash_lib.data.readers import DataError
+    from dflash_lib.lab.report.demo import DemoReportError
+    from dflash_lib.plan.buckets import BucketError
+    from dflash_lib.plan.costmodel import CostModelError
+    from dflash_lib.plan.sampler import SamplerError
 
     return (ConfigError, DataError, BucketError, SamplerError, CostModelError, DemoReportError, FileNotFoundError,
             NotADirectoryError, IsADirectoryError)
@@ -65,12 +69,13 @@ def _train(args: argparse.Namespace) -> int:
     """The `train` subcommand: 0 when the run finished or stopped cleanly on SIGTERM/SIGINT (resumable),
     1 when training failed (the message names the checkpoint, stage or rank at fault, or says no sample was fit
     for training; --debug: its traceback)."""
-    from .checkpoint import CheckpointError
-    from .distributed import DistributedError
-    from .pipeline import PipelineError
-    from .runs import load_config
-    from .train import train
-    from .validate import NonFiniteLossError, NothingTrainedError
+    from dflash_lib.rundir import load_config
+    from dflash_lib.train.checkpoint import CheckpointError
+    from dflash_lib.train.distributed import DistributedError
+    from dflash_lib.train.feed import NothingTrainedError
+    from dflash_lib.train.loop import train
+    from dflash_lib.train.pipeline import PipelineError
+    from dflash_lib.train.state import NonFiniteLossError
 
     params = _params(args.param)
     if args.fresh:
@@ -95,10 +100,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     """The `regenerate` subcommand: 0 when the run went through the source (rejected records are counted and
     listed in the rejects file; a rerun tries them again), 1 when the backend failed or regen_on_error abort
     stopped at a record (the message names it; what was written stays and a rerun resumes)."""
-    import json
-
-    from .config import from_params, preset
-    from .regenerate import RegenerateError, regenerate
+    from dflash_lib.config import from_params, preset
+    from dflash_lib.regenerate import RegenerateError, regenerate
 
     params = _params(args.param)
     for key, value in (("source", args.source), ("backend", args.backend)):
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(hidden_size, target_layers) come from this preset")
     dt.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     dt.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                    help="a training setting of models.demo_target.DemoTargetSettings (vocab_size, steps, lr, ...)")
+                    help="a training setting of lab.demo_target.DemoTargetSettings (vocab_size, steps, lr, ...)")
 
     ev = sub.add_parser("evaluate", help="speculative decoding of held-out prompts with a saved drafter: tau, "
                         "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON)")
@@ -208,36 +211,35 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "run":
-            from .runs import execute
+            from dflash_lib.lab.runs import execute
 
             print(execute(args.notebook, _params(args.param), preset_name=args.preset, tag=args.tag))
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "demo":
-            from .demo import run_demo
+            from dflash_lib.lab.demo import run_demo
 
             print(run_demo(preset_name=args.preset, tag=args.tag))
         elif args.cmd == "demo-target":
-            from .models.demo_target import run_cli as demo_target
+            from dflash_lib.lab.demo_target import run_cli as demo_target
 
             print(demo_target(args.preset, _params(args.param), args.set))
         elif args.cmd == "evaluate":
-            import json
-
-            from .evaluate import evaluate
+            from dflash_lib.evaluate import evaluate
 
             print(json.dumps(evaluate(args.drafter, args.target, _params(args.param))))
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":
-            from .models.export import DTYPES, export_source
+            from dflash_lib.models.export import DTYPES
+            from dflash_lib.train.resume import export_source
 
             try:
                 print(export_source(args.src, args.out_dir, DTYPES[args.dtype], force=args.force))
             except (OSError, ValueError) as e:  # ConfigError is a ValueError; safetensors raises OSError/ValueError
                 raise ConfigError(f"export {args.src}: {' '.join(str(e).split())}") from None
         elif args.cmd == "dryrun":
-            from .dryrun import run_cli
+            from dflash_lib.train.dryrun import run_cli
 
             return run_cli(args)
         elif args.cmd == "params":

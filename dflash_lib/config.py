@@ -40,7 +40,7 @@ class DataConfig:
     workers: int = 2  # tokenizer threads
     thinking: str = "off"  # Qwen3 think blocks: "off" (non-thinking serving: empty block, untrained) | "on" | "keep"
     heldout_fraction: float = 0.01  # share of samples held out of training, chosen by a hash of each sample's
-    # tokens (dflash_lib.heldout: stable across runs and corpus order); 0 = none
+    # tokens (dflash_lib.data.split: stable across runs and corpus order); 0 = none
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, ("truncate", "drop"))

@@ -14,7 +14,7 @@ stdout line, one JSON object (`REPORT_KEYS`). For a notebook: `evaluate(...)` re
 Prompts: the first N samples of the held-out split of the configured token store (`-p source`, `tokenizer`,
 `template`, `max_len`: the store training read), in the split's hash order, so they are the samples the trainer
 never trained on and the first ones its held-out evaluation scores. The split is the trainer's
-(`heldout.split_store` with `heldout_fraction`); for a trainer run folder it is the run's own `heldout.json`,
+(`split.split_store` with `heldout_fraction`); for a trainer run folder it is the run's own `heldout.json`,
 each sample's hash checked against the store built now. A prompt is its sample's tokens before the first
 loss-masked (assistant) token: the conversation up to and including the assistant generation prompt, exactly
 as the template rendered it for training (no re-tokenization). Samples without an assistant token are passed
@@ -26,6 +26,7 @@ bundled corpus's samples start with an assistant turn, so their prompt is the ge
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -34,9 +35,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
+import pandas as pd
 import torch
 
 from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, from_params
+from dflash_lib.data import build_token_store_from_config
+from dflash_lib.data.readers import DataError
+from dflash_lib.data.split import HELDOUT_FILE, sample_hash, split_store
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
+from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+from dflash_lib.models.export import DTYPES, init_from, read_drafter
+from dflash_lib.models.target import target_hf_config
+from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
+from dflash_lib.train.metrics import load_metrics
+from dflash_lib.train.resume import export_source
 
 REPORT_KEYS = ("tau", "histogram", "per_position", "target_calls_per_token", "tokens_per_s", "baseline_tokens_per_s",
                "speedup", "prompts", "max_new_tokens")
@@ -44,6 +56,8 @@ RUN_SUMMARY_KEYS = ("tau_trained", "tau_untrained", "tau_by_step", "speedup", "l
                     "heldout_loss_last", "export")  # notebook 05's summary.json, at least
 SERVING_DIR = "serving"  # evaluate_run exports the final drafter to <out_dir>/serving/
 Say = Callable[[str], None]
+
+LOSS_WINDOW = 5  # steps averaged at each end for loss_first / loss_last (at most a quarter of the run)
 
 
 def _stderr(text: str) -> None:
@@ -119,10 +133,6 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
     cut to `sample_prompt`. The split: `run_dir/heldout.json` when given and present (every used sample's hash checked
     against the store), else `split_store(store, heldout_fraction)`. ConfigError when the split is empty or
     holds fewer than `n` usable samples."""
-    from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.data.readers import DataError
-    from dflash_lib.heldout import HELDOUT_FILE, sample_hash, split_store
-
     data = config.data
     try:
         store = build_token_store_from_config(data, progress=False)
@@ -138,7 +148,7 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
         split = split_store(store, data.heldout_fraction)
         fraction, order, hashes = data.heldout_fraction, split.heldout.tolist(), split.hashes.tolist()
         where = (f"the held-out split of {data.source!r} (heldout_fraction {fraction}, hash rule of "
-                 f"dflash_lib.heldout: {len(order)} of {len(store)} samples)")
+                 f"dflash_lib.data.split: {len(order)} of {len(store)} samples)")
     if not order:
         why = ("heldout_fraction is 0: nothing is held out" if fraction == 0 else
                f"heldout_fraction {fraction} of {len(store)} samples holds out none")
@@ -200,8 +210,6 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
     """Config (a run's recorded one under `params`), target (bf16 on CUDA, fp32 on CPU, as the trainer runs
     it), the saved drafter on it (refused first when it does not fit) and the held-out prompts, every vocabulary
     id checked against the target. `target` None: the run's recorded one (`build_config`)."""
-    from dflash_lib.models import TargetModel
-
     drafter_dir, run_dir, recorded = find_drafter(drafter)
     config, dropped = build_config(dict(params or {}), target, recorded)
     if run_dir is not None:
@@ -235,9 +243,6 @@ def check_fit(drafter_dir: Path, config: Config) -> None:
     and the target's (no weights): hidden size, decoder layers, fused feature layers, each named with the
     drafter's and the target's value and the -p that sets it. DFlashDrafter.load checks the rest (vocabulary,
     the exact layer ids) once the target is built."""
-    from dflash_lib.models import export
-    from dflash_lib.models.target import target_hf_config
-
     try:
         mine = export.drafter_config(export.read_doc(drafter_dir), str(drafter_dir / export.CONFIG_FILE))
     except FileNotFoundError as e:
@@ -258,21 +263,16 @@ def check_fit(drafter_dir: Path, config: Config) -> None:
 
 def load_drafter(directory: str | Path, target: Any) -> Any:
     """A saved/exported drafter on `target`, in eval mode; ConfigError for a missing folder."""
-    from dflash_lib.models import DFlashDrafter
-
     try:
-        model = DFlashDrafter.load(directory, target)
+        model = read_drafter(directory, target)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     return model.eval()
 
 
 def initial_drafter(config: Config, target: Any) -> Any:
-    """The drafter a training run of `config` starts from (`parts.build_parts`): built after
+    """The drafter a training run of `config` starts from (`build.build_parts`): built after
     `torch.manual_seed(seed)` on the target's device, then `init_from` when set. The caller's RNG is untouched."""
-    from dflash_lib.models import DFlashDrafter, DrafterConfig
-    from dflash_lib.models.export import init_from
-
     devices = [target.device] if target.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.train.seed)
@@ -296,8 +296,6 @@ def decode_threads(setup: Setup) -> Iterator[None]:
 
 def _warm(setup: Setup, drafter: Any) -> None:
     """First-call overheads (allocator, kernels) out of the timed decodes."""
-    from dflash_lib.models.acceptance import acceptance_length, greedy_decode
-
     if setup.config.evaluate.timing_warmup:
         few = min(setup.config.regenerate.max_new_tokens, 2 * drafter.cfg.block_size)
         acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
@@ -307,8 +305,6 @@ def _warm(setup: Setup, drafter: Any) -> None:
 def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
     """Speculative decoding of the setup's prompts with `drafter`, against the plain greedy `baseline`
     (`acceptance.DecodeResult` of the same prompts): the REPORT_KEYS figures and more."""
-    from dflash_lib.models.acceptance import acceptance_length
-
     n_new = setup.config.regenerate.max_new_tokens
     spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
     same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
@@ -331,8 +327,6 @@ def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
 
 
 def _baseline(setup: Setup) -> Any:
-    from dflash_lib.models.acceptance import greedy_decode
-
     return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids,
                          setup.min_new_tokens)
 
@@ -375,9 +369,7 @@ def trainer_folder(run: str | Path) -> Path:
 
 
 def run_checkpoints(train_dir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every checkpoint of a trainer run, oldest first, through `dflash_lib.checkpoint`."""
-    from dflash_lib.checkpoint import CheckpointError, list_checkpoints, read_manifest
-
+    """(step, folder) of every checkpoint of a trainer run, oldest first, through `dflash_lib.train.checkpoint`."""
     out = []
     for path in list_checkpoints(train_dir / "checkpoints"):
         try:
@@ -389,8 +381,6 @@ def run_checkpoints(train_dir: Path) -> list[tuple[int, Path]]:
 
 def checkpoint_drafter(ckpt: Path, setup: Setup, scratch: Path) -> Any:
     """The drafter of one checkpoint, read the way `python -m dflash_lib export` reads it (fp32, so exact)."""
-    from dflash_lib.models.export import DTYPES, export_source
-
     out = export_source(ckpt, scratch / ckpt.name, DTYPES["fp32"])
     return load_drafter(out, setup.target)
 
@@ -406,15 +396,11 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
     (step 0, `initial_drafter`), each saved checkpoint's, and the final `drafter/` (decoded in full: histogram,
     per-position acceptance, speedup against plain greedy decoding, timed once for all). With `out_dir` the
     final drafter is exported there in the serving layout (`SERVING_DIR`, bf16). Training and held-out losses
-    come from the run's metrics.jsonl (`report.evaluation.loss_figures`).
+    come from the run's metrics.jsonl (`evaluate.loss_figures`).
 
     Returns a JSON-able dict: RUN_SUMMARY_KEYS, the final drafter's `decode` report under `final`, `by_step`
     (one {step, tau, histogram, per_position, cycles, outputs_equal_baseline, drafter} per drafter, step order)
     and the prompts' source."""
-    from dflash_lib.models.export import DTYPES, export_source
-    from dflash_lib.report.evaluation import loss_figures
-    from dflash_lib.report.training import load_metrics
-
     train_dir = trainer_folder(run)
     setup = prepare(train_dir, target, params, say)
     final_model = setup.drafter
@@ -491,3 +477,39 @@ def summary(r: Mapping[str, Any]) -> str:
         f"{r['tokens_per_s']:.1f} tokens/s vs {r['baseline_tokens_per_s']:.1f} plain greedy with a KV cache: "
         f"speedup {r['speedup']:.2f}x; {r['outputs_equal_baseline']}/{r['prompts']} outputs identical",
     ])
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None (JSON has no NaN)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def loss_figures(metrics: pd.DataFrame, window: int = LOSS_WINDOW) -> dict[str, Any]:
+    """From a run's metrics frame (`train.metrics.load_metrics`; rows of skipped steps left out):
+    loss_first / loss_last = mean training loss (nats) over the first / last `loss_window` steps, where
+    loss_window = max(1, min(window, steps // 4)) so the two windows never overlap; heldout_loss_first /
+    heldout_loss_last = the held-out loss of the first / last evaluation (None when the run logged none) and
+    heldout_steps = the steps evaluated."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    rows = metrics
+    if "skipped" in rows:
+        rows = rows[~rows["skipped"].fillna(False).astype(bool)]
+    losses = rows[["step", "loss"]].dropna()
+    if losses.empty:
+        raise ValueError("metrics: no step with a training loss")
+    w = max(1, min(window, len(losses) // 4))
+    out: dict[str, Any] = {"loss_first": float(losses["loss"].iloc[:w].mean()),
+                           "loss_last": float(losses["loss"].iloc[-w:].mean()), "loss_window": w,
+                           "heldout_loss_first": None, "heldout_loss_last": None, "heldout_steps": []}
+    if "heldout_loss" in metrics:
+        held = metrics[["step", "heldout_loss"]].dropna()
+        if not held.empty:
+            out["heldout_loss_first"] = _number(held["heldout_loss"].iloc[0])
+            out["heldout_loss_last"] = _number(held["heldout_loss"].iloc[-1])
+            out["heldout_steps"] = [int(s) for s in held["step"]]
+    return out

@@ -39,9 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
+import torch
+
 from dflash_lib.config import Config, ConfigError
 from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
+from dflash_lib.data.tokenizers import load_tokenizer
+from dflash_lib.models.target import SDPA_VARLEN, TargetModel
 
 # An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
 REFUSAL = re.compile(r"^\s*(I'm sorry|I am sorry|I apologi[sz]e|Sorry, (but )?I|I can(no|')t (help|assist|do|provide)|"
@@ -103,11 +107,6 @@ class LocalBackend:
     left-padded into one batch, and `generate` (KV cache) greedy or sampled; stops at the tokenizer's eos."""
 
     def __init__(self, config: Config, target=None, tokenizer=None, device: str = "cpu") -> None:
-        import torch
-
-        from dflash_lib.data.tokenizers import load_tokenizer
-        from dflash_lib.models.target import TargetModel
-
         self.cfg = config.regenerate
         self.tok = tokenizer or load_tokenizer(config.data.tokenizer)
         self.template = get_template(config.data.template, self.tok, config.data.thinking)
@@ -167,8 +166,6 @@ def padded_attention(model: Any) -> Iterator[None]:
     attention (`target.SDPA_VARLEN`) has no mask function registered with transformers, which then builds no mask:
     the padding would be attended and a padded row's answer would not be the one the target gives the prompt
     alone (tested)."""
-    from dflash_lib.models.target import SDPA_VARLEN
-
     before = model.config._attn_implementation
     if before != SDPA_VARLEN:
         yield
@@ -485,7 +482,7 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
     records (0 = all; what a kill would do, without the kill). Resumes from what `out` holds. A record that
     fails goes to `rejects_path(out)` (or, with regen_on_error abort, raises RegenerateError after it is listed
     there); whatever ends the run, the report's `status` says so (`failed` with the error on an exception)."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # only the progress bar needs it
 
     out = Path(out)
     resolve_source(config.data.source)  # a missing or unreadable corpus is refused before OUT or its report exist
@@ -504,8 +501,6 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
         backend = LocalBackend(config) if r.backend == "local" else OpenAIBackend(config)
     tok = getattr(backend, "tok", None)
     if tok is None:
-        from dflash_lib.data.tokenizers import load_tokenizer
-
         tok = load_tokenizer(config.data.tokenizer)
     count = lambda text: len(tok.encode_texts([text], [None])[0][0])  # noqa: E731 (tokens of plain text)
     stats: dict[str, Any] = {}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_lib.batch import collate_packed, collate_padded
+from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, block_groups, build_layout
@@ -271,7 +271,7 @@ def test_bf16_target_with_fp32_drafter_trains_under_autocast_and_drafts_without(
 
 def test_flex_training_on_cpu_is_refused_before_any_work(tmp_path):
     from dflash_lib.config import ConfigError, from_params, preset
-    from dflash_lib.parts import build_parts
+    from dflash_lib.train.build import build_parts
 
     config = from_params(dict(drafter_attention="flex", limit=20), preset("smoke"))
     with pytest.raises(ConfigError, match="flex' trains only on CUDA"):

@@ -10,13 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.batch import collate_padded
-from dflash_lib.buckets import BucketFitError, check_fit, plan_for_edges, worst_batch_queries
 from dflash_lib.config import from_params, preset
-from dflash_lib.data.analysis import drafter_queries, store_drafter_queries, valid_anchor_counts
+from dflash_lib.data.batch import collate_padded
+from dflash_lib.data.stats import drafter_queries, store_drafter_queries, valid_anchor_counts
 from dflash_lib.models.anchors import sample_anchors
-from dflash_lib.sampler import (BucketedShuffleSampler, PackedSampler, RandomShuffleSampler, SamplerError,
-                                SortedStaticSampler, derived_block_budget, resolve_block_budget)
+from dflash_lib.plan.buckets import BucketFitError, plan_for_edges
+from dflash_lib.plan.fit import check_fit, worst_batch_queries
+from dflash_lib.plan.sampler import (BucketedShuffleSampler, PackedSampler, RandomShuffleSampler, SamplerError,
+                                     SortedStaticSampler, derived_block_budget, resolve_block_budget)
 
 BUDGET = 256  # target tokens per batch
 EDGES = (16, 40, 64)
@@ -170,7 +171,7 @@ def test_short_documents_are_split_by_the_block_budget(kind):
 
 
 def test_static_batch_sizes_follow_the_block_budget():
-    from dflash_lib.parts import static_batch_sizes
+    from dflash_lib.train.build import static_batch_sizes
 
     assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
     # bucket maxima 64, 0 (no anchor anywhere) and 512 drafter query tokens under a 256-query budget
@@ -187,7 +188,7 @@ def test_static_batch_sizes_follow_the_block_budget():
 
 
 def test_build_sampler_applies_the_resolved_block_budget():
-    from dflash_lib.parts import build_sampler
+    from dflash_lib.train.build import build_sampler
 
     rng = np.random.default_rng(2)
     lengths = rng.integers(2, 512, 300)

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import pytest
 
 from browser_check import ReportBrowser, unavailable_reason
-from dflash_lib.report.demo import build_demo_report
+from dflash_lib.lab.report.demo import build_demo_report
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""dflash_lib.buckets: exactness against brute force, the cost model, baselines, k choice and the fit check."""
+"""dflash_lib.plan.buckets: exactness against brute force, the cost model, baselines, k choice and the fit check."""
 
 import itertools
 import json
@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, MemoryModel, check_fit,
-                                choose_k, efficiency_vs_k, equal_length_boundaries, length_histogram,
-                                optimal_boundaries, plan_for_edges, seed_boundaries)
+from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, choose_k, efficiency_vs_k,
+                                     equal_length_boundaries, length_histogram, optimal_boundaries, plan_for_edges,
+                                     seed_boundaries)
+from dflash_lib.plan.fit import MemoryModel, check_fit
 
 # ---------------------------------------------------------------------------------------------------------
 # An independent reference: samples listed one by one, binomials as exact integers.
@@ -216,14 +217,14 @@ def test_too_few_distinct_lengths_get_one_bucket_each_and_one_warning_line(objec
     kw = dict(max_len=10, objective=objective, token_budget=40)
     for planner in (optimal_boundaries, seed_boundaries, equal_length_boundaries):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="dflash_lib.buckets"):
+        with caplog.at_level("WARNING", logger="dflash_lib.plan.buckets"):
             plan = planner([3, 3, 4], 6, **kw)
         assert (plan.edges, plan.counts, plan.efficiency) == ((3, 4, 10), (2, 1, 0), 1.0), planner.__name__
         assert [r.getMessage() for r in caplog.records] == [
             "k=6 buckets requested, but the 3 sample(s) have only 2 distinct length(s): planning 3 bucket(s), "
             "one per length, the last one up to max_len=10"]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dflash_lib.buckets"):
+    with caplog.at_level("WARNING", logger="dflash_lib.plan.buckets"):
         one = optimal_boundaries([7], 4, **kw)  # a one-record corpus
         at_max = optimal_boundaries([3, 3, 10], 4, **kw)  # a sample at max_len: no extra top bucket
         enough = optimal_boundaries([3, 3, 4], 3, **kw)  # exactly as many as it can have: no warning
@@ -271,9 +272,9 @@ def test_fit_check_fixed_and_dynamic_worst_cases():
 
 
 def test_report_figures_for_notebook_02(tmp_path):
-    from dflash_lib.report.buckets import (efficiency_vs_k as k_figure, efficiency_vs_randomness, lengths_histogram,
-                                           write_bucket_figures)
-    from dflash_lib.sampler import StrategyPoint
+    from dflash_lib.lab.report.buckets import (efficiency_vs_k as k_figure, efficiency_vs_randomness, lengths_histogram,
+                                               write_bucket_figures)
+    from dflash_lib.plan.sampler import StrategyPoint
 
     rng = np.random.default_rng(4)
     lengths = np.clip(np.round(rng.lognormal(4.0, 0.8, 2000)), 1, 256).astype(int)

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib import checkpoint as ckpt
-from dflash_lib.checkpoint import (CheckpointError, CheckpointMismatchError, fresh_run_dir, list_checkpoints,
-                                   load_latest, read_manifest, resume_config_hash, save_checkpoint)
 from dflash_lib.config import FLAT_FIELDS, from_params, smoke
-from dflash_lib.rng import capture_rng, restore_rng
+from dflash_lib.train import checkpoint as ckpt
+from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, capture_rng, fresh_run_dir,
+                                         list_checkpoints, load_latest, read_manifest, restore_rng, resume_config_hash,
+                                         save_checkpoint)
 
 REPO = Path(__file__).resolve().parent.parent
 H = "cfg0123456789abc"  # a config hash for tests
@@ -129,7 +129,7 @@ def test_corrupt_newest_is_refused_and_the_previous_used(tmp_path: Path, kind: s
     _write_steps(tmp_path, [1, 2])
     corrupt, message = CORRUPTIONS[kind]
     corrupt(tmp_path / "ckpt-00000002")
-    with caplog.at_level(logging.WARNING, logger="dflash_lib.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lib.train.checkpoint"):
         state, path = load_latest(tmp_path, H)
     assert path.name == "ckpt-00000001" and state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
     skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint ckpt-00000002" in r.getMessage()]
@@ -142,7 +142,7 @@ def test_a_corrupt_checkpoint_does_not_count_towards_keep_last(tmp_path: Path, k
     4 keeps steps 2 and 4 (the two newest good ones) and deletes step 3 and step 1."""
     _write_steps(tmp_path, [1, 2, 3])
     CORRUPTIONS[kind][0](tmp_path / "ckpt-00000003")
-    with caplog.at_level(logging.WARNING, logger="dflash_lib.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lib.train.checkpoint"):
         _write_steps(tmp_path, [4], keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002", "ckpt-00000004"]
     assert "deleting incomplete or corrupt checkpoint" in caplog.text and "ckpt-00000003" in caplog.text
@@ -283,7 +283,7 @@ def test_resume_hash_ignores_run_control_settings() -> None:
 WRITER_SERVER = textwrap.dedent("""
     import os, sys, torch
     import torch.distributed.checkpoint  # imported once here, not in every forked writer
-    from dflash_lib.checkpoint import save_checkpoint
+    from dflash_lib.train.checkpoint import save_checkpoint
     d, n = sys.argv[1], int(sys.argv[2])
     for line in sys.stdin:  # one line per round: the first step to save
         start = int(line)

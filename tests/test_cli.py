@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from dflash_lib.__main__ import main
-from dflash_lib.buckets import BucketError, BucketFitError
 from dflash_lib.config import ConfigError
 from dflash_lib.data.readers import DataError
 from dflash_lib.data.templates import TemplateError
-from dflash_lib.pipeline import PipelineError
-from dflash_lib.sampler import SamplerError
+from dflash_lib.plan.buckets import BucketError, BucketFitError
+from dflash_lib.plan.sampler import SamplerError
+from dflash_lib.train.pipeline import PipelineError
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -52,7 +52,7 @@ def _fail_with(monkeypatch, exc: BaseException) -> None:
     """`run` (any notebook) raises `exc`, as the notebook runner would."""
     def execute(*args, **kwargs):
         raise exc
-    monkeypatch.setattr("dflash_lib.runs.execute", execute)
+    monkeypatch.setattr("dflash_lib.lab.runs.execute", execute)
 
 
 @pytest.mark.parametrize("exc, shown", [
@@ -104,7 +104,7 @@ def test_a_user_error_inside_a_notebook_is_one_line_a_bug_there_is_not(monkeypat
 def test_a_failed_training_run_is_one_line_and_exit_1_its_traceback_with_debug(monkeypatch, capsys, tmp_path):
     def train(*args, **kwargs):
         raise PipelineError("stage 'target[0]' failed: RuntimeError: boom", stage="target[0]")
-    monkeypatch.setattr("dflash_lib.train.train", train)
+    monkeypatch.setattr("dflash_lib.train.loop.train", train)
     args = ["train", "--preset", "smoke", "--run-dir", str(tmp_path)]
     assert main(args) == 1
     assert capsys.readouterr().err == "error: PipelineError: stage 'target[0]' failed: RuntimeError: boom\n"
@@ -157,7 +157,7 @@ def test_bad_settings_and_a_folder_as_corpus_are_one_line_before_any_run_folder(
 
 def test_params_lists_every_key_and_help_names_the_notebooks_and_backends(capsys):
     from dflash_lib.config import FLAT_FIELDS, TrainConfig
-    from dflash_lib.runs import notebook_names
+    from dflash_lib.lab.runs import notebook_names
 
     assert main(["params"]) == 0
     keys = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]

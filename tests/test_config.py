@@ -127,7 +127,7 @@ def test_params_table_lists_every_field_with_its_type_default_and_comment():
     # a comment continued on the lines below its field is read whole
     assert rows["static_shapes"].endswith("(k fixed shapes, as CUDA graphs / torch.compile want; what the \"edge\" "
                                           "objective prices exactly)")
-    assert rows["heldout_fraction"].endswith("(dflash_lib.heldout: stable across runs and corpus order); 0 = none")
+    assert rows["heldout_fraction"].endswith("(dflash_lib.data.split: stable across runs and corpus order); 0 = none")
     docs = {k: v for cls in C.SECTION_CLASSES.values() for k, v in C.field_docs(cls).items()}
     assert [k for k in C.FLAT_FIELDS if not docs.get(k)] == []  # every setting has its comment
     train = C.params_table("train").splitlines()

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dflash_lib.costmodel import (
-    BatchShape, CostModel, CostModelError, StepObservation, _nnls, attention_q_from_fit, candidate_terms,
-    describe_batches, describe_packed, describe_padded, fit_cost_model, leave_one_out, select_cost_model,
-)
-from dflash_lib.sampler import split_by_budget
+from dflash_lib.plan.costmodel import (BatchShape, CostModel, CostModelError, StepObservation, _nnls,
+                                       attention_q_from_fit, candidate_terms, describe_batches, describe_packed,
+                                       describe_padded, fit_cost_model, leave_one_out, select_cost_model)
+from dflash_lib.plan.sampler import split_by_budget
 
 TRUE = dict(a=0.02, b=2e-6, c=1e-9)  # seconds/step, seconds/padded token, seconds/token^2
 BUDGET = 4096  # tokens per batch including padding (packed: per row)
@@ -216,7 +215,7 @@ def test_nnls_meets_the_optimality_conditions(seed, n, p):
 
 def test_block_term_is_recovered_when_blocks_vary_independently():
     """The drafter's LM-head work scales with anchor blocks (documents), not tokens: fit it as its own term."""
-    from dflash_lib.costmodel import anchor_blocks, describe_padded
+    from dflash_lib.plan.costmodel import anchor_blocks, describe_padded
 
     rng = np.random.default_rng(3)
     true = dict(a=0.05, b=2e-5, c=1e-9, e=4e-4)
@@ -253,7 +252,7 @@ def test_real_token_term_is_chosen_and_recovered_when_padding_is_cheaper_than_do
 
 
 def test_candidate_terms_and_tie_break_towards_fewer_terms():
-    from dflash_lib.costmodel import choose_terms
+    from dflash_lib.plan.costmodel import choose_terms
 
     sets = candidate_terms()
     assert len(sets) == 32 and sets[0] == ("a",) and sets[-1] == ("a", "b", "r", "c", "e", "d")
@@ -268,7 +267,7 @@ def test_candidate_terms_and_tie_break_towards_fewer_terms():
 
 
 def test_throughput_noise_is_zero_for_identical_steps_and_grows_with_spread():
-    from dflash_lib.costmodel import throughput_rel_sd
+    from dflash_lib.plan.costmodel import throughput_rel_sd
 
     same = [_obs(2, 100, seconds=0.1) for _ in range(20)]
     assert throughput_rel_sd(same) == pytest.approx(0.0, abs=1e-12)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib.batch import collate_padded
-from dflash_lib.feed import Collated, Item, Work, make_target_workers
+from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.step import train_step
-from dflash_lib.validate import BadStepGuard
+from dflash_lib.train.feed import Collated, Item, Work, make_target_workers
+from dflash_lib.train.state import BadStepGuard
+from dflash_lib.train.step import train_step
 
 VOCAB = 200
 

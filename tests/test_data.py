@@ -18,9 +18,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from dflash_lib.config import ConfigError, DataConfig  # noqa: E402
 from dflash_lib.data import (ChatMLTemplate, ChatTokenizer, DataError, LoadReport, TokenStore,  # noqa: E402
                              build_token_store, build_token_store_from_config, get_template, load_conversations,
-                             load_tokenizer, render, skip_table, summarize_lengths, summarize_store)
-from dflash_lib.data import readers, store as store_mod  # noqa: E402
-from dflash_lib.report.lengths import length_histogram, length_tail  # noqa: E402
+                             load_tokenizer, readers, render, skip_table, store as store_mod, summarize_lengths,
+                             summarize_store)
+from dflash_lib.lab.report.lengths import length_histogram, length_tail  # noqa: E402
 from tiny_models import tiny_chatml_tokenizer  # noqa: E402
 
 CONV_A = {"id": "a", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},

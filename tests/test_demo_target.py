@@ -12,9 +12,9 @@ import pytest
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data import build_token_store_from_config, get_template, load_tokenizer, tokenizer_identity
 from dflash_lib.data.readers import DataError
+from dflash_lib.data.split import split_store
 from dflash_lib.data.tokenizers import MASK_MARKER, UNK_MARKER, MappedTokenizer, MappedVocab
-from dflash_lib.heldout import split_store
-from dflash_lib.models import demo_target as dt
+from dflash_lib.lab import demo_target as dt
 from dflash_lib.models.target import TargetModel
 
 # Tiny: a 32-hidden, 2-layer target, 25 steps of 512 tokens. vocab_size above the ids the training split holds,
@@ -204,8 +204,8 @@ def test_folder_loads_as_a_local_target_with_the_loss_it_was_trained_to(built):
 
 
 def test_drafter_trains_against_the_demo_target(built, tmp_path, capsys):
-    from dflash_lib.train import train
-    from dflash_lib.validate import TOKEN_OUT_OF_VOCAB
+    from dflash_lib.train.feed import TOKEN_OUT_OF_VOCAB
+    from dflash_lib.train.loop import train
 
     cfg, folder, rec = built
     config = from_params(dict(**dt.demo_target_params(folder), steps=3, eval_samples=0), cfg)
@@ -255,7 +255,7 @@ def test_answers_are_the_targets_own_exactly_n_tokens_and_cached(built, monkeypa
     assert len(list(load_conversations(str(out)))) == 12  # a source a run reads
 
     mtime = out.stat().st_mtime_ns
-    monkeypatch.setattr(rg, "regenerate", lambda *a, **k: pytest.fail("a complete file was regenerated"))
+    monkeypatch.setattr(dt, "regenerate", lambda *a, **k: pytest.fail("a complete file was regenerated"))
     assert dt.ensure_demo_answers(cfg, folder, s, progress=False) == out and out.stat().st_mtime_ns == mtime
     monkeypatch.undo()
 

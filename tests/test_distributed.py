@@ -18,14 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash_lib import distributed as D
-from dflash_lib.batch import collate_padded
-from dflash_lib.checkpoint import CheckpointError, TrainingCheckpoints, save_checkpoint
 from dflash_lib.config import smoke
-from dflash_lib.feed import Item
-from dflash_lib.rng import capture_rng, restore_rng
-from dflash_lib.step import filler_item, train_step
-from dflash_lib.validate import BadStepGuard
+from dflash_lib.data.batch import collate_padded
+from dflash_lib.train import distributed as D
+from dflash_lib.train.checkpoint import CheckpointError, TrainingCheckpoints, capture_rng, restore_rng, save_checkpoint
+from dflash_lib.train.feed import Item
+from dflash_lib.train.state import BadStepGuard
+from dflash_lib.train.step import filler_item, train_step
 from tiny_models import decode_drafter, decode_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +32,7 @@ TIMEOUT_S = 6.0  # collective timeout the worker processes are configured with
 
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time, torch
-    from dflash_lib import distributed as D
+    from dflash_lib.train import distributed as D
     mode, timeout = sys.argv[1], float(sys.argv[2])
     info = D.init_distributed(timeout_s=timeout, device="cpu")
     s = D.all_reduce_sum(float(info.rank + 1))
@@ -319,7 +318,7 @@ def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step
         calls.append(values)
         return [values[0] + 5.0, *values[1:]] if len(calls) == 1 else list(values)
 
-    monkeypatch.setattr("dflash_lib.step.all_reduce_floats", with_peer)
+    monkeypatch.setattr("dflash_lib.train.step.all_reduce_floats", with_peer)
     silent = [(tok, np.zeros_like(mask)) for tok, mask in _docs(2)]  # this rank: nothing scored
     (item,) = _items(step_target, drafter, silent, [2])
     before = [p.detach().clone() for p in params]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib import dryrun
 from dflash_lib.config import from_params, preset
 from dflash_lib.models.target import tiny_qwen3_config
+from dflash_lib.train import dryrun
 
 VOCAB = 1000
 PEAK_TOLERANCE = 0.01  # fake vs real peak: the same ops allocate the same bytes; 1 % leaves room for kernel outputs
@@ -205,7 +205,7 @@ def test_qwen3_8b_dry_run_fits_80_gib(capsys):
 @pytest.mark.slow
 def test_measure_plan_gives_every_bucket_its_measured_peak():
     """Notebook 02's check: every bucket of a plan gets the peak of its worst batch, measured in fake mode."""
-    from dflash_lib.buckets import optimal_boundaries
+    from dflash_lib.plan.buckets import optimal_boundaries
 
     cfg = _tiny(token_budget=1024, max_len=256, num_anchors=16, block_size=4)
     lengths = np.random.default_rng(0).integers(20, 257, 500)

@@ -16,6 +16,7 @@ from dflash_lib.config import Config, from_params
 from dflash_lib.evaluate import REPORT_KEYS
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
+from dflash_lib.models.export import export_drafter
 from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
 VOCAB, B, NEW = 256, 4, 16
@@ -213,7 +214,8 @@ def _save_tiny_run(tmp_path) -> tuple[str, Config]:
     config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4, **SMALL_STORE})
     tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
     torch.manual_seed(0)
-    DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt).save(tmp_path / "drafter")
+    export_drafter(DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt),
+                   tmp_path / "drafter", torch.float32)
     (tmp_path / "config.json").write_text(json.dumps({"config": config.to_dict()}))
     return str(tmp_path), config
 
@@ -275,7 +277,7 @@ SMOKE_RUN = dict(SMALL_STORE, hidden_size=32, target_layers=2, num_features=1, n
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     """A real 4-step training run (checkpoints at steps 2 and 4, held-out evaluation at 2 and 4)."""
-    from dflash_lib.train import train
+    from dflash_lib.train.loop import train
 
     run_dir = tmp_path_factory.mktemp("evaluate") / "train"
     config = from_params(SMOKE_RUN)
@@ -287,8 +289,8 @@ def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smok
     """The prompts are the first held-out samples (hash order), none of them among the samples the run trained on,
     each a prefix of its sample that ends right before the sample's first loss-masked token."""
     from dflash_lib.data import build_token_store_from_config
+    from dflash_lib.data.split import split_store
     from dflash_lib.evaluate import heldout_prompts
-    from dflash_lib.heldout import split_store
 
     run_dir, config = smoke_run
     store = build_token_store_from_config(config.data, progress=False)
@@ -342,7 +344,7 @@ def test_a_run_whose_store_changed_or_without_a_split_is_refused(smoke_run, tmp_
 
 def test_untrained_drafter_is_the_one_training_starts_from(smoke_run):
     from dflash_lib.evaluate import initial_drafter
-    from dflash_lib.parts import build_parts
+    from dflash_lib.train.build import build_parts
 
     _, config = smoke_run
     parts = build_parts(config, torch.device("cpu"))
@@ -355,10 +357,10 @@ def test_untrained_drafter_is_the_one_training_starts_from(smoke_run):
 
 @pytest.mark.slow
 def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smoke_run, tmp_path):
-    from dflash_lib.evaluate import RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, prepare, run_summary
+    from dflash_lib.evaluate import (RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, loss_figures, prepare,
+                                     run_summary)
     from dflash_lib.models.export import read_doc
-    from dflash_lib.report.evaluation import loss_figures
-    from dflash_lib.report.training import load_metrics
+    from dflash_lib.train.metrics import load_metrics
 
     run_dir, config = smoke_run
     notebook_run = tmp_path / "nb04"
@@ -389,7 +391,7 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
 def test_loss_figures_average_the_ends_and_take_the_heldout_rows():
     import pandas as pd
 
-    from dflash_lib.report.evaluation import loss_figures
+    from dflash_lib.evaluate import loss_figures
 
     rows = [{"step": s, "loss": 10.0 - s, "skipped": False} for s in range(1, 21)]
     rows[4]["heldout_loss"], rows[19]["heldout_loss"] = 9.5, 2.5
@@ -405,7 +407,7 @@ def test_loss_figures_average_the_ends_and_take_the_heldout_rows():
 
 
 def test_evaluation_figures_show_what_they_are_given():
-    from dflash_lib.report.evaluation import acceptance, tau_by_step
+    from dflash_lib.lab.report.evaluation import acceptance, tau_by_step
 
     by_step = [{"step": 0, "tau": 1.0}, {"step": 20, "tau": 1.5}, {"step": 40, "tau": 2.25}]
     fig = tau_by_step(by_step, block_size=8)
@@ -418,6 +420,7 @@ def test_evaluation_figures_show_what_they_are_given():
 
 
 def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, monkeypatch):
+    import dflash_lib.evaluate as evaluate_mod  # evaluate binds the decoders at import
     import dflash_lib.models.acceptance as acceptance
     from dflash_lib.evaluate import evaluate
 
@@ -425,7 +428,7 @@ def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, mon
     seen = []
     for name in ("acceptance_length", "greedy_decode"):
         real = getattr(acceptance, name)
-        monkeypatch.setattr(acceptance, name, lambda *a, real=real, **k: (seen.append(torch.get_num_threads()),
+        monkeypatch.setattr(evaluate_mod, name, lambda *a, real=real, **k: (seen.append(torch.get_num_threads()),
                                                                            real(*a, **k))[1])
     torch.set_num_threads(2)
     try:

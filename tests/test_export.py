@@ -13,11 +13,11 @@ import transformers
 from safetensors import safe_open
 
 from dflash_lib.__main__ import main
-from dflash_lib.batch import collate_padded
-from dflash_lib.checkpoint import list_checkpoints, resume_config_hash
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
+from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, default_gamma, tiny_qwen3_config
-from dflash_lib.models.export import export_drafter, read_weights
+from dflash_lib.models.export import export_drafter, read_drafter, read_weights
+from dflash_lib.train.checkpoint import list_checkpoints, resume_config_hash
 
 VOCAB, MASK, H, LAYERS = 300, 299, 32, 6
 
@@ -62,7 +62,7 @@ def _expected_names(layers: int) -> set[str]:
 # -- round trips -----------------------------------------------------------------------------------------
 def test_fp32_export_reloads_to_identical_logits(target, drafter, tmp_path):
     export_drafter(drafter, tmp_path, torch.float32, template="chatml", source="a test")
-    loaded = DFlashDrafter.load(tmp_path, target)
+    loaded = read_drafter(tmp_path, target)
     assert loaded.fc.weight.dtype == torch.float32
     torch.testing.assert_close(_logits(loaded, target), _logits(drafter, target), rtol=0, atol=0)
     assert loaded.cfg == drafter.cfg  # training settings (gamma 3.5, num_anchors 5, ce_chunk_blocks 3) too
@@ -76,11 +76,11 @@ def test_bf16_export_is_bf16_on_disk_and_close_after_reload(target, drafter, tmp
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     want = _logits(drafter, target)
-    as_fp32 = DFlashDrafter.load(tmp_path, target, dtype=torch.float32)  # bf16 weights, fp32 compute
+    as_fp32 = read_drafter(tmp_path, target, dtype=torch.float32)  # bf16 weights, fp32 compute
     got = _logits(as_fp32, target)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert not torch.equal(got, want)  # the weights really were rounded
-    as_bf16 = DFlashDrafter.load(tmp_path, target)  # stored dtype: bf16 weights and compute
+    as_bf16 = read_drafter(tmp_path, target)  # stored dtype: bf16 weights and compute
     assert as_bf16.fc.weight.dtype == torch.bfloat16 and as_bf16.rotary.inv_freq.dtype == torch.float32
     got16 = _logits(as_bf16, target)
     assert (got16.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
@@ -130,7 +130,7 @@ def test_load_refuses_another_target_naming_the_field(drafter, tmp_path, shape, 
     kw = {**dict(hidden_size=H, num_layers=LAYERS, vocab_size=VOCAB), **shape}
     other = TargetModel.from_hf_config(tiny_qwen3_config(**kw), 2, layer_ids=[1, 3])
     with pytest.raises(ConfigError, match=field):
-        DFlashDrafter.load(tmp_path, other)
+        read_drafter(tmp_path, other)
 
 
 def test_load_refuses_bad_layer_ids_mask_and_old_format(target, drafter, tmp_path):
@@ -140,7 +140,7 @@ def test_load_refuses_bad_layer_ids_mask_and_old_format(target, drafter, tmp_pat
 
     def load_with(**dflash):
         path.write_text(json.dumps({**doc, "dflash_config": {**doc["dflash_config"], **dflash}}))
-        return DFlashDrafter.load(tmp_path, target)
+        return read_drafter(tmp_path, target)
 
     with pytest.raises(ConfigError, match=r"target layer ids \[7\] are outside \[0, 6\)"):
         load_with(target_layer_ids=[1, 7])
@@ -151,16 +151,16 @@ def test_load_refuses_bad_layer_ids_mask_and_old_format(target, drafter, tmp_pat
     dc = {k: v for k, v in doc["dflash_config"].items() if k != "target_layer_ids"}
     path.write_text(json.dumps({**doc, "dflash_config": dc}))
     with pytest.raises(ConfigError, match="dflash_config.target_layer_ids is missing"):
-        DFlashDrafter.load(tmp_path, target)
+        read_drafter(tmp_path, target)
     path.write_text(json.dumps({**doc, "attention_bias": True}))
     with pytest.raises(ConfigError, match="attention_bias True is not supported"):
-        DFlashDrafter.load(tmp_path, target)
+        read_drafter(tmp_path, target)
     path.write_text(json.dumps({"format": "dflash-drafter", "format_version": 1}))
     with pytest.raises(ConfigError, match="old dflash-lab drafter format"):
-        DFlashDrafter.load(tmp_path, target)
+        read_drafter(tmp_path, target)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        DFlashDrafter.load(tmp_path, target)
+        read_drafter(tmp_path, target)
 
 
 def test_a_published_config_without_our_training_keys_loads_with_defaults(target, drafter, tmp_path):
@@ -171,7 +171,7 @@ def test_a_published_config_without_our_training_keys_loads_with_defaults(target
         doc.pop(key)
     doc["dflash_config"] = {k: doc["dflash_config"][k] for k in ("mask_token_id", "target_layer_ids")}
     path.write_text(json.dumps(doc))  # the z-lab Qwen3-8B-DFlash-b16 shape of config: top-level block_size
-    loaded = DFlashDrafter.load(tmp_path, target)
+    loaded = read_drafter(tmp_path, target)
     assert (loaded.cfg.block_size, loaded.cfg.num_anchors, loaded.cfg.gamma) == (4, 64, default_gamma(4))
     torch.testing.assert_close(loaded.fc.weight, drafter.fc.weight.to(torch.bfloat16))
 
@@ -186,7 +186,7 @@ def test_a_saved_tiny_qwen3_and_its_exported_drafter_load_back_from_folders(tmp_
     drafter = _drafter(target, seed=2)
     export_drafter(drafter, tmp_path / "drafter", torch.float32, template="chatml")
     target2 = TargetModel.from_model_config(model_cfg)  # everything again from the two folders
-    loaded = DFlashDrafter.load(tmp_path / "drafter", target2)
+    loaded = read_drafter(tmp_path / "drafter", target2)
     torch.testing.assert_close(_logits(loaded, target2), _logits(drafter, target), rtol=0, atol=0)
     assert str(tmp_path / "target") in (tmp_path / "drafter" / "README.md").read_text()
 
@@ -194,7 +194,7 @@ def test_a_saved_tiny_qwen3_and_its_exported_drafter_load_back_from_folders(tmp_
 # -- the export command and init_from ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    from dflash_lib.train import train
+    from dflash_lib.train.loop import train
 
     run_dir = tmp_path_factory.mktemp("run")
     config = from_params({"steps": 2, "wandb_mode": "disabled"}, preset("smoke"))
@@ -217,7 +217,7 @@ def test_cli_exports_a_run_folder_a_checkpoint_and_a_drafter(smoke_run, tmp_path
         out = tmp_path / f"{src.name}_{dtype}"
         assert main(["export", str(src), str(out), "--dtype", dtype]) == 0
         assert capsys.readouterr().out.strip() == str(out)
-        loaded = DFlashDrafter.load(out, target)
+        loaded = read_drafter(out, target)
         weights = read_weights(out)
         assert set(weights) == _expected_names(config.model.drafter_layers)
         for name, w in final.items():  # the run's final weights, exactly (or rounded to bf16)
@@ -280,7 +280,7 @@ def test_cli_export_never_overwrites_without_force_nor_a_run_folders_own_files(s
 
 
 def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path):
-    from dflash_lib.parts import build_parts
+    from dflash_lib.train.build import build_parts
 
     run_dir, config = smoke_run
     exported = tmp_path / "exported"

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_latest, resume_config_hash
 from dflash_lib.config import from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
-from dflash_lib.sampler import FixedBatchSampler
-from dflash_lib.stop import StopRequest
-from dflash_lib.parts import TrainingParts
-from dflash_lib.train import run_training
-from dflash_lib.validate import NonFiniteLossError
+from dflash_lib.plan.sampler import FixedBatchSampler
+from dflash_lib.train.build import TrainingParts
+from dflash_lib.train.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_latest, resume_config_hash
+from dflash_lib.train.loop import run_training
+from dflash_lib.train.state import NonFiniteLossError, StopRequest
 
 REPO = Path(__file__).resolve().parent.parent
 PARAMS = ["-p", "steps", "12", "-p", "lr", "0.01", "-p", "warmup_steps", "1", "-p", "ckpt_every", "3"]
@@ -282,7 +281,7 @@ def test_a_read_only_run_folder_is_one_line_exit_2_and_leaves_nothing(read_only,
     assert main([*args, "--run-dir", str(read_only), "--fresh"]) == 2
     assert_one_line(capsys.readouterr().err, f"cannot write the run folder {read_only}")
     assert list(read_only.iterdir()) == []
-    monkeypatch.setattr("dflash_lib.runs.RUNS_ROOT", read_only / "runs")  # the default: a new folder under runs/
+    monkeypatch.setattr("dflash_lib.rundir.RUNS_ROOT", read_only / "runs")  # the default: a new folder under runs/
     assert main(args) == 2
     assert_one_line(capsys.readouterr().err, f"cannot write the runs folder {read_only / 'runs'}: Read-only file "
                                              f"system")

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib.checkpoint import resume_config_hash
 from dflash_lib.config import ConfigError, from_params, preset
-from dflash_lib.feed import epoch_batches
-from dflash_lib.heldout import HELDOUT_KEYS, SubsetStore, sample_hash, split_store
+from dflash_lib.data.split import SubsetStore, sample_hash, split_store
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import leading_run_stats, weighted_loss
-from dflash_lib.parts import TrainingParts, build_sampler
-from dflash_lib.sampler import FixedBatchSampler
-from dflash_lib.train import run_training
+from dflash_lib.plan.sampler import FixedBatchSampler
+from dflash_lib.train.build import TrainingParts, build_sampler
+from dflash_lib.train.checkpoint import resume_config_hash
+from dflash_lib.train.feed import epoch_batches
+from dflash_lib.train.heldout import HELDOUT_KEYS
+from dflash_lib.train.loop import run_training
 
 
 def random_store(n: int, seed: int = 0, lo: int = 12, hi: int = 60) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -242,7 +243,7 @@ def test_evaluation_leaves_the_training_trajectory_unchanged(tmp_path):
 
 
 def test_build_parts_keeps_held_out_samples_out_of_every_training_batch():
-    from dflash_lib.parts import build_parts
+    from dflash_lib.train.build import build_parts
 
     config = from_params({"heldout_fraction": 0.1, "strategy": "bucketed"}, preset("smoke"))
     parts = build_parts(config, torch.device("cpu"))

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from dflash_lib.runs import REPO_ROOT
+from dflash_lib.rundir import REPO_ROOT
 
 
 def _free_port() -> int:

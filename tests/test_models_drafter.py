@@ -11,11 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from dflash_lib.batch import collate_packed, collate_padded
 from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import (DFlashDrafter, DrafterConfig, TargetModel, decay_weights, default_gamma,
                                expected_acceptance, head_cross_entropy, sample_anchors,
                                tiny_qwen3_config)
+from dflash_lib.models.export import export_drafter, read_drafter
 
 VOCAB, MASK, H = 300, 299, 32
 
@@ -216,7 +217,7 @@ def test_global_normalizer_makes_split_batches_add_up(target, drafter):
 
 # -- persistence and configs -----------------------------------------------------------------------------
 def test_save_load_round_trip(target, drafter, tmp_path):
-    drafter.save(tmp_path)
+    export_drafter(drafter, tmp_path, torch.float32)
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert "fc.weight" in weights and "layers.1.self_attn.k_proj.weight" in weights
     assert not any("embed" in k or "lm_head" in k for k in weights)
@@ -224,17 +225,17 @@ def test_save_load_round_trip(target, drafter, tmp_path):
     doc = json.loads((tmp_path / "config.json").read_text())  # the serving layout, in fp32 (see test_export.py)
     assert doc["dflash_config"]["target_layer_ids"] == target.layer_ids and doc["vocab_size"] == VOCAB
     assert doc["torch_dtype"] == "float32" and all(w.dtype == torch.float32 for w in weights.values())
-    loaded = DFlashDrafter.load(tmp_path, target)
+    loaded = read_drafter(tmp_path, target)
     feats = target.features(collate_padded(_docs([9]), 0))[0]
     ids = torch.tensor([5, MASK, MASK, MASK])
     with torch.no_grad():
         torch.testing.assert_close(loaded.draft_logits(feats, 6, ids), drafter.draft_logits(feats, 6, ids))
     other = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=8, vocab_size=VOCAB), 2)
     with pytest.raises(ConfigError, match="num_target_layers is 6, the target has 8"):
-        DFlashDrafter.load(tmp_path, other)
+        read_drafter(tmp_path, other)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        DFlashDrafter.load(tmp_path, target)
+        read_drafter(tmp_path, target)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib.batch import collate_packed, collate_padded
 from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import (TargetModel, document_segments, feature_layer_ids, resolve_backend,
                                segment_cu_seqlens, tiny_qwen3_config)
 
@@ -215,7 +215,7 @@ def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folde
                                                                             "transformers"),
              "no_weights": (json.dumps(good), "no model.safetensors")}
     runs_root = tmp_path / "runs"
-    monkeypatch.setattr("dflash_lib.runs.RUNS_ROOT", runs_root)
+    monkeypatch.setattr("dflash_lib.rundir.RUNS_ROOT", runs_root)
     for name, (text, why) in cases.items():
         folder = tmp_path / name
         shutil.copytree(directory, folder)

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from dflash_lib.evaluate import RUN_SUMMARY_KEYS
-from dflash_lib.runs import notebook_parameters
+from dflash_lib.lab.runs import notebook_parameters
 from notebook_checks import assert_committed_clean
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     papermill = pytest.importorskip("papermill")
     from dflash_lib.config import from_params
     from dflash_lib.models.export import read_doc
-    from dflash_lib.train import train
+    from dflash_lib.train.loop import train
 
     os.environ["WANDB_MODE"] = "disabled"
     run04 = tmp_path / "04_train"  # notebook 04's layout: the trainer's folder is train/

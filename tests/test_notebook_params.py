@@ -12,11 +12,12 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dflash_lib import runs
+from dflash_lib import rundir
 from dflash_lib.config import FLAT_FIELDS, ConfigError, PRESETS, from_params, preset
+from dflash_lib.lab import runs
 
-NOTEBOOKS = sorted((runs.REPO_ROOT / "notebooks").glob("*.ipynb"))
-NB04 = runs.REPO_ROOT / "notebooks" / "04_train.ipynb"
+NOTEBOOKS = sorted((rundir.REPO_ROOT / "notebooks").glob("*.ipynb"))
+NB04 = rundir.REPO_ROOT / "notebooks" / "04_train.ipynb"
 # the parameters a notebook declares that are not config fields (documented in its parameters cell and the README)
 NON_CONFIG = {runs.PRESET}
 

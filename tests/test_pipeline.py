@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.batch import collate_padded
 from dflash_lib.config import PipelineConfig
-from dflash_lib.pipeline import BoundedQueue, Pipeline, PipelineError
+from dflash_lib.data.batch import collate_padded
+from dflash_lib.train.pipeline import BoundedQueue, Pipeline, PipelineError
 
 STAGES_3 = ["sampler", "collate", "target[0]", "target[1]", "target[2]"]
 
@@ -300,7 +300,7 @@ def test_bounded_queue_abort_wakes_a_blocked_put():
 def test_target_worker_threads_are_set_per_thread_and_leave_the_caller_alone():
     """torch's intra-op thread count is per calling thread: a CPU target worker can get its own budget while the
     drafter's thread keeps all of its threads."""
-    from dflash_lib.feed import Collated, Work, make_target_workers
+    from dflash_lib.train.feed import Collated, Work, make_target_workers
 
     seen = []
 

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from dflash_lib.config import ConfigError
-from dflash_lib.costmodel import select_cost_model, throughput_rel_sd
-from dflash_lib.probe import StrategyProbe, cost_model_json, demo_summary, observations, probe_table
+from dflash_lib.lab.probe import StrategyProbe, cost_model_json, demo_summary, observations, probe_table
+from dflash_lib.plan.costmodel import select_cost_model, throughput_rel_sd
 
 
 def _metrics(n: int, rows: int, row_len: int, fill: float, blocks: int, seconds, seed: int = 0) -> pd.DataFrame:
@@ -86,10 +86,11 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
 
 @pytest.mark.slow
 def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tmp_path, monkeypatch):
-    import dflash_lib.train as train_mod
+    import dflash_lib.lab.probe as probe_mod
+    import dflash_lib.train.loop as train_mod
     from dflash_lib.config import preset
-    from dflash_lib.probe import RESUME_WARMUP, run_probes
-    from dflash_lib.report.training import load_metrics
+    from dflash_lib.lab.probe import RESUME_WARMUP, run_probes
+    from dflash_lib.train.metrics import load_metrics
 
     calls = []
     real_train = train_mod.train
@@ -98,7 +99,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
         calls.append((Path(run_dir).name, cfg.train.stop_at_step))
         return real_train(cfg, run_dir, *a, **kw)
 
-    monkeypatch.setattr(train_mod, "train", spy)
+    monkeypatch.setattr(probe_mod, "train", spy)  # probe binds `train` at import
     probes = run_probes(preset("smoke"), tmp_path, steps=8, strategies=("sorted", "packed"), rounds=2)
     assert calls == [("sorted", 4), ("packed", 4), ("sorted", 0), ("packed", 0)]  # turns, chunk by chunk
     for p in probes:
@@ -115,7 +116,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
 def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
     """A probe times training alone: the demo preset checkpoints and evaluates periodically; no probe does."""
     from dflash_lib.config import preset
-    from dflash_lib.probe import PROBES, strategy_config
+    from dflash_lib.lab.probe import PROBES, strategy_config
 
     base = preset("demo")
     assert base.train.eval_every > 0 and base.train.ckpt_every > 0
@@ -127,8 +128,8 @@ def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
 
 def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly():
     from dflash_lib.config import preset
-    from dflash_lib.parts import build_sampler
-    from dflash_lib.probe import predicted_efficiency, strategy_config
+    from dflash_lib.lab.probe import predicted_efficiency, strategy_config
+    from dflash_lib.train.build import build_sampler
 
     cfg = strategy_config(preset("smoke"), "static", steps=5)
     assert cfg.sampler.strategy == "bucketed" and cfg.sampler.static_shapes and cfg.train.stop_at_step == 0

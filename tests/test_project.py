@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dflash_lib.config import FLAT_FIELDS, coerce
-from dflash_lib.runs import PRESET, REPO_ROOT, accepted_parameters, notebook_parameters
+from dflash_lib.lab.runs import PRESET, accepted_parameters, notebook_parameters
+from dflash_lib.rundir import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 
@@ -16,7 +17,7 @@ NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 def test_notebooks_are_the_demo_chain_and_the_readme_table():
     """notebooks/ holds exactly the notebooks `make demo` chains (sorted names = run order) and the README's table
     describes, and every parameter the chain hands a notebook is one it accepts (the demo drops others silently)."""
-    from dflash_lib.demo import CHAIN, KEY_FIGURES
+    from dflash_lib.lab.demo import CHAIN, KEY_FIGURES
 
     stems = [p.stem for p in NOTEBOOKS]
     assert stems == [stem for stem, _ in CHAIN]
@@ -85,7 +86,7 @@ def test_ci_runs_make_test():
 
 def test_the_chain_ends_by_evaluating_the_training_run():
     """Notebook 05 evaluates the run notebook 04 wrote, and the demo report embeds its figures."""
-    from dflash_lib.demo import CHAIN, KEY_FIGURES
+    from dflash_lib.lab.demo import CHAIN, KEY_FIGURES
 
     assert [stem for stem, _ in CHAIN][-2:] == ["04_train", "05_evaluate"]
     folders = {stem: Path("runs") / stem for stem, _ in CHAIN}

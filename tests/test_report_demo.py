@@ -12,10 +12,8 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from dflash_lib.report.demo import (
-    EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report, demo_evaluation,
-    external_references, write_demo_summary,
-)
+from dflash_lib.lab.report.demo import (EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report,
+                                        demo_evaluation, external_references, write_demo_summary)
 
 PLOTLY_JS_BANNER = "plotly.js v"  # the licence header at the top of the inlined bundle
 

@@ -7,8 +7,9 @@ import pandas as pd
 import papermill as pm
 import pytest
 
-from dflash_lib.report.training import dashboard, load_metrics, loss_by_bucket, smooth_by_bucket, steady_window
-from dflash_lib.runs import REPO_ROOT
+from dflash_lib.lab.report.training import dashboard, loss_by_bucket, smooth_by_bucket, steady_window
+from dflash_lib.rundir import REPO_ROOT
+from dflash_lib.train.metrics import load_metrics
 
 
 def _rows(n=12):
@@ -74,7 +75,7 @@ def test_notebook_04_trains_and_writes_figures(tmp_path):
 
 
 def test_live_figure_collects_and_redraws_outside_ipython():
-    from dflash_lib.report.training import LiveFigure
+    from dflash_lib.lab.report.training import LiveFigure
 
     live = LiveFigure(every=2)
     for r in _rows(6):
@@ -94,7 +95,7 @@ def test_live_figure_is_one_output_updated_in_place_at_most_every_interval(monke
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from dflash_lib.report.training import LiveFigure
+    from dflash_lib.lab.report.training import LiveFigure
 
     monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # what a notebook kernel renders with
     now = [0.0]

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_lib.__main__ import main
-from dflash_lib.checkpoint import (CheckpointError, CheckpointMismatchError, list_checkpoints, load_latest, resume_config_hash,
-                                   save_checkpoint)
 from dflash_lib.config import ConfigError, from_params, preset
-from dflash_lib.resume import RUN_OUTPUTS, config_differences, prepare_run_dir, truncate_metrics
-from dflash_lib.train import train
+from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, list_checkpoints, load_latest,
+                                         resume_config_hash, save_checkpoint)
+from dflash_lib.train.loop import train
+from dflash_lib.train.resume import RUN_OUTPUTS, config_differences, prepare_run_dir, truncate_metrics
 
 # lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss
 BASE = dict(steps=8, lr=1e-2, warmup_steps=1, ckpt_every=3, log_every=100)

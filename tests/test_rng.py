@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dflash_lib.rng import RngStateError, capture_rng, restore_rng
+from dflash_lib.train.checkpoint import RngStateError, capture_rng, restore_rng
 
 
 def _draw(gens: dict) -> list[float]:

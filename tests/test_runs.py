@@ -10,8 +10,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dflash_lib import runs
+from dflash_lib import rundir
 from dflash_lib.config import ConfigError
+from dflash_lib.lab import runs
 
 
 def _notebook(path: Path, params_src: str, body: str, tagged: bool = True) -> Path:
@@ -73,12 +74,12 @@ def test_preset_values_apply_only_to_declared_keys(tiny_nb):
 
 
 def test_new_run_dirs_are_new_and_named(tmp_path):
-    a = runs.new_run_dir("nb", "t1", tmp_path)
-    b = runs.new_run_dir("nb", "t1", tmp_path)
+    a = rundir.new_run_dir("nb", "t1", tmp_path)
+    b = rundir.new_run_dir("nb", "t1", tmp_path)
     assert a != b and a.is_dir() and b.is_dir()
     assert a.name.endswith("_nb_t1") and a.name[:8].isdigit() and a.name[8] == "T"
     with pytest.raises(ConfigError, match="tag"):
-        runs.new_run_dir("nb", "bad tag/../x", tmp_path)
+        rundir.new_run_dir("nb", "bad tag/../x", tmp_path)
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def preset_nb(tmp_path):
     config holds."""
     body = (
         "import json, pathlib\n"
-        "from dflash_lib.runs import notebook_config\n"
+        "from dflash_lib.lab.runs import notebook_config\n"
         "cfg = notebook_config(globals())\n"
         "pathlib.Path(cfg.run.out_dir, 'result.json').write_text(json.dumps(dict(\n"
         "    limit=cfg.data.limit, steps=cfg.train.steps, token_budget=cfg.sampler.token_budget)))\n"

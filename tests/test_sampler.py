@@ -1,4 +1,4 @@
-"""dflash_lib.sampler: coverage, rank equality, budgets, determinism, exact resume, bucket mix, randomness
+"""dflash_lib.plan.sampler: coverage, rank equality, budgets, determinism, exact resume, bucket mix, randomness
 metrics and the efficiency-vs-randomness frontier."""
 
 import numpy as np
@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.buckets import optimal_boundaries
-from dflash_lib.sampler import (BucketedShuffleSampler, LengthGroupedSampler, PackedSampler, RandomShuffleSampler,
-                                SamplerError, SortedStaticSampler, TokenBudget, bucket_mix_kl, cobatch_recurrence,
-                                cu_seqlens, dominating_baselines, evaluate_strategies, greedy_fill,
-                                lag1_correlation, packing_efficiency, padding_efficiency, randomness)
+from dflash_lib.plan.buckets import optimal_boundaries
+from dflash_lib.plan.sampler import (BucketedShuffleSampler, LengthGroupedSampler, PackedSampler, RandomShuffleSampler,
+                                     SamplerError, SortedStaticSampler, TokenBudget, bucket_mix_kl, cobatch_recurrence,
+                                     cu_seqlens, dominating_baselines, evaluate_strategies, greedy_fill,
+                                     lag1_correlation, packing_efficiency, padding_efficiency, randomness)
 
 BUDGET = 256
 EDGES = (16, 40, 64)
@@ -254,7 +254,7 @@ def test_pack_window_reaches_the_packed_sampler_and_changes_the_packing():
     the same epoch differently, both packings serve every sample exactly once within the budget, and the wider
     window packs tighter."""
     from dflash_lib.config import from_params, smoke
-    from dflash_lib.parts import build_sampler
+    from dflash_lib.train.build import build_sampler
 
     lengths = lognormal_lengths(3000, 6, mu=5.0, max_len=1024)
     packings, efficiency, samplers = {}, {}, {}
@@ -340,7 +340,7 @@ def test_state_from_other_data_or_settings_is_refused():
 
 
 def test_dominance_needs_a_margin_beyond_measurement_noise():
-    from dflash_lib.sampler import StrategyPoint, dominates
+    from dflash_lib.plan.sampler import StrategyPoint, dominates
 
     ours = StrategyPoint("ours", False, 0.880, 0.010, 0.01, 0.0, 100, None, 0.001, 0.0005, 0.01)
     tie = StrategyPoint("tie", True, 0.882, 0.010, 0.00, 0.0, 100, None, 0.001, 0.0005, 0.01)  # +0.002 < 2.8 SE
@@ -354,7 +354,7 @@ def test_dominance_needs_a_margin_beyond_measurement_noise():
 
 
 def test_fixed_batch_sampler_replays_its_batches_every_epoch():
-    from dflash_lib.sampler import FixedBatchSampler, SamplerError
+    from dflash_lib.plan.sampler import FixedBatchSampler, SamplerError
 
     s = FixedBatchSampler([[3, 1], [2]])
     first = list(s)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_lib.batch import collate_padded
-from dflash_lib.feed import Item
+from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.step import train_step
-from dflash_lib.validate import BadStepGuard
+from dflash_lib.train.feed import Item
+from dflash_lib.train.state import BadStepGuard
+from dflash_lib.train.step import train_step
 
 VOCAB = 200
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",

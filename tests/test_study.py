@@ -7,11 +7,11 @@ import pandas as pd
 import papermill as pm
 import pytest
 
-from dflash_lib.buckets import BucketPlan, plan_for_edges
 from dflash_lib.config import ConfigError, DataConfig
-from dflash_lib.report.demo import external_references
-from dflash_lib.runs import REPO_ROOT
-from dflash_lib.study import METHODS, chosen_plan, load_lengths, load_plan, method_plans, method_table
+from dflash_lib.lab.report.demo import external_references
+from dflash_lib.lab.study import METHODS, chosen_plan, load_lengths, load_plan, method_plans, method_table
+from dflash_lib.plan.buckets import BucketPlan, plan_for_edges
+from dflash_lib.rundir import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,8 @@ def test_plan_round_trip_through_a_folder(tmp_path, lengths):
 def test_a_plan_records_its_corpus_and_training_refuses_it_for_another(tmp_path, lengths):
     from dflash_lib.config import from_params
     from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.parts import bucket_edges, load_training_data
-    from dflash_lib.study import plan_corpus
+    from dflash_lib.lab.study import plan_corpus
+    from dflash_lib.train.build import bucket_edges, load_training_data
 
     nb01 = tmp_path / "nb01"  # a notebook-01 run folder: its summary.json names the store the lengths came from
     nb01.mkdir()
@@ -138,7 +138,7 @@ def test_notebook_02_writes_a_plan(tmp_path, lengths):
 
 
 def test_fitted_cost_from_a_probe_folder(tmp_path):
-    from dflash_lib.study import fitted_cost
+    from dflash_lib.lab.study import fitted_cost
 
     (tmp_path / "cost_model.json").write_text(json.dumps({"q": 4096.0, "model": {}}))
     assert fitted_cost(str(tmp_path)) == ("quadratic", 4096.0)

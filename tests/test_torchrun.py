@@ -24,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_lib.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_checkpoint, read_manifest
 from dflash_lib.config import from_params, preset
-from dflash_lib.parts import build_parts
-from dflash_lib.resume import prepare_run_dir
-from dflash_lib.train import run_training, train
+from dflash_lib.train.build import build_parts
+from dflash_lib.train.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_checkpoint, read_manifest
+from dflash_lib.train.loop import run_training, train
+from dflash_lib.train.resume import prepare_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 # 20 steps of 2+ sampler steps each (accum_tokens: a step ends once the global batch holds 2048 tokens per data

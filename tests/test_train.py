@@ -13,18 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.batch import collate_padded
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.data import LoadReport
+from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
-from dflash_lib.pipeline import PipelineError
-from dflash_lib.feed import Item, bucket_of, epoch_batches
-from dflash_lib.metrics import format_duration
-from dflash_lib.parts import TrainingParts
-from dflash_lib.schedule import lr_at, plan_steps, warmup_steps
-from dflash_lib.step import train_step
-from dflash_lib.train import run_training
-from dflash_lib.validate import BadStepGuard
+from dflash_lib.models.export import read_drafter
+from dflash_lib.train.build import TrainingParts
+from dflash_lib.train.feed import Item, bucket_of, epoch_batches
+from dflash_lib.train.loop import run_training
+from dflash_lib.train.metrics import format_duration
+from dflash_lib.train.pipeline import PipelineError
+from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps
+from dflash_lib.train.state import BadStepGuard
+from dflash_lib.train.step import train_step
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
               "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "run_eta_s", "full_run_eta_s", "steady",
@@ -250,7 +251,7 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     assert SUMMARY_KEYS <= set(summary) and summary["steps"] == 6
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
     assert not summary["steady"] and summary["steady_ktok_s"] is None  # 6 steps: too short to call steady
-    DFlashDrafter.load(tmp_path / "drafter", target)  # the saved drafter loads back on its target
+    read_drafter(tmp_path / "drafter", target)  # the saved drafter loads back on its target
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1]) for line in printed] == [2, 4, 6]  # log_every = 2
     assert not (tmp_path / "wandb").exists()
@@ -340,7 +341,7 @@ def test_a_read_without_a_sample_to_train_on_is_no_step(tmp_path, data, capsys):
                     r"score\) after 0 training steps: skipped 32 samples"),  # steps: epoch after epoch of them
 ])
 def test_a_run_with_nothing_to_train_on_fails_and_writes_no_drafter(tmp_path, data, length, message):
-    from dflash_lib.validate import NothingTrainedError
+    from dflash_lib.train.feed import NothingTrainedError
 
     store, lengths = data
     with pytest.raises(NothingTrainedError, match=message):
@@ -370,7 +371,7 @@ def test_unreadable_sample_surfaces_as_a_named_stage_error(tmp_path, data):
 def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
     from dflash_lib.data import build_token_store_from_config
     from dflash_lib.data.readers import NO_ASSISTANT_WITHIN_MAX_LEN
-    from dflash_lib.train import train
+    from dflash_lib.train.loop import train
 
     run_dir = tmp_path / "run"
     summary = train(preset("smoke"), run_dir)
@@ -406,8 +407,8 @@ def test_command_line_trains_every_strategy(tmp_path, strategy):
 
 def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_path):
     from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.parts import bucket_edges, static_batch_sizes
-    from dflash_lib.train import train
+    from dflash_lib.train.build import bucket_edges, static_batch_sizes
+    from dflash_lib.train.loop import train
 
     assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
     assert static_batch_sizes([100, 500], 2048, q=100.0) == [10, 1]  # costs 100 + 100^2/100 and 500 + 2500
@@ -443,10 +444,10 @@ def two_ranks(tmp_path: Path, script_text: str, run_dir: Path) -> tuple[list[dic
 DDP_SCRIPT = """
 import json, sys
 from pathlib import Path
-from dflash_lib import distributed
 from dflash_lib.config import from_params, preset
-from dflash_lib.parts import build_parts
-from dflash_lib.train import run_training
+from dflash_lib.train import distributed
+from dflash_lib.train.build import build_parts
+from dflash_lib.train.loop import run_training
 
 config = from_params({"steps": 3, "log_every": 1}, preset("smoke"))
 dist = distributed.init_distributed(timeout_s=60, device="cpu")
@@ -482,10 +483,10 @@ DDP_EMPTY_SCRIPT = """
 import json, sys
 from pathlib import Path
 import numpy as np
-from dflash_lib import distributed
 from dflash_lib.config import from_params, preset
-from dflash_lib.parts import build_parts
-from dflash_lib.train import run_training
+from dflash_lib.train import distributed
+from dflash_lib.train.build import build_parts
+from dflash_lib.train.loop import run_training
 
 
 class Silenced:
@@ -538,8 +539,8 @@ def test_two_ranks_agree_that_a_sampler_step_with_nothing_to_score_is_no_step(tm
 def test_epoch_batches_split_the_same_global_steps_over_any_world_size():
     """The sampler is planned for D = 2 data shards; 1, 2 or 3 ranks take the same (step, shard, batch) work and
     cut the same optimizer steps (a rank with no shard gets one empty item per sampler step)."""
-    from dflash_lib.sampler import RandomShuffleSampler
-    from dflash_lib.distributed import rank_shards
+    from dflash_lib.plan.sampler import RandomShuffleSampler
+    from dflash_lib.train.distributed import rank_shards
 
     lengths = np.random.default_rng(0).integers(20, 200, size=120)
     sampler = RandomShuffleSampler(lengths, 600, seed=3, rank=0, world_size=2)

@@ -9,14 +9,15 @@ import pytest
 import torch
 import transformers
 
-from dflash_lib import runs
+from dflash_lib import rundir
 from dflash_lib.__main__ import main
 from dflash_lib.config import from_params, preset
 from dflash_lib.data.tokenizers import MappedVocab, load_tokenizer
+from dflash_lib.lab import runs
 from dflash_lib.models.target import tiny_qwen3_config
 from tiny_models import tiny_chatml_tokenizer
 
-NB04 = runs.REPO_ROOT / "notebooks" / "04_train.ipynb"
+NB04 = rundir.REPO_ROOT / "notebooks" / "04_train.ipynb"
 QWEN_IDS = 151851  # ids the bundled Qwen BPE emits, its special tokens included
 
 
@@ -133,13 +134,13 @@ def test_a_corpus_with_no_sample_fit_for_training_is_refused_at_start(tmp_path, 
 def test_a_run_that_trained_on_nothing_exits_1(tmp_path, capsys, monkeypatch):
     """Samples that pass the store but fail validation every step end in NothingTrainedError (the loop's own test
     covers when); the command line reports it in one line with exit code 1."""
-    import dflash_lib.train
-    from dflash_lib.validate import NothingTrainedError
+    import dflash_lib.train.loop
+    from dflash_lib.train.feed import NothingTrainedError
 
     def nothing(*args, **kwargs):
         raise NothingTrainedError("trained on nothing: none of the 4 sampler steps read had a token to score")
 
-    monkeypatch.setattr(dflash_lib.train, "train", nothing)
+    monkeypatch.setattr(dflash_lib.train.loop, "train", nothing)
     code = main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run")])
     assert code == 1 and _error_line(capsys) == ("error: NothingTrainedError: trained on nothing: none of the 4 "
                                                  "sampler steps read had a token to score")

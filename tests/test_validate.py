@@ -9,8 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dflash_lib import validate as v
-from dflash_lib.validate import BadStepGuard, NonFiniteLossError, SkipCounter, validate_sample
+from dflash_lib.train import feed as v
+from dflash_lib.train.feed import validate_sample
+from dflash_lib.train.state import BadStepGuard, NonFiniteLossError, SkipCounter
 
 VOCAB = 100
 

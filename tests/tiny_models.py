@@ -35,7 +35,7 @@ def overfit_on_greedy(target: TargetModel, drafter: DFlashDrafter, prompts: list
     its target features, the continuations, the anchor generator as training left it)."""
     import numpy as np
 
-    from dflash_lib.batch import collate_padded
+    from dflash_lib.data.batch import collate_padded
 
     conts = [target.greedy(p, new_tokens) for p in prompts]
     docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]

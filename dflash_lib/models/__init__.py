@@ -3,15 +3,15 @@
 Modules: `target` (TargetModel, tiny_qwen3_config, the feature-layer rule), `masks` (the target's document
 segments), `anchors` (sampling, decay weights), `layout` (the host-built flat layout of a micro-batch's drafter
 work), `attention` (dense / blocks / flex backends), `layers` (draft decoder layers with KV injection), `loss`
-(chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter, save/load), `acceptance`
-(speculative decoding loop, tau).
+(chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `export` (the serving folder:
+`export_drafter`, `read_drafter`, `init_from`), `acceptance` (speculative decoding loop, tau).
 """
 
 from dflash_lib.models.acceptance import AcceptanceResult, acceptance_length
 from dflash_lib.models.anchors import Anchors, decay_weights, default_gamma, sample_anchors
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
-from dflash_lib.models.loss import DrafterLoss, expected_acceptance, head_cross_entropy
 from dflash_lib.models.layout import DraftLayout, build_layout
+from dflash_lib.models.loss import DrafterLoss, expected_acceptance, head_cross_entropy
 from dflash_lib.models.masks import document_segments, segment_cu_seqlens
 from dflash_lib.models.target import TargetModel, TargetStep, feature_layer_ids, resolve_backend, tiny_qwen3_config
 

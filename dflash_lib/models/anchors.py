@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_lib.batch import Batch
+from dflash_lib.data.batch import Batch
 
 PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # dflash.md: loss decay gamma per block size
 
@@ -141,4 +141,3 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
     device = batch.input_ids.device
     return Anchors(t["slot"], t["pos"], t["doc"], t["doc"] >= 0, t["block_ids"], t["labels"],
                    t["weights"], B, float(noise)).to(device)
-

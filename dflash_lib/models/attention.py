@@ -98,7 +98,7 @@ def blocks_attend(layout: DraftLayout) -> Attend:
 
 def flex_block_mask(layout: DraftLayout, compile_mask: bool):
     """FlexAttention BlockMask of the micro-batch over keys [C context slots ; Q block queries]."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # only the flex backend needs it (heavy)
 
     B, n, Q = layout.block_size, layout.num_blocks, layout.num_queries
     C = int(layout.ctx_doc.shape[0])
@@ -122,7 +122,7 @@ _COMPILED_FLEX = None
 
 
 def flex_attend(layout: DraftLayout) -> Attend:
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention  # only the flex backend needs it (heavy)
 
     global _COMPILED_FLEX
     cuda = layout.block_doc.device.type == "cuda"

@@ -5,23 +5,22 @@ ctx = RMSNorm(fc(concat of the target feature layers)); every draft layer's keys
 target's frozen embedding, at absolute (document-local) RoPE positions anchor .. anchor+B-1; the final norm
 feeds the target's frozen LM head. Only the drafter's own layers, `fc` and the norms train.
 
-Saved layout: the Hugging Face folder serving engines load (`save` writes it in fp32, `export_drafter`
-in bf16; `load` reads either and published drafters); see dflash_lib/models/export.py.
+Saved layout: the Hugging Face folder serving engines load, written and read by plain functions of
+dflash_lib/models/export.py (`export_drafter`, `read_drafter`): the drafter itself knows no files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lib.batch import Batch
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
 from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
@@ -29,8 +28,6 @@ from dflash_lib.models.layout import DraftLayout, build_layout
 from dflash_lib.models.loss import DrafterLoss, weighted_loss
 from dflash_lib.models.target import TargetModel
 
-if TYPE_CHECKING:
-    from dflash_lib.config import ModelConfig
 
 @dataclass
 class DrafterConfig:
@@ -328,31 +325,3 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((B,), self.cfg.mask_id, dtype=torch.long)
         ids[0] = anchor_token
         return self.draft_logits_cached(cache, ids)[1:].argmax(dim=-1).tolist()
-
-    # -- persistence ------------------------------------------------------------------------------------
-    def save(self, directory: str | Path, template: str = "", source: str = "", target_name: str = "") -> None:
-        """Write the serving layout (models/export.py) in fp32: the same folder SGLang/vLLM load, losing nothing
-        for fine-tuning. `template`, `source`, `target_name`: what its README.md records."""
-        from dflash_lib.models.export import export_drafter
-
-        export_drafter(self, directory, torch.float32, template=template, source=source, target_name=target_name)
-
-    @classmethod
-    def load(cls, directory: str | Path, target: TargetModel, dtype: torch.dtype | None = None,
-             attention: str = "auto", checkpointing: bool = False) -> "DFlashDrafter":
-        """Rebuild a saved or exported drafter (the serving layout, ours or a published one) on `target`,
-        refusing a target whose shapes or layers differ (the message names the field). `dtype` None = the
-        stored weights' dtype. Training settings absent from the folder take DrafterConfig's defaults."""
-        from dflash_lib.models import export
-
-        src = Path(directory)
-        where = str(src / export.CONFIG_FILE)
-        cfg = export.drafter_config(export.read_doc(src), where)
-        export.check_target(cfg, target, where)
-        drafter = cls(cfg, target, attention, checkpointing)
-        state = export.read_weights(src, target.device)
-        dtype = dtype or next(iter(state.values())).dtype
-        for p in drafter.parameters():  # parameters only: the rotary buffer stays fp32
-            p.data = p.data.to(dtype)
-        export.copy_weights(drafter, state, str(src / export.WEIGHTS_FILE))
-        return drafter

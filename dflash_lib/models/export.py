@@ -1,6 +1,6 @@
 """The drafter on disk: the Hugging Face folder that SGLang, vLLM and the z-lab DFlash code load (dflash.md,
-"Serving format"). It is the ONLY drafter format: `DFlashDrafter.save` writes it in fp32 (nothing lost for
-fine-tuning), `export_drafter` in bf16 for serving, and `DFlashDrafter.load` / `-p init_from` read either.
+"Serving format"). It is the ONLY drafter format: `export_drafter` writes it (fp32 for a training run: nothing lost
+for fine-tuning; bf16 for serving), and `read_drafter` / `-p init_from` read either.
 
     config.json        Qwen3 fields of the DRAFTER (hidden_size, intermediate_size, num_hidden_layers = draft
                        layers, heads, head_dim, rms_norm_eps, rope_theta + rope_parameters, vocab_size = the
@@ -19,24 +19,21 @@ Feature i is the output of 0-based target decoder layer target_layer_ids[i] (HF 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.config import ConfigError
-from dflash_lib.models.drafter import DrafterConfig
-
-if TYPE_CHECKING:
-    from dflash_lib.config import Config
-    from dflash_lib.models.drafter import DFlashDrafter
-    from dflash_lib.models.target import TargetModel
+from dflash_lib.config import SECTION_CLASSES, Config, ConfigError
+from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
+from dflash_lib.models.target import TargetModel, feature_layer_ids, tiny_qwen3_config
 
 ARCHITECTURE = "DFlashDraftModel"  # what the serving engines dispatch on
 CONFIG_FILE, WEIGHTS_FILE, README_FILE = "config.json", "model.safetensors", "README.md"
@@ -248,6 +245,24 @@ def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where
             p.copy_(state[name])
 
 
+def read_drafter(directory: str | Path, target: "TargetModel", dtype: torch.dtype | None = None,
+                 attention: str = "auto", checkpointing: bool = False) -> "DFlashDrafter":
+    """Rebuild a saved or exported drafter (the serving layout, ours or a published one) on `target`,
+    refusing a target whose shapes or layers differ (the message names the field). `dtype` None = the
+    stored weights' dtype. Training settings absent from the folder take DrafterConfig's defaults."""
+    src = Path(directory)
+    where = str(src / CONFIG_FILE)
+    cfg = drafter_config(read_doc(src), where)
+    check_target(cfg, target, where)
+    drafter = DFlashDrafter(cfg, target, attention, checkpointing)
+    state = read_weights(src, target.device)
+    dtype = dtype or next(iter(state.values())).dtype
+    for p in drafter.parameters():  # parameters only: the rotary buffer stays fp32
+        p.data = p.data.to(dtype)
+    copy_weights(drafter, state, str(src / WEIGHTS_FILE))
+    return drafter
+
+
 def init_from(drafter: "DFlashDrafter", directory: str | Path) -> None:
     """`-p init_from DIR`: overwrite a freshly built drafter's weights with a saved or exported drafter's. The
     folder must hold the same architecture on the same target; the run's config keeps the training settings
@@ -289,10 +304,6 @@ def run_info(config: "Config", source: str) -> dict[str, str]:
 
 def _run_config(doc: dict[str, Any], where: str) -> "Config":
     """A run's Config from its nested dict (config.json or a checkpoint's meta); fields unknown today dropped."""
-    import dataclasses
-
-    from dflash_lib.config import SECTION_CLASSES, Config
-
     try:
         return Config(**{sec: cls(**{k: v for k, v in (doc.get(sec) or {}).items()
                                      if k in {f.name for f in dataclasses.fields(cls)}})
@@ -301,76 +312,30 @@ def _run_config(doc: dict[str, Any], where: str) -> "Config":
         raise ConfigError(f"{where}: the recorded run config does not build ({e})") from None
 
 
-def _checkpoint_drafter(ckpt: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], int, dict[str, str]]:
-    from dflash_lib.checkpoint import CheckpointError, load_checkpoint
-    from dflash_lib.models.target import feature_layer_ids, tiny_qwen3_config
-
-    try:
-        state, manifest = load_checkpoint(ckpt)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if "config" not in manifest.meta or "drafter" not in state:
-        raise ConfigError(f"checkpoint {ckpt}: no run config in its manifest or no drafter weights in its state")
-    config = _run_config(manifest.meta["config"], str(ckpt))
+def export_run_weights(doc: dict[str, Any], weights: dict[str, torch.Tensor], out_dir: str | Path,
+                       dtype: torch.dtype, source: str, where: str) -> Path:
+    """A trainer run's drafter weights in the serving layout, no target weight loaded: `doc` is the run's nested
+    config (a checkpoint's meta), which gives the shapes (with a local target's config.json); `weights` the
+    trainable tensors by name; `source` what its README names; `where` the record errors name."""
+    config = _run_config(doc, where)
     m = config.model
     if m.target == "tiny":
         hf = tiny_qwen3_config(hidden_size=m.hidden_size, num_layers=m.target_layers)
     elif os.path.isdir(m.target):
         hf = transformers.AutoConfig.from_pretrained(m.target, local_files_only=True)  # its config.json only
     else:
-        raise ConfigError(f"checkpoint {ckpt}: its target {m.target!r} is not a local folder here (its config.json "
+        raise ConfigError(f"{where}: its target {m.target!r} is not a local folder here (its config.json "
                           f"gives the drafter's shapes)")
     ids = list(m.target_layer_ids) or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
     cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
-    info = _training_info(hf, run_target_name(config), config.data.template, f"{ckpt} (step {manifest.step})")
-    return cfg, state["drafter"], int(getattr(hf, "max_position_embeddings", 0) or 0), info
+    info = _training_info(hf, run_target_name(config), config.data.template, source)
+    return write_folder(cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0), info)
 
 
-def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
-    """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
-    unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
-    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
-    from dflash_lib.checkpoint import MANIFEST_FILE
-    from dflash_lib.resume import RUN_OUTPUTS, is_training_run
-
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"destination {out} exists and is not a folder")
-    where = out.resolve()
-    if where == Path(src).resolve():
-        raise ConfigError(f"destination {out} is the source itself: give another folder")
-    for inner, folder in zip([where, *where.parents], where.parents):
-        if inner.name in RUN_OUTPUTS and is_training_run(folder):
-            raise ConfigError(f"destination {out} is {inner.name} of the training run {folder}: give a folder "
-                              f"outside its own files")
-    if is_training_run(where) or (where / MANIFEST_FILE).is_file():
-        raise ConfigError(f"destination {out} is a training run folder or a checkpoint: give another folder")
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if names and not force:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        raise ConfigError(f"destination {out} is not empty (it holds {shown}): give a new or empty folder, or "
-                          f"--force to replace its {CONFIG_FILE}, {WEIGHTS_FILE} and {README_FILE}")
-
-
-def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-                  force: bool = False) -> Path:
-    """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
-    drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
-    loaded: the shapes come from the run's config (and a local target's config.json). OUT_DIR must be new or
-    empty unless `force`, and is never a run folder's own files (`check_destination`)."""
-    from dflash_lib.checkpoint import MANIFEST_FILE, list_checkpoints
-
+def export_folder(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A saved or exported drafter folder (or a run folder's drafter/) written again in the serving layout in
+    `dtype`; its README keeps what it was trained for."""
     src = Path(src)
-    if not src.is_dir():
-        raise ConfigError(f"{src} is not a folder")
-    check_destination(out_dir, src, force)
-    if (src / MANIFEST_FILE).is_file():
-        cfg, weights, max_pos, info = _checkpoint_drafter(src)
-        return write_folder(cfg, weights, out_dir, dtype, max_pos, info)
-    ckpts = list_checkpoints(src / "checkpoints")
-    if ckpts:
-        cfg, weights, max_pos, info = _checkpoint_drafter(ckpts[-1])
-        return write_folder(cfg, weights, out_dir, dtype, max_pos, info)
     folder = src / "drafter" if (src / "drafter" / CONFIG_FILE).is_file() else src
     if not (folder / CONFIG_FILE).is_file():
         raise ConfigError(f"{src} holds no checkpoint (checkpoints/ckpt-*), no drafter/ and no {CONFIG_FILE}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from dflash_lib.batch import Batch
+from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors
 
 GROUP_BLOCK_SHARE = 4  # a run's own block keys stay within 1/4 of its mean context (<= ~25% extra work)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from dflash_lib.models.layout import DraftLayout
+from dflash_lib.models.layout import DraftLayout
 
 
 @dataclass

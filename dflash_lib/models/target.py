@@ -23,13 +23,12 @@ import torch.nn.functional as F
 import transformers
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from dflash_lib.batch import Batch
 from dflash_lib.config import ConfigError
+from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import document_segments, segment_cu_seqlens
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dflash_lib.config import ModelConfig
 
 QWEN3_VOCAB = 151936  # Qwen3 embedding rows (the tokenizer's ids and the reserved MASK 151669 fit)
@@ -364,7 +363,7 @@ def load_local(directory: str | Path, hf_cfg: transformers.PretrainedConfig, dev
     and names missing and unknown weights."""
     root = Path(directory)
     files = weight_files(root)
-    from safetensors import safe_open
+    from safetensors import safe_open  # only a local model folder needs it
 
     with torch.device(device):  # built on the device: its random init is overwritten below
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,

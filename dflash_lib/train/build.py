@@ -1,0 +1,220 @@
+"""What a training run is made of, built from a Config: its data, sampler, target replica(s) and drafter.
+
+    load_training_data: token store -> held-out split -> lengths, drafter query tokens, bucket edges, pad id
+    build_parts:        + the sampler (the global plan of D data shards), the frozen target(s), a fresh drafter
+                        -> TrainingParts, everything the loop in `dflash_lib.train.loop` consumes
+
+`load_training_data` opens and checks the corpus before anything is written into a run folder: `train()` calls
+it first, so a missing source or an empty store leaves no half-made run behind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dflash_lib.config import Config, ConfigError, target_tokenizer
+from dflash_lib.data import build_token_store_from_config
+from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
+from dflash_lib.data.stats import store_drafter_queries
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.export import init_from
+from dflash_lib.models.target import target_hf_config
+from dflash_lib.plan import sampler as samplers
+from dflash_lib.plan.buckets import BucketPlan, optimal_boundaries
+from dflash_lib.plan.sampler.budget import TokenBudget
+from dflash_lib.train import distributed
+
+
+@dataclass
+class TrainingParts:
+    """Everything the loop consumes: built from a Config by `build_parts`, or by a test from small stand-ins."""
+
+    store: Any  # store[i] -> (tokens (L,), loss_mask (L,)) numpy arrays
+    lengths: np.ndarray  # (N,) tokens per sample of the store
+    sampler: Any  # batch sampler with set_epoch(e) and len() = steps per epoch (this rank); epoch_plan if any
+    targets: list[TargetModel]  # one replica per target device; targets[0] is on the training device
+    drafter: DFlashDrafter  # on the training device, sharing targets[0]'s embedding and LM head
+    pad_id: int  # token id written into padding slots (never scored)
+    packed: bool  # collate by packing documents into rows of `row_len` tokens instead of padding
+    row_len: int  # packed row length in tokens (the token budget)
+    edges: list[int]  # bucket upper edges in tokens, for the bucket id of padded batches ([] = no buckets)
+    heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
+    full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
+    data_shards: int = 1  # D: batches per sampler step (the sampler's plan width), shared by the ranks
+
+
+@dataclass
+class TrainingData:
+    """The corpus side of a run (`load_training_data`), opened and checked before the run folder is touched."""
+
+    store: Any  # the training view: store[i] -> (tokens (L,), loss_mask (L,)); held-out samples left out
+    lengths: np.ndarray  # (N,) tokens per sample of `store`
+    queries: np.ndarray  # (N,) drafter query tokens per sample of `store` (anchors x block size at most)
+    edges: list[int]  # bucket upper edges in tokens for the bucketed sampler ([] = another strategy)
+    pad_id: int  # token id written into padding slots (the tokenizer's, from the store's meta.json)
+    split: HeldOutSplit  # the held-out split; its indices refer to `full_store`
+    full_store: Any  # the whole token store
+
+
+def load_training_data(config: Config) -> TrainingData:
+    """Build (or read from its cache) the token store of `config.data`, hold out `heldout_fraction` of it and
+    compute what the sampler needs; prints which tokenizer the run uses. Raises DataError / ConfigError on a
+    missing source, an empty store, ids or a MASK id the target cannot embed (`check_vocabulary`), a split that
+    leaves nothing to train on, a missing bucket plan or a store without a pad id."""
+    store = build_token_store_from_config(config.data, progress=distributed.info().rank == 0)
+    lengths = np.asarray(store.lengths)
+    if len(lengths) == 0:
+        raise ConfigError(f"the token store {store.path} holds no sample (source {config.data.source!r})")
+    distributed.print0(check_vocabulary(config, store.meta.get("tokenizer", {})))
+    full_store, split = store, split_store(store, config.data.heldout_fraction)
+    if len(split.train) == 0:
+        raise ConfigError(f"heldout_fraction {config.data.heldout_fraction} holds out every one of the "
+                          f"{len(lengths)} samples")
+    if len(split.heldout):  # the sampler and its bucket plan see the training part only
+        store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
+    edges = (bucket_edges(config, lengths, full_store.meta.get("key")) if config.sampler.strategy == "bucketed"
+             else [])
+    queries = store_drafter_queries(full_store, config.model.num_anchors,
+                                    config.model.block_size)[split.train]  # (N,) query tokens
+    pad_id = store.meta.get("tokenizer", {}).get("pad_id")
+    if pad_id is None:
+        raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
+    return TrainingData(store, lengths, queries, edges, int(pad_id), split, full_store)
+
+
+def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
+    """Refuse (ConfigError) a run whose ids the target cannot embed: a tokenizer emitting ids 0 .. n_vocab-1
+    (`tokenizer`: the token store's facts, special tokens included) beyond the target's vocab_size (every sample
+    would be skipped as token_out_of_vocab), or a mask_id outside [0, vocab_size). Reads the target's config
+    only, no weight. Returns the log line naming the tokenizer used and why."""
+    data, model = config.data, config.model
+    vocab = int(target_hf_config(model).vocab_size)  # embedding rows of the target
+    n_vocab = tokenizer.get("n_vocab")
+    if n_vocab is None:
+        raise ConfigError(f"token store of {data.source!r}: meta.json records no tokenizer n_vocab (rebuild it)")
+    own = target_tokenizer(model.target)
+    if n_vocab > vocab:
+        fix = ("the folder's tokenizer and model do not match" if own == data.tokenizer
+               else "pass the target's own tokenizer with -p tokenizer DIR")
+        raise ConfigError(f"tokenizer {data.tokenizer!r} emits ids up to {n_vocab - 1} ({n_vocab} ids) but target "
+                          f"{model.target!r} has vocab_size {vocab}: {fix}")
+    if not 0 <= model.mask_id < vocab:
+        free = f", e.g. {vocab - 1}: a row the tokenizer (ids < {n_vocab}) never emits" if n_vocab < vocab else ""
+        raise ConfigError(f"mask_id {model.mask_id} is outside target {model.target!r}'s vocabulary [0, {vocab}): "
+                          f"pass -p mask_id N with N < {vocab}{free}")
+    why = ("the target folder's own" if own == data.tokenizer
+           else f"-p tokenizer; the target folder ships its own, {own!r}" if own is not None else "")
+    return (f"tokenizer {data.tokenizer!r}{f' ({why})' if why else ''}: {n_vocab} ids, target {model.target!r}: "
+            f"vocab_size {vocab}, mask_id {model.mask_id}")
+
+
+def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None) -> list[int]:
+    """Bucket upper edges (tokens) for the bucketed sampler: `plan` (a plan.json) if set, else `edges`, else
+    the optimal edges for these lengths (`plan.buckets.optimal_boundaries` with the buckets section's settings).
+    `store_key`: the key of the token store the lengths come from; a plan made for a store of another key is
+    refused (ConfigError naming both corpora and how to use its edges anyway)."""
+    sc, bc = config.sampler, config.buckets
+    if sc.plan:
+        path = Path(sc.plan)
+        if not path.is_file():
+            raise ConfigError(f"plan {str(path)!r}: no such file (a plan.json written by notebook 02)")
+        plan = BucketPlan.from_json(path.read_text())
+        made_for = (plan.corpus or {}).get("store_key")
+        if store_key is not None and made_for is not None and made_for != store_key:
+            raise ConfigError(f"plan {str(path)!r} was made for another corpus: {plan.corpus.get('source')!r} (token "
+                              f"store {made_for}), this run reads {config.data.source!r} (token store {store_key}); "
+                              f"plan this corpus with notebook 02, or take those edges anyway: -p plan '' -p edges "
+                              f"'{json.dumps(list(plan.edges))}'")
+        return list(plan.edges)
+    if sc.edges:
+        return list(sc.edges)
+    q = bc.q if bc.cost == "quadratic" else None
+    plan = optimal_boundaries(lengths, bc.k, max_len=config.data.max_len, objective=bc.objective, cost=bc.cost,
+                              q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy)
+    return list(plan.edges)
+
+
+def static_batch_sizes(edges: Sequence[int], token_budget: int, q: float | None = None,
+                       block_budget: int | None = None, bucket_queries: Sequence[int] | None = None) -> list[int]:
+    """Rows per batch of each bucket when every row is padded to its bucket's upper edge: the most rows whose
+    cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget and, given block_budget and
+    bucket_queries (K,) (drafter query tokens of each bucket's costliest sample), whose drafter queries fit
+    it even when every row is that costliest sample: block_budget // bucket_queries[k] rows at most."""
+    cost = TokenBudget(token_budget, q).cost(np.asarray(edges, dtype=np.float64))  # (K,)
+    sizes = [max(1, int(token_budget // c)) for c in cost]
+    if block_budget is not None and bucket_queries is not None:
+        sizes = [min(b, max(1, block_budget // int(mq))) if mq > 0 else b for b, mq in zip(sizes, bucket_queries)]
+    return sizes
+
+
+def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: int,
+                  edges: Sequence[int], queries: np.ndarray | None = None) -> Any:
+    """The batch sampler named by `sampler.strategy`, sharded for (rank, world_size). Given `queries` (N,),
+    drafter query tokens per sample (`data.stats.store_drafter_queries`), every batch also stays within
+    `sampler.resolve_block_budget(config)` query tokens; None bounds target tokens only."""
+    sc = config.sampler
+    q = config.buckets.q if config.buckets.cost == "quadratic" else None
+    common = dict(seed=sc.sampler_seed, rank=rank, world_size=world_size)
+    if queries is not None:
+        common |= dict(queries=queries, block_budget=samplers.resolve_block_budget(config))
+    if sc.strategy == "sorted":
+        return samplers.SortedStaticSampler(lengths, sc.token_budget, q=q, **common)
+    if sc.strategy == "random":
+        return samplers.RandomShuffleSampler(lengths, sc.token_budget, q=q, **common)
+    if sc.strategy == "bucketed":
+        sizes = None
+        if sc.static_shapes:
+            bucket_max = None
+            if queries is not None:  # (K,) the costliest sample of each bucket, drafter query tokens
+                bucket_max = np.zeros(len(edges), dtype=np.int64)
+                np.maximum.at(bucket_max, samplers.bucket_of(np.asarray(lengths), edges), queries)
+            sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
+        return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
+                                               **common)
+    return samplers.PackedSampler(lengths, sc.token_budget, window=sc.pack_window, **common)
+
+
+def drafter_checkpointing(setting: str, device: torch.device) -> bool:
+    """`drafter_checkpointing` resolved: "auto" = on for CUDA (memory is the limit there), off on CPU."""
+    return setting == "true" or (setting == "auto" and torch.device(device).type == "cuda")
+
+
+def build_parts(config: Config, device: torch.device, data_shards: int = 0,
+                data: TrainingData | None = None) -> TrainingParts:
+    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
+    planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
+    sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
+    by `load_training_data` (None = open it here)."""
+    if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
+        raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
+                          f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
+    dist = distributed.info()
+    data = data if data is not None else load_training_data(config)
+    shards = data_shards if data_shards > 0 else dist.world_size
+    # the global plan: rank r reads its shards
+    sampler = build_sampler(config, data.lengths, 0, shards, data.edges, data.queries)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
+    if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
+        devices = [torch.device("cuda", i) for i in range(min(config.pipeline.target_workers,
+                                                              torch.cuda.device_count()))]
+    else:
+        devices = [device]
+    # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
+    targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed)
+               for d in devices]
+    torch.manual_seed(config.train.seed)
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
+                            attention=config.model.drafter_attention,
+                            checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device))
+    if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
+        init_from(drafter, config.model.init_from)
+    return TrainingParts(data.store, data.lengths, sampler, targets, drafter, data.pad_id,
+                         config.sampler.strategy == "packed", config.sampler.token_budget, data.edges, data.split,
+                         data.full_store, shards)

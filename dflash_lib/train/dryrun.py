@@ -1,0 +1,690 @@
+"""Dry run: one full training step of the REAL configuration under `FakeTensorMode`, for the worst-case batch of
+every bucket of the plan and of the packed strategy, measured for memory and FLOPs before a GPU is rented.
+
+    python -m dflash_lib dryrun --preset qwen3-8b [-p KEY VALUE]... [--device-gib 80] [--compare]
+
+What runs: the target (the Qwen3-8B shapes of `models.target.qwen3_8b_config`, a local model folder's
+config.json, or the tiny target) and the drafter are built with fake weights (shapes, dtypes, no memory), and one
+step runs exactly as the trainer runs it on CUDA: target features in bf16 up to the deepest feature layer, the
+drafter in fp32 master weights under bf16 autocast with the attention backend and activation checkpointing that
+`auto` resolves to on CUDA, the fused LM head + CE, backward, gradient clipping and a fused AdamW step whose state
+exists before the step (steady state). The anchors and the drafter layout are built on the host from real
+tensors, as the feed stage builds them.
+
+Measured: `torch.distributed._tools.mem_tracker.MemTracker` (peak bytes, split into parameters, gradients,
+optimizer state, activations, temporaries and inputs at the moment of the peak) and
+`torch.utils.flop_counter.FlopCounterMode` (target forward, drafter layers, drafter attention, LM head + CE).
+
+Worst-case batch of a bucket (lower, edge]: the most documents of `edge` tokens the token budget admits (the
+bucketed sampler's fill rule), each holding as many anchors as it can (min(num_anchors, edge - 1)) until the
+block budget (`sampler.resolve_block_budget`) is spent; the documents past it hold none. Anchors sit at the END
+of each document: every query sees the longest context it can. Packed: one row of token_budget tokens holding
+the most full-anchor documents the block budget allows, each as long as max_len and the row allow, the rest of
+the row filled with documents that hold no anchor.
+
+Where a fake-mode figure differs from a real CUDA run, and how it is accounted for:
+- Fake tensors cannot live on a CUDA device on a CPU-only torch (autograd aborts the process), so the step runs on
+  the fake CPU device in the same dtypes, under CPU bf16 autocast (it casts matmuls, linear layers and SDPA to
+  bf16 as CUDA autocast does). SDPA dispatches to the CPU flash kernel; its FLOPs are counted with the same
+  formulas as CUDA's flash / memory-efficient kernels, and its outputs (out, logsumexp) have the sizes of the
+  CUDA kernels'.
+- FlexAttention has no CPU backward, not even under fake tensors. For `flex` the dry run stands in an op with
+  FlexAttention's allocations (out, logsumexp, the backward's dq, dk, dv and row sums, the block mask's int32
+  tile tables) and counts the FLOPs of the 128 x 128 tiles the block mask keeps (computed on the host from the
+  layout, exactly as `create_block_mask` would mark them). A compiled `create_block_mask` on CUDA never builds
+  the dense (Q, K) grid, so none is counted.
+- The `dense` backend on CUDA runs the memory-efficient SDPA kernel, which pads a copy of the additive mask to a
+  multiple of 16 keys: one (Q, K) bf16 mask per call is added as `kernel_allowance`.
+- Not seen by any tracker: the CUDA context and cuBLAS/NCCL workspaces (about 0.5-1 GiB, plus NCCL buffers under
+  DDP) and the caching allocator's fragmentation. A device fits a batch when
+  peak x (1 + fragmentation) + kernel_allowance + reserve_gib <= device_gib (defaults 10 % and 1.5 GiB).
+- Tracker artefacts: FlopCounterMode's module tracker holds gradients in its hooks (~10 GiB at the paper's shapes),
+  so FLOPs are counted in a second pass, never in the one whose memory is measured; MemTracker's per-module peaks
+  (unused) are skipped for speed and its gradient hooks go on trainable modules only (`StepMemTracker`).
+Step time is projected from the counted FLOPs (activation recomputation included) at a stated MFU of the H200's
+dense bf16 peak (989 TFLOP/s); the ETA costs every batch of an epoch as its bucket's worst case (an upper bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode
+
+import dflash_lib.models.drafter as drafter_module
+from dflash_lib.config import Config, ConfigError, from_params
+from dflash_lib.data import build_token_store_from_config
+from dflash_lib.data.batch import Batch, collate_packed, collate_padded
+from dflash_lib.data.stats import store_drafter_queries
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.layout import attention_work, build_layout
+from dflash_lib.models.target import target_hf_config
+from dflash_lib.plan.sampler import resolve_block_budget
+from dflash_lib.plan.sampler.budget import TokenBudget
+from dflash_lib.rundir import load_config
+from dflash_lib.train.build import bucket_edges, build_sampler, drafter_checkpointing
+
+GIB = 2 ** 30
+H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s)
+PAPER_SAMPLES = 800_000  # dflash.md: the paper's training set, ~800K samples
+FLEX_TILE = 128  # FlexAttention's block-mask tile (queries and keys)
+aten = torch.ops.aten
+
+
+# -- the device the run is for -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How the trainer runs one step on the emulated device (`for_cuda`)."""
+
+    attention: str  # drafter attention backend: dense | blocks | flex
+    checkpointing: bool  # activation checkpointing per drafter layer
+    target_dtype: torch.dtype = torch.bfloat16  # the frozen target's weights and features
+    autocast: bool = True  # drafter under bf16 autocast over fp32 master weights
+
+
+def for_cuda(config: Config) -> StepSettings:
+    """What `build.build_parts` resolves on a CUDA device: `auto` attention and checkpointing, bf16 target."""
+    mc = config.model
+    return StepSettings(resolve_attention(mc.drafter_attention, "cuda"),
+                        drafter_checkpointing(mc.drafter_checkpointing, torch.device("cuda")))
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What no tracker sees on a real device (module docstring)."""
+
+    reserve_gib: float = 1.5  # CUDA context, cuBLAS workspaces, NCCL buffers (GiB)
+    fragmentation: float = 0.10  # caching-allocator overhead as a fraction of the measured peak
+
+    def required_bytes(self, peak: float, kernel_allowance: float = 0.0) -> float:
+        return peak * (1.0 + self.fragmentation) + kernel_allowance + self.reserve_gib * GIB
+
+
+# -- worst-case batches --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorstBatch:
+    """The costliest micro-batch a bucket (or the packer) can produce: documents and the anchors of each."""
+
+    label: str  # "bucket i" or "packed"
+    bucket: int  # bucket index, -1 for packed
+    lower: int  # exclusive lower edge (tokens)
+    edge: int  # inclusive upper edge (tokens)
+    lengths: tuple[int, ...]  # tokens of each document
+    anchors: tuple[int, ...]  # anchors of each document (its valid anchor positions, all drawn)
+    block_size: int  # B
+    row_len: int = 0  # packed: tokens of the row; 0 = padded, one document per row
+
+    @property
+    def docs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def target_tokens(self) -> int:
+        """Token slots the target runs (padding included)."""
+        return self.row_len if self.row_len else self.docs * max(self.lengths)
+
+    @property
+    def drafter_queries(self) -> int:
+        """Drafter query tokens, anchors x block_size."""
+        return sum(self.anchors) * self.block_size
+
+
+def _fill_anchors(n: int, per_doc: int, block_size: int, block_budget: int | None) -> list[int]:
+    """Anchors of n documents that can hold `per_doc` each: the first ones full until the block budget (query
+    tokens) is spent, one partial, the rest none."""
+    left = math.inf if block_budget is None else block_budget // block_size  # anchors the budget allows
+    out = []
+    for _ in range(n):
+        a = int(min(per_doc, left))
+        out.append(a)
+        left -= a
+    return out
+
+
+def worst_bucket_batch(bucket: int, lower: int, edge: int, config: Config, block_budget: int | None) -> WorstBatch:
+    """The worst batch of bucket (lower, edge] (module docstring): rows from the token budget's fill rule."""
+    sc, mc = config.sampler, config.model
+    q = config.buckets.q if config.buckets.cost == "quadratic" else None
+    n = int(TokenBudget(sc.token_budget, q).sizing.capacity(edge))
+    if n < 1:
+        raise ConfigError(f"bucket {bucket} ({lower}, {edge}]: not one document of {edge} tokens fits token_budget "
+                          f"{sc.token_budget}")
+    anchors = _fill_anchors(n, min(mc.num_anchors, edge - 1), mc.block_size, block_budget)
+    return WorstBatch(f"bucket {bucket}", bucket, lower, edge, (edge,) * n, tuple(anchors), mc.block_size)
+
+
+def worst_packed_batch(config: Config, block_budget: int | None) -> WorstBatch:
+    """One packed row of token_budget tokens with the worst mix (module docstring)."""
+    T, L, mc = config.sampler.token_budget, config.data.max_len, config.model
+    most = max(1, T // (mc.num_anchors + 1))  # documents the row holds at num_anchors anchors each
+    anchors = [a for a in _fill_anchors(most, mc.num_anchors, mc.block_size, block_budget) if a > 0] or [0]
+    length = min(L, T // len(anchors))  # as long as the row allows: later anchors, longer contexts
+    lengths, anchors = [length] * len(anchors), [min(a, length - 1) for a in anchors]
+    rest = T - sum(lengths)
+    while rest >= 2:  # filler documents: one assistant token each, no anchor
+        lengths.append(min(L, rest))
+        anchors.append(0)
+        rest -= lengths[-1]
+    return WorstBatch("packed", -1, 0, L, tuple(lengths), tuple(anchors), mc.block_size, row_len=T)
+
+
+def host_batch(worst: WorstBatch, vocab_size: int, mask_id: int, pad_id: int = 0, seed: int = 0) -> Batch:
+    """Real host tensors of `worst`: random tokens; the loss mask set on the last anchors + 1 tokens of each
+    document (exactly `anchors` valid anchor positions, at the end; one assistant token when it holds none)."""
+    rng = np.random.default_rng(seed)
+    high = min(vocab_size, mask_id) if mask_id > 0 else vocab_size
+    samples = []
+    for length, a in zip(worst.lengths, worst.anchors):
+        tokens = rng.integers(0, high, length)
+        mask = np.zeros(length, dtype=bool)
+        mask[length - max(a + 1, 1):] = True
+        samples.append((tokens, mask))
+    if worst.row_len:
+        return collate_packed(samples, pad_id, worst.row_len)
+    return collate_padded(samples, pad_id, bucket=worst.bucket)
+
+
+# -- the models, real or fake ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepModels:
+    """Target, drafter and optimizer of one measured configuration (fake when `mode` is set)."""
+
+    target: Any  # TargetModel
+    drafter: Any  # DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]  # the drafter's trainable parameters
+    settings: StepSettings
+    mode: FakeTensorMode | None  # None = real tensors
+
+    @property
+    def context(self) -> contextlib.AbstractContextManager:
+        return self.mode if self.mode is not None else contextlib.nullcontext()
+
+
+def _fake_drafter(drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTensorMode, settings: StepSettings):
+    """A DFlashDrafter with fake parameters on the fake target's device. Module.to() cannot move fake parameters
+    (torch swaps them and refuses tensors the fake mode holds weak references to), and DFlashDrafter moves itself
+    to its target's device: so it is built on the meta device against a meta twin of the target, then every
+    parameter and buffer is replaced by a fake one of the same shape and dtype, and its target by the fake one."""
+    with torch.device("meta"):
+        twin = TargetModel(transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=settings.target_dtype),
+                           fake_target.layer_ids)
+        drafter = DFlashDrafter(drafter_cfg, twin, attention=settings.attention, checkpointing=settings.checkpointing)
+    device = fake_target.device
+    with mode:
+        for module in drafter.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                                   requires_grad=p.requires_grad))
+            for name, b in list(module.named_buffers(recurse=False)):
+                persistent = name in module.state_dict()
+                module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device), persistent=persistent)
+    object.__setattr__(drafter, "target", fake_target)  # DFlashDrafter keeps its target as a plain attribute
+    return drafter
+
+
+def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake: bool, seed: int = 0) -> StepModels:
+    """The target (features only), a fresh drafter and a fused AdamW whose state already exists (steady state)."""
+    mc, tc = config.model, config.train
+    ids = mc.target_layer_ids or None
+    mode = FakeTensorMode() if fake else None
+    if fake:
+        target = TargetModel.fake(hf_cfg, mc.num_features, ids, mode, "cpu", settings.target_dtype)
+        drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
+    else:
+        target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(DrafterConfig.from_model_config(mc, target), target, attention=settings.attention,
+                                checkpointing=settings.checkpointing)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    with mode if fake else contextlib.nullcontext():
+        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
+        for p in params:  # a zero-gradient step creates the state (exp_avg, exp_avg_sq, step) and changes nothing
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return StepModels(target, drafter, opt, params, settings, mode)
+
+
+# -- measurement ---------------------------------------------------------------------------------------------------
+
+
+class StepMemTracker(MemTracker):
+    """MemTracker that installs its gradient hooks only on modules whose parameters all train (it would register a
+    hook on the frozen target's weights, which torch refuses), and keeps only the global peak per op: its
+    per-module peaks, unused here, cost a pass over every module seen (~500 for an 8B target) after every op."""
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
+        trainable = all(p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks and trainable)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+class _Root(torch.nn.Module):
+    """One module around the forward: MemTracker refuses a module called twice at the top level (the shared
+    embedding, the rotary table), but not inside a parent."""
+
+    def forward(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+
+def _sdpa_fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """CPU flash SDPA forward, torch's formula for the CUDA kernels: 2 matmuls of (Q x d) by (d x K) per head."""
+    b, h, sq, d = q
+    return 4 * b * h * sq * k[2] * d
+
+
+def _sdpa_bwd_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """CPU flash SDPA backward, torch's formula for the CUDA kernels: 5 matmuls (scores recomputed)."""
+    b, h, sq, d = q
+    return 10 * b * h * sq * k[2] * d
+
+
+class _FlopTally:
+    """FlopCounterMode with torch's formulas plus the CPU flash-attention kernels' (torch's table has only the CUDA
+    ones), and a tally of the matmul FLOPs with a vocabulary-sized dimension (the LM head) for the split."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab, self.head = vocab_size, 0
+
+    def _matmul(self, dims: Sequence[int], flops: int) -> int:
+        if self.vocab in dims:
+            self.head += flops
+        return flops
+
+    def counter(self) -> FlopCounterMode:
+        mm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
+        addmm = lambda s, a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
+        bmm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * a[2] * b[2])  # noqa: E731
+        return FlopCounterMode(display=False, custom_mapping={
+            aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
+            aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_bwd_flops})
+
+
+def _attention_flops(counter: FlopCounterMode) -> int:
+    return sum(v for op, v in counter.get_flop_counts().get("Global", {}).items() if "attention" in str(op))
+
+
+def flex_tiles(layout: Any, tile: int = FLEX_TILE) -> int:
+    """(query tile, key tile) pairs of 128 x 128 that FlexAttention's block mask keeps for this layout: a tile is
+    computed when one of its queries may see one of its keys. Keys are [the R*T context slots ; the n*B block
+    queries] (attention.flex_block_mask). Host numpy on the host layout."""
+    B, n = layout.block_size, layout.num_blocks
+    ctx_doc = layout.ctx_doc.numpy()
+    C, Q = len(ctx_doc), n * B
+    real = np.flatnonzero(ctx_doc >= 0)
+    first = np.full(int(ctx_doc.max()) + 1 if real.size else 0, -1, dtype=np.int64)
+    docs, at = np.unique(ctx_doc[real], return_index=True)
+    first[docs] = real[at]  # flat slot of each document's first token
+    doc, anchor = layout.block_doc.numpy(), layout.anchor_pos.numpy()
+    lo = first[doc]  # (n,) the visible context of block i: [lo, lo + anchor) ...
+    hi = lo + anchor
+    grid = np.zeros((-(-Q // tile), -(-(C + Q) // tile)), dtype=bool)  # (query tiles, key tiles)
+    for i in range(n):
+        qt = slice((i * B) // tile, (i * B + B - 1) // tile + 1)
+        if hi[i] > lo[i]:
+            grid[qt, lo[i] // tile:(hi[i] - 1) // tile + 1] = True
+        grid[qt, (C + i * B) // tile:(C + i * B + B - 1) // tile + 1] = True  # ... and its own block
+    return int(grid.sum())
+
+
+class _FlexAllocations(torch.autograd.Function):
+    """FlexAttention's allocations without its math (fake mode: it has no CPU backward). Forward: out (like q)
+    and logsumexp (1, h, Q) fp32, both kept with q, k, v; backward: the row sums (1, h, Q) fp32, dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tally):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tally = tally
+        tally["forward"] += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = torch.empty_like(lse)  # noqa: F841  (allocated by the kernel: sum(out * grad) per row)
+        ctx.tally["backward"] += 1
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+@contextlib.contextmanager
+def _flex_standin(tally: dict[str, int]):
+    """Route the drafter's `flex` backend to `_FlexAllocations` (plus the block mask's tile tables) meanwhile."""
+    real = drafter_module.make_attend
+
+    def make_attend(layout, backend):
+        if backend != "flex":
+            return real(layout, backend)
+        Q, C = layout.num_queries, int(layout.ctx_doc.shape[0])
+        qt, kt = -(-Q // FLEX_TILE), -(-(C + Q) // FLEX_TILE)
+        dev = layout.block_doc.device
+        tables = [torch.empty(1, 1, qt, kt, dtype=torch.int32, device=dev) for _ in range(4)]  # (kv, full) x (q, kv)
+
+        def attend(q, kc, vc, kb, vb):
+            tables  # noqa: B018  (the block mask lives as long as the attention that uses it)
+            k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+            if torch.is_autocast_enabled(q.device.type):  # FlexAttention's autocast rule: q, k, v cast to its dtype
+                dtype = torch.get_autocast_dtype(q.device.type)
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            return _FlexAllocations.apply(q, k, v, tally)
+
+        return attend
+
+    drafter_module.make_attend = make_attend
+    try:
+        yield
+    finally:
+        drafter_module.make_attend = real
+
+
+@dataclass
+class StepFigures:
+    """One measured training step."""
+
+    peak_bytes: int  # the step's peak, everything tracked
+    memory: dict[str, int]  # bytes per category at the moment of the peak
+    flops: dict[str, int]  # target_forward, drafter_layers, drafter_attention, head_ce
+    kernel_allowance: int  # bytes a CUDA kernel adds that the fake CPU step does not hold (module docstring)
+    attention_pairs: dict[str, float] = field(default_factory=dict)  # query-key pairs: allowed, computed (per head)
+    seconds: float = 0.0  # wall time of the measured step on this machine
+
+    @property
+    def flops_total(self) -> int:
+        return sum(self.flops.values())
+
+
+_CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer",
+               "Activation": "activations", "Temp": "temporaries", "Other": "inputs"}
+
+
+def _to_mode(obj: Any, mode: FakeTensorMode | None) -> Any:
+    """Host tensors of a batch or layout (dataclasses, nested) as the step's device tensors (fake under `mode`)."""
+    if mode is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return mode.from_tensor(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_mode(getattr(obj, f.name), mode)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures:
+    """Run and measure one training step on host batch `batch` (anchors drawn with `seed`)."""
+    s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
+    anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
+    layout = build_layout(batch, anchors, s.attention)
+    pairs = {}
+    if s.attention in ("dense", "blocks"):
+        pairs = {k: v for k, v in attention_work(layout, s.attention).items() if k != "ratio"}
+    elif layout.num_blocks:
+        pairs = dict(allowed=attention_work(layout, "dense")["allowed"],
+                     computed=float(flex_tiles(layout) * FLEX_TILE * FLEX_TILE))
+    allowance = 0
+    if s.attention == "dense":  # the memory-efficient kernel's padded copy of the additive mask, one call at a time
+        allowance = layout.num_queries * (-(-(layout.ctx_doc.numel() + layout.num_queries) // 16) * 16) * 2
+    segments = target.segments(batch.doc_ids)  # host work of the target worker
+    dev_batch, dev_layout = _to_mode(batch, models.mode), _to_mode(layout, models.mode)
+
+    def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
+        def forward():
+            with phase("target"):
+                feats = target.features(dev_batch, segments)  # (R, T, F*H)
+            with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
+                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum)
+
+        out = _Root()(forward)
+        with phase("backward"):
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(models.params, 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # Memory and FLOPs in two passes: FlopCounterMode's module tracker buffers gradients in its hooks and would
+    # add its own memory to the peak.
+    tracker = StepMemTracker()
+    tracker.track_external(target, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
+    flex = {"forward": 0, "backward": 0}
+    t0 = time.perf_counter()
+    with models.context, tracker, _flex_standin(flex), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None")  # MemTracker: a module gone before its backward
+        step(lambda name: contextlib.nullcontext())
+    seconds = time.perf_counter() - t0
+    (snap,) = tracker.get_tracker_snapshot("peak").values()
+    memory = {_CATEGORIES[str(getattr(k, "value", k))]: int(v) for k, v in snap.items() if k != "Total"}
+
+    tally = _FlopTally(drafter.cfg.vocab_size)
+    counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
+    flex = {"forward": 0, "backward": 0}
+    with models.context, _flex_standin(flex):
+        step(lambda name: counters[name])
+    flex_flops = 0
+    if flex["forward"]:
+        per_forward = 4 * drafter.cfg.num_heads * drafter.cfg.head_dim * pairs["computed"]  # 2 matmuls per pair
+        flex_flops = int(per_forward * flex["forward"] + 2.5 * per_forward * flex["backward"])  # backward: 5
+    sdpa = _attention_flops(counters["drafter"]) + _attention_flops(counters["backward"])
+    drafter_total = counters["drafter"].get_total_flops() + counters["backward"].get_total_flops()
+    flops = dict(target_forward=counters["target"].get_total_flops(), drafter_layers=drafter_total - sdpa - tally.head,
+                 drafter_attention=sdpa + flex_flops, head_ce=tally.head)
+    return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+# -- a plan: every bucket's worst batch, the packed row, projections --------------------------------------------------
+
+
+@dataclass
+class BatchResult:
+    """One worst-case batch measured and judged against a device."""
+
+    worst: WorstBatch
+    figures: StepFigures
+    required_bytes: float  # peak with the reserve (Reserve.required_bytes)
+    fits: bool  # required_bytes <= the device's memory
+    step_s: float  # projected step time on the device (seconds)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON entry of this batch (module docstring of the CLI)."""
+        w, f = self.worst, self.figures
+        return dict(bucket=w.bucket, lower=w.lower, edge=w.edge, docs=w.docs, target_tokens=w.target_tokens,
+                    real_tokens=sum(w.lengths), drafter_queries=w.drafter_queries,
+                    peak_gib=round(f.peak_bytes / GIB, 3), required_gib=round(self.required_bytes / GIB, 3),
+                    fits=self.fits, tflops=round(f.flops_total / 1e12, 4),
+                    tflops_split={k: round(v / 1e12, 4) for k, v in f.flops.items()},
+                    memory_gib={k: round(v / GIB, 3) for k, v in f.memory.items()},
+                    kernel_allowance_gib=round(f.kernel_allowance / GIB, 2), step_s=round(self.step_s, 3),
+                    ktok_s=round(sum(w.lengths) / self.step_s / 1000.0, 1))
+
+
+def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepSettings, device_gib: float,
+                    mfu: float = 0.4, peak_tflops: float = H200_BF16_TFLOPS, reserve: Reserve = Reserve(),
+                    fake: bool = True, say: Callable[[str], None] = lambda line: None) -> list[BatchResult]:
+    """Measure one step per batch of `worst` with models built once for `settings` (fake weights by default)."""
+    models = build_step_models(config, target_hf_config(config.model), settings, fake, config.train.seed)
+    out = []
+    for w in worst:
+        batch = host_batch(w, models.drafter.cfg.vocab_size, config.model.mask_id, seed=config.train.seed)
+        fig = measure_step(models, batch, config.train.seed)
+        need = reserve.required_bytes(fig.peak_bytes, fig.kernel_allowance)
+        out.append(BatchResult(w, fig, need, need <= device_gib * GIB, fig.flops_total / (mfu * peak_tflops * 1e12)))
+        say(f"  {w.label}: {w.docs} docs, {w.drafter_queries} queries -> peak {fig.peak_bytes / GIB:.1f} GiB "
+            f"({fig.seconds:.0f} s)")
+    return out
+
+
+def worst_batches(config: Config, edges: Sequence[int], block_budget: int | None) -> list[WorstBatch]:
+    """Every bucket's worst batch for bucket upper edges `edges`, then the packed row's."""
+    lowers = [0, *edges[:-1]]
+    out = [worst_bucket_batch(i, lo, e, config, block_budget) for i, (lo, e) in enumerate(zip(lowers, edges))]
+    return out + [worst_packed_batch(config, block_budget)]
+
+
+def measure_plan(plan: Any, config: Config, device_gib: float = 80.0, attention: str | None = None,
+                 reserve: Reserve = Reserve()) -> list[dict[str, Any]]:
+    """Per-bucket measured peak of a BucketPlan (notebook 02's check): one fake step of each bucket's worst batch
+    at `config`'s model shapes, as on CUDA (`for_cuda`; `attention` overrides the backend). Returns one record
+    per bucket (`BatchResult.record`: docs, tokens, queries, peak_gib, required_gib, fits on `device_gib`, ...)."""
+    config = _with(config, token_budget=int(plan.token_budget or config.sampler.token_budget))
+    settings = for_cuda(config)
+    if attention is not None:
+        settings = dataclasses.replace(settings, attention=attention)
+    worst = worst_batches(config, list(plan.edges), resolve_block_budget(config))[:-1]
+    return [r.record() for r in measure_batches(config, worst, settings, device_gib, reserve=reserve)]
+
+
+def _with(config: Config, **params: Any) -> Config:
+    return from_params(params, config)
+
+
+def _epoch_batches(config: Config, lengths: np.ndarray, queries: np.ndarray, edges: Sequence[int]
+                   ) -> tuple[list[int], int]:
+    """(batches of each bucket in epoch 0 of the bucketed sampler, rows of the packed sampler), one rank."""
+    bucketed = build_sampler(_with(config, strategy="bucketed"), lengths, 0, 1, edges, queries).epoch_plan(0)
+    packed = build_sampler(_with(config, strategy="packed"), lengths, 0, 1, [], queries).epoch_plan(0)
+    counts = np.bincount(bucketed.step_bucket, minlength=len(edges))
+    return [int(c) for c in counts], packed.num_steps
+
+
+def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_samples: int = 0,
+            attention: str | None = None, reserve: Reserve = Reserve(), peak_tflops: float = H200_BF16_TFLOPS,
+            say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """The dry run of `config` (module docstring): the bucket plan of its corpus, every bucket's worst batch and
+    the packed row measured in fake mode as on CUDA (`attention` overrides the backend), projections. Returns the
+    report (`format_report` prints it; the CLI's JSON line is this dict)."""
+    t0 = time.perf_counter()
+    mc = config.model
+    settings = for_cuda(config)
+    if attention is not None:
+        settings = dataclasses.replace(settings, attention=attention)
+    store = build_token_store_from_config(config.data, progress=False)
+    lengths = np.asarray(store.lengths)
+    queries = store_drafter_queries(store, mc.num_anchors, mc.block_size)
+    edges = bucket_edges(_with(config, strategy="bucketed"), lengths, store.meta.get("key"))
+    block_budget = resolve_block_budget(config)
+    say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
+        f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "
+        f"checkpointing {settings.checkpointing}")
+    results = measure_batches(config, worst_batches(config, edges, block_budget), settings, device_gib, mfu,
+                              peak_tflops, reserve, say=say)
+    buckets, packed = results[:-1], results[-1]
+    counts, rows = _epoch_batches(config, lengths, queries, edges)
+    n = corpus_samples or len(lengths)
+    epochs = config.train.full_run_epochs
+    epoch_s = {"bucketed": sum(c * r.step_s for c, r in zip(counts, buckets)), "packed": rows * packed.step_s}
+    hf = target_hf_config(mc)
+    eta = dict(corpus_samples=n, corpus="given" if corpus_samples else f"the bundled corpus ({len(lengths):,} samples)",
+               epochs=epochs, batches_per_epoch={"bucketed": counts, "packed": rows},
+               seconds={k: v * epochs * n / len(lengths) for k, v in epoch_s.items()},
+               days={k: round(v * epochs * n / len(lengths) / 86400, 2) for k, v in epoch_s.items()},
+               paper_samples=PAPER_SAMPLES,
+               paper_days={k: round(v * epochs * PAPER_SAMPLES / len(lengths) / 86400, 2) for k, v in epoch_s.items()})
+    return dict(
+        device_gib=device_gib, fits=all(r.fits for r in results), attention=settings.attention,
+        checkpointing=settings.checkpointing, target=mc.target, target_layers=int(hf.num_hidden_layers),
+        hidden_size=int(hf.hidden_size), drafter_layers=mc.drafter_layers, block_size=mc.block_size,
+        num_anchors=mc.num_anchors, max_len=config.data.max_len, token_budget=config.sampler.token_budget,
+        block_budget=block_budget, edges=list(edges),
+        buckets=[r.record() for r in buckets], packed=packed.record(),
+        assumptions=dict(gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
+                         fragmentation=reserve.fragmentation, device="fake CPU tensors standing in for CUDA, "
+                         "bf16 target, fp32 drafter under bf16 autocast, fused AdamW",
+                         eta="one GPU; every batch of an epoch costed as its bucket's worst batch (an upper bound); "
+                         "FLOPs counted include activation recomputation"),
+        eta=eta, seconds=round(time.perf_counter() - t0, 1))
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable table of a `dry_run` report."""
+    r = report
+    head = (f"dry run: target {r['target']} ({r['target_layers']} layers, hidden {r['hidden_size']}), drafter "
+            f"{r['drafter_layers']} layers, block {r['block_size']}, {r['num_anchors']} anchors, max_len {r['max_len']}"
+            f"\n  attention {r['attention']}, checkpointing {r['checkpointing']}, token_budget {r['token_budget']}, "
+            f"block_budget {r['block_budget']}; device {r['device_gib']:g} GiB")
+    cols = ("batch", "edge", "docs", "tgt tok", "queries", "peak", "need", "fits", "TFLOP", "tgt/layers/attn/head",
+            "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
+    rows = []
+    for b in [*r["buckets"], r["packed"]]:
+        t, m = b["tflops_split"], b["memory_gib"]
+        rows.append((
+            "packed" if b["bucket"] < 0 else f"bucket {b['bucket']}", f"({b['lower']}, {b['edge']}]", b["docs"],
+            b["target_tokens"], b["drafter_queries"], f"{b['peak_gib']:.1f}", f"{b['required_gib']:.1f}",
+            "yes" if b["fits"] else "NO", f"{b['tflops']:.0f}",
+            "/".join(f"{t[k]:.0f}" for k in ("target_forward", "drafter_layers", "drafter_attention", "head_ce")),
+            f"{b['step_s']:.2f}", f"{b['ktok_s']:.1f}",
+            "/".join(f"{m.get(k, 0):.1f}" for k in ("parameters", "gradients", "optimizer", "activations",
+                                                     "temporaries"))))
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    lines = [head, "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    a, e = r["assumptions"], r["eta"]
+    lines.append(f"fits: {'yes' if r['fits'] else 'NO'} (need = peak x {1 + a['fragmentation']:.2f} + kernel allowance "
+                 f"+ {a['reserve_gib']:g} GiB reserve <= {r['device_gib']:g} GiB)")
+    lines.append(f"projection: {a['gpu']} at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOP/s; {a['eta']}")
+    lines.append(f"ETA of {e['epochs']:g} epochs over {e['corpus_samples']:,} samples ({e['corpus']}): bucketed "
+                 f"{e['days']['bucketed']:.2f} days, packed {e['days']['packed']:.2f} days; over the paper's "
+                 f"{e['paper_samples']:,}: bucketed {e['paper_days']['bucketed']:.1f} days, packed "
+                 f"{e['paper_days']['packed']:.1f} days")
+    return "\n".join(lines)
+
+
+def run_cli(args: Any) -> int:
+    """`python -m dflash_lib dryrun` (arguments in `__main__`): the table, then ONE JSON line (the report); returns
+    0 when every batch fits the device, 1 otherwise (a bad parameter raises ConfigError: exit 2)."""
+    params: dict[str, str] = {}
+    for key, value in args.param or []:
+        if key in params:
+            raise ConfigError(f"parameter {key!r} given twice")
+        params[key] = value
+    if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.corpus_samples < 0:
+        raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --corpus-samples >= 0")
+    config = load_config(params, args.preset)
+    reserve = Reserve(**{k: v for k, v in dict(reserve_gib=args.reserve_gib, fragmentation=args.fragmentation).items()
+                         if v is not None})
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    report = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, reserve=reserve, say=say)
+    print(format_report(report), flush=True)
+    if args.compare:
+        report["compare"] = {}
+        for backend in ("dense", "blocks", "flex"):
+            if backend == report["attention"]:
+                continue
+            say(f"-- attention {backend}")
+            other = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, backend, reserve, say=say)
+            print(format_report(other), flush=True)
+            report["compare"][backend] = {k: other[k] for k in ("fits", "buckets", "packed", "eta")}
+    print(json.dumps(report), flush=True)
+    return 0 if report["fits"] else 1

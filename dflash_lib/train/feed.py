@@ -1,0 +1,358 @@
+"""What feeds the training loop: sampler positions -> work items -> validated batches -> target features.
+
+    epoch_batches (Work: epoch, step, shard, indices) -> make_collate (Collated: Batch or None, skipped samples)
+    -> make_target_workers (Item: batch + target features) -> the trainer
+
+Every item carries its sampler position (epoch, step within the epoch), so the trainer knows exactly which
+batches it has CONSUMED even though the pipeline reads ahead; a checkpoint records that position and a resume
+starts the source there. Samples that fail `validate_sample` (token id outside the vocabulary, empty, a loss mask
+with no assistant token, ...) are left out of their batch and reported with the item, so only consumed skips
+are counted.
+
+Bad samples are skipped and counted, never allowed to crash (or silently poison) a long run: the skip
+counts and the bad-step guard are in `state`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from dflash_lib.config import ConfigError
+from dflash_lib.data.batch import Batch, collate_packed, collate_padded
+from dflash_lib.models.layout import DraftLayout
+
+Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
+
+# Reasons a sample is skipped (stable strings: they are the keys of the skip counts in the run summary).
+NOT_1D = "not_1d"  # tokens or loss mask is not a flat sequence
+NOT_INTEGER = "not_integer"  # token ids are not integers
+EMPTY = "empty"  # no tokens (e.g. nothing left after truncation)
+MASK_LENGTH_MISMATCH = "mask_length_mismatch"  # loss mask and tokens differ in length
+BAD_MASK = "bad_mask"  # loss mask values other than 0/1 (or False/True)
+TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"  # a token id < 0 or >= vocab_size
+NO_ASSISTANT_TOKEN = "no_assistant_token"  # loss mask selects no token: nothing to learn from
+REASONS = (NOT_1D, NOT_INTEGER, EMPTY, MASK_LENGTH_MISMATCH, BAD_MASK, TOKEN_OUT_OF_VOCAB, NO_ASSISTANT_TOKEN)
+
+ArrayLike = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class NothingTrainedError(RuntimeError):
+    """No sample fit for training in a whole epoch of batches, or in any batch of the run: nothing to learn from,
+    so the run fails instead of writing a drafter that was never trained."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """One micro-batch of sample indices and its place in the sampler's sequence."""
+
+    epoch: int  # sampler epoch
+    step: int  # sampler step within the epoch (0-based): once consumed, a resume restarts at step + 1
+    shard: int  # the data shard whose batch this is (0..D-1; -1: none, a rank with no shard of this step)
+    last_shard: bool  # this rank's last item of its sampler step: the step is fully consumed with it
+    indices: list[int]  # sample indices in the store ([] for shard -1)
+    index: int = 0  # sampler steps drawn before this one since the run began (the noise schedule's clock)
+    step_end: bool = True  # the last item of its OPTIMIZER step (the same sampler step on every rank)
+
+
+@dataclass
+class Collated:
+    """A collated work item: `batch` is None when every one of its samples failed validation."""
+
+    work: Work
+    batch: Batch | None
+    skips: Skips  # samples left out
+    layout: DraftLayout | None = None  # the drafter's host-side work for `batch` (anchors drawn), if prepared
+
+    def pin_memory(self) -> "Collated":
+        if self.batch is None:
+            return self
+        return replace(self, batch=self.batch.pin_memory(),
+                       layout=None if self.layout is None else self.layout.pin_memory())
+
+
+@dataclass
+class Item:
+    """One micro-batch leaving the pipeline (batch, device_batch and features are None for an all-invalid one)."""
+
+    epoch: int  # sampler epoch it came from
+    batch: Batch | None  # host copy (pinned on CUDA): anchors are sampled from it without a device sync
+    device_batch: Batch | None  # the same batch on the training device
+    features: torch.Tensor | None  # (R, T, num_features * H) target features on the training device
+    step: int = 0  # sampler step within the epoch (see Work)
+    shard: int = 0  # rank whose batch this is
+    last_shard: bool = True  # completes its sampler step
+    skips: Skips = ()  # samples of this micro-batch left out by validation
+    layout: DraftLayout | None = None  # host layout of the drafter's work (anchors, scored positions)
+    device_layout: DraftLayout | None = None  # the same on the training device
+    ready: torch.cuda.Event | None = None  # recorded on the target worker's stream once every device tensor above
+    # is written (CUDA); None where the worker ran on the consumer's stream (CPU)
+    step_end: bool = True  # the last item of its optimizer step (see Work)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of device_batch, features and device_layout (the ones written on the worker's stream)."""
+        out: list[torch.Tensor] = []
+        if self.device_batch is not None:
+            b = self.device_batch
+            out += [b.input_ids, b.loss_mask, b.position_ids, b.doc_ids, b.cu_seqlens]
+        if self.features is not None:
+            out.append(self.features)
+        if self.device_layout is not None:
+            self.device_layout._map(lambda t: out.append(t) or t)
+        return out
+
+    def wait_ready(self) -> None:
+        """Make the CURRENT stream wait (on the device, no host sync) until the worker's copies and target forward
+        are done, and mark the item's device tensors as used by the current stream, so the caching allocator does
+        not hand their memory back to the worker's stream before this stream is done with them. A no-op when
+        `ready` is None (CPU). Call it once, on the consumer's thread, before the first use of the tensors."""
+        if self.ready is None:
+            return
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.ready)
+        for t in self.device_tensors():
+            t.record_stream(stream)
+        self.ready = None  # waited: a second call is a no-op
+
+
+def bucket_of(max_len: int, edges: Sequence[int]) -> int:
+    """Index of the first bucket whose upper edge (tokens) holds `max_len`; -1 without edges."""
+    if not len(edges):
+        return -1
+    k = int(np.searchsorted(np.asarray(edges), max_len, side="left"))
+    if k >= len(edges):
+        raise ValueError(f"a sample of {max_len} tokens exceeds the last bucket edge {edges[-1]}")
+    return k
+
+
+def anchor_seed(seed: int, shard: int, epoch: int, step: int) -> int:
+    """Seed of the anchor draw of one micro-batch: a pure function of its sampler position, so anchors can be
+    drawn ahead in the feed stage and a resume draws exactly the anchors an uninterrupted run would."""
+    digest = hashlib.sha256(f"anchors:{seed}:{shard}:{epoch}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def make_prepare(drafter: Any, seed: int, noise_of: Callable[[int], float]) -> Callable[[Batch, Work], DraftLayout]:
+    """(host batch, work) -> the drafter's host layout: anchors drawn from `anchor_seed(seed, shard, epoch,
+    step)` with noise `noise_of(work.index)`, laid out for the drafter's attention backend."""
+    def prepare(batch: Batch, work: Work) -> DraftLayout:
+        gen = torch.Generator().manual_seed(anchor_seed(seed, work.shard, work.epoch, work.step))
+        return drafter.layout(batch, drafter.sample_anchors(batch, gen, noise_of(work.index)))
+    return prepare
+
+
+def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Sequence[int] = (),
+                 vocab_size: int | None = None, pad_to_edge: bool = False,
+                 prepare: Callable[[Batch, Work], DraftLayout] | None = None) -> Callable[[Work], Collated]:
+    """Work -> Collated: the samples that pass `validate_sample` (not checked when `vocab_size` is None) padded
+    one per row (to the longest, or with `pad_to_edge` to the bucket's upper edge: static shapes) or packed into
+    one row of `row_len` tokens; the others are listed in `skips`. A padded batch's bucket id (from `edges`) is
+    that of the longest sample the sampler put in it, valid or not, so a skip never relabels the batch.
+    `prepare` (e.g. `make_prepare`) lays out the drafter's work on the host here, off the training thread."""
+    if pad_to_edge and not len(edges):
+        raise ConfigError("pad_to_edge needs bucket edges")
+
+    def collate(work: Work) -> Collated:
+        samples = [store[i] for i in work.indices]
+        skips: list[tuple[str, int, int]] = []
+        keep: list[int] = []
+        for k, (i, (tokens, mask)) in enumerate(zip(work.indices, samples)):
+            reason = None if vocab_size is None else validate_sample(tokens, mask, vocab_size)
+            if reason is None:
+                keep.append(k)
+            else:
+                skips.append((reason, int(i), len(tokens)))
+        if not keep:
+            return Collated(work, None, tuple(skips))
+        good, idx = [samples[k] for k in keep], [work.indices[k] for k in keep]
+        if packed:
+            batch = collate_packed(good, pad_id, row_len, idx)
+        else:
+            bucket = bucket_of(max(len(t) for t, _ in samples), edges)
+            pad_to = int(edges[bucket]) if pad_to_edge else 0
+            batch = collate_padded(good, pad_id, idx, bucket, pad_to)
+        return Collated(work, batch, tuple(skips), None if prepare is None else prepare(batch, work))
+
+    return collate
+
+
+def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = (0, 0), done: int = 0,
+                  shards: Sequence[int] | None = None, lengths: Any = None, accum_tokens: int = 0,
+                  data_shards: int = 1) -> Iterator[Work]:
+    """Work items in training order from the sampler position `start` = (epoch, step within that epoch), over
+    successive epochs, until `max_steps` sampler steps in all (`done` of them were consumed before `start`;
+    None = endless).
+
+    Data shards: a sampler with `epoch_plan` (every EpochBatchSampler) is planned for `data_shards` = D shards,
+    the D batches of one sampler step forming the GLOBAL batch whatever the world size; step s yields
+    plan.batch(s, d) for each shard d in `shards` (this rank's: d % world == rank), so W ranks split the same D
+    batches (W < D: several per rank, accumulated; W > D: some ranks take none). A rank with no shard yields one
+    empty Work (shard -1) per sampler step, so that every rank takes every step's collectives. Any other batch
+    sampler (set_epoch + iteration; one process, D = 1) yields its own batches, skipping the first `step` of the
+    start epoch.
+
+    Optimizer steps: with `accum_tokens` > 0 one step spans whole sampler steps until the sampler's tokens of all
+    D shards (`lengths` (N,) summed over the indices, samples failing validation included) reach
+    accum_tokens * D; else one sampler step is one optimizer step. `step_end` marks the last item of each
+    optimizer step, on every rank alike: the cut is a function of the plan, not of the world size.
+    """
+    epoch, first = start
+    plan_of = getattr(sampler, "epoch_plan", None)
+    shards = [int(getattr(sampler, "rank", 0))] if shards is None else [int(r) for r in shards]
+    if plan_of is None and (len(shards) != 1 or data_shards != 1):
+        raise ConfigError(f"taking {len(shards)} of {data_shards} data shards needs a sampler with an epoch plan; "
+                          f"{type(sampler).__name__} has none")
+    if accum_tokens > 0 and lengths is None:
+        raise ConfigError("accum_tokens > 0 needs the samples' lengths to cut optimizer steps")
+    n, tokens = done, 0
+    while max_steps is None or n < max_steps:
+        if plan_of is not None:
+            plan = plan_of(epoch)
+            steps: Iterator[tuple[int, list[list[int]]]] = (
+                (s, [plan.batch(s, d) for d in range(data_shards)]) for s in range(first, plan.num_steps))
+        else:
+            sampler.set_epoch(epoch)
+            steps = ((s, [list(b)]) for s, b in enumerate(sampler) if s >= first)
+        empty = True
+        for s, per_shard in steps:
+            empty = False
+            if accum_tokens > 0:
+                tokens += sum(int(np.asarray(lengths)[b].sum()) for b in per_shard if len(b))
+                end = tokens >= accum_tokens * data_shards
+                tokens = 0 if end else tokens
+            else:
+                end = True
+            mine = [(d, per_shard[d] if plan_of is not None else per_shard[0]) for d in shards] or [(-1, [])]
+            for k, (d, indices) in enumerate(mine):
+                last = k == len(mine) - 1
+                yield Work(epoch, s, d, last, indices, n, step_end=last and end)
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                return
+        if empty and first == 0:
+            raise ValueError(f"sampler {type(sampler).__name__} yielded no batch in epoch {epoch}")
+        epoch, first = epoch + 1, 0
+
+
+def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
+                        threads: int = 0, streams: bool | None = None) -> list[Callable[[Collated], Item]]:
+    """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
+    on CPU several threads share one) and hands its features to `main_device`.
+
+    threads > 0: torch intra-op threads of the thread that calls a worker, for a target on CPU (torch's thread
+    count is per calling thread, so the drafter's thread keeps its own once it has run a torch op: torch takes a
+    thread's count from the latest set_num_threads when that thread first runs one); 0 leaves torch's default.
+
+    streams (None = when the target is on CUDA): each worker enqueues its host-to-device copies and the target
+    forward on a CUDA stream of its own (one on the target's device, and one on `main_device` for the hand-over
+    when that differs), so on one GPU the target of the next micro-batch overlaps the drafter's step on the
+    default stream. The worker records `Item.ready` after the last copy; the consumer calls `Item.wait_ready()`
+    (a device-side wait) before it touches the item. No host sync is made: the segments of the target's varlen
+    attention come from the HOST batch, and every copy is non_blocking from pinned memory."""
+    local = threading.local()
+
+    def worker(target: Any) -> Callable[[Collated], Item]:
+        use_streams = target.device.type == "cuda" if streams is None else streams
+        lanes: dict[str, Any] = {}  # this worker's streams, created on first use (in the thread that runs it)
+
+        def lane(device: torch.device) -> Any:
+            key = str(device)
+            if key not in lanes:
+                lanes[key] = torch.cuda.Stream(device=device)
+            return lanes[key]
+
+        def run(c: Collated) -> Item:
+            if threads > 0 and target.device.type == "cpu" and getattr(local, "threads", 0) != threads:
+                torch.set_num_threads(threads)  # this thread only
+                local.threads = threads
+            w = c.work
+            if c.batch is None:
+                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips, step_end=w.step_end)
+            with contextlib.ExitStack() as on:
+                hand_over = None
+                if use_streams:
+                    on.enter_context(torch.cuda.stream(lane(target.device)))
+                    hand_over = lane(main_device)
+                    if main_device != target.device:
+                        on.enter_context(torch.cuda.stream(hand_over))
+                segments = target.segments(c.batch.doc_ids)  # from the host doc_ids: no device read
+                dev_batch = c.batch.to(target.device, non_blocking=True)
+                feats = target.features(dev_batch, segments)  # (R, T, F*H)
+                if target.device != main_device:
+                    dev_batch = c.batch.to(main_device, non_blocking=True)
+                    feats = feats.to(main_device, non_blocking=True)
+                dev_layout = None if c.layout is None else c.layout.to(main_device, non_blocking=True)
+                ready = None
+                if hand_over is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(hand_over)  # after the features and every copy above
+            return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
+                        dev_layout, ready, w.step_end)
+        return run
+
+    return [worker(targets[w % len(targets)]) for w in range(n_workers)]
+
+
+def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float]) -> tuple[list[Item], float, bool]:
+    """The micro-batches of one optimizer step: items up to the one marked `step_end` (see `epoch_batches`).
+    Returns (items, seconds blocked on data, stream ended); `last_wait_s()` is the wait of the latest `next(it)`
+    (the pipeline's `last_wait_s`)."""
+    items: list[Item] = []
+    wait = 0.0
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return items, wait, True
+        wait += last_wait_s()
+        items.append(item)
+        if item.step_end:
+            return items, wait, False
+
+
+def _as_array(x: Any) -> np.ndarray | None:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError, OverflowError):  # ragged nesting and the like
+        return None
+
+
+def validate_sample(tokens: ArrayLike, loss_mask: ArrayLike, vocab_size: int) -> str | None:
+    """Why this sample must be skipped (one of REASONS), or None when it is fit for training.
+
+    tokens: (T,) token ids; loss_mask: (T,) 1/True where the token is an assistant token the loss counts;
+    vocab_size: number of token ids the model embeds (valid ids are 0 .. vocab_size-1).
+    """
+    if type(vocab_size) is not int or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    tok = _as_array(tokens)
+    mask = _as_array(loss_mask)
+    if tok is None or mask is None or tok.ndim != 1 or mask.ndim != 1:
+        return NOT_1D
+    if tok.size == 0:  # before the dtype check: an empty python list reads as float64
+        return EMPTY
+    if tok.dtype == object:
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tok):
+            return NOT_INTEGER
+    elif not np.issubdtype(tok.dtype, np.integer):
+        return NOT_INTEGER
+    if mask.size != tok.size:
+        return MASK_LENGTH_MISMATCH
+    if mask.dtype == object or not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.number)):
+        return BAD_MASK
+    if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
+        return BAD_MASK
+    lo, hi = (min(tok), max(tok)) if tok.dtype == object else (int(tok.min()), int(tok.max()))
+    if lo < 0 or hi >= vocab_size:
+        return TOKEN_OUT_OF_VOCAB
+    if not mask.any():
+        return NO_ASSISTANT_TOKEN
+    return None

@@ -1,0 +1,157 @@
+"""The held-out evaluations inside a training run: which ranks run them, when, and what the run keeps of them.
+
+Rank 0 records the split (data/split.py) in heldout.json and evaluates ALL the held-out samples every
+`eval_every` steps and after the run's last step (not on a stop: a resumed run then logs exactly the rows of an
+uninterrupted one). The other ranks never evaluate, except under FSDP, where every rank runs the same
+evaluation because each layer's forward all-gathers its shards.
+
+One evaluation (`build_eval_set`, `evaluate`): the first `eval_samples` held-out samples in hash order,
+batched once (fixed batches within the token budget) with anchors drawn once from a reserved seed
+(`EVAL_SHARD`), fed all MASK (noise 1, as at inference). Every evaluation therefore runs the same blocks and
+the figures of two evaluations are comparable.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dflash_lib.config import Config
+from dflash_lib.data.batch import Batch, collate_padded
+from dflash_lib.data.split import HELDOUT_FILE
+from dflash_lib.models.layout import DraftLayout
+from dflash_lib.models.loss import expected_acceptance, stats_size
+from dflash_lib.rundir import write_json
+from dflash_lib.train.build import TrainingParts
+from dflash_lib.train.checkpoint import capture_rng, restore_rng
+from dflash_lib.train.distributed import Engine
+from dflash_lib.train.feed import anchor_seed, validate_sample
+
+EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: training shards are >= 0
+HELDOUT_KEYS = ("heldout_loss", "heldout_acc", "heldout_acc_per_pos", "heldout_tau", "heldout_eal_marginal",
+                "heldout_blocks", "heldout_samples")
+
+
+class HeldOutEvaluator:
+    """The held-out evaluations of one training run on `parts` (see the module docstring). `latest`: the
+    latest evaluation's figures (heldout_step + HELDOUT_KEYS + heldout_s), {} before the first."""
+
+    def __init__(self, config: Config, parts: TrainingParts, engine: Engine, main: bool) -> None:
+        self.config, self.parts, self.engine, self.main = config, parts, engine, main
+        self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built by `prepare`)
+        self.latest: dict[str, Any] = {}
+
+    def prepare(self, run_dir: Path) -> None:
+        """Rank 0: record the split in run_dir/heldout.json; the evaluating ranks lay out the evaluation
+        batches (the first `eval_samples` held-out samples, anchors drawn once)."""
+        p, tc = self.parts, self.config.train
+        if not (self.main or self.engine.kind == "fsdp") or p.heldout is None:
+            return
+        source = p.full_store if p.full_store is not None else p.store
+        if self.main:
+            write_json(run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
+        if tc.eval_samples > 0 and len(p.heldout.heldout):
+            self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id,
+                                           self.config.sampler.token_budget, tc.seed, tc.eval_samples)
+
+    def due(self, step: int, final: bool) -> bool:
+        """Evaluate after optimizer step `step` (1-based): every `eval_every` steps, and when `final` (the run's
+        last step) on a rank that evaluates."""
+        if self.eval_set is None or not self.eval_set.samples:
+            return False
+        every = self.config.train.eval_every
+        return final or (every > 0 and step % every == 0)
+
+    def run(self, step: int, say: Callable[[str], None]) -> dict[str, Any]:
+        """The drafter on the evaluation batches now (`heldout.evaluate`, after optimizer step `step`): the
+        HELDOUT_KEYS figures and heldout_s (seconds); kept in `latest` and said in one line."""
+        t0 = time.perf_counter()
+        with self.engine.full_root():
+            figures = evaluate(self.parts.drafter, self.parts.targets[0], self.eval_set,
+                               self.parts.targets[0].device.type == "cuda")
+        figures["heldout_s"] = time.perf_counter() - t0
+        self.latest = dict(heldout_step=step, **figures)
+        say(f"held-out at step {step} ({figures['heldout_samples']} samples): loss {figures['heldout_loss']:.3f} | "
+            f"acc {figures['heldout_acc']:.3f} | tau {figures['heldout_tau']:.3f} | "
+            f"eal_marginal {figures['heldout_eal_marginal']:.3f}")
+        return figures
+
+
+@dataclass
+class EvalSet:
+    """Fixed evaluation batches: host batches and their host layouts (anchors drawn once)."""
+
+    batches: list[Batch]
+    layouts: list[DraftLayout]
+    indices: list[int]  # store indices of the samples evaluated
+
+    @property
+    def samples(self) -> int:
+        return len(self.indices)
+
+
+def build_eval_set(store: Any, indices: Sequence[int], drafter: Any, pad_id: int, token_budget: int,
+                   seed: int, max_samples: int) -> EvalSet:
+    """The first `max_samples` of `indices` (store indices, hash order) that pass validation, in padded batches
+    of at most `token_budget` token slots (rows x longest, at least one row), shortest first; anchors from
+    `feed.anchor_seed(seed, EVAL_SHARD, 0, batch number)`, every block position after the anchor fed MASK."""
+    vocab = drafter.cfg.vocab_size
+    chosen = [int(i) for i in indices if validate_sample(*store[int(i)], vocab) is None][:max_samples]
+    by_length = sorted(chosen, key=lambda i: len(store[i][0]))  # stable: ties keep hash order
+    groups: list[list[int]] = []
+    for i in by_length:
+        length = len(store[i][0])
+        if groups and (len(groups[-1]) + 1) * length <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    batches, layouts = [], []
+    for b, group in enumerate(groups):
+        batch = collate_padded([store[i] for i in group], pad_id, group)
+        gen = torch.Generator().manual_seed(anchor_seed(seed, EVAL_SHARD, 0, b))
+        batches.append(batch)
+        layouts.append(drafter.layout(batch, drafter.sample_anchors(batch, gen, 1.0)))
+    return EvalSet(batches, layouts, chosen)
+
+
+def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> dict[str, Any]:
+    """The drafter on `eval_set` without gradients, under the training autocast: the HELDOUT_KEYS figures
+    (loss in nats and top-1 accuracy weighted as in training, acc_per_pos unweighted, tau the EXACT acceptance
+    length from each block's own flags, eal_marginal the marginal-product estimate). One device-to-host
+    transfer at the end. Global RNG streams and the drafter's train/eval mode are left as they were, so an
+    evaluation never changes the training trajectory."""
+    device = target.device
+    n_pos = drafter.cfg.block_size - 1
+    rng, was_training = capture_rng(), drafter.training
+    stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)
+    weight = 0.0
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            for batch, layout in zip(eval_set.batches, eval_set.layouts):
+                if layout.weight_sum == 0:
+                    continue
+                features = target.features(batch)  # (R, T, F*H); from the HOST batch: no device read
+                dev_batch = batch.to(device)
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                    out = drafter.loss(dev_batch, features, layout.to(device))
+                stats = stats + out.stats()
+                weight += layout.weight_sum
+    finally:
+        drafter.train(was_training)
+        restore_rng(rng)
+    host = stats.tolist()
+    ce, correct = host[0], host[1]
+    pos_correct, pos_count = host[2:2 + n_pos], host[2 + n_pos:2 + 2 * n_pos]
+    tau_sum, blocks = host[2 + 2 * n_pos], host[3 + 2 * n_pos]
+    acc_per_pos = [c / n if n else math.nan for c, n in zip(pos_correct, pos_count)]
+    return dict(heldout_loss=ce / weight if weight > 0 else math.nan,
+                heldout_acc=correct / weight if weight > 0 else math.nan, heldout_acc_per_pos=acc_per_pos,
+                heldout_tau=tau_sum / blocks if blocks > 0 else math.nan,
+                heldout_eal_marginal=expected_acceptance(acc_per_pos), heldout_blocks=int(blocks),
+                heldout_samples=eval_set.samples)

@@ -1,0 +1,471 @@
+"""`train(config, run_dir) -> summary`: the drafter training loop. `Trainer.run` reads top to bottom:
+
+    batch in       sampler -> collate, validate, anchors and drafter layout on the host -> the target's
+                   features in worker threads (`feed`, `pipeline`); micro-batches accumulated to `accum_tokens`
+    drafter step   global weight sum -> loss/backward per micro-batch -> clip -> AdamW at `schedule.lr_at`
+                   (`step.train_step`)
+    metrics        log line, metrics.jsonl, wandb (`RunLog`); held-out evaluations (`heldout`)
+    checkpoint     every `ckpt_every` steps, on a stop and at the end (`checkpoint.TrainingCheckpoints`)
+    stop           planned steps done, `stop_at_step`, or SIGTERM/SIGINT on any rank (after the current step)
+    -> drafter/ + summary.json
+
+What the loop runs on is built elsewhere: `build.build_parts` (data, sampler, target, drafter),
+`resume.prepare_run_dir` (resume, start or refuse), `distributed.wrap_drafter` (DDP, FSDP2 or one process).
+On CUDA: the target runs in bf16, the drafter under bf16 autocast with fp32 weights, batches are pinned and
+copied non-blocking, AdamW is fused.
+
+Crash safety: a checkpoint holds everything the trajectory depends on: drafter weights, AdamW state, every
+global RNG and the loop's `state.Progress` (step, GLOBAL data position, guard, skip and token counters).
+`train()` on a folder holding a checkpoint of the same config resumes from it and continues with exactly the
+batches and anchors an uninterrupted run would have used (`dflash_lib.train.resume` says when a folder resumes).
+
+Steps are numbered from 1 in logs (step 1 = the first optimizer step); the schedules take the 0-based index.
+A read whose batches hold nothing to score on any rank (every sample failed validation, or has no anchor block to
+score) is NOT a step: no update, no metrics row, the step counter and the lr stay; its data is consumed (and
+counted in `empty_batches`). A whole epoch of such reads, or a run of nothing else, fails with NothingTrainedError.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from dflash_lib.config import Config, ConfigError, TrainConfig
+from dflash_lib.data.batch import Batch
+from dflash_lib.models.export import run_info, save_drafter
+from dflash_lib.models.target import trainable_target_config
+from dflash_lib.rundir import write_json
+from dflash_lib.train import distributed
+from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
+from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
+from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_states, rank_shards
+from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
+                                   make_target_workers, next_step_items)
+from dflash_lib.train.heldout import HeldOutEvaluator
+from dflash_lib.train.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
+                                      format_log_line)
+from dflash_lib.train.pipeline import Pipeline
+from dflash_lib.train.resume import CHECKPOINTS, METRICS_FILE, prepare_run_dir, shared_new_run_dir
+from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
+from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
+from dflash_lib.train.step import build_optimizer, filler_item, train_step
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (including papermill), where a tqdm bar replaces scrolling lines."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def full_run_tokens(cfg: TrainConfig, lengths: np.ndarray) -> float:
+    """Real tokens of the full run the ETA is for: full_run_epochs x (the corpus, or `full_run_samples`
+    samples of the corpus' mean length)."""
+    per_epoch = float(lengths.sum()) if cfg.full_run_samples == 0 else cfg.full_run_samples * float(lengths.mean())
+    return cfg.full_run_epochs * per_epoch
+
+
+def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
+    """What a step's batches cost, for the step-time cost model: rows, longest row (tokens), and the attention
+    work in tokens^2 both as dense rows (R * T^2) and per document (sum of doc_len^2, varlen kernels)."""
+    rows = sum(int(b.input_ids.shape[0]) for b in batches)
+    row_len = max(int(b.input_ids.shape[1]) for b in batches)
+    dense = sum(float(b.input_ids.shape[0]) * float(b.input_ids.shape[1]) ** 2 for b in batches)
+    varlen = sum(float(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double() ** 2).sum()) for b in batches)
+    return dict(rows=rows, row_len=row_len, attn_dense=dense, attn_varlen=varlen)
+
+
+class RunLog:
+    """Where the loop reports, on rank 0: the metric sinks (metrics.jsonl, wandb, the caller's), a progress bar
+    in a notebook, and `say` for log lines (the bar's write, else `print0`). Other ranks write nothing."""
+
+    def __init__(self, config: Config, run_dir: Path, main: bool, total_steps: int, done_steps: int,
+                 extra_sinks: Sequence[Any] = ()) -> None:
+        from tqdm.auto import tqdm  # only the progress bar needs it
+
+        r = config.run
+        self.sinks = [JsonlSink(run_dir / METRICS_FILE), WandbSink(r.wandb_mode, r.wandb_project, run_dir,
+                      config.to_dict(), run_dir.name), *extra_sinks] if main else [NullSink()]
+        self.bar = tqdm(total=total_steps, initial=done_steps, unit="step", disable=not (main and in_notebook()))
+        self.say: Callable[[str], None] = self.bar.write if not self.bar.disable else distributed.print0
+
+    def log(self, record: dict[str, Any], step: int, line: bool) -> None:
+        """One step's metrics `record` to every sink and the bar; `line`: also as a log line."""
+        for sink in self.sinks:
+            sink.log(record, step)
+        self.bar.update(1)
+        if line:
+            self.say(format_log_line(record))
+
+    def close(self) -> None:
+        self.bar.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+class Trainer:
+    """One training run over `parts`: the loop, its metrics, its checkpoints and its outputs (see `run_training`)."""
+
+    def __init__(self, config: Config, parts: TrainingParts, run_dir: Path, clock: Callable[[], float],
+                 setup_s: float, resume: Path | None = None, stop: StopRequest | None = None,
+                 sinks: Sequence[Any] = ()) -> None:
+        self.config, self.parts, self.run_dir, self.clock, self.setup_s = config, parts, run_dir, clock, setup_s
+        self.extra_sinks = list(sinks)  # more `log(metrics, step)` / `close()` sinks on rank 0 (e.g. a live figure)
+        self.t_start = clock()
+        tc, self.dist = config.train, distributed.info()
+        self.main = self.dist.rank == 0
+        self.device = parts.targets[0].device
+        self.engine = distributed.wrap_drafter(parts.drafter, tc.parallel)  # DDP / FSDP2 / one process
+        self.params = [p for p in parts.drafter.parameters() if p.requires_grad]  # FSDP: the DTensor shards
+        self.opt = build_optimizer(self.params, tc, self.device)
+        self.ckpts = TrainingCheckpoints(run_dir / CHECKPOINTS, parts.drafter, self.opt, config)
+        self.shards = rank_shards(self.dist.rank, self.dist.world_size, parts.data_shards)
+        total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
+                                                   parts.data_shards)
+        self.progress = Progress(total_steps, parts.data_shards)
+        self.filler = (filler_item(parts.drafter, parts.targets[0], self.device) if self.engine.kind != "single"
+                       else None)
+        self.guard = BadStepGuard(tc.max_bad_steps, checkpoints=run_dir / CHECKPOINTS)
+        self.skips = SkipCounter()  # this rank's skipped samples
+        self.empty_in_a_row = 0  # sampler steps read in a row with nothing scored (a whole epoch: nothing to learn)
+        self.empty_wait_s = 0.0  # data wait of those reads, added to the next step's (its wall time holds them)
+        self.full_tokens = full_run_tokens(tc, parts.lengths)
+        self.meter = ThroughputMeter(clock=clock)
+        self.stop = stop if stop is not None else StopRequest()
+        self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
+        self.heldout = HeldOutEvaluator(config, parts, self.engine, self.main)
+        if resume is not None:
+            self.load(Path(resume))
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Batch in (target features computed in the pipeline), drafter step and optimizer, metrics, checkpoint,
+        stop; then the drafter and summary.json. Returns the summary."""
+        tc, p = self.config.train, self.progress
+        log = RunLog(self.config, self.run_dir, self.main, p.total_steps, p.step, self.extra_sinks)
+        if self.data_report() is not None:  # what the token store read, kept and skipped
+            log.say(self.data_report().summary_line())
+        if p.resumed_from:
+            log.say(f"resuming at step {p.resumed_from} of {p.total_steps} (epoch {p.position[0]}, "
+                    f"sampler step {p.position[1]})")
+        self.parts.drafter.train()
+        self.heldout.prepare(self.run_dir)
+        try:
+            with self._pipeline() as pipeline:
+                stream = iter(pipeline)
+                self.meter.start()
+                while p.step < p.total_steps and not self._stopping():
+                    # every rank reads the same optimizer step structure (`epoch_batches`): they end together
+                    items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s)
+                    if not items:
+                        break
+                    record = self._train_one(items, wait_s, pipeline)
+                    if record is None:  # nothing scored on any rank: not a training step
+                        self._report_empty(items, log.say)
+                        if ended:
+                            break
+                        continue
+                    p.last = record
+                    if self.heldout.due(p.step, final=self._final_step(ended)):
+                        p.last.update(self.heldout.run(p.step, log.say))
+                    log.log(p.last, p.step, line=p.step % tc.log_every == 0 or p.step == p.total_steps or ended)
+                    self._report_faults(items, log.say)
+                    if tc.ckpt_every > 0 and p.step % tc.ckpt_every == 0:
+                        self.save(log.say)
+                    if ended:
+                        break
+                if (p.step > 0 and self.stop_reason is None and self.heldout.latest.get("heldout_step") != p.step
+                        and self.heldout.due(p.step, final=True)):  # the data ended on reads without a step
+                    self.heldout.run(p.step, log.say)  # (its figures reach the summary, not a metrics row)
+                if p.step > max(self.ckpts.saved_step, 0):  # the end, a stop signal or stop_at_step
+                    self.save(log.say)
+                self.ckpts.finish(log.say)  # an async save commits before the run reports
+        finally:
+            log.close()
+        return self._finish(log.say)
+
+    def _stopping(self) -> bool:
+        """Stop before the next step (`stop_at_step` reached, or a stop signal on any rank: every rank stops after
+        the same step); records why in `stop_reason`."""
+        tc = self.config.train
+        if 0 < tc.stop_at_step <= self.progress.step:
+            self.stop_reason = f"stop_at_step={tc.stop_at_step}"
+        elif any_rank(self.stop.requested):
+            self.stop_reason = self.stop.reason or "a stop signal on another rank"
+        return self.stop_reason is not None
+
+    def _final_step(self, ended: bool) -> bool:
+        """The step just taken is the run's last: the planned steps are done or the sampler's batches used up."""
+        p = self.progress
+        return (p.step == p.total_steps or ended
+                or (self.max_batches is not None and p.batches_done >= self.max_batches))
+
+    def _pipeline(self) -> Pipeline:
+        parts, cfg, p = self.parts, self.config, self.progress
+        prepare = make_prepare(parts.drafter, cfg.train.seed, lambda index: noise_at(index, cfg.train))
+        collate = make_collate(parts.store, parts.packed, parts.pad_id, parts.row_len, parts.edges,
+                               parts.drafter.cfg.vocab_size, pad_to_edge=cfg.sampler.static_shapes, prepare=prepare)
+        workers = make_target_workers(parts.targets, cfg.pipeline.target_workers, self.device,
+                                      cfg.pipeline.target_threads)
+        source = epoch_batches(parts.sampler, self.max_batches, p.position, p.batches_done, self.shards,
+                               parts.lengths, cfg.train.accum_tokens, parts.data_shards)
+        return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
+                        clock=self.clock)
+
+    def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any] | None:
+        """One optimizer step on `items`; advances the progress and returns the step's metrics record. None when
+        no rank scored a token (the step's global weight sum is 0, the same on every rank): no update was made
+        and no step is counted, only the data consumed; NothingTrainedError after a whole epoch of those."""
+        tc, p = self.config.train, self.progress
+        lr = lr_at(p.step, p.total_steps, tc)
+        noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(p.batches_done, tc))
+        res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,
+                         self.device.type == "cuda", self.guard, p.step + 1, self.filler)
+        p.position = (items[-1].epoch, items[-1].step + 1)
+        read = sum(it.last_shard for it in items)  # sampler steps
+        p.batches_done += read
+        skipped_tokens = 0
+        for it in items:
+            for reason, index, tokens in it.skips:
+                self.skips.add(reason, self._store_index(index))
+                skipped_tokens += tokens
+        n_skipped, skipped_tokens = all_reduce_floats([sum(len(it.skips) for it in items), skipped_tokens])
+        p.skipped_samples += int(n_skipped)
+        if not res.weight_sum > 0:
+            p.empty_batches += read
+            self.empty_in_a_row += read
+            self.empty_wait_s += wait_s
+            if self.empty_in_a_row >= len(self.parts.sampler):  # every later epoch reads the same samples
+                raise NothingTrainedError(
+                    f"nothing to train on in a whole epoch ({self.empty_in_a_row} sampler step(s) in a row without a "
+                    f"token to score) after {p.step} training steps: {self.all_skips().summary()}")
+            return None
+        self.empty_in_a_row = 0
+        wait_s, self.empty_wait_s = wait_s + self.empty_wait_s, 0.0
+        p.step += 1
+        rate = self.meter.step(p.step, res.real_tokens, res.padded_tokens, wait_s)
+        done = self.meter.real_tokens
+        per_step = done / p.step  # real tokens per step so far (a resumed run's steps included)
+        end = min(p.total_steps, tc.stop_at_step) if tc.stop_at_step > 0 else p.total_steps  # this invocation's
+        p.loss_mean.add(res.loss)
+        p.acc_mean.add(res.acc)
+        live = [it.batch for it in items if it.batch is not None]
+        return dict(
+            step=p.step, epoch=items[-1].epoch, loss=res.loss, acc=res.acc, lr=lr, noise=noise,
+            real_tokens=res.real_tokens, padded_tokens=res.padded_tokens, ktok_s=rate.ktok_s,
+            data_wait_pct=rate.data_wait_pct_window, data_wait_pct_total=rate.data_wait_pct,
+            **pipeline.depths(), bucket=live[0].bucket if live else -1,
+            eta_s=eta_seconds((end - p.step) * per_step, rate.eta_tok_s),
+            run_eta_s=eta_seconds((p.total_steps - p.step) * per_step, rate.eta_tok_s),
+            full_run_eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
+            steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, eal_marginal=res.eal,
+            tau_inbatch=res.tau_inbatch, time=self.clock() - self.t_start,
+            grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
+            blocks=res.blocks, head_rows=res.head_rows,
+            bad_steps=self.guard.total, skipped_samples=p.skipped_samples, skipped_tokens=int(skipped_tokens),
+            **(batch_shape(live) if live else {}),
+        )
+
+    def _report_faults(self, items: list[Item], say: Callable[[str], None]) -> None:
+        """Log what this step skipped: samples failing validation, or the whole update for a non-finite loss."""
+        step = self.progress.step
+        skipped = [f"{reason} (sample {self._store_index(index)})" for it in items for reason, index, _ in it.skips]
+        if skipped:
+            say(f"step {step}: skipped {len(skipped)} sample(s) failing validation: {', '.join(skipped[:5])}"
+                f"{' ...' if len(skipped) > 5 else ''}")
+        if self.guard.last_bad_step == step:
+            say(f"step {step}: loss is not finite ({self.progress.last['loss']}): update skipped "
+                f"({self.guard.in_a_row} in a row, {self.guard.total} in all; {self.guard.max_in_a_row} in a row "
+                f"abort the run)")
+
+    def _report_empty(self, items: list[Item], say: Callable[[str], None]) -> None:
+        """Log a read that trained nothing (`_train_one` returned None) and why: the samples failing validation."""
+        skipped = [f"{reason} (sample {self._store_index(index)})" for it in items for reason, index, _ in it.skips]
+        why = (f"samples failing validation: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}" if skipped
+               else "no anchor block with a position to score")
+        say(f"epoch {items[-1].epoch}, sampler step {items[-1].step}: nothing to score ({why}); not a training step "
+            f"(no update, {self.progress.step} steps so far)")
+
+    def _finish(self, say: Callable[[str], None]) -> dict[str, Any]:
+        """After the loop: rank 0 writes drafter/ (every rank joins the weights' gather) and summary.json; a stop
+        says how to resume. Returns the summary. A run that read batches but trained on none of them raises
+        NothingTrainedError and writes neither."""
+        p = self.progress
+        skips = self.all_skips()
+        if p.step == 0 and self.stop_reason is None:
+            if p.empty_batches:
+                raise NothingTrainedError(f"trained on nothing: none of the {p.empty_batches} sampler steps read "
+                                          f"had a token to score ({skips.summary()}); no drafter written")
+            raise ConfigError("training ran no step: the sampler produced no batch")
+        summary = self.summary(skips)
+        weights = self.engine.full_weights() if p.step > 0 else {}  # a collective under FSDP
+        if self.main:
+            if p.step > 0:
+                save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
+                             **run_info(self.config, f"{self.run_dir} (step {p.step})"))
+            write_json(self.run_dir / "summary.json", summary)
+        if self.stop_reason is not None:
+            say(f"stopped ({self.stop_reason}) after step {p.step} of {p.total_steps}; "
+                f"{'checkpoint ' + str(self.ckpts.latest) if self.ckpts.latest else 'nothing to checkpoint yet'}; "
+                f"run the same command again to resume")
+        if skips.total:
+            say(skips.summary())
+        return summary
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+
+    def save(self, say: Callable[[str], None]) -> None:
+        """Checkpoint the step just finished (a collective: every rank calls it)."""
+        self.ckpts.save(self.progress.step, self.progress.position[0], self._trainer_state, say)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """`Progress.state_dict` of this step, every rank's skipped samples merged (a collective)."""
+        return self.progress.state_dict(self.dist.world_size, self.guard, self.meter, self.all_skips(),
+                                        self.parts.sampler)
+
+    def load(self, path: Path) -> None:
+        """Continue from the checkpoint at `path` (verified by `prepare_run_dir`), at this run's world size and
+        engine. Refuses one that does not fit this run with CheckpointError."""
+        state = load_objects(path).get("trainer") or {}
+        self.progress.check(state, f"checkpoint {path}")
+        self.ckpts.load(path, int(state["step"]))
+        self.progress.load_state_dict(state, self.guard, self.meter, self.parts.sampler)
+        if self.main:  # the merged skip counts live on rank 0; the summary merges every rank's
+            self.skips.load_state_dict(state["skips"])
+        self.ckpts.load_rng(path, int(state.get("world_size", 1)))
+
+    # -- skips, summary -----------------------------------------------------------------------------------------------
+
+    def _store_index(self, index: int) -> int:
+        """The token store's index of sample `index` of the training view (the same without a held-out split)."""
+        source_index = getattr(self.parts.store, "source_index", None)
+        return index if source_index is None else source_index(index)
+
+    def data_report(self) -> Any:
+        """The token store's LoadReport (records read, kept, skipped by reason with examples); None for a
+        store that has none (a stand-in)."""
+        store = self.parts.full_store if self.parts.full_store is not None else self.parts.store
+        return getattr(store, "report", None)
+
+    def all_skips(self) -> SkipCounter:
+        """The samples skipped by every rank (a collective under torchrun: every rank calls it)."""
+        if self.dist.world_size == 1:
+            return self.skips
+        merged = SkipCounter()
+        for state in gather_states(self.skips.state_dict()):
+            rank = SkipCounter()
+            rank.load_state_dict(state)
+            merged.merge(rank)
+        return merged
+
+    def summary(self, skips: SkipCounter | None = None) -> dict[str, Any]:
+        """The run in figures (see `run_training`); `skips` = every rank's skipped samples (default: this rank's)."""
+        skips = skips if skips is not None else self.skips
+        m, p, tc = self.meter, self.progress, self.config.train
+        last, steady = p.last, m.detector.steady
+        tok_s = m.steady_tok_s or (last.get("ktok_s") or 0.0) * 1000.0  # last window's rate without a steady state
+        full_eta = eta_seconds(self.full_tokens, tok_s)
+        heldout, data = self.parts.heldout, self.data_report()
+        return dict(
+            run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.ckpts.resume_hash,
+            strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
+            data_shards=p.data_shards, parallel=self.engine.kind, device=str(self.device),
+            steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
+            complete=self.stop_reason is None,
+            stop_reason=self.stop_reason, resumed_from_step=p.resumed_from,
+            checkpoint=str(self.ckpts.latest) if self.ckpts.latest else None, last_epoch=last.get("epoch"),
+            real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
+            padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
+            final_loss=last.get("loss"), mean_loss=p.loss_mean.mean, final_acc=last.get("acc"),
+            mean_acc=p.acc_mean.mean, final_eal=last.get("eal"), bad_steps=self.guard.total,
+            skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
+            data_records=data.counts() if data is not None else None,
+            steady=steady, steady_start_step=m.detector.start_step,
+            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=last.get("ktok_s"),
+            data_wait_pct=last.get("data_wait_pct_total"), steady_data_wait_pct=m.steady_data_wait_pct,
+            full_run_epochs=tc.full_run_epochs, full_run_tokens=self.full_tokens, full_run_eta_s=full_eta,
+            full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
+            setup_s=self.setup_s, loop_s=m.elapsed_s, wall_s=self.setup_s + self.clock() - self.t_start,
+            final_tau_inbatch=last.get("tau_inbatch"),
+            heldout_fraction=heldout.fraction if heldout is not None else 0.0,
+            heldout_count=len(heldout.heldout) if heldout is not None else 0,
+            **self.heldout.latest,
+        )
+
+
+def run_training(config: Config, parts: TrainingParts, run_dir: Path,
+                 clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0,
+                 resume: Path | None = None, stop: StopRequest | None = None,
+                 sinks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train on `parts`; returns the summary. `sinks`: more metric sinks on rank 0 (`log(metrics, step)`,
+    `close()`), e.g. `report.training.LiveFigure` in a notebook. `clock` (seconds) times steps and data waits;
+    `setup_s` (seconds spent building the parts) is recorded. `resume`: a checkpoint directory to continue from
+    (see `train`); `stop`: an entered StopRequest whose signal ends the loop after the current step (default:
+    none).
+
+    Rank 0 writes into `run_dir`: metrics.jsonl, one object per step with step (1-based), epoch, loss (nats,
+    globally normalised), acc, acc_per_pos, eal, lr, noise, real_tokens and padded_tokens (all ranks),
+    ktok_s (real tokens, rolling window), data_wait_pct (rolling window) and data_wait_pct_total (cumulative),
+    q_pre and q_hs (queue depths per target worker), bucket (of the step's first micro-batch; -1 = none),
+    eta_s (seconds to the end of THIS invocation: the planned steps or `stop_at_step`, at the steady throughput or
+    provisionally at the rolling one; the log line's ETA), run_eta_s (to the end of the planned steps),
+    full_run_eta_s (to the end of a full run of `full_run_epochs`), steady, time (seconds since this invocation's
+    loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
+    skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
+    head_rows (scored positions run through the LM head + CE here), eal_marginal (= eal: the marginal-product
+    ESTIMATE of the acceptance length, biased low) and tau_inbatch (the EXACT in-batch acceptance length: mean
+    over the step's blocks of 1 + the block's own leading run of correct positions),
+    step_s and wait_s (this step's wall time and data wait, seconds), and the step's batch shape (rows,
+    row_len, attn_dense, attn_varlen); on evaluation steps (every `eval_every` steps and the last step of the
+    run; rank 0 evaluates all of `eval_samples` held-out samples, `dflash_lib.data.split`) the
+    same row also holds heldout_loss, heldout_acc, heldout_acc_per_pos, heldout_tau (exact), heldout_eal_marginal
+    (estimate), heldout_blocks, heldout_samples and heldout_s; the same scalars to wandb; heldout.json (the
+    split: fraction, hash rule, counts, held-out store indices and hashes); checkpoints/ckpt-<step>/ every `ckpt_every`
+    steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and
+    summary.json (steps, empty_batches (sampler steps read with nothing to score: no step), complete /
+    stop_reason / resumed_from_step, tokens, padding efficiency, losses,
+    accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
+    full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes, final_tau_inbatch,
+    heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures;
+    data_records: the token store's records read, kept and skipped by reason with their first locations, as
+    printed in one line at the start).
+    """
+    return Trainer(config, parts, run_dir, clock, setup_s, resume, stop, sinks).run()
+
+
+def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train a drafter with `config`; returns the summary (also in run_dir/summary.json).
+
+    run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
+    config.json, env.json, metrics.jsonl (every step), wandb's offline files, checkpoints/ (see run_training),
+    drafter/ and summary.json. A folder holding a checkpoint of the same config (resume hash) RESUMES from its
+    newest good checkpoint, at any world size and with either engine (the global batches stay those of the run's
+    first invocation: its data shards); another config's checkpoints or other content without a checkpoint are
+    refused with an error unless `fresh=True`, which clears it first.
+    SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns
+    (summary["complete"] is False; before the loop they keep their default effect: nothing to save yet).
+    Under torchrun every rank trains its data shards (DDP by default, `parallel="fsdp"` for FSDP2); rank 0
+    writes the logs, every rank its part of each checkpoint.
+    """
+    if not isinstance(config, Config):
+        raise ConfigError(f"train() takes a dflash_lib.config.Config, got {type(config).__name__}")
+    t0 = time.perf_counter()
+    tc = config.train
+    owned = not distributed.initialized()
+    dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
+    try:
+        data = load_training_data(config)  # a bad source fails here, before any run folder is made
+        trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
+        run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
+        point = prepare_run_dir(config, run_dir)
+        parts = build_parts(config, dist.device, point.data_shards, data)
+        with StopRequest() as stop:
+            return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
+                                stop=stop, sinks=sinks)
+    finally:
+        if owned:
+            distributed.destroy()

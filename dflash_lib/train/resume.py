@@ -1,0 +1,345 @@
+"""What a training run finds in its run folder decides whether it resumes, starts, or refuses.
+
+    checkpoints/ckpt-<step>/ of this config      -> resume from the newest one that verifies (at any world size:
+                                                    DCP reshards, the data position is global)
+    a checkpoint of another config               -> CheckpointMismatchError (never mix two runs)
+    no trainer output at all                     -> start at step 0
+    only the traces of a run of THIS config that died before its first checkpoint (config.json with the same
+    resume hash, metrics.jsonl, wandb/, a checkpoints/ without a checkpoint) -> start at step 0 over them
+    other trainer outputs without a checkpoint (a summary.json or drafter/, another config's config.json,
+    metrics.jsonl without config.json)           -> ConfigError naming the differing settings: use fresh=True
+                                                    (--fresh) or another folder (only another folder when it is
+                                                    not a training run: --fresh would not clear it)
+A training run folder is one whose config.json the trainer wrote, or that holds a checkpoint (`is_training_run`).
+Files the trainer does not write (a notebook run's executed notebook, params.json, figures) are neither
+inspected nor touched: a notebook may train into its own run folder. env.json is rewritten by every run.
+`fresh=True` first deletes what a training run owns (RUN_OUTPUTS), and refuses a non-empty folder that is not
+a training run (a notebook's run folder, a user's folder): it never deletes what another program wrote.
+On resume, metrics.jsonl keeps only the rows up to the checkpoint's step, so that the rows appended next make
+it the true trajectory of the run (an interrupted run may have logged steps past its last checkpoint).
+`prepare_run_dir` applies all this under torchrun (rank 0 decides, every rank gets the verdict) and records the
+run's config.json and env.json; `shared_new_run_dir` makes a new run folder whose path every rank shares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lib.config import Config, ConfigError
+from dflash_lib.data.split import HELDOUT_FILE
+from dflash_lib.models.export import README_FILE, WEIGHTS_FILE, export_folder, export_run_weights
+from dflash_lib.rundir import environment, new_run_dir, writable, write_json
+from dflash_lib.train import distributed
+from dflash_lib.train.checkpoint import (MANIFEST_FILE, RESUME_NEUTRAL_KEYS, CheckpointError, CheckpointMismatchError,
+                                         find_latest, fresh_run_dir, list_checkpoints, load_checkpoint, load_objects,
+                                         resume_config_hash)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"  # sub-folder of the run folder holding ckpt-<step>/ directories
+CONFIG_FILE = "config.json"  # {"config", "config_hash", "resume_hash"} of the run
+METRICS_FILE = "metrics.jsonl"  # one JSON object per step
+# Everything the trainer writes into a run folder (and the temp names of its atomic writes): what a training run
+# owns, and all that `fresh` deletes.
+RUN_OUTPUTS = frozenset({CONFIG_FILE, "env.json", METRICS_FILE, HELDOUT_FILE, "summary.json", "drafter", "wandb",
+                         CHECKPOINTS})
+# Outputs that only a finished run writes: present without a checkpoint, they are another run's results.
+FINAL_OUTPUTS = frozenset({"summary.json", "drafter"})
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts: a verified checkpoint, or nothing (step 0)."""
+
+    path: Path | None  # the checkpoint directory (None = start from scratch)
+    step: int  # optimizer steps completed in that checkpoint (0 = none)
+    data_shards: int = 0  # the data shards its run cut every sampler step into (0 = none yet: the world size)
+
+
+def _own_name(name: str) -> bool:
+    return name in RUN_OUTPUTS or (name.endswith(".tmp") and name[:-4] in RUN_OUTPUTS)
+
+
+def recorded_run(run_dir: Path) -> dict[str, Any] | None:
+    """run_dir/config.json as the trainer wrote it ({"config", "config_hash", "resume_hash"}); None when it is
+    absent, unreadable or another program's (an exported drafter's config.json, say)."""
+    try:
+        doc = json.loads((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(doc, dict) and isinstance(doc.get("config"), dict) and isinstance(doc.get("resume_hash"), str)):
+        return None
+    return doc
+
+
+def is_training_run(run_dir: str | Path) -> bool:
+    """True when `run_dir` holds a training run: a config.json the trainer wrote, or a checkpoint."""
+    run_dir = Path(run_dir)
+    return recorded_run(run_dir) is not None or bool(list_checkpoints(run_dir / CHECKPOINTS))
+
+
+def config_differences(config: Config, recorded: Any, most: int = 4) -> str:
+    """The settings that make `config` another run than `recorded` (a run's `Config.to_dict()`, from its
+    config.json or a checkpoint's manifest), this run's value first: "lr: 0.005 vs 0.01, steps: 2 vs 8", at most
+    `most` of them, then "and N more"; settings that may change on resume (RESUME_NEUTRAL_KEYS) are left out.
+    '' when `recorded` is no such dict or no setting differs by name."""
+    if not isinstance(recorded, dict):
+        return ""
+    theirs = {k: v for section in recorded.values() if isinstance(section, dict) for k, v in section.items()}
+    mine = config.to_params()
+    unset = "(unset)"  # a setting one of the two configs does not have (another version of the code)
+
+    def value(settings: dict[str, Any], key: str) -> Any:  # tuples as lists, as JSON holds them
+        return json.loads(json.dumps(settings[key], default=str)) if key in settings else unset
+
+    def show(v: Any) -> str:
+        return v if v is unset else repr(v)
+
+    keys = [k for k in [*mine, *sorted(set(theirs) - set(mine))] if k not in RESUME_NEUTRAL_KEYS]
+    diffs = [f"{k}: {show(value(mine, k))} vs {show(value(theirs, k))}" for k in keys
+             if value(mine, k) != value(theirs, k)]
+    more = len(diffs) - most
+    return ", ".join(diffs[:most]) + (f" and {more} more" if more > 0 else "")
+
+
+def _another_config(config: Config, recorded: Any, recorded_hash: Any) -> str:
+    """Why a folder's run is another config: the differing settings, and the two resume hashes."""
+    diffs = config_differences(config, recorded)
+    hashes = f"resume hash {resume_config_hash(config)} != {recorded_hash}"
+    return f"{diffs}, this run's vs the folder's; {hashes}" if diffs else hashes
+
+
+def _some(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def clear_run_dir(run_dir: str | Path) -> list[str]:
+    """fresh=True: delete what a training run wrote into `run_dir` (RUN_OUTPUTS, the checkpoints first);
+    returns what was removed. Files the trainer does not write are left in place (a notebook's own files, a
+    user's notes). Refuses (ConfigError) a non-empty folder that is not a training run (`is_training_run`):
+    there even a summary.json or env.json is another program's."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return []
+    if not run_dir.is_dir():
+        raise ConfigError(f"run folder {run_dir} exists and is not a folder")
+    names = sorted(p.name for p in run_dir.iterdir())
+    if names and not is_training_run(run_dir):
+        raise ConfigError(f"--fresh: {run_dir} is not a training run folder (no {CONFIG_FILE} written by the trainer, "
+                          f"no checkpoint) and holds {_some(names)}; --fresh deletes only a training run's own "
+                          f"files: give a new or empty --run-dir")
+    removed = []
+    if fresh_run_dir(run_dir / CHECKPOINTS):  # atomic per checkpoint: a crash here leaves no half checkpoint
+        removed.append(CHECKPOINTS + "/ckpt-*")
+    for p in sorted(run_dir.iterdir()):
+        if _own_name(p.name):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p.name)
+    return removed
+
+
+def find_resume_point(run_dir: str | Path, config: Config) -> ResumePoint:
+    """Inspect `run_dir` (read only; the newest checkpoint's checksums are verified) and say where a run of
+    `config` starts; refuses a folder that would mix runs.
+
+    Raises CheckpointMismatchError for checkpoints of another config, CheckpointError when checkpoints exist
+    but none verifies, and ConfigError for other trainer outputs without a checkpoint; the refusals of another
+    config name the settings that differ.
+    """
+    run_dir = Path(run_dir)
+    resume_hash = resume_config_hash(config)
+    try:
+        found = find_latest(run_dir / CHECKPOINTS, resume_hash)
+    except CheckpointMismatchError as e:
+        m = e.manifest
+        if m is None:
+            raise
+        why = _another_config(config, m.meta.get("config"), m.config_hash)
+        raise CheckpointMismatchError(f"run folder {run_dir} holds checkpoints of another config ({why}); use --fresh "
+                                      f"or another --run-dir", m) from None
+    if found is not None:
+        manifest, path = found
+        trainer = load_objects(path).get("trainer")
+        shards = trainer.get("data_shards") if isinstance(trainer, dict) else None
+        if type(shards) is not int or shards < 1:
+            raise CheckpointError(f"checkpoint {path} holds no trainer state with its data shards (not written "
+                                  f"by the trainer?); use --fresh or another --run-dir")
+        return ResumePoint(path, manifest.step, shards)
+    if not run_dir.exists():
+        return ResumePoint(None, 0)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run folder {run_dir} exists and is not a folder")
+    names = {p.name for p in run_dir.iterdir()}
+    final = sorted(FINAL_OUTPUTS & names)
+    recorded = recorded_run(run_dir)  # None: not a training run (no checkpoint either, by now)
+    if final:
+        why = " and ".join(final) + (" of a finished run" if recorded is not None else "")
+    elif recorded is not None and recorded["resume_hash"] != resume_hash:
+        why = "the outputs of another config (" + _another_config(config, recorded["config"],
+                                                                  recorded["resume_hash"]) + ")"
+    elif CONFIG_FILE in names and recorded is None:
+        why = f"a {CONFIG_FILE} that the trainer did not write"
+    elif METRICS_FILE in names and CONFIG_FILE not in names:
+        why = f"a {METRICS_FILE} of an unknown run (no {CONFIG_FILE})"
+    else:
+        if METRICS_FILE in names:
+            log.warning("run folder %s holds a run of this config that stopped before its first checkpoint: "
+                        "starting over", run_dir)
+        return ResumePoint(None, 0)
+    advice = ("use --fresh (fresh=True) to clear it, or another --run-dir" if recorded is not None else
+              f"it is not a training run folder (no {CONFIG_FILE} of the trainer, no checkpoint), which --fresh "
+              f"never clears: use another --run-dir")
+    raise ConfigError(f"run folder {run_dir} already holds {why} but no checkpoint of this config to resume; {advice}")
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> int:
+    """Keep the rows of a metrics.jsonl with step <= `last_step`; returns how many rows were dropped.
+
+    Later rows belong to steps an interrupted run took after its last checkpoint (they are about to be trained
+    again), and a line that does not parse was cut by a kill in mid-write. Rewritten atomically (temp file,
+    fsync, rename); a missing file is left missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                step = row["step"]
+            except (ValueError, KeyError, TypeError):
+                dropped += 1
+                continue
+            if isinstance(step, int) and step <= last_step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+def shared_new_run_dir(tag: str = "") -> Path:
+    """A new runs/<UTC>_train[_tag]/ folder created by rank 0; every rank gets rank 0's path, or its ConfigError
+    (a runs root that cannot be written)."""
+    made = ["", ""]  # [path, error]
+    if distributed.is_main():
+        try:
+            made[0] = str(new_run_dir("train", tag))
+        except ConfigError as e:
+            made[1] = str(e)
+    path, error = json.loads(distributed.all_gather_bytes(json.dumps(made).encode())[0])
+    if error:
+        raise ConfigError(error)
+    return Path(path)
+
+
+def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
+    """Decide whether the run resumes, starts, or is refused (`dflash_lib.train.resume`): rank 0 looks (verifying the
+    newest checkpoint's checksums), `fresh` first clearing the folder, then trims metrics.jsonl to the
+    checkpoint's step and writes config.json and env.json; every rank gets its verdict or its refusal (a
+    ConfigError naming the folder when it cannot be written)."""
+    dist = distributed.info()
+    resume_hash = resume_config_hash(config)
+    verdict: dict[str, Any] = {}
+    if dist.rank == 0:
+        try:
+            with writable("the run folder", run_dir):
+                if config.train.fresh:
+                    removed = clear_run_dir(run_dir)
+                    if removed:
+                        distributed.print0(f"fresh start in {run_dir}: removed {', '.join(removed)}")
+                    point = ResumePoint(None, 0)  # files the trainer did not write stay: the user starts here
+                else:
+                    point = find_resume_point(run_dir, config)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                dropped = truncate_metrics(run_dir / METRICS_FILE, point.step)
+                write_json(run_dir / CONFIG_FILE, {"config": config.to_dict(), "config_hash": config.hash(),
+                                                   "resume_hash": resume_hash})
+                write_json(run_dir / "env.json", environment())
+            if point.path is not None:
+                distributed.print0(f"resuming from {point.path}" + (f" (dropped {dropped} metrics rows logged "
+                                                                     f"past it)" if dropped else ""))
+            verdict = {"path": None if point.path is None else str(point.path), "step": point.step,
+                       "data_shards": point.data_shards}
+        except (CheckpointError, ConfigError) as e:
+            if dist.world_size == 1:
+                raise
+            verdict = {"error": type(e).__name__, "message": str(e)}
+    verdict = json.loads(distributed.all_gather_bytes(json.dumps(verdict).encode())[0])
+    if "error" in verdict:
+        kind = {"CheckpointMismatchError": CheckpointMismatchError, "CheckpointError": CheckpointError}
+        raise kind.get(verdict["error"], ConfigError)(verdict["message"])
+    return ResumePoint(None if verdict["path"] is None else Path(verdict["path"]), verdict["step"],
+                       verdict["data_shards"])
+
+
+def export_checkpoint(ckpt: Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """One trainer checkpoint's drafter in the serving layout (`export_run_weights`: the run's config is in
+    the checkpoint's manifest)."""
+    try:
+        state, manifest = load_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if "config" not in manifest.meta or "drafter" not in state:
+        raise ConfigError(f"checkpoint {ckpt}: no run config in its manifest or no drafter weights in its state")
+    return export_run_weights(manifest.meta["config"], state["drafter"], out_dir, dtype,
+                              f"{ckpt} (step {manifest.step})", f"checkpoint {ckpt}")
+
+
+def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
+    """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
+    unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
+    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"destination {out} exists and is not a folder")
+    where = out.resolve()
+    if where == Path(src).resolve():
+        raise ConfigError(f"destination {out} is the source itself: give another folder")
+    for inner, folder in zip([where, *where.parents], where.parents):
+        if inner.name in RUN_OUTPUTS and is_training_run(folder):
+            raise ConfigError(f"destination {out} is {inner.name} of the training run {folder}: give a folder "
+                              f"outside its own files")
+    if is_training_run(where) or (where / MANIFEST_FILE).is_file():
+        raise ConfigError(f"destination {out} is a training run folder or a checkpoint: give another folder")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if names and not force:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ConfigError(f"destination {out} is not empty (it holds {shown}): give a new or empty folder, or "
+                          f"--force to replace its {CONFIG_FILE}, {WEIGHTS_FILE} and {README_FILE}")
+
+
+def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                  force: bool = False) -> Path:
+    """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
+    drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
+    loaded: the shapes come from the run's config (and a local target's config.json). OUT_DIR must be new or
+    empty unless `force`, and is never a run folder's own files (`check_destination`)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise ConfigError(f"{src} is not a folder")
+    check_destination(out_dir, src, force)
+    if (src / MANIFEST_FILE).is_file():
+        return export_checkpoint(src, out_dir, dtype)
+    ckpts = list_checkpoints(src / "checkpoints")
+    if ckpts:
+        return export_checkpoint(ckpts[-1], out_dir, dtype)
+    return export_folder(src, out_dir, dtype)

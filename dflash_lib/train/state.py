@@ -1,0 +1,283 @@
+"""Where a training run stands: the counters its loop advances every step (the same on every rank) and the
+trainer state a checkpoint records of them, so that a resumed run continues exactly where it stood.
+
+Besides the step (the lr schedule is a function of it) and the GLOBAL data position, the state carries the
+bad-step guard, the throughput meter's token counts, every rank's skipped samples (merged) and the sampler's
+fingerprint (a resume on other data or sampler settings is refused). Anchors need no state: each micro-batch's
+draw is seeded by its sampler position. `SkipCounter` tallies skipped samples by reason (`feed.validate_sample`)
+for the run summary; `BadStepGuard` skips optimizer steps whose loss is not finite and aborts after too many
+in a row.
+
+Graceful stop (`StopRequest`): SIGTERM and SIGINT become a request that the training loop honours at the next
+step boundary. The first signal only sets `requested` (and says so on stderr): the loop finishes the step it is in, saves a
+checkpoint, closes the pipeline and returns normally, so the command exits 0 and a rerun resumes. A second
+signal aborts at once (KeyboardInterrupt) for a user who will not wait; checkpoint writes are atomic, so even
+that leaves the last good checkpoint intact. Handlers can only be installed from the main thread; anywhere
+else `StopRequest` stays inert and leaves the process's handlers alone.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Sequence
+
+import torch
+
+from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints
+from dflash_lib.train.feed import ArrayLike, validate_sample
+from dflash_lib.train.metrics import ThroughputMeter
+
+TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what a scheduler (preemption) or a user (Ctrl-C) sends
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN or infinite loss: the run is aborted."""
+
+
+@dataclass
+class RunningMean:
+    """Mean of the finite values added (a skipped step's NaN loss is left out)."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.total += value
+            self.count += 1
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
+class Progress:
+    """Where the run stands after `step` optimizer steps, the same on every rank."""
+
+    total_steps: int  # optimizer steps the lr schedule is planned for
+    data_shards: int  # D: batches per sampler step, shared by the ranks
+    step: int = 0  # optimizer steps completed
+    position: tuple[int, int] = (0, 0)  # (epoch, sampler step) of the next batch to consume
+    batches_done: int = 0  # sampler steps consumed since the run began
+    skipped_samples: int = 0  # samples skipped by validation since the run began, all ranks
+    empty_batches: int = 0  # sampler steps read since the run began in which no rank had a token to score:
+    # they advance `position` and `batches_done`, not `step`
+    loss_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' global losses (nats)
+    acc_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' top-1 accuracies
+    last: dict[str, Any] = field(default_factory=dict)  # the latest step's metrics record
+    resumed_from: int = 0  # the step this invocation resumed from (0: it started the run)
+
+    def state_dict(self, world_size: int, guard: BadStepGuard, meter: ThroughputMeter, skips: SkipCounter,
+                   sampler: Any) -> dict[str, Any]:
+        """The trainer state of a checkpoint: this progress, the data shards and `world_size` that wrote it,
+        `guard`'s and `skips`' counts (every rank's skips, merged), `meter`'s token counts and, when `sampler`
+        has a `state_dict`, its fingerprint at this position."""
+        epoch, step = self.position
+        state = {
+            "format": TRAIN_STATE_FORMAT, "step": self.step, "total_steps": self.total_steps,
+            "data_shards": self.data_shards, "world_size": world_size,
+            "position": {"epoch": epoch, "step": step, "done": self.batches_done, "empty": self.empty_batches},
+            "guard": guard.state_dict(), "skips": skips.state_dict(),
+            "tokens": {"steps": meter.steps, "real": meter.real_tokens, "padded": meter.padded_tokens,
+                       "skipped_samples": self.skipped_samples},
+            "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
+                      "acc": [self.acc_mean.total, self.acc_mean.count]},
+            "last": self.last,
+        }
+        sampler_state = getattr(sampler, "state_dict", None)
+        if sampler_state is not None:  # its fingerprint lets a resume refuse other data or sampler settings
+            state["sampler"] = {**sampler_state(), "epoch": epoch, "step": step}
+        return state
+
+    def check(self, state: dict[str, Any], where: str) -> None:
+        """Refuse (CheckpointError) the trainer state of another format, schedule length or data shards."""
+        if state.get("format") != TRAIN_STATE_FORMAT:
+            raise CheckpointError(f"{where}: trainer state format {state.get('format')!r} is not "
+                                  f"{TRAIN_STATE_FORMAT}; use --fresh or another --run-dir")
+        if state["total_steps"] != self.total_steps:
+            raise CheckpointError(f"{where}: planned {state['total_steps']} steps, this run plans "
+                                  f"{self.total_steps} (the corpus or sampler changed); use --fresh")
+        if state["data_shards"] != self.data_shards:
+            raise CheckpointError(f"{where}: its batches are cut into {state['data_shards']} data shards, this "
+                                  f"run into {self.data_shards} (build the parts with data_shards from the "
+                                  f"checkpoint)")
+
+    def load_state_dict(self, state: dict[str, Any], guard: BadStepGuard, meter: ThroughputMeter,
+                        sampler: Any) -> None:
+        """Continue from a checkpoint's trainer state (`check`ed first): this progress, `guard`, `meter`'s
+        token counts and `sampler`'s position (SamplerError on other data or settings). The merged skip counts
+        are the caller's to restore (rank 0 keeps them)."""
+        guard.load_state_dict(state["guard"])
+        meter.steps, meter.real_tokens, meter.padded_tokens, self.skipped_samples = (
+            int(state["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
+        self.loss_mean = RunningMean(*state["means"]["loss"])
+        self.acc_mean = RunningMean(*state["means"]["acc"])
+        self.last = dict(state["last"])
+        self.step = self.resumed_from = int(state["step"])
+        pos = state["position"]
+        self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])
+        self.empty_batches = int(pos.get("empty", 0))  # absent from checkpoints written before it was counted
+        if "sampler" in state and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(state["sampler"])
+
+
+class StopRequest:
+    """Context manager: while entered, STOP_SIGNALS set `requested` instead of killing the process.
+
+    Outside the context (or when not entered at all) it is a request that never comes, which is what
+    `run_training` uses when its caller installs no handlers.
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.signum: int | None = None  # the first signal received (None = no stop requested)
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def reason(self) -> str | None:
+        """The signal's name, e.g. "SIGTERM" (None when no stop was requested)."""
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            self._restore()
+            raise KeyboardInterrupt(f"second stop signal ({name}): aborting without waiting for the checkpoint")
+        self.signum = signum
+        print(f"received {name}: finishing the current step, then saving a checkpoint and exiting "
+              f"(send it again to abort at once)", file=sys.stderr, flush=True)
+
+
+@dataclass
+class SkipCounter:
+    """Counts skipped samples by reason, keeping the first few record ids of each for the log."""
+
+    max_examples: int = 3  # record ids remembered per reason
+    counts: dict[str, int] = field(default_factory=dict)  # reason -> samples skipped
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first record ids
+
+    def add(self, reason: str, record: object = None) -> None:
+        """Count one skipped sample; `record` (an index or id) is kept as an example when there is room."""
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"reason must be a non-empty string, got {reason!r}")
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        ex = self.examples.setdefault(reason, [])
+        if record is not None and len(ex) < self.max_examples:
+            ex.append(str(record))
+
+    def check(self, tokens: ArrayLike, loss_mask: ArrayLike, vocab_size: int, record: object = None) -> bool:
+        """Validate one sample; True when it may be used, else count it (with `record`) and return False."""
+        reason = validate_sample(tokens, loss_mask, vocab_size)
+        if reason is None:
+            return True
+        self.add(reason, record)
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def merge(self, other: "SkipCounter") -> None:
+        """Add another counter's counts (e.g. from another worker) into this one."""
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+            ex = self.examples.setdefault(reason, [])
+            ex.extend(other.examples.get(reason, [])[: self.max_examples - len(ex)])
+
+    def summary(self) -> str:
+        """One line for the console, e.g. 'skipped 3 samples: token_out_of_vocab 2 (e.g. 17, 40), empty 1'."""
+        if not self.counts:
+            return "skipped 0 samples"
+        parts = []
+        for reason, n in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            ex = self.examples.get(reason)
+            parts.append(f"{reason} {n}" + (f" (e.g. {', '.join(ex)})" if ex else ""))
+        return f"skipped {self.total} samples: " + ", ".join(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain dict (checkpoint- and JSON-safe)."""
+        return {"counts": dict(self.counts), "examples": {k: list(v) for k, v in self.examples.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+        self.examples = {str(k): [str(e) for e in v] for k, v in state["examples"].items()}
+
+
+@dataclass
+class BadStepGuard:
+    """Decides, per step, whether the loss is finite enough to step on; aborts after `max_in_a_row` bad ones.
+
+    Under DDP every rank must take the same decision: pass the globally reduced loss (or any rank's flag summed).
+    """
+
+    max_in_a_row: int  # consecutive non-finite losses that abort the run
+    in_a_row: int = 0  # current streak of non-finite losses
+    total: int = 0  # non-finite losses over the whole run
+    last_bad_step: int = -1  # step of the most recent non-finite loss (-1 = none)
+    checkpoints: Path | None = None  # the run's checkpoint folder: the abort says what a rerun resumes from
+
+    def __post_init__(self) -> None:
+        if type(self.max_in_a_row) is not int or self.max_in_a_row < 1:
+            raise ValueError(f"max_in_a_row (max_bad_steps) must be an int >= 1, got {self.max_in_a_row!r}")
+
+    def ok(self, loss: float | torch.Tensor, step: int) -> bool:
+        """True when `loss` is finite (take the step); False to skip it. Raises NonFiniteLossError when this is
+        the `max_in_a_row`-th non-finite loss in a row."""
+        value = float(loss.detach().float().sum()) if isinstance(loss, torch.Tensor) else float(loss)
+        if math.isfinite(value):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        self.total += 1
+        self.last_bad_step = step
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteLossError(f"loss was {value} for {self.in_a_row} steps in a row (up to step {step}); "
+                                     f"aborting (max_bad_steps={self.max_in_a_row}){self._resume_note()}")
+        return False
+
+    def _resume_note(self) -> str:
+        """'; ' + what a rerun resumes from: the newest checkpoint in `checkpoints` (a skipped step leaves the
+        weights as they were, so any checkpoint holds finite ones), or that there is none ("" without a folder)."""
+        if self.checkpoints is None:
+            return ""
+        saved = list_checkpoints(self.checkpoints)
+        return (f"; the newest checkpoint, {saved[-1]}, is intact" if saved else
+                f"; no checkpoint was written yet (none in {self.checkpoints}): a rerun starts from step 0")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"in_a_row": self.in_a_row, "total": self.total, "last_bad_step": self.last_bad_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.in_a_row, self.total, self.last_bad_step = (int(state[k]) for k in ("in_a_row", "total",
+                                                                                  "last_bad_step"))
