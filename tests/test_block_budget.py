@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.config import from_params, preset
+from dflash_lib.config import BucketConfig, ModelConfig, SamplerConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.data.stats import drafter_queries, store_drafter_queries, valid_anchor_counts
 from dflash_lib.models.anchors import sample_anchors
@@ -197,12 +197,12 @@ def test_build_sampler_applies_the_resolved_block_budget():
                              ("packed", False)]:
         cfg = from_params({"strategy": strategy, "static_shapes": static, "block_budget": 96}, preset("smoke"))
         s = build_sampler(cfg, lengths, 0, 1, [128, 256, 512], queries)
-        assert s.block_budget == 96 == resolve_block_budget(cfg)
+        assert s.block_budget == 96 == resolve_block_budget(cfg.sampler, cfg.buckets, cfg.model, cfg.data.max_len)
         assert max(queries[b].sum() for b in s.epoch_plan(0).batches()) <= 96
         assert build_sampler(cfg, lengths, 0, 1, [128, 256, 512]).block_budget is None  # no queries: tokens only
     cfg = from_params({"strategy": "bucketed", "static_shapes": True}, preset("smoke"))
     s = build_sampler(cfg, lengths, 0, 1, [128, 256, 512], queries)
-    derived = resolve_block_budget(cfg)
+    derived = resolve_block_budget(cfg.sampler, cfg.buckets, cfg.model, cfg.data.max_len)
     assert s.block_budget == derived and all(b * 32 <= derived for b in s.batch_sizes)
 
 
@@ -215,12 +215,14 @@ def test_derived_block_budget_is_a_batch_of_full_length_documents():
     assert derived_block_budget(2048, 4096, 64, 8) == 1 * 64 * 8  # below one full document: still one row
     assert derived_block_budget(64, 8, 100, 4) == 8 * 7 * 4  # a document of 8 tokens has at most 7 anchors
     assert derived_block_budget(2048, 512, 8, 4, q=512.0) == 2 * 8 * 4  # quadratic: g(512) = 1024 -> 2 rows
-    cfg = from_params({"token_budget": 16384, "max_len": 3072, "num_anchors": 512, "block_size": 16},
-                      preset("smoke"))
-    assert resolve_block_budget(cfg) == 40960
-    cfg = from_params({"token_budget": 2048, "max_len": 512, "num_anchors": 8, "block_size": 4}, preset("smoke"))
-    assert resolve_block_budget(cfg) == 4 * 8 * 4
-    assert resolve_block_budget(from_params({"block_budget": 1000}, preset("smoke"))) == 1000
+    paper = ModelConfig(num_anchors=512, block_size=16)
+    assert resolve_block_budget(SamplerConfig(token_budget=16384), BucketConfig(), paper, 3072) == 40960
+    small = ModelConfig(num_anchors=8, block_size=4)
+    assert resolve_block_budget(SamplerConfig(token_budget=2048), BucketConfig(), small, 512) == 4 * 8 * 4
+    quadratic = BucketConfig(cost="quadratic", q=512.0)  # g(512) = 1024: 2 rows, but packed rows count tokens
+    assert resolve_block_budget(SamplerConfig(token_budget=2048), quadratic, small, 512) == 2 * 8 * 4
+    assert resolve_block_budget(SamplerConfig(token_budget=2048, strategy="packed"), quadratic, small, 512) == 4 * 8 * 4
+    assert resolve_block_budget(SamplerConfig(block_budget=1000), quadratic, small, 512) == 1000
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -31,7 +31,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.config import SECTION_CLASSES, Config, ConfigError
+from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, ModelConfig
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_lib.models.target import TargetModel, feature_layer_ids, tiny_qwen3_config
 
@@ -291,15 +291,17 @@ class _ShapeOnlyTarget:
         self.num_layers, self.layer_ids = int(hf.num_hidden_layers), layer_ids
 
 
-def run_target_name(config: "Config") -> str:
-    m = config.model
-    return (f"tiny (a random Qwen3 built from seed {config.train.seed}: hidden {m.hidden_size}, "
-            f"{m.target_layers} layers)") if m.target == "tiny" else m.target
+def run_target_name(model: ModelConfig, seed: int) -> str:
+    """The target a run of `model` trained against, as its README names it: the path, or the tiny random Qwen3
+    that the run's `seed` (train.seed) built."""
+    return (f"tiny (a random Qwen3 built from seed {seed}: hidden {model.hidden_size}, "
+            f"{model.target_layers} layers)") if model.target == "tiny" else model.target
 
 
-def run_info(config: "Config", source: str) -> dict[str, str]:
-    """The export_drafter keywords of a trainer run (template, source, target_name)."""
-    return {"template": config.data.template, "source": source, "target_name": run_target_name(config)}
+def run_info(model: ModelConfig, seed: int, template: str, source: str) -> dict[str, str]:
+    """The export_drafter keywords of a trainer run (template, source, target_name): `model` and `seed` its model
+    section and train.seed (`run_target_name`), `template` its chat template (data.template)."""
+    return {"template": template, "source": source, "target_name": run_target_name(model, seed)}
 
 
 def _run_config(doc: dict[str, Any], where: str) -> "Config":
@@ -328,7 +330,7 @@ def export_run_weights(doc: dict[str, Any], weights: dict[str, torch.Tensor], ou
                           f"gives the drafter's shapes)")
     ids = list(m.target_layer_ids) or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
     cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
-    info = _training_info(hf, run_target_name(config), config.data.template, source)
+    info = _training_info(hf, run_target_name(m, config.train.seed), config.data.template, source)
     return write_folder(cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0), info)
 
 

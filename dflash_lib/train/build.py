@@ -158,12 +158,13 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
                   edges: Sequence[int], queries: np.ndarray | None = None) -> Any:
     """The batch sampler named by `sampler.strategy`, sharded for (rank, world_size). Given `queries` (N,),
     drafter query tokens per sample (`data.stats.store_drafter_queries`), every batch also stays within
-    `sampler.resolve_block_budget(config)` query tokens; None bounds target tokens only."""
+    `sampler.resolve_block_budget` query tokens; None bounds target tokens only."""
     sc = config.sampler
     q = config.buckets.q if config.buckets.cost == "quadratic" else None
     common = dict(seed=sc.sampler_seed, rank=rank, world_size=world_size)
     if queries is not None:
-        common |= dict(queries=queries, block_budget=samplers.resolve_block_budget(config))
+        budget = samplers.resolve_block_budget(sc, config.buckets, config.model, config.data.max_len)
+        common |= dict(queries=queries, block_budget=budget)
     if sc.strategy == "sorted":
         return samplers.SortedStaticSampler(lengths, sc.token_budget, q=q, **common)
     if sc.strategy == "random":

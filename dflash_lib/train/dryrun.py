@@ -562,7 +562,8 @@ def measure_plan(plan: Any, config: Config, device_gib: float = 80.0, attention:
     settings = for_cuda(config)
     if attention is not None:
         settings = dataclasses.replace(settings, attention=attention)
-    worst = worst_batches(config, list(plan.edges), resolve_block_budget(config))[:-1]
+    block_budget = resolve_block_budget(config.sampler, config.buckets, config.model, config.data.max_len)
+    worst = worst_batches(config, list(plan.edges), block_budget)[:-1]
     return [r.record() for r in measure_batches(config, worst, settings, device_gib, reserve=reserve)]
 
 
@@ -594,7 +595,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     lengths = np.asarray(store.lengths)
     queries = store_drafter_queries(store, mc.num_anchors, mc.block_size)
     edges = bucket_edges(_with(config, strategy="bucketed"), lengths, store.meta.get("key"))
-    block_budget = resolve_block_budget(config)
+    block_budget = resolve_block_budget(config.sampler, config.buckets, mc, config.data.max_len)
     say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
         f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "
         f"checkpointing {settings.checkpointing}")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dflash_lib.config import Config
+from dflash_lib.config import TrainConfig
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.data.split import HELDOUT_FILE
 from dflash_lib.models.layout import DraftLayout
@@ -38,18 +38,21 @@ HELDOUT_KEYS = ("heldout_loss", "heldout_acc", "heldout_acc_per_pos", "heldout_t
 
 
 class HeldOutEvaluator:
-    """The held-out evaluations of one training run on `parts` (see the module docstring). `latest`: the
-    latest evaluation's figures (heldout_step + HELDOUT_KEYS + heldout_s), {} before the first."""
+    """The held-out evaluations of one training run on `parts` (see the module docstring): `train` gives their
+    cadence, sample count and anchor seed, `token_budget` (token slots per evaluation batch, the sampler's) their
+    batches. `latest`: the latest evaluation's figures (heldout_step + HELDOUT_KEYS + heldout_s), {} before the
+    first."""
 
-    def __init__(self, config: Config, parts: TrainingParts, engine: Engine, main: bool) -> None:
-        self.config, self.parts, self.engine, self.main = config, parts, engine, main
+    def __init__(self, train: TrainConfig, token_budget: int, parts: TrainingParts, engine: Engine,
+                 main: bool) -> None:
+        self.train, self.token_budget, self.parts, self.engine, self.main = train, token_budget, parts, engine, main
         self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built by `prepare`)
         self.latest: dict[str, Any] = {}
 
     def prepare(self, run_dir: Path) -> None:
         """Rank 0: record the split in run_dir/heldout.json; the evaluating ranks lay out the evaluation
         batches (the first `eval_samples` held-out samples, anchors drawn once)."""
-        p, tc = self.parts, self.config.train
+        p, tc = self.parts, self.train
         if not (self.main or self.engine.kind == "fsdp") or p.heldout is None:
             return
         source = p.full_store if p.full_store is not None else p.store
@@ -57,14 +60,14 @@ class HeldOutEvaluator:
             write_json(run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
         if tc.eval_samples > 0 and len(p.heldout.heldout):
             self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id,
-                                           self.config.sampler.token_budget, tc.seed, tc.eval_samples)
+                                           self.token_budget, tc.seed, tc.eval_samples)
 
     def due(self, step: int, final: bool) -> bool:
         """Evaluate after optimizer step `step` (1-based): every `eval_every` steps, and when `final` (the run's
         last step) on a rank that evaluates."""
         if self.eval_set is None or not self.eval_set.samples:
             return False
-        every = self.config.train.eval_every
+        every = self.train.eval_every
         return final or (every > 0 and step % every == 0)
 
     def run(self, step: int, say: Callable[[str], None]) -> dict[str, Any]:

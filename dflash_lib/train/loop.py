@@ -136,7 +136,7 @@ class Trainer:
         self.meter = ThroughputMeter(clock=clock)
         self.stop = stop if stop is not None else StopRequest()
         self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
-        self.heldout = HeldOutEvaluator(config, parts, self.engine, self.main)
+        self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.engine, self.main)
         if resume is not None:
             self.load(Path(resume))
 
@@ -306,7 +306,8 @@ class Trainer:
         if self.main:
             if p.step > 0:
                 save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
-                             **run_info(self.config, f"{self.run_dir} (step {p.step})"))
+                             **run_info(self.config.model, self.config.train.seed, self.config.data.template,
+                                        f"{self.run_dir} (step {p.step})"))
             write_json(self.run_dir / "summary.json", summary)
         if self.stop_reason is not None:
             say(f"stopped ({self.stop_reason}) after step {p.step} of {p.total_steps}; "

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_lib.config import BucketConfig, ModelConfig, SamplerConfig
 from dflash_lib.plan.buckets import BatchSizing, BucketError
 
 
@@ -87,15 +88,14 @@ def derived_block_budget(token_budget: int, max_len: int, num_anchors: int, bloc
     return rows * min(num_anchors, max(1, max_len - 1)) * block_size
 
 
-def resolve_block_budget(config: Any) -> int:
-    """Drafter query tokens per batch for a dflash_lib.config.Config: `sampler.block_budget`, or when it is 0
-    the derived_block_budget of its token budget, data.max_len, model.num_anchors and model.block_size (with
-    the buckets' quadratic cost when the strategy prices batches by it; packed rows count plain tokens)."""
-    sc, model = config.sampler, config.model
-    if sc.block_budget > 0:
-        return int(sc.block_budget)
-    q = config.buckets.q if config.buckets.cost == "quadratic" and sc.strategy != "packed" else None
-    return derived_block_budget(sc.token_budget, config.data.max_len, model.num_anchors, model.block_size, q)
+def resolve_block_budget(sampler: SamplerConfig, buckets: BucketConfig, model: ModelConfig, max_len: int) -> int:
+    """Drafter query tokens per batch: `sampler.block_budget`, or when it is 0 the derived_block_budget of the
+    sampler's token budget, `max_len` (tokens per sample, data.max_len), model.num_anchors and model.block_size
+    (with the buckets' quadratic cost when the strategy prices batches by it; packed rows count plain tokens)."""
+    if sampler.block_budget > 0:
+        return int(sampler.block_budget)
+    q = buckets.q if buckets.cost == "quadratic" and sampler.strategy != "packed" else None
+    return derived_block_budget(sampler.token_budget, max_len, model.num_anchors, model.block_size, q)
 
 
 def check_queries(queries: Any, n: int, block_budget: Any) -> tuple[np.ndarray | None, BlockBudget | None]:
