@@ -5,7 +5,7 @@
 
 Targets (issue 3): 1,000,000 lengths up to 8192 tokens, k <= 16: exact boundaries in <= 1 s and one epoch
 planned in <= 1 s with O(N) memory. On the bundled corpus: the padding efficiency of every strategy and the
-optimal edges' gain over the seed's coordinate descent and lhotse's equal-total-length edges.
+optimal edges' gain over the reference run's coordinate descent and lhotse's equal-total-length edges.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ interleaved so that load from other processes falls on all of them alike. Then:
   on all steps, print the coefficients and q = b / c;
 - leave-one-out: each strategy predicted from a fit on the other three, against its measured tokens/s (nested:
   the term choice also made without it);
-- the seed's padding-only estimate (sorted tokens/s x efficiency ratio) for comparison.
+- the reference run's padding-only estimate (sorted tokens/s x efficiency ratio) for comparison.
 
 Packed rows use a block-diagonal mask through SDPA, which computes the whole row: priced with varlen=False.
 Run: .venv/bin/python benchmarks/costmodel_fit.py [--steps 40] [--budget 2048]

@@ -97,7 +97,7 @@ def test_leave_one_out_predicts_each_held_out_strategy_within_3_percent(shapes):
 
 
 def test_padding_only_prediction_misses_where_the_fitted_model_does_not(shapes):
-    """The seed's error: throughput ~ efficiency x sorted throughput ignores step and attention costs."""
+    """The reference run's error: throughput ~ efficiency x sorted throughput ignores step and attention costs."""
     obs = _observe(shapes, noise=0.0, seed=0)
     tok_s = {k: sum(o.real_tokens for o in v) / sum(o.seconds for o in v) for k, v in obs.items()}
     eff = {k: sum(s.real_tokens for s in v) / sum(s.padded_tokens for s in v) for k, v in shapes.items()}

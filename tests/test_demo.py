@@ -54,7 +54,7 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     for s in STRATEGIES:
         assert set(SUMMARY_KEYS) <= set(summary[s]) and summary[s]["ktok_s"] > 0
     assert summary["sorted"]["ratio_to_sorted"] == pytest.approx(1.0)
-    assert summary["sorted"]["co_batch_recurrence"] == pytest.approx(1.0)  # frozen batches: the seed's flaw
+    assert summary["sorted"]["co_batch_recurrence"] == pytest.approx(1.0)  # frozen batches: the reference run's flaw
     assert summary["bucketed"]["co_batch_recurrence"] < 0.5
     # notebook 05: the untrained drafter at step 0, notebook 04's checkpoints at 6 and 12 (the final drafter)
     assert set(EVALUATION_KEYS) <= set(evaluation) and list(evaluation["tau_by_step"]) == ["0", "6", "12"]

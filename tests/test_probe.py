@@ -69,7 +69,7 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
     assert (table["cost_model_error_pct"].abs() < 1e-6).all() and (table["nested_error_pct"].abs() < 1e-6).all()
     gap = table.loc["random", "efficiency_gap_pts"]
     assert gap == pytest.approx(100 * (0.62 - probes[1].realized_efficiency))
-    # the seed's padding-only estimate misses random, the fitted model does not
+    # the reference run's padding-only estimate misses random, the fitted model does not
     assert abs(table.loc["random", "padding_only_error_pct"]) > 5
     assert table.loc["packed", "full_run_eta_days"] == probes[3].full_run_eta_days  # the full run's, named so
     summary = demo_summary(table)

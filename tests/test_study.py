@@ -127,7 +127,7 @@ def test_notebook_02_writes_a_plan(tmp_path, lengths):
     names = {s["strategy"]: s for s in summary["strategies"]}
     assert set(names) == {"sorted", "random", "bucketed_optimal", "bucketed_seed", "bucketed_equal_length",
                           "length_grouped", "packed"}
-    assert names["sorted"]["co_batch_recurrence"] == 1.0  # the seed's frozen batches
+    assert names["sorted"]["co_batch_recurrence"] == 1.0  # the reference run's frozen batches
     assert names["bucketed_optimal"]["dominated_by"] == "" and names["packed"]["dominated_by"] == ""
     assert names["packed"]["efficiency"] >= 0.98
     methods = pd.read_csv(out / "methods_by_k.csv")

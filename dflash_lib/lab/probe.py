@@ -3,7 +3,7 @@ side by side, and the step-time cost model calibrated on (and checked against) t
 
 Per strategy the probe reports real-token throughput at steady state (warm-up discarded by the trainer's
 steady-state detector), its ratio to sorted batches, the padding efficiency PREDICTED before running (bucketed:
-the analytic plan, as the seed did; the others: their epoch plans) and the one REALIZED on the probe's steps,
+the analytic plan, as the reference run did; the others: their epoch plans) and the one REALIZED on the probe's steps,
 steps per epoch, the ETA of a configurable full run (`full_run_eta_days`), and the randomness figures of its
 sampler.
 """
@@ -68,7 +68,7 @@ def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int =
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
     """Padding efficiency known before training. bucketed: the plan's analytic prediction (the objective of the
-    buckets section, the seed's kind of estimate); sorted / random / packed / static shapes: exact, from the
+    buckets section, the reference run's kind of estimate); sorted / random / packed / static shapes: exact, from the
     epoch-0 plan."""
     s = config.sampler
     batches = sampler.epoch_plan(0).csr()
@@ -180,7 +180,7 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
     """One row per strategy, side by side (see the module docstring); `ktok_s_noise_pct`: two bootstrap standard
     deviations of the measured throughput, in % (a held-out error below it is noise). With `choice`: the cost
     model's held-out
-    prediction and its error, next to the padding-only prediction the seed used (sorted throughput scaled by
+    prediction and its error, next to the padding-only prediction the reference run used (sorted throughput scaled by
     predicted efficiency). `nested_*`: the same prediction with the choice of terms also made without the
     strategy (the honest estimate for a strategy nobody has run yet)."""
     by = {p.strategy: p for p in probes}

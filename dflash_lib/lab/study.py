@@ -86,7 +86,7 @@ def method_plans(lengths: np.ndarray, k_values: Sequence[int], *, max_len: int, 
                  grid: int = 64) -> dict[str, list[BucketPlan]]:
     """For each method in METHODS, its plan at every k in `k_values`, all RE-EVALUATED under the batch-max
     objective with the same token budget (what the fill-rule sampler pays), so the columns compare like for
-    like. seed = geometric start + coordinate descent on the edge objective (the seed's method as it ran);
+    like. seed = geometric start + coordinate descent on the edge objective (the reference run's method as it ran);
     equal_length = lhotse's equal-total-length edges; dp_edge / dp_batch_max = the exact optimum of each objective.
     """
     kw = dict(max_len=max_len, cost=cost, q=q, token_budget=token_budget, multiple=multiple, policy=policy)
@@ -112,7 +112,7 @@ def _method(name: str) -> str:
 def method_table(plans: dict[str, list[BucketPlan]], k_values: Sequence[int]) -> pd.DataFrame:
     """One row per (requested k, method): edges, buckets actually used (equal-length edges can merge), predicted
     padding efficiency, capacity utilisation, steps per epoch, and the efficiency gain of each method over the
-    seed's at the same k (percentage points)."""
+    reference run's ("seed") at the same k (percentage points)."""
     rows = []
     for name, plan_list in plans.items():
         for k, p in zip(k_values, plan_list, strict=True):

@@ -597,11 +597,11 @@ def seed_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edg
                     q: float | None = None, token_budget: int | None = None, batch_size: int | None = None,
                     multiple: int = 1, policy: str = "truncate", grid: int = DEFAULT_GRID,
                     max_sweeps: int = 100) -> BucketPlan:
-    """Baseline: the seed's method. Start from a geometric progression of edges between the shortest length
-    and max_len, then coordinate descent: move one inner edge at a time to its best position between its
-    neighbours (an exact 1-D search), sweeping until no edge moves. A local optimum. The candidate positions
-    are those optimal_boundaries searches (every observed length; for batch_max, its grid), so the optimum is
-    never worse than this baseline."""
+    """Baseline: the reference run's method (plan method "seed"). Start from a geometric progression of edges
+    between the shortest length and max_len, then coordinate descent: move one inner edge at a time to its best
+    position between its neighbours (an exact 1-D search), sweeping until no edge moves. A local optimum. The
+    candidate positions are those optimal_boundaries searches (every observed length; for batch_max, its grid),
+    so the optimum is never worse than this baseline."""
     hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
     P = len(hist.values)
     allowed = np.arange(1, P) if objective == "edge" else _grid_positions(hist, grid)[0]  # candidate cuts

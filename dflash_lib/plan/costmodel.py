@@ -1,7 +1,7 @@
 """A step-time model calibrated on measured steps:
 seconds = a + b * padded + r * real + c * attention + e * blocks (+ d * new shape).
 
-The seed predicted throughput from padding efficiency alone and missed by ~10 points, because a step also pays
+The reference run predicted throughput from padding efficiency alone and missed by ~10 points, because a step also pays
 a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding, and a
 quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any strategy, or
 any set of bucket edges, be priced without running it.

@@ -47,7 +47,7 @@ def _queue_list(depths: Any) -> str:
 
 
 def format_log_line(m: Mapping[str, Any]) -> str:
-    """One console line per step, in the seed run's format, e.g.
+    """One console line per step, in the reference run's format (docs/dflash.md), e.g.
 
     `step 58 | loss 1.42 | acc 0.61 | lr 1.2e-05 | noise 1.00 | 25.1 Ktok/s | wait 0.4% | bucket 3 | ETA 5.1d |
     q_pre=[50,50] q_hs=[0]` (one line). `m` needs the keys in `LOG_LINE_KEYS`.

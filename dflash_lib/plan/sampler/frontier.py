@@ -111,13 +111,13 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
                         epoch: int = 0, epochs: int = 4, objective: str = "batch_max", q: float | None = None,
                         window: int = 64, policy: str = "truncate", mega_batch_mult: int | None = None
                         ) -> list[StrategyPoint]:
-    """Every strategy on `lengths` (tokens) with one token budget: the seed's sorted static batches, full random
-    shuffle, bucketed shuffle with optimal / seed / equal-total-length edges, Hugging Face megabatch length
-    grouping, and packing. Lengths follow `policy` at max_len first.
+    """Every strategy on `lengths` (tokens) with one token budget: the reference run's sorted static batches,
+    full random shuffle, bucketed shuffle with optimal / "seed" / equal-total-length edges, Hugging Face
+    megabatch length grouping, and packing. Lengths follow `policy` at max_len first.
 
     Our edges are optimal for `objective` ("batch_max" models what the fill-rule sampler pays: random batches
-    padded to their longest member). The seed baseline is the seed's own method as it ran: geometric start and
-    coordinate descent on the padding to the edge. Megabatch grouping has a fixed batch size; it gets
+    padded to their longest member). The "seed" baseline is the reference run's own method as it ran: geometric
+    start and coordinate descent on the padding to the edge. Megabatch grouping has a fixed batch size; it gets
     round(token_budget / mean length) (the budget filled on average, so its long batches overrun the budget: a
     weakness of fixed sizes that is not charged here).
     """

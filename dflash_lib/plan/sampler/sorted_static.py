@@ -1,4 +1,4 @@
-"""SortedStaticSampler: the seed's flawed baseline. Samples are sorted by length and cut into batches ONCE;
+"""SortedStaticSampler: the reference run's flawed baseline. Samples are sorted by length and cut into batches ONCE;
 every epoch only the ORDER of those frozen batches is shuffled, so the optimizer sees the same compositions
 forever (pair co-batch recurrence 1.0). Kept to measure the flaw against."""
 
