@@ -113,7 +113,7 @@ class ModelConfig:
     mask_id: int = 151669  # MASK token id (Qwen3: an unused padded embedding row)
     gamma: float = 0.0  # loss decay w_k = exp(-(k-1)/gamma); 0 = the paper's value for the block size
     ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory); 0 = one unchunked pass
-    target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the dflash.md rule
+    target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the docs/dflash.md rule
     attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
     drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
     drafter_checkpointing: str = "auto"  # activation checkpointing per drafter layer: "auto" (on for CUDA) | "true" | "false"
@@ -515,10 +515,11 @@ def preset(name: str) -> Config:
 
 
 def qwen3_8b() -> Config:
-    """The paper recipe (dflash.md "Recipe") for a Qwen3-8B target: a 5-layer drafter, block 16, 512 anchors,
-    max_len 3072, the features of layers [1, 9, 17, 25, 33], AdamW 6e-4, warmup 4 %, clip 1.0, 6 epochs; on CUDA
-    FlexAttention, activation checkpointing, bf16 target and autocast. `target` names the Qwen3-8B SHAPES only (the
-    dry run needs no weights); training needs the model: `-p target DIR` (a local Hugging Face folder).
+    """The paper recipe (docs/dflash.md "The paper's recipe") for a Qwen3-8B target: a 5-layer drafter, block 16,
+    512 anchors, max_len 3072, the features of layers [1, 9, 17, 25, 33], AdamW 6e-4, warmup 4 %, clip 1.0, 6
+    epochs; on CUDA FlexAttention, activation checkpointing, bf16 target and autocast. `target` names the Qwen3-8B
+    SHAPES only (the dry run needs no weights); training needs the model: `-p target DIR` (a local Hugging Face
+    folder).
 
     token_budget 16384: 5 documents of 3072 tokens, so the derived block budget (sampler.resolve_block_budget) is
     5 x 512 x 16 = 40960 drafter queries per micro-batch, and every bucket's worst batch peaks at about 49 GiB on

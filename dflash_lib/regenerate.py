@@ -1,5 +1,5 @@
 """Response regeneration: the target answers every assistant turn of a corpus again (DFlash trains on what the
-target would say, dflash.md).
+target would say, docs/dflash.md).
 
 For each conversation of `source` (any reader format), turn by turn, each assistant turn is replaced by the
 target's answer to the conversation so far (later turns see the regenerated answers). Turns after the last

@@ -4,7 +4,7 @@ Training and inference share `DraftLayer`, so "training forward == inference for
 the layer. Here the layer is checked against
 - a Hugging Face Qwen3 decoder layer with the same weights, full (non-causal) attention over the block and HF's
   own rotary embedding, when the context is empty (RoPE, q/k norms, GQA, SwiGLU);
-- the dflash.md formula written out in float64 tensor ops, when a context is present (K/V of the UN-normed
+- the docs/dflash.md formula written out in float64 tensor ops, when a context is present (K/V of the UN-normed
   context through the same projections, RoPE at absolute context and block positions);
 and the whole drafter (every attention backend, and the per-block inference path) is checked for what its
 drafted logits may and may not depend on: the anchor token and the context strictly before the anchor, and
@@ -91,7 +91,7 @@ def test_empty_context_layer_equals_huggingface_qwen3_layer_with_full_attention(
 
 def _reference_layer(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
                      block_pos: torch.Tensor) -> torch.Tensor:
-    """dflash.md's draft layer in float64 tensor ops, every query seeing every key. x (Q, H), ctx (C, H)."""
+    """docs/dflash.md's draft layer in float64 tensor ops, every query seeing every key. x (Q, H), ctx (C, H)."""
     W = {n: p.detach().double() for n, p in layer.named_parameters()}
     x, ctx = x.double(), ctx.double()
     Q, C = x.shape[0], ctx.shape[0]

@@ -25,7 +25,7 @@ def _docs(lengths, seed=0):
 
 
 def test_feature_layer_rule():
-    assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, dflash.md
+    assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, docs/dflash.md
     assert feature_layer_ids(36, 1) == [18]
     assert feature_layer_ids(6, 3) == [1, 2, 3]
     assert feature_layer_ids(28, 2) == [1, 25]

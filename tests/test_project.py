@@ -120,3 +120,24 @@ def test_every_cited_markdown_file_is_in_the_repository():
     assert cited_markdown("see shared/design/bucketing.md and docs/dflash.md") == {"shared/design/bucketing.md",
                                                                                   "docs/dflash.md"}
 
+
+OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w/])shared/")  # the design notes next to the repository, not in it
+
+
+def unresolved_citations(text: str) -> list[str]:
+    """What a text cites that a reader of the repository cannot open: a `*.md` that is not a file at that path
+    from the repository root (`dflash.md` for `docs/dflash.md`), or anything under ../shared."""
+    bad = sorted(m for m in cited_markdown(text) if not (REPO_ROOT / m).is_file())
+    return bad + [m.group() for m in OUTSIDE.finditer(text)]
+
+
+def test_code_cites_markdown_by_its_path_in_the_repository():
+    """dflash_lib/, benchmarks/ and notebooks/ (comments, docstrings, markdown cells, strings alike) name a `*.md`
+    by its path from the repository root, and never cite ../shared."""
+    sources = [*(REPO_ROOT / "dflash_lib").rglob("*.py"), *(REPO_ROOT / "benchmarks").glob("*.py"),
+               *(REPO_ROOT / "notebooks").glob("*.ipynb")]
+    found = {str(p.relative_to(REPO_ROOT)): unresolved_citations(p.read_text()) for p in sources}
+    assert {path: bad for path, bad in found.items() if bad} == {}
+    cites = "the dflash.md rule, docs/dflash.md, LOG.md, ../shared/STYLE.md, shared/x, a cluster's /shared/runs"
+    assert unresolved_citations(cites) == ["dflash.md", "shared/STYLE.md", "../shared", "shared/"]
+

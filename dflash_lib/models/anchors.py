@@ -13,7 +13,7 @@ import torch
 
 from dflash_lib.data.batch import Batch
 
-PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # dflash.md: loss decay gamma per block size
+PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # docs/dflash.md: loss decay gamma per block size
 
 
 def default_gamma(block_size: int) -> float:

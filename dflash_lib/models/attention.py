@@ -1,4 +1,4 @@
-"""The drafter's attention backends: block queries over [document context ; own block], by the dflash.md rules.
+"""The drafter's attention backends: block queries over [document context ; own block], by the docs/dflash.md rules.
 
 Every backend takes, for one micro-batch in the flat layout of `layout.py`:
     q (1, h, Q, d) block queries; kc, vc (1, kv, C, d) context keys/values of the C = R*T batch slots;

@@ -1,5 +1,5 @@
-"""The drafter on disk: the Hugging Face folder that SGLang, vLLM and the z-lab DFlash code load (dflash.md,
-"Serving format"). It is the ONLY drafter format: `export_drafter` writes it (fp32 for a training run: nothing lost
+"""The drafter on disk: the Hugging Face folder that SGLang, vLLM and the z-lab DFlash code load (docs/serving.md,
+"Export for serving"). It is the ONLY drafter format: `export_drafter` writes it (fp32 for a training run: nothing lost
 for fine-tuning; bf16 for serving), and `read_drafter` / `-p init_from` read either.
 
     config.json        Qwen3 fields of the DRAFTER (hidden_size, intermediate_size, num_hidden_layers = draft

@@ -12,7 +12,7 @@ Flat layout, the same for padded and packed batches (no padding block, no paddin
 - scored: the m positions with a loss weight > 0, as flat indices into the n*B queries.
 
 A query of block i sees the context slots of its own document at positions STRICTLY below anchor_i and every
-position of block i (dflash.md). `groups` cuts each document's blocks into runs of consecutive blocks for the
+position of block i (docs/dflash.md). `groups` cuts each document's blocks into runs of consecutive blocks for the
 `blocks` attention backend: a run attends to the context prefix its last anchor needs plus its own blocks, so the
 attention work stays close to what the mask allows (see `attention.py`).
 """

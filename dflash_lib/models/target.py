@@ -128,7 +128,7 @@ def weight_files(directory: str | Path) -> list[str]:
 
 
 def feature_layer_ids(num_layers: int, num_features: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (dflash.md): spread evenly over 1 .. num_layers-3.
+    """Target layers whose outputs feed the drafter (docs/dflash.md): spread evenly over 1 .. num_layers-3.
 
     One feature: the middle layer. Python's `round` (half to even). A target too shallow for `num_features`
     distinct layers in that range gets repeated ids (e.g. 4 layers, 2 features -> [1, 1]); pass explicit ids

@@ -79,7 +79,7 @@ from dflash_lib.train.build import bucket_edges, build_sampler, drafter_checkpoi
 
 GIB = 2 ** 30
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s)
-PAPER_SAMPLES = 800_000  # dflash.md: the paper's training set, ~800K samples
+PAPER_SAMPLES = 800_000  # docs/dflash.md: the paper's training set, ~800K samples
 FLEX_TILE = 128  # FlexAttention's block-mask tile (queries and keys)
 aten = torch.ops.aten
 
