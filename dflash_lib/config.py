@@ -265,7 +265,7 @@ class EvalConfig:
     stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
-    # the demo's tiny models ran 5-7x faster on one thread than on two on this shared 2-core machine
+    # tiny models can run faster on one thread than on several (LOG.md, 2026-12-01 session 5)
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
@@ -490,8 +490,9 @@ def smoke() -> Config:
 
 def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models. The drafter
-    run (240 steps at lr 3e-3, ~1 min on the demo target's answers) saves 3 checkpoints for notebook 05 and
-    measures the held-out loss at each (64 samples cost ~40 s each here, so 16)."""
+    run (240 steps at lr 3e-3 on the demo target's answers) saves 3 checkpoints for notebook 05 and measures the
+    held-out loss at each on 16 samples: an evaluation's time grows with its samples, and it runs three times
+    (timings in LOG.md, 2026-12-01 session 5)."""
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
              num_features=2, num_anchors=16, block_size=8, steps=240, lr=3e-3, probe_steps=80, probe_rounds=4,
@@ -522,11 +523,11 @@ def qwen3_8b() -> Config:
     folder).
 
     token_budget 16384: 5 documents of 3072 tokens, so the derived block budget (sampler.resolve_block_budget) is
-    5 x 512 x 16 = 40960 drafter queries per micro-batch, and every bucket's worst batch peaks at about 49 GiB on
-    the flex path (`python -m dflash_lib dryrun`: 55 GiB with its reserve, fits 80 GiB with room for the dense
-    reference path). ce_chunk_blocks 64 (1024 scored positions, a 0.6 GiB fp32 logits chunk per LM-head call): the
-    step's peak is in a drafter layer's backward, not in the head; the dry run measures the same peak for 16 to
-    128, so the larger chunk (fewer, larger matmuls) is free."""
+    5 x 512 x 16 = 40960 drafter queries per micro-batch, and every bucket's worst batch fits 80 GiB on the flex
+    path with its reserve, with room for the dense reference path (`python -m dflash_lib dryrun`; its table in
+    docs/scale.md). ce_chunk_blocks 64 (1024 scored positions, a 0.6 GiB fp32 logits chunk per LM-head call): the
+    step's peak is in a drafter layer's backward, not in the head, so a larger chunk (fewer, larger matmuls) is
+    free until the head's chunk becomes the peak (the dry run's figures: LOG.md, 2026-12-01)."""
     return from_params(dict(
         target="qwen3-8b", drafter_layers=5, block_size=16, num_anchors=512, max_len=3072, num_features=5,
         target_layer_ids=[1, 9, 17, 25, 33], mask_id=151669, lr=6e-4, warmup_ratio=0.04, grad_clip=1.0, epochs=6.0,

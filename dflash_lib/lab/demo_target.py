@@ -61,7 +61,7 @@ class DemoTargetSettings:
     """How the demo target is trained (its shape is `cfg.model.hidden_size` x `cfg.model.target_layers`)."""
 
     vocab_size: int = 8192  # embedding rows: vocab_size - 2 kept base ids + UNK + MASK
-    steps: int = 200  # optimizer steps (~150 s on 2 idle cores at the demo shape; see training.json)
+    steps: int = 200  # optimizer steps (training.json records how long they took)
     tokens_per_step: int = 4096  # tokens per step: tokens_per_step // seq_len windows of seq_len tokens
     seq_len: int = 512  # tokens per training window (random windows of the concatenated training samples)
     lr: float = 3e-3  # peak learning rate (AdamW)

@@ -5,8 +5,8 @@
 the drafter needs and never applies the LM head to every position. Documents never attend to each other: the
 rows are flattened into one sequence whose segments are the documents, attended with flash-attn's varlen kernel
 on CUDA, else with one causal SDPA call per document (`sdpa_varlen_attention`). Either way attention costs the
-sum over documents of len^2, never R * T^2: a packed 8K row on CPU runs 13x faster than under a block-diagonal
-mask (LOG.md, 2026-11-29).
+sum over documents of len^2, never R * T^2 (a packed row against a block-diagonal mask: LOG.md, 2026-11-29,
+second session).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A step-time model calibrated on measured steps:
 seconds = a + b * padded + r * real + c * attention + e * blocks (+ d * new shape).
 
-The reference run predicted throughput from padding efficiency alone and missed by ~10 points, because a step also pays
-a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding, and a
-quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any strategy, or
-any set of bucket edges, be priced without running it.
+The reference run predicted throughput from padding efficiency alone and missed (docs/dflash.md), because a step
+also pays a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding,
+and a quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any strategy,
+or any set of bucket edges, be priced without running it.
 
 Terms of one step (one forward + backward of one batch of R rows x T token slots):
 - a: seconds per step (always fitted).

@@ -13,8 +13,8 @@ blocked `put`/`get` at once (condition variables, not sleep-polling), so all sta
 milliseconds. `close()` aborts, drops what is queued and joins every thread.
 
 Threads only: torch releases the GIL inside its kernels, so a target worker and the drafter step overlap; and
-collation is ~1 ms per batch against ~1 s per CPU step (benchmarks/pipeline.py prints both), so a process
-pool for it would not pay for its pickling.
+collation costs a small fraction of a CPU step (benchmarks/pipeline.py prints both; LOG.md, 2026-11-29), so a
+process pool for it would not pay for its pickling.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def greedy_fill(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray |
     queries: (n,) drafter query tokens, in the same order (None: tokens only). Returns offsets (B + 1,) int64.
     Any cap[longest of all] samples fit the tokens, so each batch starts with that many in one slice (cut where
     the prefix sum of queries passes the block budget, found by bisection) and grows one sample at a time only
-    from there (~0.15 s per million samples in random order, tokens only).
+    from there (its speed: LOG.md, 2026-12-01).
     """
     x = lengths.tolist()
     cap = capacity.tolist()
