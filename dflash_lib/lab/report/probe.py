@@ -19,7 +19,7 @@ def predicted_vs_realized(table: pd.DataFrame, title: str = "Predicted vs realiz
     """Each strategy at (realized Ktok/s, predicted Ktok/s) for the padding-only estimate and, when the table has
     it, the held-out cost model; the diagonal is a perfect prediction."""
     fig = go.Figure()
-    series = [("padding_only_ktok_s", "padding-only (seed's estimate)", "square")]
+    series = [("padding_only_ktok_s", "padding-only (reference run's estimate)", "square")]
     if "cost_model_ktok_s" in table:
         series.append(("cost_model_ktok_s", "cost model, held out", "circle"))
     for column, name, symbol in series:
