@@ -26,19 +26,16 @@ complete | failed with its error) is written to `<OUT stem>.report.json`.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import os
 import re
-import socket
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
+import httpx
 import torch
 
 from dflash_lib.config import Config, ConfigError
@@ -204,38 +201,42 @@ class OpenAIBackend:
         self.cfg = config.regenerate
         self.thinking = config.data.thinking
         self.url = self.cfg.base_url.rstrip("/")
-        self.key = os.environ.get("OPENAI_API_KEY", "")  # sent when set (servers started with --api-key)
-        self.model = self.cfg.model or self._first_model()
+        key = os.environ.get("OPENAI_API_KEY", "")  # sent when set (servers started with --api-key)
+        # One pooled client for every request thread (httpx.Client is thread-safe): a connection kept alive per
+        # conversation in flight, so no request waits for a free one.
+        pool = httpx.Limits(max_connections=self.cfg.concurrency, max_keepalive_connections=self.cfg.concurrency)
+        self.client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None, limits=pool,
+                                   timeout=self.cfg.request_timeout_s, follow_redirects=True)
+        try:
+            self.model = self.cfg.model or self._first_model()
+        except BaseException:
+            self.client.close()
+            raise
 
-    def _headers(self) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
-        if self.key:
-            h["Authorization"] = f"Bearer {self.key}"
-        return h
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self.client.close()
 
     def _request(self, path: str, body: dict | None, what: str) -> dict:
         """The JSON answer of GET (body None) or POST `path`; RecordError when this request fails for good,
-        RegenerateError when no request can succeed (FATAL_STATUS, the server refusing connections)."""
+        RegenerateError when no request can succeed (FATAL_STATUS, the server refusing connections).
+        (httpx's own transport retries cover connection errors only, at their own pace: not RETRY_STATUS.)"""
         cfg = self.cfg
-        data = None if body is None else json.dumps(body).encode()
         for attempt in range(cfg.retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, headers=self._headers(),
-                                         method="GET" if body is None else "POST")
             refused = False
             try:
-                with urllib.request.urlopen(req, timeout=cfg.request_timeout_s) as resp:
-                    return json.loads(resp.read())
-            except urllib.error.HTTPError as e:
-                detail = " ".join(e.read()[:500].decode(errors="replace").split())
-                message = f"{what}: HTTP {e.code} from {self.url + path}: {detail}"
-                if e.code in FATAL_STATUS:
-                    raise RegenerateError(message) from None
-                if e.code not in RETRY_STATUS:
-                    raise RecordError(message, attempt + 1) from None
-                last = f"HTTP {e.code}: {detail}"
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout,
-                    TimeoutError, json.JSONDecodeError) as e:
-                refused = isinstance(getattr(e, "reason", e), ConnectionRefusedError)
+                resp = self.client.request("GET" if body is None else "POST", self.url + path, json=body)
+                if resp.is_success:
+                    return resp.json()
+                detail = " ".join(resp.content[:500].decode(errors="replace").split())
+                message = f"{what}: HTTP {resp.status_code} from {self.url + path}: {detail}"
+                if resp.status_code in FATAL_STATUS:
+                    raise RegenerateError(message)
+                if resp.status_code not in RETRY_STATUS:
+                    raise RecordError(message, attempt + 1)
+                last = f"HTTP {resp.status_code}: {detail}"
+            except (httpx.TransportError, json.JSONDecodeError) as e:  # (timeouts are transport errors)
+                refused = _refused(e)
                 last = f"{type(e).__name__}: {e}"
             if attempt < cfg.retries:
                 time.sleep(cfg.retry_backoff_s * 2 ** attempt)
@@ -282,6 +283,15 @@ class OpenAIBackend:
             except RecordError as e:
                 answers.append(Failure(str(e), e.attempts))
         return answers
+
+
+def _refused(error: BaseException | None) -> bool:
+    """Whether `error` was caused by a refused connection (httpx keeps the socket's error in the chain)."""
+    while error is not None:
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -497,7 +507,8 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
                               f"give another --out or delete it")
     done, keep = scan_output(out)
     torn = (out.stat().st_size - keep) if out.is_file() else 0  # bytes of a torn last line, redone below
-    if backend is None:
+    built = backend is None  # (an openai backend built here is closed at the end)
+    if built:
         backend = LocalBackend(config) if r.backend == "local" else OpenAIBackend(config)
     tok = getattr(backend, "tok", None)
     if tok is None:
@@ -546,6 +557,8 @@ def regenerate(config: Config, out: str | Path, backend: Backend | None = None, 
         if works is not None:
             works.close()  # a stopped generator cancels what is queued and joins the request threads
         bar.close()
+        if built and isinstance(backend, OpenAIBackend):
+            backend.close()
         if appender is not None:
             appender.close()
         seconds = time.perf_counter() - prog.start

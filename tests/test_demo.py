@@ -11,8 +11,9 @@ from browser_check import check_page, unavailable_reason
 from dflash_lib.data import load_conversations
 from dflash_lib.lab import demo_target as dt
 from dflash_lib.lab.demo import CHAIN, KEY_FIGURES, run_demo
-from dflash_lib.lab.report.demo import EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, external_references
+from dflash_lib.lab.report.demo import EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS
 from dflash_lib.regenerate import leading_assistant_turns
+from html_check import external_references
 
 
 @pytest.mark.slow

@@ -98,12 +98,15 @@ def test_resume_after_a_stop_and_a_torn_line_gives_the_same_file(source, backend
 # -- openai backend ------------------------------------------------------------------------------------------
 
 
+SLOW_S = 0.5  # seconds the server takes to answer a "SLOW" prompt
+
+
 class ChatServer:
     """A chat-completions server on 127.0.0.1: answers from the tiny target (or canned text for "CANNED"
     prompts, finish "stop"), a 500 on the first "FAIL500" request, a 400 for "BAD400" (while `bad400`), HTTP
-    <code> on the first request of a "STATUS<code>" prompt (then canned text; always while `canned`), and, like
-    vLLM and SGLang, a 400
-    for no messages and a 404 for a model it does not serve."""
+    <code> on the first request of a "STATUS<code>" prompt (then canned text; always while `canned`), canned text
+    after SLOW_S seconds for a "SLOW" prompt, and, like vLLM and SGLang, a 400 for no messages and a 404 for a
+    model it does not serve."""
 
     def __init__(self, backend):
         self.backend, self.lock = backend, threading.Lock()
@@ -156,12 +159,14 @@ class ChatServer:
                     self.status_hits[last] = self.status_hits.get(last, 0) + 1
                     if self.status_hits[last] == 1:
                         return int(last[6:]), {"error": {"message": f"status {last[6:]}"}}
+            if last == "SLOW":
+                time.sleep(SLOW_S)
             if "BAD400" in last and self.bad400:
                 return 400, {"error": {"message": "context too long"}}
             if "FAIL500" in last and not self.failed_once:
                 self.failed_once = True
                 return 500, {"error": {"message": "overloaded"}}
-            if self.canned or "CANNED" in last or last.startswith("STATUS"):
+            if self.canned or "CANNED" in last or last.startswith(("STATUS", "SLOW")):
                 text, finish, n = "A canned answer.", "stop", 4
             else:
                 turns = tuple((m["role"], m["content"]) for m in req["messages"])
@@ -223,7 +228,10 @@ def _served(cfg, out, local):
     """regenerate(cfg, out) through the openai backend, counting tokens with `local`'s tokenizer (loaded once)."""
     served = OpenAIBackend(cfg)
     served.tok = local.tok
-    return regenerate(cfg, out, backend=served, progress=False)
+    try:
+        return regenerate(cfg, out, backend=served, progress=False)
+    finally:
+        served.close()
 
 
 def test_openai_a_failing_record_is_rejected_the_run_goes_on_and_a_rerun_retries_it(server, backend, tmp_path):
@@ -311,9 +319,19 @@ def test_openai_a_server_refusing_connections_stops_the_run(source):
         port = sock.getsockname()[1]
     b = OpenAIBackend(_cfg(source, backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="m", retries=1,
                            retry_backoff_s=0.0))
-    with pytest.raises(RegenerateError, match="record 3: .* failed 2 times, last: URLError") as e:
+    with pytest.raises(RegenerateError, match="record 3: .* failed 2 times, last: ConnectError") as e:
         b.complete((("user", "hi"),), "record 3")
     assert not isinstance(e.value, RecordError)
+
+
+def test_openai_a_request_past_its_timeout_is_retried_then_the_record_rejected(source, server):
+    """A server slower than request_timeout_s: each request times out (a transport error: retried), and once the
+    retries are spent the record fails on its own (RecordError); the server is up, so the run would go on."""
+    b = OpenAIBackend(_openai(source, server, request_timeout_s=SLOW_S / 5, retries=1, retry_backoff_s=0.0))
+    with pytest.raises(RecordError, match="record 5: .* failed 2 times, last: ReadTimeout") as e:
+        b.complete((("user", "SLOW"),), "record 5")
+    assert e.value.attempts == 2  # (the server may see the second request after the client gave up on it)
+    b.close()
 
 
 def test_a_fatal_error_ends_the_run_as_failed_not_running(source, server, backend, tmp_path):

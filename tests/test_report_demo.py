@@ -13,7 +13,8 @@ import plotly.graph_objects as go
 import pytest
 
 from dflash_lib.lab.report.demo import (EVALUATION_KEYS, STRATEGIES, SUMMARY_KEYS, DemoReportError, build_demo_report,
-                                        demo_evaluation, external_references, write_demo_summary)
+                                        demo_evaluation, write_demo_summary)
+from html_check import external_references
 
 PLOTLY_JS_BANNER = "plotly.js v"  # the licence header at the top of the inlined bundle
 

@@ -8,10 +8,10 @@ import papermill as pm
 import pytest
 
 from dflash_lib.config import ConfigError, DataConfig
-from dflash_lib.lab.report.demo import external_references
 from dflash_lib.lab.study import METHODS, chosen_plan, load_lengths, load_plan, method_plans, method_table
 from dflash_lib.plan.buckets import BucketPlan, plan_for_edges
 from dflash_lib.rundir import REPO_ROOT
+from html_check import external_references
 
 
 @pytest.fixture(scope="module")
