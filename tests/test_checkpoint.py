@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lib.config import FLAT_FIELDS, from_params, smoke
 from dflash_lib.train import checkpoint as ckpt
 from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, capture_rng, fresh_run_dir,
-                                         list_checkpoints, load_latest, read_manifest, restore_rng, resume_config_hash,
-                                         save_checkpoint)
+                                         list_checkpoints, load_latest, read_manifest, restore_rng, save_checkpoint)
 
 REPO = Path(__file__).resolve().parent.parent
 H = "cfg0123456789abc"  # a config hash for tests
@@ -263,16 +261,6 @@ def test_fresh_run_dir_clears_only_checkpoints(tmp_path: Path) -> None:
     assert fresh_run_dir(tmp_path) == 3
     assert os.listdir(tmp_path) == ["metrics.jsonl"] and load_latest(tmp_path, H) is None
     assert fresh_run_dir(tmp_path / "absent") == 0
-
-
-def test_resume_hash_ignores_run_control_settings() -> None:
-    base = smoke()
-    assert ckpt.RESUME_NEUTRAL_KEYS <= set(FLAT_FIELDS)
-    same = from_params({"ckpt_every": 5, "log_every": 3, "fresh": True, "wandb_mode": "disabled",
-                        "keep_checkpoints": 1, "dist_timeout_s": 9.0}, base)
-    assert resume_config_hash(same) == resume_config_hash(base)
-    for key, value in [("lr", 1e-3), ("sampler_seed", 1), ("token_budget", 1024), ("seed", 5)]:
-        assert resume_config_hash(from_params({key: value}, base)) != resume_config_hash(base), key
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_lib.config import Config
+from dflash_lib.config import TrainConfig
 from dflash_lib.train import distributed
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,6 @@ _RANK_RE = re.compile(r"^rank-(\d+)\.pt$")
 _HASH_CHUNK = 1 << 20  # bytes read per sha256 update
 _TENSOR = "__dcp_tensor__"  # placeholder key in objects.pt: {_TENSOR: "<key of the tensor in dcp/>"}
 
-# Settings that may change between a stop and a resume without changing the batches, anchors or losses.
-RESUME_NEUTRAL_KEYS = frozenset({
-    "fresh", "ckpt_every", "keep_checkpoints", "log_every", "max_bad_steps", "dist_timeout_s", "wandb_mode",
-    "wandb_project", "out_dir", "queue_timeout_s", "close_timeout_s", "prefetch", "hs_queue", "workers",
-    "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps", "probe_rounds",
-    "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
-    "parallel", "async_ckpt",  # DDP and FSDP share one checkpoint layout; async only changes when bytes land
-})
 # TEST HOOK, used only by the fault-injection tests (tests/test_faults.py, tests/test_torchrun.py): when set, every
 # save pauses this many seconds after every rank wrote its files and before the manifest and the rename (rank 0,
 # announced on stderr), so that a test can `kill -9` the job in the middle of a save. Never set it in a real run.
@@ -119,7 +111,7 @@ class FileEntry:
 class Manifest:
     format_version: int  # FORMAT_VERSION of the writer
     step: int  # optimizer steps completed when the checkpoint was taken
-    config_hash: str  # the run's config hash (see resume_config_hash)
+    config_hash: str  # the run's resume hash (`resume.resume_config_hash`)
     world_size: int  # number of processes of the run that wrote it (a resume may have another)
     files: dict[str, FileEntry]  # path inside the checkpoint directory ("dcp/__0_0.distcp") -> checksum and size
     meta: dict[str, Any]  # free-form JSON the caller attached (e.g. the config as a dict, epoch)
@@ -169,20 +161,6 @@ class Manifest:
 def _expect(where: Path, key: str, value: Any, typ: type) -> None:
     if type(value) is not typ:
         raise CheckpointError(f"{where}: manifest field {key!r} must be {typ.__name__}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Config hash for resume
-
-
-def resume_config_hash(config: Config) -> str:
-    """Short stable hash of every setting that shapes the training trajectory.
-
-    Unlike `Config.hash()`, it leaves out RESUME_NEUTRAL_KEYS (logging cadence, queue sizes, `fresh`, ...), so a
-    run stopped and resumed with, say, another `ckpt_every` is still the same run.
-    """
-    params = {k: v for k, v in config.to_params().items() if k not in RESUME_NEUTRAL_KEYS}
-    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -801,12 +779,14 @@ class TrainingCheckpoints:
     """The checkpoints of one training run in `ckpt_dir`: the drafter's weights and AdamW state in torch's
     distributed layout (`get_state_dict`: the plain drafter's parameter names whatever the engine, DTensor shards
     under FSDP; DCP reshards them on load), every rank's RNG streams, and the trainer's own state (a dict of
-    plain values, the same on every rank). Every rank calls `save`, `finish` and `load` at the same point."""
+    plain values, the same on every rank). `settings`: the run's train section (keep_checkpoints, async_ckpt,
+    dist_timeout_s); `resume_hash` and `run_config` (the run's `Config.to_dict()`) go into every manifest.
+    Every rank calls `save`, `finish` and `load` at the same point."""
 
     def __init__(self, ckpt_dir: str | Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer,
-                 config: Config) -> None:
-        self.ckpt_dir, self.drafter, self.opt, self.config = Path(ckpt_dir), drafter, opt, config
-        self.resume_hash = resume_config_hash(config)
+                 settings: TrainConfig, resume_hash: str, run_config: dict[str, Any]) -> None:
+        self.ckpt_dir, self.drafter, self.opt, self.settings = Path(ckpt_dir), drafter, opt, settings
+        self.resume_hash, self.run_config = resume_hash, run_config
         self.saved_step = -1  # step of the newest checkpoint written, started or loaded
         self.latest: Path | None = None  # the newest checkpoint this invocation committed
         self.pending: PendingSave | None = None  # an async save not yet committed
@@ -817,7 +797,7 @@ class TrainingCheckpoints:
         parameter), sized by `distributed.checkpoint_timeout_s`."""
         numel = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
         return distributed.checkpoint_timeout_s(12.0 * numel, distributed.info().world_size,
-                                                self.config.train.dist_timeout_s)
+                                                self.settings.dist_timeout_s)
 
     def model_state(self) -> dict[str, Any]:
         """{"drafter": weights, "optimizer": AdamW state} as `get_state_dict` lays them out."""
@@ -834,12 +814,12 @@ class TrainingCheckpoints:
         committed first. With `async_ckpt` the tensors are staged and written in the background (committed at
         the next save or `finish`). A failed write (full disk) raises CheckpointError on every rank, the previous
         checkpoint intact."""
-        tc = self.config.train
+        tc = self.settings
         self.finish(say)
         group = distributed.checkpoint_group(self.timeout_s())
         trainer = trainer_state()  # may be a collective (every rank's skip counts): after the group exists
         state = {"step": step, **self.model_state(), "trainer": trainer}
-        meta = {"epoch": epoch, "resume_hash": self.resume_hash, "config": self.config.to_dict()}
+        meta = {"epoch": epoch, "resume_hash": self.resume_hash, "config": self.run_config}
         self._save_t0 = time.perf_counter()
         self.pending = start_save(self.ckpt_dir, state, step, config_hash=self.resume_hash,
                                   keep_last=tc.keep_checkpoints, meta=meta, rank_state={"rng": capture_rng()},
