@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoints import load_latest, save_checkpoint
 from dflash_lib.__main__ import main
 from dflash_lib.config import FLAT_FIELDS, ConfigError, from_params, preset
-from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, list_checkpoints, load_latest,
-                                         save_checkpoint)
+from dflash_lib.train.checkpoint import CheckpointError, CheckpointMismatchError, list_checkpoints
 from dflash_lib.train.loop import train
 from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, RUN_OUTPUTS, config_differences, prepare_run_dir,
                                      resume_config_hash, truncate_metrics)
