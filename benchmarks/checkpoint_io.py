@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/checkpoint_io.py [--params 250e6] [--repeats 2]
 The state is what the trainer saves for a drafter of `--params` fp32 parameters: the weights and AdamW's two
 moments (12 bytes per parameter: 3 GB at 250 M), as `get_state_dict` lays them out. Rows, median seconds and GB/s:
   plain torch.save / torch.load (weights_only) of the whole state in one process (no fsync, no checksum),
-  1 rank: save_checkpoint (DCP, no process group) / find_latest + load_into (verify sha256, read in place),
+  1 rank: start_save + wait (DCP, no process group) / find_latest + load_into (verify sha256, read in place),
   2 ranks (gloo, DDP layout: both ranks hold the whole state, DCP spreads the writes over them) / the same load,
 with the ratios to plain. The plain save does not fsync, so the ratios include the price of durability.
 """
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from dflash_lib.train import distributed  # noqa: E402
-from dflash_lib.train.checkpoint import find_latest, load_into, save_checkpoint  # noqa: E402
+from dflash_lib.train.checkpoint import find_latest, load_into, start_save  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
 from _common import join_group, spawn_ranks  # noqa: E402
@@ -65,8 +65,8 @@ def median_s(fn, repeats: int, barrier=lambda: None) -> float:
 def run_dcp(state: dict, root: Path, repeats: int, group) -> tuple[float, float]:
     """(save s, load s) of `state` with the library's checkpoints; every rank calls it."""
     barrier = distributed.barrier
-    save = median_s(lambda: save_checkpoint(root, state, 10, config_hash="bench", keep_last=1,
-                                            rank_state={"rng": torch.zeros(8)}, group=group), repeats, barrier)
+    save = median_s(lambda: start_save(root, state, 10, config_hash="bench", keep_last=1,
+                                       rank_state={"rng": torch.zeros(8)}, group=group).wait(), repeats, barrier)
 
     def load() -> None:
         path = None

@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checkpoints import save_checkpoint
 from dflash_lib.config import smoke
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.train import distributed as D
-from dflash_lib.train.checkpoint import CheckpointError, TrainingCheckpoints, capture_rng, restore_rng, save_checkpoint
+from dflash_lib.train.checkpoint import CheckpointError, TrainingCheckpoints, capture_rng, restore_rng
 from dflash_lib.train.feed import Item
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import filler_item, train_step
@@ -331,7 +332,8 @@ def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step
 def test_load_rng_gives_rank_1_of_a_one_rank_checkpoint_rank_0s_streams(tmp_path, monkeypatch):
     """A 1-rank run resumed on 2 ranks: rank 1 (no rank file of its own) restores rank (1 mod 1) = 0's streams."""
     drafter = torch.nn.Linear(2, 2)
-    ckpts = TrainingCheckpoints(tmp_path, drafter, torch.optim.SGD(drafter.parameters(), lr=0.1), smoke())
+    ckpts = TrainingCheckpoints(tmp_path, drafter, torch.optim.SGD(drafter.parameters(), lr=0.1), smoke().train, "h",
+                                smoke().to_dict())
     outside = capture_rng()
     try:
         torch.manual_seed(11)

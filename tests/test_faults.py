@@ -20,15 +20,18 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import load_latest
 from dflash_lib.config import from_params, preset
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts
-from dflash_lib.train.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_latest, resume_config_hash
+from dflash_lib.train.checkpoint import list_checkpoints
 from dflash_lib.train.loop import run_training
+from dflash_lib.train.resume import resume_config_hash
 from dflash_lib.train.state import NonFiniteLossError, StopRequest
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW_SAVE = REPO / "tests" / "slow_save.py"  # the command line with every save held before its commit
 PARAMS = ["-p", "steps", "12", "-p", "lr", "0.01", "-p", "warmup_steps", "1", "-p", "ckpt_every", "3"]
 CONFIG = from_params({"steps": 12, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 3}, preset("smoke"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}  # the same threads in every run: same sums
@@ -60,10 +63,11 @@ def assert_same_run(run_dir: Path, reference: list[dict]) -> None:
 
 
 class Watched:
-    """A CLI training process whose merged stdout/stderr lines are collected by a reader thread."""
+    """A CLI training process (`cmd`, by default `cli(run_dir)`) whose merged stdout/stderr lines are collected
+    by a reader thread."""
 
-    def __init__(self, run_dir: Path, env: dict) -> None:
-        self.proc = subprocess.Popen(cli(run_dir), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    def __init__(self, run_dir: Path, env: dict, cmd: list[str] | None = None) -> None:
+        self.proc = subprocess.Popen(cmd or cli(run_dir), cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -122,8 +126,9 @@ def test_kill_9_during_training_then_resume(tmp_path, reference):
 def test_kill_9_in_the_middle_of_a_checkpoint_save_keeps_the_previous_one(tmp_path, reference):
     first = run_cli(tmp_path, "-p", "stop_at_step", "4")  # checkpoints 3 and 4
     assert first.returncode == 0, first.stderr[-3000:]
-    w = Watched(tmp_path, {**ENV, SAVE_DELAY_ENV: "60"})  # every save pauses after its shards, before its manifest
-    w.wait_for(f"{SAVE_DELAY_ENV}: pausing 60.0 s inside the save of step 6")
+    # every save pauses after its shards, before its manifest
+    w = Watched(tmp_path, ENV, [sys.executable, str(SLOW_SAVE), "60", *cli(tmp_path)[3:]])
+    w.wait_for("slow save: pausing 60.0 s before committing the checkpoint of step 6")
     w.kill()
     ckpt_dir = tmp_path / "checkpoints"
     (partial,) = [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]

@@ -20,10 +20,10 @@ from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import leading_run_stats, weighted_loss
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
-from dflash_lib.train.checkpoint import resume_config_hash
 from dflash_lib.train.feed import epoch_batches
 from dflash_lib.train.heldout import HELDOUT_KEYS
 from dflash_lib.train.loop import run_training
+from dflash_lib.train.resume import resume_config_hash
 
 
 def random_store(n: int, seed: int = 0, lo: int = 12, hi: int = 60) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoints import load_latest, save_checkpoint
 from dflash_lib.__main__ import main
-from dflash_lib.config import ConfigError, from_params, preset
-from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, list_checkpoints, load_latest,
-                                         resume_config_hash, save_checkpoint)
+from dflash_lib.config import FLAT_FIELDS, ConfigError, from_params, preset
+from dflash_lib.train.checkpoint import CheckpointError, CheckpointMismatchError, list_checkpoints
 from dflash_lib.train.loop import train
-from dflash_lib.train.resume import RUN_OUTPUTS, config_differences, prepare_run_dir, truncate_metrics
+from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, RUN_OUTPUTS, config_differences, prepare_run_dir,
+                                     resume_config_hash, truncate_metrics)
 
 # lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss
 BASE = dict(steps=8, lr=1e-2, warmup_steps=1, ckpt_every=3, log_every=100)
@@ -248,6 +249,16 @@ def test_fresh_deletes_exactly_what_a_training_run_owns(tmp_path):
     assert (tmp_path / "notebook_figures" / "x").read_text() == "x"
     assert json.loads((tmp_path / "config.json").read_text())["config"]["train"]["lr"] == 5e-3
     assert {"metrics.jsonl", "heldout.json", "summary.json", "drafter", "wandb", "checkpoints"} <= RUN_OUTPUTS
+
+
+def test_resume_hash_ignores_run_control_settings() -> None:
+    base = preset("smoke")
+    assert RESUME_NEUTRAL_KEYS <= set(FLAT_FIELDS)
+    same = from_params({"ckpt_every": 5, "log_every": 3, "fresh": True, "wandb_mode": "disabled",
+                        "keep_checkpoints": 1, "dist_timeout_s": 9.0}, base)
+    assert resume_config_hash(same) == resume_config_hash(base)
+    for key, value in [("lr", 1e-3), ("sampler_seed", 1), ("token_budget", 1024), ("seed", 5)]:
+        assert resume_config_hash(from_params({key: value}, base)) != resume_config_hash(base), key
 
 
 def test_config_differences_name_the_settings_this_run_first():

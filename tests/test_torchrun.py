@@ -26,11 +26,12 @@ from safetensors.torch import load_file
 
 from dflash_lib.config import from_params, preset
 from dflash_lib.train.build import build_parts
-from dflash_lib.train.checkpoint import SAVE_DELAY_ENV, list_checkpoints, load_checkpoint, read_manifest
+from dflash_lib.train.checkpoint import list_checkpoints, load_checkpoint, read_manifest
 from dflash_lib.train.loop import run_training, train
 from dflash_lib.train.resume import prepare_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW_SAVE = REPO / "tests" / "slow_save.py"  # the command line with every save held before its commit
 # 20 steps of 2+ sampler steps each (accum_tokens: a step ends once the global batch holds 2048 tokens per data
 # shard), so every rank accumulates micro-batches under no_sync; lr high enough that any drift shows in the loss
 RUN = {"steps": 20, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 10, "accum_tokens": 2048, "log_every": 5,
@@ -45,9 +46,9 @@ def cli_params(params: dict) -> list[str]:
     return [x for k, v in params.items() for x in ("-p", k, json.dumps(v))]
 
 
-def torchrun_cmd(run_dir: Path, *extra: str, params: dict, launch: tuple = ("--standalone", "--nproc-per-node", "2")
-                 ) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "dflash_lib", "train", "--preset", "smoke",
+def torchrun_cmd(run_dir: Path, *extra: str, params: dict, launch: tuple = ("--standalone", "--nproc-per-node", "2"),
+                 program: tuple = ("-m", "dflash_lib")) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *program, "train", "--preset", "smoke",
             "--run-dir", str(run_dir), *cli_params(params), *extra]
 
 
@@ -192,14 +193,14 @@ def test_two_nodes_through_c10d_rendezvous_equal_the_standalone_run(ddp, tmp_pat
 def test_kill_9_of_the_whole_job_mid_save_then_resume_equals_the_uninterrupted_run(ddp, tmp_path):
     params = {**RUN, "ckpt_every": 5}  # resume-neutral: the same run as the ddp fixture
     torchrun(tmp_path, "-p", "stop_at_step", "5", params=params)  # checkpoint 5
-    job = subprocess.Popen(torchrun_cmd(tmp_path, params=params), cwd=REPO, env={**ENV, SAVE_DELAY_ENV: "60"},
+    job = subprocess.Popen(torchrun_cmd(tmp_path, params=params, program=(str(SLOW_SAVE), "60")), cwd=REPO, env=ENV,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 240
-        mark = f"{SAVE_DELAY_ENV}: pausing 60.0 s inside the save of step 10"
+        mark = "slow save: pausing 60.0 s before committing the checkpoint of step 10"
         while not any(mark in line for line in list(lines)):  # every rank wrote its part; no manifest yet
             assert job.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
             time.sleep(0.05)

@@ -49,7 +49,8 @@ from dflash_lib.train.heldout import HeldOutEvaluator
 from dflash_lib.train.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
                                       format_log_line)
 from dflash_lib.train.pipeline import Pipeline
-from dflash_lib.train.resume import CHECKPOINTS, METRICS_FILE, prepare_run_dir, shared_new_run_dir
+from dflash_lib.train.resume import (CHECKPOINTS, METRICS_FILE, prepare_run_dir, resume_config_hash,
+                                     shared_new_run_dir)
 from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
@@ -121,7 +122,8 @@ class Trainer:
         self.engine = distributed.wrap_drafter(parts.drafter, tc.parallel)  # DDP / FSDP2 / one process
         self.params = [p for p in parts.drafter.parameters() if p.requires_grad]  # FSDP: the DTensor shards
         self.opt = build_optimizer(self.params, tc, self.device)
-        self.ckpts = TrainingCheckpoints(run_dir / CHECKPOINTS, parts.drafter, self.opt, config)
+        self.ckpts = TrainingCheckpoints(run_dir / CHECKPOINTS, parts.drafter, self.opt, tc, resume_config_hash(config),
+                                         config.to_dict())
         self.shards = rank_shards(self.dist.rank, self.dist.world_size, parts.data_shards)
         total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
                                                    parts.data_shards)

@@ -23,6 +23,7 @@ run's config.json and env.json; `shared_new_run_dir` makes a new run folder whos
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,9 +39,8 @@ from dflash_lib.data.split import HELDOUT_FILE
 from dflash_lib.models.export import README_FILE, WEIGHTS_FILE, export_folder, export_run_weights
 from dflash_lib.rundir import environment, new_run_dir, writable, write_json
 from dflash_lib.train import distributed
-from dflash_lib.train.checkpoint import (MANIFEST_FILE, RESUME_NEUTRAL_KEYS, CheckpointError, CheckpointMismatchError,
-                                         find_latest, fresh_run_dir, list_checkpoints, load_checkpoint, load_objects,
-                                         resume_config_hash)
+from dflash_lib.train.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointMismatchError, find_latest,
+                                         fresh_run_dir, list_checkpoints, load_checkpoint, load_objects)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,14 @@ RUN_OUTPUTS = frozenset({CONFIG_FILE, "env.json", METRICS_FILE, HELDOUT_FILE, "s
                          CHECKPOINTS})
 # Outputs that only a finished run writes: present without a checkpoint, they are another run's results.
 FINAL_OUTPUTS = frozenset({"summary.json", "drafter"})
+# Settings that may change between a stop and a resume without changing the batches, anchors or losses.
+RESUME_NEUTRAL_KEYS = frozenset({
+    "fresh", "ckpt_every", "keep_checkpoints", "log_every", "max_bad_steps", "dist_timeout_s", "wandb_mode",
+    "wandb_project", "out_dir", "queue_timeout_s", "close_timeout_s", "prefetch", "hs_queue", "workers",
+    "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps", "probe_rounds",
+    "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
+    "parallel", "async_ckpt",  # DDP and FSDP share one checkpoint layout; async only changes when bytes land
+})
 
 
 @dataclass
@@ -62,6 +70,16 @@ class ResumePoint:
     path: Path | None  # the checkpoint directory (None = start from scratch)
     step: int  # optimizer steps completed in that checkpoint (0 = none)
     data_shards: int = 0  # the data shards its run cut every sampler step into (0 = none yet: the world size)
+
+
+def resume_config_hash(config: Config) -> str:
+    """Short stable hash of every setting that shapes the training trajectory: the hash a checkpoint records.
+
+    Unlike `Config.hash()`, it leaves out RESUME_NEUTRAL_KEYS (logging cadence, queue sizes, `fresh`, ...), so a
+    run stopped and resumed with, say, another `ckpt_every` is still the same run.
+    """
+    params = {k: v for k, v in config.to_params().items() if k not in RESUME_NEUTRAL_KEYS}
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _own_name(name: str) -> bool:
