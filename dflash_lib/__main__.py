@@ -92,7 +92,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     if main_rank:  # (a stop by signal or stop_at_step was reported by the trainer, with its checkpoint)
-        print(summary["run_dir"])
+        print(summary.run_dir)
     return 0
 
 
