@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "evaluate":
             from dflash_lib.evaluate import evaluate
 
-            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param))))
+            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param)).to_json()))
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":
