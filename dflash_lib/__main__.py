@@ -92,7 +92,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     if main_rank:  # (a stop by signal or stop_at_step was reported by the trainer, with its checkpoint)
-        print(summary["run_dir"])
+        print(summary.run_dir)
     return 0
 
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "evaluate":
             from dflash_lib.evaluate import evaluate
 
-            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param))))
+            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param)).to_json()))
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":

@@ -8,8 +8,9 @@ base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target 
 target is built, the message naming each shape that differs (hidden size, target layers, fused features). Decodes N
 prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
 the target alone (the baseline), and checks the two outputs agree. Prints a summary to stderr and, as the LAST
-stdout line, one JSON object (`REPORT_KEYS`). For a notebook: `evaluate(...)` returns the same dict, and
-`evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05).
+stdout line, one JSON object (`DecodeReport`). For a notebook: `evaluate(...)` returns the same record, and
+`evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05:
+`RunEvaluation`).
 
 Prompts: the first N samples of the held-out split of the configured token store (`-p source`, `tokenizer`,
 `template`, `max_len`: the store training read), in the split's hash order, so they are the samples the trainer
@@ -46,18 +47,90 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.export import DTYPES, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config
+from dflash_lib.rundir import JsonRecord
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
+from dflash_lib.train.loop import RunSummary
 from dflash_lib.train.metrics import load_metrics
 from dflash_lib.train.resume import export_source
 
-REPORT_KEYS = ("tau", "histogram", "per_position", "target_calls_per_token", "tokens_per_s", "baseline_tokens_per_s",
-               "speedup", "prompts", "max_new_tokens")
 RUN_SUMMARY_KEYS = ("tau_trained", "tau_untrained", "tau_by_step", "speedup", "loss_first", "loss_last",
                     "heldout_loss_last", "export")  # notebook 05's summary.json, at least
 SERVING_DIR = "serving"  # evaluate_run exports the final drafter to <out_dir>/serving/
 Say = Callable[[str], None]
 
 LOSS_WINDOW = 5  # steps averaged at each end for loss_first / loss_last (at most a quarter of the run)
+
+
+@dataclass
+class DecodeReport(JsonRecord):
+    """One drafter's speculative decoding of the held-out prompts against plain greedy decoding of the same prompts
+    (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate` returns, `RunEvaluation.final`."""
+
+    tau: float  # acceptance length: mean tokens per drafting cycle (accepted drafts + the target's own), 1 .. B
+    histogram: dict[str, int]  # tokens per cycle ("1" .. str(B)) -> cycles
+    per_position: list[float]  # (B-1,) [k-1]: share of cycles that accepted draft position k
+    target_calls_per_token: float  # target forwards per output token (prefills included; plain decoding: 1)
+    tokens_per_s: float  # output tokens per second of speculative decoding (wall clock, prefills included)
+    baseline_tokens_per_s: float  # the same for plain greedy decoding with a KV cache
+    speedup: float  # tokens_per_s / baseline_tokens_per_s
+    prompts: int  # held-out prompts decoded
+    max_new_tokens: int  # output tokens per prompt at most
+    min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
+    cycles: int  # drafting cycles over all prompts
+    output_tokens: int  # tokens generated over all prompts
+    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's (all, barring bf16 ties)
+    block_size: int  # B: the drafter's block (anchor + B-1 drafts)
+    device: str  # torch device the target and drafter ran on
+    drafter: str  # the saved drafter folder evaluated
+    target: str  # the target: "tiny" or a model folder
+    prompt_source: str  # which split and which samples the prompts are, in words
+    prompt_indices: list[int]  # token-store index of each prompt's sample
+
+
+@dataclass
+class DrafterMeasurement(JsonRecord):
+    """One drafter of a training run decoded on the run's held-out prompts (`RunEvaluation.by_step`, notebook 05's
+    by_step.json)."""
+
+    step: int  # training step of the drafter (0 = the untrained one the run started from)
+    drafter: str  # which: "untrained (the run's seed)", a checkpoint folder (relative to the run) or the final one
+    tau: float  # acceptance length (tokens per cycle, `DecodeReport.tau`)
+    histogram: dict[str, int]  # tokens per cycle -> cycles
+    per_position: list[float]  # (B-1,) share of cycles accepting each draft position
+    cycles: int  # drafting cycles over all prompts
+    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's
+    tokens_per_s: float  # output tokens per second of speculative decoding
+
+
+@dataclass
+class RunEvaluation(JsonRecord):
+    """What a training run bought (`evaluate_run`, notebook 05): every drafter of the run on the same held-out
+    prompts against the same target, and the run's losses from its metrics.jsonl (`loss_figures`)."""
+
+    tau_trained: float  # the final drafter's acceptance length (tokens per cycle)
+    tau_untrained: float  # the untrained drafter's (step 0)
+    tau_by_step: dict[str, float]  # str(step) -> tau, step order (0 = untrained)
+    speedup: float  # the final drafter's tokens/s over plain greedy decoding's
+    loss_first: float  # mean training loss (nats) of the first loss_window steps
+    loss_last: float  # mean training loss (nats) of the last loss_window steps
+    loss_window: int  # steps averaged at each end: max(1, min(LOSS_WINDOW, steps // 4))
+    heldout_loss_first: float | None  # held-out loss (nats) of the first evaluation; None when the run logged none
+    heldout_loss_last: float | None  # held-out loss (nats) of the last evaluation; None when the run logged none
+    heldout_steps: list[int]  # the steps evaluated on the held-out samples
+    export: str | None  # the serving folder the final drafter was exported to (bf16); None without out_dir
+    export_files: list[str]  # its files
+    export_config: dict[str, Any]  # its config.json
+    final: DecodeReport  # the final drafter (drafter/), decoded in full
+    by_step: list[DrafterMeasurement]  # every drafter measured, step order
+    steps: int  # optimizer steps of the run (its summary.json)
+    run: str  # the run folder given (a notebook-04 run or a trainer run folder)
+    train_dir: str  # the trainer run folder in it
+    prompts: int  # held-out prompts decoded by every drafter
+    max_new_tokens: int  # output tokens per prompt at most
+    min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
+    block_size: int  # B of the run's drafter
+    prompt_source: str  # which split and which samples the prompts are, in words
+    prompt_indices: list[int]  # token-store index of each prompt's sample
 
 
 def _stderr(text: str) -> None:
@@ -302,28 +375,21 @@ def _warm(setup: Setup, drafter: Any) -> None:
         greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
 
 
-def decode(setup: Setup, drafter: Any, baseline: Any) -> dict[str, Any]:
+def decode(setup: Setup, drafter: Any, baseline: Any) -> DecodeReport:
     """Speculative decoding of the setup's prompts with `drafter`, against the plain greedy `baseline`
-    (`acceptance.DecodeResult` of the same prompts): the REPORT_KEYS figures and more."""
+    (`acceptance.DecodeResult` of the same prompts); the context fields (device, drafter folder, target, prompts)
+    are the setup's."""
     n_new = setup.config.regenerate.max_new_tokens
     spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
     same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
-    return {
-        "tau": spec.tau,
-        "histogram": {str(k): v for k, v in spec.histogram.items()},
-        "per_position": spec.per_position,
-        "target_calls_per_token": spec.target_calls_per_token,
-        "tokens_per_s": spec.tokens_per_s,
-        "baseline_tokens_per_s": baseline.tokens_per_s,
-        "speedup": spec.tokens_per_s / baseline.tokens_per_s,
-        "prompts": len(setup.prompts.prompts),
-        "max_new_tokens": n_new,
-        "min_new_tokens": setup.min_new_tokens,
-        "cycles": spec.cycles,
-        "output_tokens": spec.output_tokens,
-        "outputs_equal_baseline": same,
-        "block_size": drafter.cfg.block_size,
-    }
+    return DecodeReport(
+        tau=spec.tau, histogram={str(k): v for k, v in spec.histogram.items()}, per_position=spec.per_position,
+        target_calls_per_token=spec.target_calls_per_token, tokens_per_s=spec.tokens_per_s,
+        baseline_tokens_per_s=baseline.tokens_per_s, speedup=spec.tokens_per_s / baseline.tokens_per_s,
+        prompts=len(setup.prompts.prompts), max_new_tokens=n_new, min_new_tokens=setup.min_new_tokens,
+        cycles=spec.cycles, output_tokens=spec.output_tokens, outputs_equal_baseline=same,
+        block_size=drafter.cfg.block_size, device=str(setup.target.device), drafter=str(setup.drafter_dir),
+        target=setup.config.model.target, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
 
 
 def _baseline(setup: Setup) -> Any:
@@ -331,26 +397,20 @@ def _baseline(setup: Setup) -> Any:
                          setup.min_new_tokens)
 
 
-def _context(setup: Setup) -> dict[str, Any]:
-    return {"device": str(setup.target.device), "drafter": str(setup.drafter_dir), "target": setup.config.model.target,
-            "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices}
-
-
-def _warn_differ(report: Mapping[str, Any], say: Say, what: str = "") -> None:
-    n, same = report["prompts"], report["outputs_equal_baseline"]
+def _warn_differ(report: DecodeReport, say: Say, what: str = "") -> None:
+    n, same = report.prompts, report.outputs_equal_baseline
     if same != n:
         say(f"warning{what}: {n - same} of {n} outputs differ from plain greedy decoding "
             "(expected only from low-precision ties, e.g. bf16 on CUDA)")
 
 
 def evaluate(drafter: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
-             say: Say = _stderr) -> dict[str, Any]:
-    """Load, decode, time and compare one drafter; returns the report (REPORT_KEYS and more). ConfigError on
-    user errors."""
+             say: Say = _stderr) -> DecodeReport:
+    """Load, decode, time and compare one drafter; returns the report. ConfigError on user errors."""
     setup = prepare(drafter, target, params, say)
     with decode_threads(setup):
         _warm(setup, setup.drafter)
-        report = {**decode(setup, setup.drafter, _baseline(setup)), **_context(setup)}
+        report = decode(setup, setup.drafter, _baseline(setup))
     say(summary(report))
     _warn_differ(report, say)
     return report
@@ -391,35 +451,33 @@ def _same_weights(a: Any, b: Any) -> bool:
 
 
 def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
-                 out_dir: str | Path | None = None, say: Say = _stderr) -> dict[str, Any]:
+                 out_dir: str | Path | None = None, say: Say = _stderr) -> RunEvaluation:
     """Every drafter of a training run on the SAME held-out prompts against the same target: the untrained one
     (step 0, `initial_drafter`), each saved checkpoint's, and the final `drafter/` (decoded in full: histogram,
     per-position acceptance, speedup against plain greedy decoding, timed once for all). With `out_dir` the
     final drafter is exported there in the serving layout (`SERVING_DIR`, bf16). Training and held-out losses
-    come from the run's metrics.jsonl (`evaluate.loss_figures`).
-
-    Returns a JSON-able dict: RUN_SUMMARY_KEYS, the final drafter's `decode` report under `final`, `by_step`
-    (one {step, tau, histogram, per_position, cycles, outputs_equal_baseline, drafter} per drafter, step order)
-    and the prompts' source."""
+    come from the run's metrics.jsonl (`evaluate.loss_figures`)."""
     train_dir = trainer_folder(run)
     setup = prepare(train_dir, target, params, say)
     final_model = setup.drafter
     if not (train_dir / "summary.json").is_file():
         raise ConfigError(f"run {train_dir}: no summary.json, so the run did not finish (its drafter/ is written at "
                           f"the end; rerun the training to resume it)")
-    final_step = int(json.loads((train_dir / "summary.json").read_text())["steps"])
+    try:
+        final_step = RunSummary.from_json(train_dir / "summary.json").steps
+    except ValueError as e:  # written by a trainer of another version
+        raise ConfigError(str(e)) from None
     with decode_threads(setup):
         _warm(setup, final_model)
         baseline = _baseline(setup)
-        by_step: list[dict[str, Any]] = []
+        by_step: list[DrafterMeasurement] = []
 
-        def measure(step: int, model: Any, what: str) -> dict[str, Any]:
+        def measure(step: int, model: Any, what: str) -> DecodeReport:
             r = decode(setup, model, baseline)
             _warn_differ(r, say, f" ({what})")
-            row = {"step": step, "drafter": what, **{k: r[k] for k in ("tau", "histogram", "per_position", "cycles",
-                                                                       "outputs_equal_baseline", "tokens_per_s")}}
-            say(f"step {step:>6} ({what}): tau {r['tau']:.3f} over {r['cycles']} cycles")
-            by_step.append(row)
+            by_step.append(DrafterMeasurement(step, what, r.tau, r.histogram, r.per_position, r.cycles,
+                                              r.outputs_equal_baseline, r.tokens_per_s))
+            say(f"step {step:>6} ({what}): tau {r.tau:.3f} over {r.cycles} cycles")
             return r
 
         measure(0, initial_drafter(setup.config, setup.target), "untrained (the run's seed)")
@@ -430,7 +488,7 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
                     continue  # the final drafter itself: decoded once, below
                 measure(step, model, str(ckpt.relative_to(train_dir)))
         final = measure(final_step, final_model, "final (drafter/)")
-    by_step.sort(key=lambda r: r["step"])
+    by_step.sort(key=lambda r: r.step)
     metrics = load_metrics(train_dir)
     losses = loss_figures(metrics)
     export, export_files, export_config = None, [], {}
@@ -439,22 +497,20 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
         export = str(folder)
         export_files = sorted(p.name for p in folder.iterdir())
         export_config = json.loads((folder / "config.json").read_text())
-    report = {
-        "tau_trained": final["tau"], "tau_untrained": by_step[0]["tau"],
-        "tau_by_step": {str(r["step"]): r["tau"] for r in by_step},
-        "speedup": final["speedup"], **losses, "export": export, "export_files": export_files,
-        "export_config": export_config, "final": {**final, **_context(setup)}, "by_step": by_step,
-        "steps": final_step, "run": str(Path(run)), "train_dir": str(train_dir),
-        "prompts": final["prompts"], "max_new_tokens": final["max_new_tokens"],
-        "min_new_tokens": final["min_new_tokens"], "block_size": final["block_size"], "prompt_source": setup.prompts.source, "prompt_indices": setup.prompts.indices,
-    }
-    say(summary(report["final"]))
+    report = RunEvaluation(
+        tau_trained=final.tau, tau_untrained=by_step[0].tau, tau_by_step={str(r.step): r.tau for r in by_step},
+        speedup=final.speedup, **losses, export=export, export_files=export_files, export_config=export_config,
+        final=final, by_step=by_step, steps=final_step, run=str(Path(run)), train_dir=str(train_dir),
+        prompts=final.prompts, max_new_tokens=final.max_new_tokens, min_new_tokens=final.min_new_tokens,
+        block_size=final.block_size, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
+    say(summary(final))
     return report
 
 
-def run_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
     """Notebook 05's summary.json: RUN_SUMMARY_KEYS and the final drafter's decoding figures (no per-step
     detail, no config dump)."""
+    report = evaluation.to_json()
     final = report["final"]
     extra = {k: final[k] for k in ("histogram", "per_position", "target_calls_per_token", "tokens_per_s",
                                    "baseline_tokens_per_s", "outputs_equal_baseline", "cycles")}
@@ -465,17 +521,17 @@ def run_summary(report: Mapping[str, Any]) -> dict[str, Any]:
             "target": final["target"], "device": final["device"]}
 
 
-def summary(r: Mapping[str, Any]) -> str:
+def summary(r: DecodeReport) -> str:
     """The human-readable lines of a report."""
-    hist = ", ".join(f"{k}:{v}" for k, v in r["histogram"].items())
-    pos = " ".join(f"{p:.2f}" for p in r["per_position"])
+    hist = ", ".join(f"{k}:{v}" for k, v in r.histogram.items())
+    pos = " ".join(f"{p:.2f}" for p in r.per_position)
     return "\n".join([
-        f"tau {r['tau']:.3f} tokens per cycle over {r['cycles']} cycles (block size {r['block_size']})",
+        f"tau {r.tau:.3f} tokens per cycle over {r.cycles} cycles (block size {r.block_size})",
         f"tokens per cycle -> cycles: {hist}",
-        f"acceptance by draft position 1..{r['block_size'] - 1}: {pos}",
-        f"target forwards per output token {r['target_calls_per_token']:.3f} (plain decoding: 1)",
-        f"{r['tokens_per_s']:.1f} tokens/s vs {r['baseline_tokens_per_s']:.1f} plain greedy with a KV cache: "
-        f"speedup {r['speedup']:.2f}x; {r['outputs_equal_baseline']}/{r['prompts']} outputs identical",
+        f"acceptance by draft position 1..{r.block_size - 1}: {pos}",
+        f"target forwards per output token {r.target_calls_per_token:.3f} (plain decoding: 1)",
+        f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} plain greedy with a KV cache: "
+        f"speedup {r.speedup:.2f}x; {r.outputs_equal_baseline}/{r.prompts} outputs identical",
     ])
 
 

@@ -1,10 +1,12 @@
 """Run-folder basics every stage may use: a new immutable run folder (`new_run_dir`), atomic JSON (`write_json`),
-what a run ran on (`environment`, `git_state`) and a validated Config from a preset and flat parameters
-(`load_config`). Stdlib and config only."""
+typed JSON records (`JsonRecord`: a dataclass whose fields are the keys of a JSON object a run writes), what a run
+ran on (`environment`, `git_state`) and a validated Config from a preset and flat parameters (`load_config`).
+Stdlib and config only."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import errno
 import importlib.metadata
@@ -15,8 +17,10 @@ import re
 import socket
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Self
 
 from dflash_lib.config import Config, ConfigError, from_params, preset as get_preset
 
@@ -105,6 +109,74 @@ def write_json(path: Path, obj: Any) -> Path:
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+OMIT_NONE = "omit_none"  # field metadata of `omitted`
+
+
+def omitted() -> Any:
+    """A `JsonRecord` field (default None) that the JSON object leaves out while it is None: a key the files hold
+    only sometimes (a metrics row's held-out figures, on evaluation steps only). Top-level fields only."""
+    return dataclasses.field(default=None, metadata={OMIT_NONE: True})
+
+
+class JsonRecord:
+    """Base of a dataclass whose fields ARE the keys of one JSON object a run writes or returns (summary.json, a
+    metrics.jsonl row, a report line): each field's comment says what it means and its unit.
+
+    `to_json` is `dataclasses.asdict` (nested records become objects) less the `omitted` fields that are None;
+    `from_json` reads such an object back, nested records included, and refuses missing or unknown keys."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: every field in declaration order, the `omitted` ones only when not None."""
+        doc = dataclasses.asdict(self)  # (a subclass is a dataclass)
+        for f in dataclasses.fields(self):
+            if f.metadata.get(OMIT_NONE) and doc[f.name] is None:
+                del doc[f.name]
+        return doc
+
+    @classmethod
+    def from_json(cls, source: str | Path | Mapping[str, Any]) -> Self:
+        """The record of a JSON object: a JSON file's path, or the object itself (e.g. one `json.loads`ed
+        metrics row). ValueError naming the missing and unknown keys (of a nested record: with its field)."""
+        is_file = isinstance(source, (str, Path))
+        where = f"{source}: " if is_file else ""
+        doc = json.loads(Path(source).read_text()) if is_file else source
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"{where}a {cls.__name__} is a JSON object, got {type(doc).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing, unknown = sorted(required - set(doc)), sorted(set(doc) - set(fields))
+        if missing or unknown:
+            raise ValueError(f"{where}not a {cls.__name__}: " + "; ".join(
+                f"{what} keys {keys}" for what, keys in (("missing", missing), ("unknown", unknown)) if keys))
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for key, value in doc.items():
+            try:
+                values[key] = _from_json_value(hints[key], value)
+            except ValueError as e:
+                raise ValueError(f"{where}{cls.__name__}.{key}: {e}") from None
+        return cls(**values)
+
+
+def _from_json_value(hint: Any, value: Any) -> Any:
+    """`value` of a JSON object read back as the field type `hint` says: a nested `JsonRecord` (alone, in a
+    list, a dict's values or an optional) from its object; anything else as JSON gave it."""
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(hint, type) and issubclass(hint, JsonRecord):
+        return hint.from_json(value)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _from_json_value(inner[0], value) if len(inner) == 1 else value
+    if origin is list and args:
+        return [_from_json_value(args[0], v) for v in value]
+    if origin is dict and len(args) == 2:
+        return {k: _from_json_value(args[1], v) for k, v in value.items()}
+    return value
 
 
 def load_config(params: dict[str, Any], preset_name: str = "") -> Config:

@@ -212,7 +212,7 @@ def test_drafter_trains_against_the_demo_target(built, tmp_path, capsys):
     summary = train(config, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
-    assert math.isfinite(summary["final_loss"])
+    assert math.isfinite(summary.final_loss)
     assert TOKEN_OUT_OF_VOCAB not in capsys.readouterr().out  # every id of the mapped store is in the target's range
 
 

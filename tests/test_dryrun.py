@@ -4,6 +4,7 @@ honour both budgets, FlexAttention's tile count, the command line's JSON and exi
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -112,7 +113,7 @@ def test_required_memory_is_peak_with_fragmentation_plus_kernel_allowance_plus_r
     allowance = r.figures.kernel_allowance
     assert allowance == Q * (-(-(C + Q) // 16) * 16) * 2 > 0
     assert r.required_bytes == pytest.approx(r.figures.peak_bytes * 1.1 + allowance + 1.5 * GIB, rel=1e-12)
-    assert r.fits and r.record()["required_gib"] == round(r.required_bytes / GIB, 3)
+    assert r.fits and r.record().required_gib == round(r.required_bytes / GIB, 3)
 
 
 def test_worst_batches_honour_token_and_block_budgets():
@@ -157,6 +158,38 @@ def test_cli_prints_the_table_and_one_json_line_last(capsys):
     assert keys <= set(report["packed"]) and report["packed"]["target_tokens"] == 2048
     assert report["attention"] == "blocks" and report["checkpointing"] is True
     assert report["eta"]["corpus_samples"] > 0 and report["eta"]["seconds"]["bucketed"] > 0
+    # the line holds exactly the report's fields (`compare` only with --compare), each batch a BatchRecord's
+    assert set(report) == {f.name for f in fields(dryrun.DryRunReport)} - {"compare"}
+    assert all(set(b) == {f.name for f in fields(dryrun.BatchRecord)} for b in [*report["buckets"], report["packed"]])
+    assert dryrun.DryRunReport.from_json(report).to_json() == report
+
+
+def _made_up_report(attention: str) -> dryrun.DryRunReport:
+    """A dry-run report of made-up figures: what `run_cli` prints of one is under test, not a measurement."""
+    batch = dryrun.BatchRecord(0, 0, 64, 4, 256, 250, 80, 0.5, 2.1, True, 0.01,
+                               {"target_forward": 0.004, "drafter_layers": 0.005, "drafter_attention": 0.0005,
+                                "head_ce": 0.0005}, {"parameters": 0.1}, 0.0, 0.1, 2.5)
+    eta = dryrun.DryRunEta(300, "given", 1.0, {"bucketed": [3], "packed": 2}, {"bucketed": 60.0, "packed": 50.0},
+                           {"bucketed": 0.0, "packed": 0.0}, dryrun.PAPER_SAMPLES, {"bucketed": 1.0, "packed": 0.9})
+    assumptions = dryrun.DryRunAssumptions("H200", 989.0, 0.4, 1.5, 0.1, "fake", "upper bound")
+    return dryrun.DryRunReport(80.0, True, attention, True, "tiny", 4, 64, 2, 4, 8, 128, 256, 80, [64], [batch], batch,
+                               assumptions, eta, 0.5)
+
+
+def test_cli_json_line_holds_compare_only_when_asked(capsys, monkeypatch):
+    """`--compare`: the report gains `compare`, one BackendComparison per other backend; without it the key is
+    absent (not null)."""
+    def fake_dry_run(config, device_gib, mfu, corpus_samples, attention=None, *args, **kwargs):
+        return _made_up_report(attention or "flex")
+
+    monkeypatch.setattr(dryrun, "dry_run", fake_dry_run)
+    code, _, plain = _cli(capsys, "--preset", "smoke")
+    assert code == 0 and "compare" not in plain and plain == _made_up_report("flex").to_json()
+    code, _, report = _cli(capsys, "--preset", "smoke", "--compare")
+    assert code == 0 and list(report) == [*plain, "compare"] and list(report["compare"]) == ["dense", "blocks"]
+    assert all(set(c) == {f.name for f in fields(dryrun.BackendComparison)} for c in report["compare"].values())
+    back = dryrun.DryRunReport.from_json(report)
+    assert isinstance(back.compare["dense"], dryrun.BackendComparison) and back.to_json() == report
 
 
 @pytest.mark.slow
@@ -211,9 +244,9 @@ def test_measure_plan_gives_every_bucket_its_measured_peak():
     lengths = np.random.default_rng(0).integers(20, 257, 500)
     plan = optimal_boundaries(lengths, 3, max_len=256, token_budget=1024)
     records = dryrun.measure_plan(plan, cfg)
-    assert [r["bucket"] for r in records] == [0, 1, 2] and [r["edge"] for r in records] == list(plan.edges)
-    assert [r["docs"] for r in records] == [1024 // e for e in plan.edges]
+    assert [r.bucket for r in records] == [0, 1, 2] and [r.edge for r in records] == list(plan.edges)
+    assert [r.docs for r in records] == [1024 // e for e in plan.edges]
     block_budget = 1024 // 256 * 16 * 4  # derived: 4 rows of max_len x 16 anchors x block 4
-    assert all(0 < r["drafter_queries"] <= block_budget for r in records)
+    assert all(0 < r.drafter_queries <= block_budget for r in records)
     params_gib = (2 * 151936 * 64 * 2) / 2**30  # at least the bf16 embedding and LM head of the tiny target
-    assert all(r["peak_gib"] > params_gib and r["fits"] for r in records)
+    assert all(r.peak_gib > params_gib and r.fits for r in records)

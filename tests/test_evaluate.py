@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from dflash_lib.__main__ import main
 from dflash_lib.config import Config, from_params
-from dflash_lib.evaluate import REPORT_KEYS
+from dflash_lib.evaluate import DecodeReport, DrafterMeasurement, RunEvaluation
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
 from dflash_lib.models.export import export_drafter
@@ -227,7 +228,8 @@ def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
     assert main(args) == 0
     out, err = capsys.readouterr()
     report = json.loads(out.strip().splitlines()[-1])
-    assert set(REPORT_KEYS) <= set(report)
+    assert set(report) == {f.name for f in fields(DecodeReport)}  # the record's fields, every one
+    assert DecodeReport.from_json(report).to_json() == report
     assert report["prompts"] == 2 and report["max_new_tokens"] == 6 and report["outputs_equal_baseline"] == 2
     assert 1.0 <= report["tau"] <= 4 and len(report["per_position"]) == 3
     assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
@@ -366,24 +368,26 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     notebook_run = tmp_path / "nb04"
     shutil.copytree(run_dir, notebook_run / "train")  # notebook 04's layout: the trainer folder is train/
     report = evaluate_run(notebook_run, "tiny", out_dir=tmp_path / "out", say=lambda s: None)
-    assert [r["step"] for r in report["by_step"]] == [0, 2, 4] and list(report["tau_by_step"]) == ["0", "2", "4"]
-    assert report["by_step"][1]["drafter"] == "checkpoints/ckpt-00000002"
-    assert report["by_step"][2]["drafter"] == "final (drafter/)"  # the step-4 checkpoint IS the final drafter
-    assert all(r["outputs_equal_baseline"] == 3 for r in report["by_step"])
+    assert [r.step for r in report.by_step] == [0, 2, 4] and list(report.tau_by_step) == ["0", "2", "4"]
+    assert report.by_step[1].drafter == "checkpoints/ckpt-00000002"
+    assert report.by_step[2].drafter == "final (drafter/)"  # the step-4 checkpoint IS the final drafter
+    assert all(r.outputs_equal_baseline == 3 for r in report.by_step)
+    doc = json.loads(json.dumps(report.to_json()))  # JSON-able, every field, and read back the same
+    assert set(doc) == {f.name for f in fields(RunEvaluation)} and RunEvaluation.from_json(doc) == report
     # each figure equals decoding that drafter on its own
     setup = prepare(notebook_run / "train", "tiny", say=lambda s: None)
     untrained = acceptance_length(setup.target, initial_drafter(config, setup.target), setup.prompts.prompts, 8,
                                   setup.stop_ids)
-    assert report["tau_untrained"] == untrained.tau == report["tau_by_step"]["0"]
+    assert report.tau_untrained == untrained.tau == report.tau_by_step["0"]
     alone = evaluate(notebook_run / "train", "tiny", say=lambda s: None)
-    assert report["tau_trained"] == alone["tau"] and report["final"]["histogram"] == alone["histogram"]
-    assert report["prompt_indices"] == alone["prompt_indices"]
+    assert report.tau_trained == alone.tau and report.final.histogram == alone.histogram
+    assert report.prompt_indices == alone.prompt_indices
     # losses from metrics.jsonl; the export loads as a serving folder
     metrics = load_metrics(run_dir)
-    assert {k: report[k] for k in loss_figures(metrics)} == loss_figures(metrics)
-    assert report["heldout_steps"] == [2, 4] and report["heldout_loss_last"] == metrics["heldout_loss"].iloc[-1]
-    assert report["export_files"] == ["README.md", "config.json", "model.safetensors"]
-    assert read_doc(report["export"])["torch_dtype"] == "bfloat16" == report["export_config"]["torch_dtype"]
+    assert {k: getattr(report, k) for k in loss_figures(metrics)} == loss_figures(metrics)
+    assert report.heldout_steps == [2, 4] and report.heldout_loss_last == metrics["heldout_loss"].iloc[-1]
+    assert report.export_files == ["README.md", "config.json", "model.safetensors"]
+    assert read_doc(report.export)["torch_dtype"] == "bfloat16" == report.export_config["torch_dtype"]
     summary = run_summary(report)
     assert set(RUN_SUMMARY_KEYS) <= set(summary) and json.loads(json.dumps(summary)) == summary
 
@@ -409,7 +413,8 @@ def test_loss_figures_average_the_ends_and_take_the_heldout_rows():
 def test_evaluation_figures_show_what_they_are_given():
     from dflash_lib.lab.report.evaluation import acceptance, tau_by_step
 
-    by_step = [{"step": 0, "tau": 1.0}, {"step": 20, "tau": 1.5}, {"step": 40, "tau": 2.25}]
+    by_step = [DrafterMeasurement(step, f"drafter {step}", tau, {}, [], 0, 0, 0.0)
+               for step, tau in ((0, 1.0), (20, 1.5), (40, 2.25))]
     fig = tau_by_step(by_step, block_size=8)
     assert list(fig.data[0].x) == [0, 20, 40] and list(fig.data[0].y) == [1.0, 1.5, 2.25]
     fig = acceptance({"1": 6, "3": 2}, [0.25, 0.25, 0.0], block_size=4)
@@ -434,7 +439,7 @@ def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, mon
     try:
         report = evaluate(run, "tiny", {"prompts": 1, "max_new_tokens": 4, "decode_threads": 1}, say=lambda s: None)
         assert seen == [1, 1, 1, 1] and torch.get_num_threads() == 2  # warm-up pair, then the timed pair
-        assert report["outputs_equal_baseline"] == 1
+        assert report.outputs_equal_baseline == 1
         seen.clear()
         evaluate(run, "tiny", {"prompts": 1, "max_new_tokens": 4, "decode_threads": 0, "timing_warmup": False},
                  say=lambda s: None)

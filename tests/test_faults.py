@@ -405,7 +405,7 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(tmp_path, capsys):
     poison(parts.drafter, {3})  # one micro-batch per step: call 3 = step 3
     summary = run_training(config, parts, tmp_path)
     table = rows(tmp_path)
-    assert summary["steps"] == 6 and summary["bad_steps"] == 1
+    assert summary.steps == 6 and summary.bad_steps == 1
     assert [r["skipped"] for r in table] == [False, False, True, False, False, False]
     assert table[2]["loss"] is None and table[2]["grad_norm"] is None and table[3]["bad_steps"] == 1
     assert "step 3: loss is not finite (nan): update skipped (1 in a row, 1 in all" in capsys.readouterr().out
@@ -452,13 +452,13 @@ def test_samples_failing_validation_are_skipped_and_counted(tmp_path, capsys):
     summary = run_training(config, small_parts(config, store), tmp_path)
     # the third and fourth batches are read but trained on nothing: no step, so steps 5 and 6 are epoch 1's first
     # two batches (their bad samples skipped again)
-    assert summary["steps"] == 6 and summary["empty_batches"] == 2 and summary["skipped_samples"] == {
+    assert summary.steps == 6 and summary.empty_batches == 2 and summary.skipped_samples == {
         "token_out_of_vocab": 2, "no_assistant_token": 2, "mask_length_mismatch": 2, "empty": 4}
-    assert summary["skipped_sample_examples"]["empty"] == ["8", "9", "10"]  # the first few record ids
+    assert summary.skipped_sample_examples["empty"] == ["8", "9", "10"]  # the first few record ids
     table = rows(tmp_path)
     assert [r["skipped_samples"] for r in table] == [2, 3, 7, 7, 9, 10]
     assert [r["epoch"] for r in table] == [0, 0, 0, 0, 1, 1]
-    assert not any(r["skipped"] for r in table) and summary["bad_steps"] == 0
+    assert not any(r["skipped"] for r in table) and summary.bad_steps == 0
     said = capsys.readouterr().out
     assert ("epoch 0, sampler step 2: nothing to score (samples failing validation: empty (sample 8), empty "
             "(sample 9), empty (sample 10), empty (sample 11)); not a training step (no update, 2 steps so far)") in said

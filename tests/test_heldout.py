@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import struct
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
 from dflash_lib.train.feed import epoch_batches
 from dflash_lib.train.heldout import HELDOUT_KEYS
-from dflash_lib.train.loop import run_training
+from dflash_lib.train.loop import RunSummary, run_training
+from dflash_lib.train.metrics import StepMetrics
 from dflash_lib.train.resume import resume_config_hash
 
 
@@ -200,8 +202,13 @@ def test_eval_rows_every_n_steps_and_the_split_in_the_run_folder(tmp_path):
             assert 1.0 <= r["heldout_tau"] <= 4 and len(r["heldout_acc_per_pos"]) == 3
             assert r["heldout_eal_marginal"] == pytest.approx(expected_acceptance(r["heldout_acc_per_pos"]))
     assert rows[1]["heldout_loss"] != rows[3]["heldout_loss"]  # the drafter changed between evaluations
-    assert summary["heldout_step"] == 5 and summary["heldout_tau"] == rows[-1]["heldout_tau"]
-    assert summary["heldout_count"] == len(split.heldout) > 0
+    assert summary.heldout_step == 5 and summary.heldout_tau == rows[-1]["heldout_tau"]
+    assert summary.heldout_count == len(split.heldout) > 0
+    every = {f.name for f in fields(StepMetrics)}  # an evaluation step's row holds every field, the others none
+    assert all(set(r) == (every if r["step"] in evaluated else every - set(HELDOUT_KEYS) - {"heldout_s"})
+               for r in rows)
+    assert set(json.loads((tmp_path / "summary.json").read_text())) == {f.name for f in fields(RunSummary)}
+    assert RunSummary.from_json(tmp_path / "summary.json") == summary
     record = json.loads((tmp_path / "heldout.json").read_text())
     assert record["indices"] == split.heldout.tolist() and record["fraction"] == 0.2
     assert not recorder.read & set(split.heldout.tolist())  # training never read a held-out sample
@@ -220,8 +227,8 @@ def test_the_last_step_is_evaluated_when_the_data_ends_on_a_read_with_nothing_to
     parts.store = [(tok, np.zeros_like(m)) if i in batches[-1] else (tok, m) for i, (tok, m) in enumerate(view)]
     parts.sampler = FixedBatchSampler(batches)
     summary = run_training(config, parts, tmp_path)
-    assert (summary["steps"], summary["empty_batches"]) == (len(batches) - 1, 1)
-    assert summary["heldout_step"] == summary["steps"] and math.isfinite(summary["heldout_loss"])
+    assert (summary.steps, summary.empty_batches) == (len(batches) - 1, 1)
+    assert summary.heldout_step == summary.steps and math.isfinite(summary.heldout_loss)
     assert not any("heldout_loss" in r for r in rows_of(tmp_path))  # eval_every 0: no evaluation before
 
 

@@ -108,7 +108,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
         measured = {o.seconds for o in p.observations}
         after_resume = set(m.loc[m["step"].between(5, 4 + RESUME_WARMUP), "step_s"])
         assert not measured & after_resume and len(p.observations) <= 8 - RESUME_WARMUP
-        assert p.summary["complete"] and p.ktok_s > 0
+        assert p.summary.complete and p.ktok_s > 0
     with pytest.raises(ConfigError, match=r"probe_rounds must be in \[1, probe_steps=8\], got 9"):
         run_probes(preset("smoke"), tmp_path / "x", steps=8, rounds=9)
 

@@ -55,7 +55,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     run_dir = tmp_path_factory.mktemp("reference")
     summary = train(config(), run_dir)
-    assert summary["complete"] and summary["steps"] == 8 and summary["resumed_from_step"] == 0
+    assert summary.complete and summary.steps == 8 and summary.resumed_from_step == 0
     return run_dir, rows(run_dir)
 
 
@@ -63,21 +63,21 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     ref_dir, ref_rows = reference
     first = train(config(stop_at_step=4), tmp_path)
-    assert (first["complete"], first["stop_reason"], first["steps"]) == (False, "stop_at_step=4", 4)
+    assert (first.complete, first.stop_reason, first.steps) == (False, "stop_at_step=4", 4)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000003", "ckpt-00000004"]
     # resume-neutral settings may change between the two invocations
     second = train(config(ckpt_every=5, log_every=1, keep_checkpoints=1), tmp_path)
-    assert (second["complete"], second["resumed_from_step"], second["steps"]) == (True, 4, 8)
+    assert (second.complete, second.resumed_from_step, second.steps) == (True, 4, 8)
     assert_same_trajectory(rows(tmp_path), ref_rows)
-    assert second["real_tokens"] == sum(r["real_tokens"] for r in ref_rows)  # run totals carried over
-    assert second["skipped_samples"] == json.loads((ref_dir / "summary.json").read_text())["skipped_samples"]
-    assert second["mean_loss"] == pytest.approx(np.mean([r["loss"] for r in ref_rows]), abs=1e-6)
+    assert second.real_tokens == sum(r["real_tokens"] for r in ref_rows)  # run totals carried over
+    assert second.skipped_samples == json.loads((ref_dir / "summary.json").read_text())["skipped_samples"]
+    assert second.mean_loss == pytest.approx(np.mean([r["loss"] for r in ref_rows]), abs=1e-6)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000008"]  # keep_checkpoints=1
     got, want = weights(tmp_path), weights(ref_dir)
     assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
     # the finished run's folder resumes to "complete" without training a step
     again = train(config(), tmp_path)
-    assert again["steps"] == 8 and again["resumed_from_step"] == 8 and len(rows(tmp_path)) == 8
+    assert again.steps == 8 and again.resumed_from_step == 8 and len(rows(tmp_path)) == 8
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_drops_the_rows_logged_past_the_on
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "loss": 1')  # a row cut by a kill in mid-write
     summary = train(config(), tmp_path)
-    assert summary["resumed_from_step"] == 3
+    assert summary.resumed_from_step == 3
     assert "skipping checkpoint ckpt-00000005" in caplog.text and "fails its checksum" in caplog.text
     assert_same_trajectory(rows(tmp_path), ref_rows)  # rows 4, 5 and the cut row 6 were dropped, then retrained
 
@@ -102,12 +102,12 @@ def test_async_checkpoints_resume_like_synchronous_ones(tmp_path, reference):
     each one (manifest last), so a stop and a resume still reproduce the uninterrupted run."""
     _, ref_rows = reference
     first = train(config(stop_at_step=7, async_ckpt=True), tmp_path)  # saves at 3 and 6 in the background, 7 at the end
-    assert first["checkpoint"].endswith("ckpt-00000007")
+    assert first.checkpoint.endswith("ckpt-00000007")
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000003", "ckpt-00000006",
                                                                              "ckpt-00000007"]
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]  # every one committed
     second = train(config(async_ckpt=True), tmp_path)
-    assert second["resumed_from_step"] == 7
+    assert second.resumed_from_step == 7
     assert_same_trajectory(rows(tmp_path), ref_rows)
 
 
@@ -117,13 +117,13 @@ def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
     params = dict(limit=40, steps=0, epochs=1.5, ckpt_every=0)
     ref = train(config(**params), tmp_path / "ref")
     per_epoch = sum(r["epoch"] == 0 for r in rows(tmp_path / "ref"))  # sampler steps of one epoch
-    assert ref["steps"] == ref["planned_steps"] == math.ceil(1.5 * per_epoch) and ref["last_epoch"] == 1
+    assert ref.steps == ref.planned_steps == math.ceil(1.5 * per_epoch) and ref.last_epoch == 1
     stopped = train(config(**params, stop_at_step=per_epoch), tmp_path / "run")
-    assert stopped["last_epoch"] == 0 and [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
+    assert stopped.last_epoch == 0 and [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [
         f"ckpt-{per_epoch:08d}"]
     resumed = train(config(**params), tmp_path / "run")
-    assert resumed["steps"] == ref["steps"] and resumed["complete"]
-    assert resumed["empty_batches"] == ref["empty_batches"]  # kept by the checkpoint
+    assert resumed.steps == ref.steps and resumed.complete
+    assert resumed.empty_batches == ref.empty_batches  # kept by the checkpoint
     assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
 
 
@@ -145,7 +145,7 @@ def test_another_config_is_refused_and_fresh_starts_over(tmp_path):
                                                       r"use --fresh or another --run-dir"):
         train(config(steps=2, lr=5e-3), tmp_path)
     summary = train(config(steps=2, lr=5e-3, fresh=True), tmp_path)
-    assert summary["resumed_from_step"] == 0 and summary["steps"] == 2
+    assert summary.resumed_from_step == 0 and summary.steps == 2
     assert [r["step"] for r in rows(tmp_path)] == [1, 2]  # the old run's rows were cleared, not appended to
     state, _ = load_latest(tmp_path / "checkpoints", resume_config_hash(config(steps=2, lr=5e-3)))
     assert state["step"] == 2
@@ -161,7 +161,7 @@ def test_a_checkpoint_without_trainer_state_is_refused(tmp_path):
 def test_other_trainer_outputs_without_a_checkpoint_are_never_mixed_into(tmp_path):
     (tmp_path / "nb.ipynb").write_text("{}")  # a notebook run's own file: neither inspected nor touched
     summary = train(config(steps=1), tmp_path)
-    assert summary["steps"] == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"
+    assert summary.steps == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"
 
     for p in list_checkpoints(tmp_path / "checkpoints"):  # a finished run whose checkpoints were removed by hand
         shutil.rmtree(p)
@@ -169,7 +169,7 @@ def test_other_trainer_outputs_without_a_checkpoint_are_never_mixed_into(tmp_pat
                                           r"checkpoint of this config to resume; use --fresh"):
         train(config(steps=1), tmp_path)
     summary = train(config(steps=1, fresh=True), tmp_path)
-    assert summary["steps"] == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"  # fresh keeps foreign files
+    assert summary.steps == 1 and (tmp_path / "nb.ipynb").read_text() == "{}"  # fresh keeps foreign files
 
     unknown = tmp_path / "unknown"
     unknown.mkdir()
@@ -192,7 +192,7 @@ def test_a_run_that_died_before_its_first_checkpoint_starts_over(tmp_path):
     remove_outputs_but_traces(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # the dead run's only row
     summary = train(cfg, tmp_path)
-    assert summary["resumed_from_step"] == 0 and [r["step"] for r in rows(tmp_path)] == [1, 2]
+    assert summary.resumed_from_step == 0 and [r["step"] for r in rows(tmp_path)] == [1, 2]
     assert rows(tmp_path)[0]["loss"] != 9.0  # the dead run's row was dropped, not kept before the new ones
     remove_outputs_but_traces(tmp_path)
     with pytest.raises(ConfigError, match=r"already holds the outputs of another config \(lr: 0.005 vs 0.01, this "

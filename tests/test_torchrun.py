@@ -100,7 +100,7 @@ def reference(tmp_path_factory) -> Path:
     """One process training the global batches of 2 data shards, 20 steps."""
     run_dir = tmp_path_factory.mktemp("one_process_two_shards")
     summary = in_process(run_dir, RUN, 2)
-    assert (summary["world_size"], summary["data_shards"], summary["steps"]) == (1, 2, 20)
+    assert (summary.world_size, summary.data_shards, summary.steps) == (1, 2, 20)
     return run_dir
 
 
@@ -126,7 +126,7 @@ def test_ddp_on_two_ranks_equals_one_process_and_resumes_on_one(ddp, reference, 
     # 2 -> 1: one process resumes the 2-rank run's step-10 checkpoint and takes both data shards of each step
     resumed = rewind(run_dir, tmp_path / "two_to_one", 10)
     summary = train(from_params(RUN, preset("smoke")), resumed)
-    assert (summary["world_size"], summary["data_shards"], summary["resumed_from_step"]) == (1, 2, 10)
+    assert (summary.world_size, summary.data_shards, summary.resumed_from_step) == (1, 2, 10)
     assert_same_trajectory(rows(resumed), want)
 
 
@@ -157,7 +157,7 @@ def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_pat
     reduction with a zero-weight filler; the trajectory is the one-process run's."""
     one = tmp_path / "one"
     summary = train(from_params(RUN, preset("smoke")), one)
-    assert (summary["world_size"], summary["data_shards"]) == (1, 1)
+    assert (summary.world_size, summary.data_shards) == (1, 1)
     resumed = rewind(one, tmp_path / "one_to_two", 10)
     torchrun(resumed, "-p", "async_ckpt", "true", params=RUN)  # and saved in the background, committed at the end
     summary = json.loads((resumed / "summary.json").read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, bucket_of, epoch_batches
-from dflash_lib.train.loop import run_training
-from dflash_lib.train.metrics import format_duration
+from dflash_lib.train.loop import RunSummary, run_training
+from dflash_lib.train.metrics import StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard
@@ -246,11 +247,18 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     assert all(len(r["q_pre"]) == 2 and len(r["q_hs"]) == 2 for r in rows)  # one queue per target worker
     assert all(r["bucket"] in (0, 1, 2) for r in rows)
     assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, 6, config.train) for s in range(6)])
-    assert sum(r["real_tokens"] for r in rows) == summary["real_tokens"]
-    assert summary["padding_efficiency"] == pytest.approx(summary["real_tokens"] / summary["padded_tokens"])
-    assert SUMMARY_KEYS <= set(summary) and summary["steps"] == 6
+    assert sum(r["real_tokens"] for r in rows) == summary.real_tokens
+    assert summary.padding_efficiency == pytest.approx(summary.real_tokens / summary.padded_tokens)
+    assert SUMMARY_KEYS <= set(summary.to_json()) and summary.steps == 6
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
-    assert not summary["steady"] and summary["steady_ktok_s"] is None  # 6 steps: too short to call steady
+    assert not summary.steady and summary.steady_ktok_s is None  # 6 steps: too short to call steady
+    # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation)
+    heldout = {"heldout_step", *(f.name for f in fields(StepMetrics) if f.name.startswith("heldout_"))}
+    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout for r in rows)
+    assert all(StepMetrics.from_json(r).to_json() == r for r in rows)
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert set(doc) == {f.name for f in fields(RunSummary)} - heldout
+    assert RunSummary.from_json(tmp_path / "summary.json") == summary and summary.to_json() == doc
     read_drafter(tmp_path / "drafter", target)  # the saved drafter loads back on its target
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1]) for line in printed] == [2, 4, 6]  # log_every = 2
@@ -261,13 +269,13 @@ def test_loop_accumulates_by_real_tokens(tmp_path, data):
     summary, _, _ = run_loop(tmp_path, data, accum_tokens=300, steps=3)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["micro_batches"] >= 2 and r["real_tokens"] >= 300 for r in rows)  # 4 samples < 240 tokens
-    assert summary["steps"] == 3
+    assert summary.steps == 3
 
 
 def test_loop_by_epochs_ends_with_the_data(tmp_path, data):
     summary, _, _ = run_loop(tmp_path, data, steps=0, epochs=1.5)
-    assert summary["steps"] == summary["planned_steps"] == 12  # 8 batches per epoch x 1.5
-    assert summary["last_epoch"] == 1
+    assert summary.steps == summary.planned_steps == 12  # 8 batches per epoch x 1.5
+    assert summary.last_epoch == 1
 
 
 class ReportedStore(list):
@@ -284,10 +292,10 @@ def test_loop_says_what_the_data_skipped_first_and_keeps_it_in_the_summary(tmp_p
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("data: 40 records read, 32 kept; skipped: no_assistant_within_max_len 6 (line 3, line 9, "
                         "...), invalid_json 2 (line 12, ...)")
-    assert summary["data_records"] == ReportedStore.report.counts()
+    assert summary.data_records == ReportedStore.report.counts()
     assert json.loads((tmp_path / "summary.json").read_text())["data_records"]["skipped"] == {
         "no_assistant_within_max_len": 6, "invalid_json": 2}
-    assert run_loop(tmp_path / "plain", data)[0]["data_records"] is None  # a store without a report
+    assert run_loop(tmp_path / "plain", data)[0].data_records is None  # a store without a report
 
 
 def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_path, data, capsys):
@@ -295,12 +303,12 @@ def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_p
     `full_run_eta_s` to the end of `full_run_epochs` (2) over the corpus, all at the same throughput."""
     summary, _, _ = run_loop(tmp_path, data, steps=6, stop_at_step=3)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and summary["complete"] is False
+    assert [r["step"] for r in rows] == [1, 2, 3] and summary.complete is False
     done = np.cumsum([r["real_tokens"] for r in rows])  # (3,) real tokens trained after each step
     for k, (r, d) in enumerate(zip(rows, done), start=1):
         per_step = d / k
         assert r["eta_s"] == pytest.approx(r["run_eta_s"] * (3 - k) / (6 - k), rel=1e-9)
-        assert r["full_run_eta_s"] == pytest.approx(r["run_eta_s"] * (summary["full_run_tokens"] - d)
+        assert r["full_run_eta_s"] == pytest.approx(r["run_eta_s"] * (summary.full_run_tokens - d)
                                                     / ((6 - k) * per_step), rel=1e-9)
     assert rows[-1]["eta_s"] == 0.0 and rows[-1]["run_eta_s"] > 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")]
@@ -326,8 +334,8 @@ def test_a_read_without_a_sample_to_train_on_is_no_step(tmp_path, data, capsys):
         if trained == 6:
             break
         empty, trained = (empty + 1, trained) if batch in (1, 2) else (empty, trained + 1)
-    assert summary["steps"] == 6 and summary["empty_batches"] == empty > 0
-    assert summary["skipped_samples"] == {"no_assistant_token": 4 * empty}
+    assert summary.steps == 6 and summary.empty_batches == empty > 0
+    assert summary.skipped_samples == {"no_assistant_token": 4 * empty}
     said = [line for line in capsys.readouterr().out.splitlines() if "nothing to score" in line]
     pattern = (r"epoch 0, sampler step \d: nothing to score \(samples failing validation: no_assistant_token \(sample "
                r"\d+\)(, no_assistant_token \(sample \d+\)){3}\); not a training step \(no update, \d steps so far\)")
@@ -378,15 +386,15 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
     written = {p.name for p in run_dir.iterdir()}
     assert {"config.json", "env.json", "metrics.jsonl", "summary.json", "drafter"} <= written
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == summary["steps"] == preset("smoke").train.steps
+    assert len(rows) == summary.steps == preset("smoke").train.steps
     assert all(JSONL_KEYS <= set(r) for r in rows)
     assert all(r["bucket"] >= 0 for r in rows)  # the smoke preset trains on buckets
-    assert 0 < summary["padding_efficiency"] <= 1 and math.isfinite(summary["final_loss"])
-    assert json.loads((run_dir / "config.json").read_text())["config_hash"] == summary["config_hash"]
+    assert 0 < summary.padding_efficiency <= 1 and math.isfinite(summary.final_loss)
+    assert json.loads((run_dir / "config.json").read_text())["config_hash"] == summary.config_hash
     assert not (run_dir / "wandb").exists()  # WANDB_MODE=disabled in tests
-    assert "no_assistant_token" not in summary["skipped_samples"]  # dropped by the store, not skipped each epoch
+    assert "no_assistant_token" not in summary.skipped_samples  # dropped by the store, not skipped each epoch
     report = build_token_store_from_config(preset("smoke").data, progress=False).report
-    assert summary["data_records"] == report.counts() and report.skipped[NO_ASSISTANT_WITHIN_MAX_LEN] > 0
+    assert summary.data_records == report.counts() and report.skipped[NO_ASSISTANT_WITHIN_MAX_LEN] > 0
 
 
 @pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])
@@ -456,7 +464,7 @@ first = [parts.sampler.epoch_plan(0).batch(s, dist.rank) for s in range(3)]  # t
 summary = run_training(config, parts, Path(sys.argv[1]))
 checksum = sum(float(p.detach().double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
 tokens = [int(parts.lengths[b].sum()) for b in first]
-result = {"rank": dist.rank, "checksum": checksum, "steps": summary["steps"], "tokens": tokens}
+result = {"rank": dist.rank, "checksum": checksum, "steps": summary.steps, "tokens": tokens}
 (Path(sys.argv[1]).parent / f"rank{dist.rank}.json").write_text(json.dumps(result))  # not stdout: ranks interleave
 distributed.destroy()  # as train() does: a process group left to interpreter exit can abort (SIGABRT) there
 """
@@ -511,7 +519,7 @@ plan = parts.sampler.epoch_plan(0)
 parts.store = Silenced(parts.store, plan.batch(1, 0) + plan.batch(1, 1) + plan.batch(2, 1))
 summary = run_training(config, parts, Path(sys.argv[1]))
 checksum = sum(float(p.detach().double().sum()) for p in parts.drafter.parameters() if p.requires_grad)
-result = {"rank": dist.rank, "checksum": checksum, "steps": summary["steps"], "empty": summary["empty_batches"],
+result = {"rank": dist.rank, "checksum": checksum, "steps": summary.steps, "empty": summary.empty_batches,
           "step2_tokens": [int(parts.lengths[plan.batch(2, d)].sum()) for d in (0, 1)]}
 (Path(sys.argv[1]).parent / f"rank{dist.rank}.json").write_text(json.dumps(result))
 distributed.destroy()

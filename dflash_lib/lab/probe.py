@@ -27,7 +27,7 @@ from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObse
                                        select_cost_model, throughput_rel_sd)
 from dflash_lib.plan.sampler import bucket_of, packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
-from dflash_lib.train.loop import train
+from dflash_lib.train.loop import RunSummary, train
 from dflash_lib.train.metrics import load_metrics
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary needs these four
@@ -43,7 +43,7 @@ class StrategyProbe:
 
     strategy: str
     run_dir: Path  # the strategy's training run folder
-    summary: dict[str, Any]  # the trainer's summary.json
+    summary: RunSummary  # the trainer's summary (its summary.json) of the last invocation
     observations: list[StepObservation]  # steady-state steps (or the last half when never steady)
     steady: bool  # the detector found a steady state (else throughput is the last window's, provisional)
     ktok_s: float  # real Ktok/s over the observed steps
@@ -108,7 +108,7 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
             for r in part.itertuples()]
 
 
-def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, Any], last: dict[str, Any],
+def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: RunSummary, last: RunSummary,
                   resumed_at: Sequence[int] = (), attention: str = "attn_varlen") -> StrategyProbe:
     """Measure the probe run of `strategy` in `run_dir` (config `cfg`): `first` and `last` are the trainer
     summaries of its first and last invocations; `resumed_at` the steps after which it was stopped and resumed.
@@ -116,9 +116,9 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
     Warm-up left out: the steps before the steady state the first invocation's detector found (without one:
     the first half of the first invocation's steps), and the first RESUME_WARMUP steps after every resume."""
     metrics = load_metrics(run_dir)
-    steady = bool(first["steady"])
-    first_steps = metrics[metrics["step"] <= int(first["steps"])]
-    start = (int(first["steady_start_step"]) if steady
+    steady = first.steady
+    first_steps = metrics[metrics["step"] <= first.steps]
+    start = (int(first.steady_start_step) if steady
              else int(first_steps["step"].iloc[len(first_steps) // 2]) if len(first_steps) else 1)
     resumed = np.zeros(len(metrics), dtype=bool)
     for step in resumed_at:
@@ -135,7 +135,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: dict[str, An
     tok_s = real / sum(o.seconds for o in obs)
     part = measured[measured["step"] >= start]
     realized = float(part["real_tokens"].sum() / part["padded_tokens"].sum())
-    full_tokens = float(last["full_run_tokens"])
+    full_tokens = float(last.full_run_tokens)
     return StrategyProbe(strategy, run_dir, last, obs, steady, tok_s / 1000.0,
                          predicted_efficiency(cfg, sampler, lengths, edges), realized, len(sampler),
                          full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1))
@@ -159,8 +159,8 @@ def run_probes(base: Config, out_dir: Path, steps: int, strategies: Sequence[str
     if not 1 <= rounds <= steps:
         raise ConfigError(f"probe_rounds must be in [1, probe_steps={steps}], got {rounds}")
     ends = [round(steps * (r + 1) / rounds) for r in range(rounds)]  # last step of each chunk
-    first: dict[str, dict[str, Any]] = {}
-    last: dict[str, dict[str, Any]] = {}
+    first: dict[str, RunSummary] = {}
+    last: dict[str, RunSummary] = {}
     for end in ends:
         for s in strategies:
             cfg = strategy_config(base, s, steps, stop_at_step=end if end < steps else 0)

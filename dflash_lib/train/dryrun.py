@@ -74,7 +74,7 @@ from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import TokenBudget
-from dflash_lib.rundir import load_config
+from dflash_lib.rundir import JsonRecord, load_config, omitted
 from dflash_lib.train.build import bucket_edges, build_sampler, drafter_checkpointing
 
 GIB = 2 ** 30
@@ -508,6 +508,28 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 @dataclass
+class BatchRecord(JsonRecord):
+    """One worst-case batch in the dry run's report (`BatchResult.record`); sizes rounded for reading."""
+
+    bucket: int  # bucket index; -1 = the packed row
+    lower: int  # exclusive lower edge of the bucket (tokens); 0 for packed
+    edge: int  # inclusive upper edge (tokens); max_len for packed
+    docs: int  # documents in the batch
+    target_tokens: int  # token slots the target runs, padding included
+    real_tokens: int  # document tokens
+    drafter_queries: int  # drafter query tokens: anchors x block_size
+    peak_gib: float  # measured peak of the step (GiB), everything tracked
+    required_gib: float  # the peak with fragmentation, kernel allowance and reserve (GiB, `Reserve.required_bytes`)
+    fits: bool  # required_gib <= the device's memory
+    tflops: float  # FLOPs of the step, activation recomputation included (TFLOP)
+    tflops_split: dict[str, float]  # the same by part: target_forward, drafter_layers, drafter_attention, head_ce
+    memory_gib: dict[str, float]  # GiB per category at the moment of the peak (parameters, gradients, optimizer, ...)
+    kernel_allowance_gib: float  # what a CUDA kernel adds that the fake CPU step does not hold (GiB)
+    step_s: float  # projected step time on the device at the stated MFU (seconds)
+    ktok_s: float  # real tokens per second at that step time (thousands)
+
+
+@dataclass
 class BatchResult:
     """One worst-case batch measured and judged against a device."""
 
@@ -517,10 +539,10 @@ class BatchResult:
     fits: bool  # required_bytes <= the device's memory
     step_s: float  # projected step time on the device (seconds)
 
-    def record(self) -> dict[str, Any]:
-        """The JSON entry of this batch (module docstring of the CLI)."""
+    def record(self) -> BatchRecord:
+        """This batch in the report."""
         w, f = self.worst, self.figures
-        return dict(bucket=w.bucket, lower=w.lower, edge=w.edge, docs=w.docs, target_tokens=w.target_tokens,
+        return BatchRecord(bucket=w.bucket, lower=w.lower, edge=w.edge, docs=w.docs, target_tokens=w.target_tokens,
                     real_tokens=sum(w.lengths), drafter_queries=w.drafter_queries,
                     peak_gib=round(f.peak_bytes / GIB, 3), required_gib=round(self.required_bytes / GIB, 3),
                     fits=self.fits, tflops=round(f.flops_total / 1e12, 4),
@@ -554,10 +576,10 @@ def worst_batches(config: Config, edges: Sequence[int], block_budget: int | None
 
 
 def measure_plan(plan: Any, config: Config, device_gib: float = 80.0, attention: str | None = None,
-                 reserve: Reserve = Reserve()) -> list[dict[str, Any]]:
+                 reserve: Reserve = Reserve()) -> list[BatchRecord]:
     """Per-bucket measured peak of a BucketPlan (notebook 02's check): one fake step of each bucket's worst batch
     at `config`'s model shapes, as on CUDA (`for_cuda`; `attention` overrides the backend). Returns one record
-    per bucket (`BatchResult.record`: docs, tokens, queries, peak_gib, required_gib, fits on `device_gib`, ...)."""
+    per bucket (docs, tokens, queries, peak_gib, required_gib, fits on `device_gib`, ...)."""
     config = _with(config, token_budget=int(plan.token_budget or config.sampler.token_budget))
     settings = for_cuda(config)
     if attention is not None:
@@ -580,12 +602,75 @@ def _epoch_batches(config: Config, lengths: np.ndarray, queries: np.ndarray, edg
     return [int(c) for c in counts], packed.num_steps
 
 
+@dataclass
+class DryRunEta(JsonRecord):
+    """The dry run's projection of a full training run on one GPU, every batch costed as its bucket's worst."""
+
+    corpus_samples: int  # samples of the corpus the ETA is for
+    corpus: str  # where that count came from: "given" (--corpus-samples) or the bundled corpus, in words
+    epochs: float  # epochs of the full run (`full_run_epochs`)
+    batches_per_epoch: dict[str, Any]  # "bucketed": batches of each bucket in one epoch; "packed": rows in one epoch
+    seconds: dict[str, float]  # strategy (bucketed, packed) -> seconds of the full run
+    days: dict[str, float]  # the same in days, rounded
+    paper_samples: int  # the paper's training set (samples)
+    paper_days: dict[str, float]  # strategy -> days of the full run over paper_samples
+
+
+@dataclass
+class DryRunAssumptions(JsonRecord):
+    """What the dry run's projections assume (module docstring)."""
+
+    gpu: str  # the device the step time is projected for
+    peak_tflops: float  # its dense bf16 peak (TFLOP/s)
+    mfu: float  # the model FLOPs utilisation assumed, a fraction of peak_tflops
+    reserve_gib: float  # memory no tracker sees (GiB, `Reserve`)
+    fragmentation: float  # caching-allocator overhead, a fraction of the measured peak
+    device: str  # how the step was run, in words
+    eta: str  # how the ETA is costed, in words
+
+
+@dataclass
+class BackendComparison(JsonRecord):
+    """The same dry run under another attention backend (`--compare`)."""
+
+    fits: bool  # every batch fits the device
+    buckets: list[BatchRecord]  # every bucket's worst batch
+    packed: BatchRecord  # the packed row's
+    eta: DryRunEta  # the full-run projection
+
+
+@dataclass
+class DryRunReport(JsonRecord):
+    """The dry run of a configuration (`dry_run`): the JSON line of `python -m dflash_lib dryrun`."""
+
+    device_gib: float  # memory of the device judged against (GiB)
+    fits: bool  # every batch (buckets and packed) fits it
+    attention: str  # drafter attention backend measured: dense | blocks | flex
+    checkpointing: bool  # activation checkpointing per drafter layer
+    target: str  # the target: a preset's shapes, "tiny" or a model folder
+    target_layers: int  # the target's decoder layers
+    hidden_size: int  # the target's hidden size
+    drafter_layers: int  # the drafter's layers
+    block_size: int  # B: anchor + B-1 drafted positions
+    num_anchors: int  # anchors drawn per document at most
+    max_len: int  # longest document (tokens)
+    token_budget: int  # token slots per batch, padding included
+    block_budget: int  # drafter query tokens per batch at most (`sampler.resolve_block_budget`)
+    edges: list[int]  # bucket upper edges of the corpus' plan (tokens)
+    buckets: list[BatchRecord]  # every bucket's worst batch
+    packed: BatchRecord  # the packed row's worst mix
+    assumptions: DryRunAssumptions  # what the projections assume
+    eta: DryRunEta  # the full-run projection
+    seconds: float  # wall time of the dry run on this machine (seconds)
+    compare: dict[str, BackendComparison] | None = omitted()  # backend -> the same run under it (`--compare` only)
+
+
 def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_samples: int = 0,
             attention: str | None = None, reserve: Reserve = Reserve(), peak_tflops: float = H200_BF16_TFLOPS,
-            say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+            say: Callable[[str], None] = lambda line: None) -> DryRunReport:
     """The dry run of `config` (module docstring): the bucket plan of its corpus, every bucket's worst batch and
     the packed row measured in fake mode as on CUDA (`attention` overrides the backend), projections. Returns the
-    report (`format_report` prints it; the CLI's JSON line is this dict)."""
+    report (`format_report` prints it; the CLI's JSON line is its `to_json`)."""
     t0 = time.perf_counter()
     mc = config.model
     settings = for_cuda(config)
@@ -607,58 +692,59 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     epochs = config.train.full_run_epochs
     epoch_s = {"bucketed": sum(c * r.step_s for c, r in zip(counts, buckets)), "packed": rows * packed.step_s}
     hf = target_hf_config(mc)
-    eta = dict(corpus_samples=n, corpus="given" if corpus_samples else f"the bundled corpus ({len(lengths):,} samples)",
-               epochs=epochs, batches_per_epoch={"bucketed": counts, "packed": rows},
-               seconds={k: v * epochs * n / len(lengths) for k, v in epoch_s.items()},
-               days={k: round(v * epochs * n / len(lengths) / 86400, 2) for k, v in epoch_s.items()},
-               paper_samples=PAPER_SAMPLES,
-               paper_days={k: round(v * epochs * PAPER_SAMPLES / len(lengths) / 86400, 2) for k, v in epoch_s.items()})
-    return dict(
+    eta = DryRunEta(
+        corpus_samples=n, corpus="given" if corpus_samples else f"the bundled corpus ({len(lengths):,} samples)",
+        epochs=epochs, batches_per_epoch={"bucketed": counts, "packed": rows},
+        seconds={k: v * epochs * n / len(lengths) for k, v in epoch_s.items()},
+        days={k: round(v * epochs * n / len(lengths) / 86400, 2) for k, v in epoch_s.items()},
+        paper_samples=PAPER_SAMPLES,
+        paper_days={k: round(v * epochs * PAPER_SAMPLES / len(lengths) / 86400, 2) for k, v in epoch_s.items()})
+    return DryRunReport(
         device_gib=device_gib, fits=all(r.fits for r in results), attention=settings.attention,
         checkpointing=settings.checkpointing, target=mc.target, target_layers=int(hf.num_hidden_layers),
         hidden_size=int(hf.hidden_size), drafter_layers=mc.drafter_layers, block_size=mc.block_size,
         num_anchors=mc.num_anchors, max_len=config.data.max_len, token_budget=config.sampler.token_budget,
         block_budget=block_budget, edges=list(edges),
         buckets=[r.record() for r in buckets], packed=packed.record(),
-        assumptions=dict(gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
-                         fragmentation=reserve.fragmentation, device="fake CPU tensors standing in for CUDA, "
-                         "bf16 target, fp32 drafter under bf16 autocast, fused AdamW",
-                         eta="one GPU; every batch of an epoch costed as its bucket's worst batch (an upper bound); "
-                         "FLOPs counted include activation recomputation"),
+        assumptions=DryRunAssumptions(
+            gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
+            fragmentation=reserve.fragmentation, device="fake CPU tensors standing in for CUDA, bf16 target, fp32 "
+            "drafter under bf16 autocast, fused AdamW", eta="one GPU; every batch of an epoch costed as its bucket's "
+            "worst batch (an upper bound); FLOPs counted include activation recomputation"),
         eta=eta, seconds=round(time.perf_counter() - t0, 1))
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: DryRunReport) -> str:
     """The human-readable table of a `dry_run` report."""
     r = report
-    head = (f"dry run: target {r['target']} ({r['target_layers']} layers, hidden {r['hidden_size']}), drafter "
-            f"{r['drafter_layers']} layers, block {r['block_size']}, {r['num_anchors']} anchors, max_len {r['max_len']}"
-            f"\n  attention {r['attention']}, checkpointing {r['checkpointing']}, token_budget {r['token_budget']}, "
-            f"block_budget {r['block_budget']}; device {r['device_gib']:g} GiB")
+    head = (f"dry run: target {r.target} ({r.target_layers} layers, hidden {r.hidden_size}), drafter "
+            f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}"
+            f"\n  attention {r.attention}, checkpointing {r.checkpointing}, token_budget {r.token_budget}, "
+            f"block_budget {r.block_budget}; device {r.device_gib:g} GiB")
     cols = ("batch", "edge", "docs", "tgt tok", "queries", "peak", "need", "fits", "TFLOP", "tgt/layers/attn/head",
             "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
     rows = []
-    for b in [*r["buckets"], r["packed"]]:
-        t, m = b["tflops_split"], b["memory_gib"]
+    for b in [*r.buckets, r.packed]:
+        t, m = b.tflops_split, b.memory_gib
         rows.append((
-            "packed" if b["bucket"] < 0 else f"bucket {b['bucket']}", f"({b['lower']}, {b['edge']}]", b["docs"],
-            b["target_tokens"], b["drafter_queries"], f"{b['peak_gib']:.1f}", f"{b['required_gib']:.1f}",
-            "yes" if b["fits"] else "NO", f"{b['tflops']:.0f}",
+            "packed" if b.bucket < 0 else f"bucket {b.bucket}", f"({b.lower}, {b.edge}]", b.docs,
+            b.target_tokens, b.drafter_queries, f"{b.peak_gib:.1f}", f"{b.required_gib:.1f}",
+            "yes" if b.fits else "NO", f"{b.tflops:.0f}",
             "/".join(f"{t[k]:.0f}" for k in ("target_forward", "drafter_layers", "drafter_attention", "head_ce")),
-            f"{b['step_s']:.2f}", f"{b['ktok_s']:.1f}",
+            f"{b.step_s:.2f}", f"{b.ktok_s:.1f}",
             "/".join(f"{m.get(k, 0):.1f}" for k in ("parameters", "gradients", "optimizer", "activations",
                                                      "temporaries"))))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     lines = [head, "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
-    a, e = r["assumptions"], r["eta"]
-    lines.append(f"fits: {'yes' if r['fits'] else 'NO'} (need = peak x {1 + a['fragmentation']:.2f} + kernel allowance "
-                 f"+ {a['reserve_gib']:g} GiB reserve <= {r['device_gib']:g} GiB)")
-    lines.append(f"projection: {a['gpu']} at {a['mfu']:.0%} MFU of {a['peak_tflops']:g} TFLOP/s; {a['eta']}")
-    lines.append(f"ETA of {e['epochs']:g} epochs over {e['corpus_samples']:,} samples ({e['corpus']}): bucketed "
-                 f"{e['days']['bucketed']:.2f} days, packed {e['days']['packed']:.2f} days; over the paper's "
-                 f"{e['paper_samples']:,}: bucketed {e['paper_days']['bucketed']:.1f} days, packed "
-                 f"{e['paper_days']['packed']:.1f} days")
+    a, e = r.assumptions, r.eta
+    lines.append(f"fits: {'yes' if r.fits else 'NO'} (need = peak x {1 + a.fragmentation:.2f} + kernel allowance "
+                 f"+ {a.reserve_gib:g} GiB reserve <= {r.device_gib:g} GiB)")
+    lines.append(f"projection: {a.gpu} at {a.mfu:.0%} MFU of {a.peak_tflops:g} TFLOP/s; {a.eta}")
+    lines.append(f"ETA of {e.epochs:g} epochs over {e.corpus_samples:,} samples ({e.corpus}): bucketed "
+                 f"{e.days['bucketed']:.2f} days, packed {e.days['packed']:.2f} days; over the paper's "
+                 f"{e.paper_samples:,}: bucketed {e.paper_days['bucketed']:.1f} days, packed "
+                 f"{e.paper_days['packed']:.1f} days")
     return "\n".join(lines)
 
 
@@ -679,13 +765,13 @@ def run_cli(args: Any) -> int:
     report = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, reserve=reserve, say=say)
     print(format_report(report), flush=True)
     if args.compare:
-        report["compare"] = {}
+        report.compare = {}
         for backend in ("dense", "blocks", "flex"):
-            if backend == report["attention"]:
+            if backend == report.attention:
                 continue
             say(f"-- attention {backend}")
             other = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, backend, reserve, say=say)
             print(format_report(other), flush=True)
-            report["compare"][backend] = {k: other[k] for k in ("fits", "buckets", "packed", "eta")}
-    print(json.dumps(report), flush=True)
-    return 0 if report["fits"] else 1
+            report.compare[backend] = BackendComparison(other.fits, other.buckets, other.packed, other.eta)
+    print(json.dumps(report.to_json()), flush=True)
+    return 0 if report.fits else 1

@@ -4,10 +4,11 @@
                    features in worker threads (`feed`, `pipeline`); micro-batches accumulated to `accum_tokens`
     drafter step   global weight sum -> loss/backward per micro-batch -> clip -> AdamW at `schedule.lr_at`
                    (`step.train_step`)
-    metrics        log line, metrics.jsonl, wandb (`RunLog`); held-out evaluations (`heldout`)
+    metrics        log line, metrics.jsonl (`metrics.StepMetrics` rows), wandb (`RunLog`); held-out evaluations
+                   (`heldout`)
     checkpoint     every `ckpt_every` steps, on a stop and at the end (`checkpoint.TrainingCheckpoints`)
     stop           planned steps done, `stop_at_step`, or SIGTERM/SIGINT on any rank (after the current step)
-    -> drafter/ + summary.json
+    -> drafter/ + summary.json (`RunSummary`)
 
 What the loop runs on is built elsewhere: `build.build_parts` (data, sampler, target, drafter),
 `resume.prepare_run_dir` (resume, start or refuse), `distributed.wrap_drafter` (DDP, FSDP2 or one process).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,7 +40,7 @@ from dflash_lib.config import Config, ConfigError, TrainConfig
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.target import trainable_target_config
-from dflash_lib.rundir import write_json
+from dflash_lib.rundir import JsonRecord, omitted, write_json
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
 from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
@@ -46,8 +48,8 @@ from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_sta
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
-from dflash_lib.train.metrics import (JsonlSink, NullSink, ThroughputMeter, WandbSink, eta_seconds, format_duration,
-                                      format_log_line)
+from dflash_lib.train.metrics import (JsonlSink, NullSink, StepMetrics, ThroughputMeter, WandbSink, eta_seconds,
+                                      format_duration, format_log_line)
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import (CHECKPOINTS, METRICS_FILE, prepare_run_dir, resume_config_hash,
                                      shared_new_run_dir)
@@ -93,18 +95,81 @@ class RunLog:
         self.bar = tqdm(total=total_steps, initial=done_steps, unit="step", disable=not (main and in_notebook()))
         self.say: Callable[[str], None] = self.bar.write if not self.bar.disable else distributed.print0
 
-    def log(self, record: dict[str, Any], step: int, line: bool) -> None:
-        """One step's metrics `record` to every sink and the bar; `line`: also as a log line."""
+    def log(self, metrics: StepMetrics, step: int, line: bool) -> None:
+        """One step's `metrics` to every sink (as its metrics.jsonl row) and the bar; `line`: also as a log line."""
+        row = metrics.to_json()
         for sink in self.sinks:
-            sink.log(record, step)
+            sink.log(row, step)
         self.bar.update(1)
         if line:
-            self.say(format_log_line(record))
+            self.say(format_log_line(row))
 
     def close(self) -> None:
         self.bar.close()
         for sink in self.sinks:
             sink.close()
+
+
+@dataclass
+class RunSummary(JsonRecord):
+    """A training run in figures, as this invocation leaves it: its summary.json (`to_json`), what `train` returns.
+    Throughput and time figures are this invocation's; step, token, loss and skip figures the whole run's."""
+
+    run_dir: str  # the trainer's run folder
+    config_hash: str  # `Config.hash()` of the run's config (config.json records the same)
+    resume_hash: str  # the hash a checkpoint must carry for this config to resume from it
+    strategy: str  # sampler strategy: sorted | random | bucketed | packed
+    world_size: int  # ranks of this invocation
+    data_shards: int  # batches per sampler step, shared by the ranks (fixed by the run's first invocation)
+    parallel: str  # engine: single | ddp | fsdp
+    device: str  # rank 0's torch device
+    steps: int  # optimizer steps done
+    planned_steps: int  # optimizer steps the lr schedule is planned for
+    empty_batches: int  # sampler steps read with nothing to score on any rank (no update, not a step)
+    complete: bool  # the run reached its end (False: stopped by `stop_at_step` or a signal)
+    stop_reason: str | None  # why it stopped early; None when complete
+    resumed_from_step: int  # the step this invocation resumed from; 0 when it started the run
+    checkpoint: str | None  # the newest checkpoint folder; None when none was written
+    last_epoch: int | None  # epoch of the last step; None without a step
+    real_tokens: int  # document tokens trained on, all ranks
+    padded_tokens: int  # token slots paid for, padding included, all ranks
+    padding_efficiency: float  # real_tokens / padded_tokens
+    final_loss: float | None  # the last step's training loss (nats); None without a step
+    mean_loss: float | None  # mean of the steps' finite losses (nats)
+    final_acc: float | None  # the last step's top-1 accuracy
+    mean_acc: float | None  # mean of the steps' accuracies
+    final_eal: float | None  # the last step's expected acceptance length (tokens, the marginal-product estimate)
+    bad_steps: int  # steps whose loss was not finite (update skipped)
+    skipped_samples: dict[str, int]  # reason -> samples left out by validation, every rank
+    skipped_sample_examples: dict[str, list[str]]  # reason -> the first such samples' store indices (as text)
+    data_records: dict[str, Any] | None  # the token store's records read, kept and skipped by reason with their
+    # first locations (`LoadReport.counts`, the line printed at the start); None for a store without a report
+    steady: bool  # the throughput's steady-state detector fired
+    steady_start_step: int | None  # first step of the steady window; None before steady state
+    steady_ktok_s: float | None  # real-token throughput since steady_start_step (thousand tokens / second)
+    ktok_s_last_window: float | None  # the last step's rolling-window throughput (thousand tokens / second)
+    data_wait_pct: float | None  # % of this invocation's loop wall time spent waiting for data, at the last step
+    steady_data_wait_pct: float | None  # the same over the steady window
+    full_run_epochs: float  # epochs of the full run the ETA is for
+    full_run_tokens: float  # real tokens of that full run
+    full_run_eta_s: float | None  # seconds the full run takes at the steady (else the last window's) throughput
+    full_run_eta: str  # the same in words ("5.1d"), " (provisional: no steady state)" appended before steady state
+    setup_s: float  # seconds before the trainer: data, run folder, models and sampler built
+    loop_s: float  # seconds of the training loop
+    wall_s: float  # seconds of the invocation: setup, then the trainer up to this summary
+    final_tau_inbatch: float | None  # the last step's EXACT in-batch acceptance length (tokens)
+    heldout_fraction: float  # share of the corpus held out of training (`dflash_lib.data.split`); 0 without a split
+    heldout_count: int  # samples held out
+    # The latest held-out evaluation (`StepMetrics.heldout_*`); absent when the run evaluated none:
+    heldout_step: int | None = omitted()  # the optimizer step it followed
+    heldout_loss: float | None = omitted()  # cross-entropy (nats)
+    heldout_acc: float | None = omitted()  # top-1 accuracy
+    heldout_acc_per_pos: list[float] | None = omitted()  # (B-1,) accuracy per draft position
+    heldout_tau: float | None = omitted()  # EXACT acceptance length (tokens)
+    heldout_eal_marginal: float | None = omitted()  # marginal-product estimate of it (tokens)
+    heldout_blocks: int | None = omitted()  # anchor blocks scored
+    heldout_samples: int | None = omitted()  # held-out samples evaluated
+    heldout_s: float | None = omitted()  # seconds the evaluation took
 
 
 class Trainer:
@@ -144,7 +209,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         """Batch in (target features computed in the pipeline), drafter step and optimizer, metrics, checkpoint,
         stop; then the drafter and summary.json. Returns the summary."""
         tc, p = self.config.train, self.progress
@@ -173,7 +238,7 @@ class Trainer:
                         continue
                     p.last = record
                     if self.heldout.due(p.step, final=self._final_step(ended)):
-                        p.last.update(self.heldout.run(p.step, log.say))
+                        p.last = replace(p.last, **self.heldout.run(p.step, log.say))
                     log.log(p.last, p.step, line=p.step % tc.log_every == 0 or p.step == p.total_steps or ended)
                     self._report_faults(items, log.say)
                     if tc.ckpt_every > 0 and p.step % tc.ckpt_every == 0:
@@ -218,7 +283,7 @@ class Trainer:
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
                         clock=self.clock)
 
-    def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> dict[str, Any] | None:
+    def _train_one(self, items: list[Item], wait_s: float, pipeline: Pipeline) -> StepMetrics | None:
         """One optimizer step on `items`; advances the progress and returns the step's metrics record. None when
         no rank scored a token (the step's global weight sum is 0, the same on every rank): no update was made
         and no step is counted, only the data consumed; NothingTrainedError after a whole epoch of those."""
@@ -256,7 +321,7 @@ class Trainer:
         p.loss_mean.add(res.loss)
         p.acc_mean.add(res.acc)
         live = [it.batch for it in items if it.batch is not None]
-        return dict(
+        return StepMetrics(
             step=p.step, epoch=items[-1].epoch, loss=res.loss, acc=res.acc, lr=lr, noise=noise,
             real_tokens=res.real_tokens, padded_tokens=res.padded_tokens, ktok_s=rate.ktok_s,
             data_wait_pct=rate.data_wait_pct_window, data_wait_pct_total=rate.data_wait_pct,
@@ -280,7 +345,7 @@ class Trainer:
             say(f"step {step}: skipped {len(skipped)} sample(s) failing validation: {', '.join(skipped[:5])}"
                 f"{' ...' if len(skipped) > 5 else ''}")
         if self.guard.last_bad_step == step:
-            say(f"step {step}: loss is not finite ({self.progress.last['loss']}): update skipped "
+            say(f"step {step}: loss is not finite ({self.progress.last.loss}): update skipped "
                 f"({self.guard.in_a_row} in a row, {self.guard.total} in all; {self.guard.max_in_a_row} in a row "
                 f"abort the run)")
 
@@ -292,7 +357,7 @@ class Trainer:
         say(f"epoch {items[-1].epoch}, sampler step {items[-1].step}: nothing to score ({why}); not a training step "
             f"(no update, {self.progress.step} steps so far)")
 
-    def _finish(self, say: Callable[[str], None]) -> dict[str, Any]:
+    def _finish(self, say: Callable[[str], None]) -> RunSummary:
         """After the loop: rank 0 writes drafter/ (every rank joins the weights' gather) and summary.json; a stop
         says how to resume. Returns the summary. A run that read batches but trained on none of them raises
         NothingTrainedError and writes neither."""
@@ -310,7 +375,7 @@ class Trainer:
                 save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
                              **run_info(self.config.model, self.config.train.seed, self.config.data.template,
                                         f"{self.run_dir} (step {p.step})"))
-            write_json(self.run_dir / "summary.json", summary)
+            write_json(self.run_dir / "summary.json", summary.to_json())
         if self.stop_reason is not None:
             say(f"stopped ({self.stop_reason}) after step {p.step} of {p.total_steps}; "
                 f"{'checkpoint ' + str(self.ckpts.latest) if self.ckpts.latest else 'nothing to checkpoint yet'}; "
@@ -365,35 +430,39 @@ class Trainer:
             merged.merge(rank)
         return merged
 
-    def summary(self, skips: SkipCounter | None = None) -> dict[str, Any]:
-        """The run in figures (see `run_training`); `skips` = every rank's skipped samples (default: this rank's)."""
+    def summary(self, skips: SkipCounter | None = None) -> RunSummary:
+        """The run in figures; `skips` = every rank's skipped samples (default: this rank's)."""
         skips = skips if skips is not None else self.skips
         m, p, tc = self.meter, self.progress, self.config.train
         last, steady = p.last, m.detector.steady
-        tok_s = m.steady_tok_s or (last.get("ktok_s") or 0.0) * 1000.0  # last window's rate without a steady state
+        ktok_s = last.ktok_s if last is not None else None
+        tok_s = m.steady_tok_s or (ktok_s or 0.0) * 1000.0  # last window's rate without a steady state
         full_eta = eta_seconds(self.full_tokens, tok_s)
         heldout, data = self.parts.heldout, self.data_report()
-        return dict(
+        return RunSummary(
             run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.ckpts.resume_hash,
             strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
             data_shards=p.data_shards, parallel=self.engine.kind, device=str(self.device),
             steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
             complete=self.stop_reason is None,
             stop_reason=self.stop_reason, resumed_from_step=p.resumed_from,
-            checkpoint=str(self.ckpts.latest) if self.ckpts.latest else None, last_epoch=last.get("epoch"),
+            checkpoint=str(self.ckpts.latest) if self.ckpts.latest else None,
+            last_epoch=last.epoch if last is not None else None,
             real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
             padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
-            final_loss=last.get("loss"), mean_loss=p.loss_mean.mean, final_acc=last.get("acc"),
-            mean_acc=p.acc_mean.mean, final_eal=last.get("eal"), bad_steps=self.guard.total,
+            final_loss=last.loss if last is not None else None, mean_loss=p.loss_mean.mean,
+            final_acc=last.acc if last is not None else None, mean_acc=p.acc_mean.mean,
+            final_eal=last.eal if last is not None else None, bad_steps=self.guard.total,
             skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
             data_records=data.counts() if data is not None else None,
             steady=steady, steady_start_step=m.detector.start_step,
-            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=last.get("ktok_s"),
-            data_wait_pct=last.get("data_wait_pct_total"), steady_data_wait_pct=m.steady_data_wait_pct,
+            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=ktok_s,
+            data_wait_pct=last.data_wait_pct_total if last is not None else None,
+            steady_data_wait_pct=m.steady_data_wait_pct,
             full_run_epochs=tc.full_run_epochs, full_run_tokens=self.full_tokens, full_run_eta_s=full_eta,
             full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
             setup_s=self.setup_s, loop_s=m.elapsed_s, wall_s=self.setup_s + self.clock() - self.t_start,
-            final_tau_inbatch=last.get("tau_inbatch"),
+            final_tau_inbatch=last.tau_inbatch if last is not None else None,
             heldout_fraction=heldout.fraction if heldout is not None else 0.0,
             heldout_count=len(heldout.heldout) if heldout is not None else 0,
             **self.heldout.latest,
@@ -403,44 +472,22 @@ class Trainer:
 def run_training(config: Config, parts: TrainingParts, run_dir: Path,
                  clock: Callable[[], float] = time.perf_counter, setup_s: float = 0.0,
                  resume: Path | None = None, stop: StopRequest | None = None,
-                 sinks: Sequence[Any] = ()) -> dict[str, Any]:
+                 sinks: Sequence[Any] = ()) -> RunSummary:
     """Train on `parts`; returns the summary. `sinks`: more metric sinks on rank 0 (`log(metrics, step)`,
     `close()`), e.g. `report.training.LiveFigure` in a notebook. `clock` (seconds) times steps and data waits;
     `setup_s` (seconds spent building the parts) is recorded. `resume`: a checkpoint directory to continue from
     (see `train`); `stop`: an entered StopRequest whose signal ends the loop after the current step (default:
     none).
 
-    Rank 0 writes into `run_dir`: metrics.jsonl, one object per step with step (1-based), epoch, loss (nats,
-    globally normalised), acc, acc_per_pos, eal, lr, noise, real_tokens and padded_tokens (all ranks),
-    ktok_s (real tokens, rolling window), data_wait_pct (rolling window) and data_wait_pct_total (cumulative),
-    q_pre and q_hs (queue depths per target worker), bucket (of the step's first micro-batch; -1 = none),
-    eta_s (seconds to the end of THIS invocation: the planned steps or `stop_at_step`, at the steady throughput or
-    provisionally at the rolling one; the log line's ETA), run_eta_s (to the end of the planned steps),
-    full_run_eta_s (to the end of a full run of `full_run_epochs`), steady, time (seconds since this invocation's
-    loop began), grad_norm, micro_batches, skipped (no update), bad_steps and skipped_samples (run totals),
-    skipped_tokens (tokens of this step's samples left out by validation), blocks (anchor blocks run here),
-    head_rows (scored positions run through the LM head + CE here), eal_marginal (= eal: the marginal-product
-    ESTIMATE of the acceptance length, biased low) and tau_inbatch (the EXACT in-batch acceptance length: mean
-    over the step's blocks of 1 + the block's own leading run of correct positions),
-    step_s and wait_s (this step's wall time and data wait, seconds), and the step's batch shape (rows,
-    row_len, attn_dense, attn_varlen); on evaluation steps (every `eval_every` steps and the last step of the
-    run; rank 0 evaluates all of `eval_samples` held-out samples, `dflash_lib.data.split`) the
-    same row also holds heldout_loss, heldout_acc, heldout_acc_per_pos, heldout_tau (exact), heldout_eal_marginal
-    (estimate), heldout_blocks, heldout_samples and heldout_s; the same scalars to wandb; heldout.json (the
-    split: fraction, hash rule, counts, held-out store indices and hashes); checkpoints/ckpt-<step>/ every `ckpt_every`
-    steps, on a stop and at the end (the newest `keep_checkpoints` kept); and at the end drafter/ and
-    summary.json (steps, empty_batches (sampler steps read with nothing to score: no step), complete /
-    stop_reason / resumed_from_step, tokens, padding efficiency, losses,
-    accuracy, bad steps, skipped samples by reason, steady-state Ktok/s and its first step, data-wait %, the
-    full-run ETA, setup/loop/wall seconds of this invocation, config and resume hashes, final_tau_inbatch,
-    heldout_fraction and heldout_count, and the latest evaluation's heldout_step and heldout_* figures;
-    data_records: the token store's records read, kept and skipped by reason with their first locations, as
-    printed in one line at the start).
+    Rank 0 writes into `run_dir`: metrics.jsonl, one `StepMetrics` row per step (held-out figures on evaluation
+    steps), the same scalars to wandb; heldout.json (the split: fraction, hash rule, counts, held-out store
+    indices and hashes); checkpoints/ckpt-<step>/ every `ckpt_every` steps, on a stop and at the end (the newest
+    `keep_checkpoints` kept); and at the end drafter/ and summary.json (`RunSummary`).
     """
     return Trainer(config, parts, run_dir, clock, setup_s, resume, stop, sinks).run()
 
 
-def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Sequence[Any] = ()) -> dict[str, Any]:
+def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Sequence[Any] = ()) -> RunSummary:
     """Train a drafter with `config`; returns the summary (also in run_dir/summary.json).
 
     run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
@@ -450,7 +497,7 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     first invocation: its data shards); another config's checkpoints or other content without a checkpoint are
     refused with an error unless `fresh=True`, which clears it first.
     SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns
-    (summary["complete"] is False; before the loop they keep their default effect: nothing to save yet).
+    (summary.complete is False; before the loop they keep their default effect: nothing to save yet).
     Under torchrun every rank trains its data shards (DDP by default, `parallel="fsdp"` for FSDP2); rank 0
     writes the logs, every rank its part of each checkpoint.
     """

@@ -1,4 +1,5 @@
-"""Training metrics: the console log line, the metrics.jsonl and wandb sinks, throughput, data wait and ETA.
+"""Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row), the console log line, the metrics.jsonl
+and wandb sinks, throughput, data wait and ETA.
 
 Stdlib only in the loop (wandb is imported lazily, and only when a sink is not disabled; pandas only by
 `load_metrics`, a run's metrics.jsonl as a frame for the notebooks and evaluation). Every timing takes an injected
@@ -22,8 +23,68 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from dflash_lib.rundir import JsonRecord, omitted
+
 if TYPE_CHECKING:
     import pandas as pd
+
+@dataclass
+class StepMetrics(JsonRecord):
+    """One optimizer step in figures: a row of metrics.jsonl (`to_json`), the same scalars to wandb, the log line's
+    source. Written by rank 0; "all ranks" figures are summed over every rank, "this rank" ones are rank 0's."""
+
+    step: int  # optimizer step, 1-based (1 = the first update)
+    epoch: int  # epoch of the step's last micro-batch
+    loss: float  # cross-entropy (nats per scored position) normalised by the step's global weight sum; NaN when
+    # the loss was not finite (the update skipped)
+    acc: float  # top-1 accuracy of the scored positions, weighted as the loss
+    lr: float  # learning rate of this step (`schedule.lr_at`)
+    noise: float  # fraction of block positions fed as MASK (`schedule.noise_at`)
+    real_tokens: int  # document tokens of the step, all ranks
+    padded_tokens: int  # token slots paid for, padding included (rows x row length), all ranks
+    ktok_s: float  # real-token throughput over the meter's last window of steps (thousand tokens / second)
+    data_wait_pct: float  # % of the last window's wall time spent blocked waiting for data
+    data_wait_pct_total: float  # the same over all of this invocation's loop so far
+    q_pre: list[int]  # batches waiting for each target worker, per worker
+    q_hs: list[int]  # batches with target features waiting for the drafter, per worker
+    bucket: int  # length bucket of the step's first micro-batch; -1 = none (packed rows, or no batch here)
+    eta_s: float | None  # seconds to the end of THIS invocation (the planned steps or `stop_at_step`) at the steady
+    # throughput, before steady state provisionally at the rolling one (module docstring); None without a rate
+    run_eta_s: float | None  # seconds to the end of the planned steps, same rate
+    full_run_eta_s: float | None  # seconds to the end of a full run (`full_run_epochs` over the corpus), same rate
+    steady: bool  # the throughput's steady-state detector has fired
+    acc_per_pos: list[float]  # (B-1,) top-1 accuracy per draft position after the anchor
+    eal: float  # expected acceptance length from acc_per_pos (tokens): the marginal-product ESTIMATE, biased low
+    eal_marginal: float  # = eal, under the name that says what it is
+    tau_inbatch: float  # EXACT in-batch acceptance length (tokens): mean over the step's blocks of 1 + the block's
+    # own leading run of correct positions; NaN with no block
+    time: float  # seconds since this invocation's trainer was built
+    grad_norm: float  # global gradient norm before clipping; NaN when the update was skipped
+    micro_batches: int  # micro-batches accumulated into this step (`accum_tokens`)
+    skipped: bool  # no optimizer update (a non-finite loss)
+    step_s: float  # wall time of this step, data wait included (seconds)
+    wait_s: float  # seconds this step spent blocked waiting for data
+    blocks: int  # anchor blocks the drafter ran, this rank
+    head_rows: int  # scored positions run through the LM head + CE, this rank
+    bad_steps: int  # steps with a non-finite loss since the run began
+    skipped_samples: int  # samples left out by validation since the run began, all ranks
+    skipped_tokens: int  # tokens of this step's samples left out by validation, all ranks
+    # The step's batch shape, for the step-time cost model (`loop.batch_shape`); absent when this rank ran no batch:
+    rows: int | None = omitted()  # rows of this rank's micro-batches
+    row_len: int | None = omitted()  # longest row (tokens)
+    attn_dense: float | None = omitted()  # attention work of whole rows, sum of R x T^2 (tokens^2)
+    attn_varlen: float | None = omitted()  # attention work per document, sum of doc_len^2 (tokens^2)
+    # The held-out evaluation (`heldout.evaluate`), on evaluation steps only (every `eval_every` steps and the run's
+    # last step; rank 0 evaluates the first `eval_samples` held-out samples, `dflash_lib.data.split`):
+    heldout_loss: float | None = omitted()  # cross-entropy (nats), weighted as in training
+    heldout_acc: float | None = omitted()  # top-1 accuracy, weighted as in training
+    heldout_acc_per_pos: list[float] | None = omitted()  # (B-1,) accuracy per draft position, unweighted
+    heldout_tau: float | None = omitted()  # EXACT acceptance length (tokens), from each block's own flags
+    heldout_eal_marginal: float | None = omitted()  # marginal-product estimate of it (tokens)
+    heldout_blocks: int | None = omitted()  # anchor blocks scored
+    heldout_samples: int | None = omitted()  # held-out samples evaluated
+    heldout_s: float | None = omitted()  # seconds the evaluation took
+
 
 LOG_LINE_KEYS = ("step", "loss", "acc", "lr", "noise", "ktok_s", "data_wait_pct", "bucket", "eta_s", "steady",
                  "q_pre", "q_hs")

@@ -31,7 +31,7 @@ import torch
 
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints
 from dflash_lib.train.feed import ArrayLike, validate_sample
-from dflash_lib.train.metrics import ThroughputMeter
+from dflash_lib.train.metrics import StepMetrics, ThroughputMeter
 
 TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
 
@@ -73,7 +73,7 @@ class Progress:
     # they advance `position` and `batches_done`, not `step`
     loss_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' global losses (nats)
     acc_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' top-1 accuracies
-    last: dict[str, Any] = field(default_factory=dict)  # the latest step's metrics record
+    last: StepMetrics | None = None  # the latest step's metrics (None before the first step)
     resumed_from: int = 0  # the step this invocation resumed from (0: it started the run)
 
     def state_dict(self, world_size: int, guard: BadStepGuard, meter: ThroughputMeter, skips: SkipCounter,
@@ -91,7 +91,7 @@ class Progress:
                        "skipped_samples": self.skipped_samples},
             "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
                       "acc": [self.acc_mean.total, self.acc_mean.count]},
-            "last": self.last,
+            "last": self.last.to_json() if self.last is not None else {},  # its metrics.jsonl row
         }
         sampler_state = getattr(sampler, "state_dict", None)
         if sampler_state is not None:  # its fingerprint lets a resume refuse other data or sampler settings
@@ -121,7 +121,10 @@ class Progress:
             int(state["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
         self.loss_mean = RunningMean(*state["means"]["loss"])
         self.acc_mean = RunningMean(*state["means"]["acc"])
-        self.last = dict(state["last"])
+        try:
+            self.last = StepMetrics.from_json(state["last"]) if state["last"] else None
+        except ValueError as e:  # a row of another trainer version
+            raise CheckpointError(f"trainer state: its last metrics row: {e}; use --fresh") from None
         self.step = self.resumed_from = int(state["step"])
         pos = state["position"]
         self.position, self.batches_done = (int(pos["epoch"]), int(pos["step"])), int(pos["done"])

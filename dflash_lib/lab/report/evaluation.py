@@ -8,26 +8,26 @@ themselves: `evaluate.loss_figures`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dflash_lib.evaluate import LOSS_WINDOW
+from dflash_lib.evaluate import LOSS_WINDOW, DrafterMeasurement
 
 
-def tau_by_step(by_step: Sequence[Mapping[str, Any]], block_size: int,
+def tau_by_step(by_step: Sequence[DrafterMeasurement], block_size: int,
                 title: str = "Acceptance length on held-out prompts, per checkpoint") -> go.Figure:
     """tau (tokens per drafting cycle, 1 .. block_size) of each drafter against its training step; step 0 is the
     untrained drafter. Dotted: tau = 1 (every draft rejected: no gain) and tau = block_size (all accepted)."""
     if not by_step:
         raise ValueError("tau_by_step: no drafter measured")
-    steps = [int(r["step"]) for r in by_step]
-    taus = [float(r["tau"]) for r in by_step]
+    steps = [r.step for r in by_step]
+    taus = [r.tau for r in by_step]
     fig = go.Figure(go.Scatter(x=steps, y=taus, mode="lines+markers+text", name="tau",
                                text=[f"{t:.2f}" for t in taus], textposition="top center",
-                               hovertext=[str(r.get("drafter", "")) for r in by_step]))
+                               hovertext=[r.drafter for r in by_step]))
     for y, label in ((1.0, "no gain (tau 1)"), (float(block_size), f"every draft accepted (tau {block_size})")):
         fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label,
                       annotation_position="bottom right")

@@ -9,12 +9,15 @@ instability.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+if TYPE_CHECKING:  # the figures never import the trainer
+    from dflash_lib.train.loop import RunSummary
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")
@@ -83,9 +86,9 @@ def dashboard(df: pd.DataFrame, title: str = "Training run") -> go.Figure:
     return fig
 
 
-def summary_table(summary: Mapping[str, Any]) -> pd.DataFrame:
-    """The scalar entries of a run's summary.json as a two-column table (lists and dicts left out)."""
-    rows = [(k, v) for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None]
+def summary_table(summary: RunSummary) -> pd.DataFrame:
+    """The scalar entries of a run's summary (its summary.json) as a two-column table (lists and dicts left out)."""
+    rows = [(k, v) for k, v in summary.to_json().items() if isinstance(v, (int, float, str, bool)) or v is None]
     return pd.DataFrame(rows, columns=["metric", "value"]).set_index("metric")
 
 
