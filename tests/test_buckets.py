@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, choose_k, efficiency_vs_k,
-                                     equal_length_boundaries, length_histogram, optimal_boundaries, plan_for_edges,
-                                     seed_boundaries)
+from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, SampleCost, choose_k,
+                                     efficiency_vs_k, equal_length_boundaries, length_histogram, optimal_boundaries,
+                                     plan_for_edges, seed_boundaries)
 from dflash_lib.plan.fit import MemoryModel, check_fit
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,6 +151,20 @@ def test_batch_sizes_steps_and_predicted_figures():
     assert plan.capacity_utilisation == pytest.approx(real / (5 * 130))
     quad = BatchSizing("quadratic", q=64.0, token_budget=1000)
     assert quad.batch_sizes([64]).tolist() == [7]  # g(64) = 64 + 64 = 128 -> floor(1000 / 128)
+
+
+def test_sample_cost_and_its_two_spellings():
+    assert SampleCost("quadratic", 64.0)([0, 32, 64]).tolist() == [0.0, 48.0, 128.0]  # l + l^2 / 64
+    assert SampleCost()([3, 7]).tolist() == [3.0, 7.0]
+    # a config's pair (q = 0.0 unused when linear) -> the samplers' q, None meaning linear; and back
+    assert SampleCost("linear", 0.0).q is None and SampleCost("linear", 64.0).q is None
+    assert SampleCost("quadratic", 64.0).q == 64.0
+    assert SampleCost.of_q(None) == SampleCost("linear") and SampleCost.of_q(8.0) == SampleCost("quadratic", 8.0)
+    assert BatchSizing("quadratic", 64.0).g([64]).tolist() == [128.0]
+    with pytest.raises(BucketError, match="needs q > 0"):
+        SampleCost("quadratic", 0.0)
+    with pytest.raises(BucketError, match="cost must be one of"):
+        BatchSizing("cubic")
 
 
 def test_truncate_and_drop_policies():

@@ -72,6 +72,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.models.target import target_hf_config
+from dflash_lib.plan.buckets import SampleCost
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.rundir import load_config
@@ -161,7 +162,7 @@ def _fill_anchors(n: int, per_doc: int, block_size: int, block_budget: int | Non
 def worst_bucket_batch(bucket: int, lower: int, edge: int, config: Config, block_budget: int | None) -> WorstBatch:
     """The worst batch of bucket (lower, edge] (module docstring): rows from the token budget's fill rule."""
     sc, mc = config.sampler, config.model
-    q = config.buckets.q if config.buckets.cost == "quadratic" else None
+    q = SampleCost(config.buckets.cost, config.buckets.q).q
     n = int(TokenBudget(sc.token_budget, q).sizing.capacity(edge))
     if n < 1:
         raise ConfigError(f"bucket {bucket} ({lower}, {edge}]: not one document of {edge} tokens fits token_budget "
