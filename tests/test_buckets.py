@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, SampleCost, choose_k,
-                                     efficiency_vs_k, equal_length_boundaries, length_histogram, optimal_boundaries,
-                                     plan_for_edges, seed_boundaries)
+from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, SampleCost, bucket_of,
+                                     choose_k, efficiency_vs_k, equal_length_boundaries, length_histogram,
+                                     optimal_boundaries, plan_for_edges, seed_boundaries)
 from dflash_lib.plan.fit import MemoryModel, check_fit
 
 # ---------------------------------------------------------------------------------------------------------
@@ -165,6 +165,22 @@ def test_sample_cost_and_its_two_spellings():
         SampleCost("quadratic", 0.0)
     with pytest.raises(BucketError, match="cost must be one of"):
         BatchSizing("cubic")
+
+
+def test_bucket_of_uses_inclusive_upper_edges():
+    edges = [10, 20, 30]
+    # an edge is in its own bucket, one token more in the next; 0 and everything up to edges[0] in bucket 0
+    assert bucket_of([0, 1, 10, 11, 20, 21, 30], edges).tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert int(bucket_of(20, edges)) == 1 and bucket_of(20, edges).shape == ()
+    assert bucket_of(np.zeros(0, dtype=np.int64), edges).shape == (0,)
+    with pytest.raises(BucketError, match=r"do not cover sample 1 of 31 tokens: the last edge must reach max_len"):
+        bucket_of([30, 31], edges)
+    with pytest.raises(BucketError, match="do not cover a sample of 99 tokens"):
+        bucket_of(99, edges)
+    for bad, message in (([], "non-empty"), ([10.0, 20.0], "ints"), ([20, 10], "strictly ascending"),
+                         ([0, 10], "positive")):
+        with pytest.raises(BucketError, match=message):
+            bucket_of(5, bad)
 
 
 def test_truncate_and_drop_policies():

@@ -22,10 +22,10 @@ import pandas as pd
 from dflash_lib.config import Config, ConfigError, from_params
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.plan.buckets import SampleCost, plan_for_edges
+from dflash_lib.plan.buckets import SampleCost, bucket_of, plan_for_edges
 from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObservation, attention_q_from_fit,
                                        select_cost_model, throughput_rel_sd)
-from dflash_lib.plan.sampler import bucket_of, packing_efficiency, padding_efficiency, randomness
+from dflash_lib.plan.sampler import packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
 from dflash_lib.train.loop import train
 from dflash_lib.train.metrics import load_metrics

@@ -370,7 +370,26 @@ class BucketPlan:
         return plan
 
 
-def _check_edges(edges: Sequence[int], max_len: int) -> np.ndarray:
+def bucket_of(lengths: Any, edges: Sequence[int]) -> np.ndarray:
+    """Bucket index of each of `lengths` (tokens): int64 of their shape (0-d for one length; int() it).
+
+    `edges` are the buckets' inclusive upper edges, ascending: bucket i holds (edges[i-1], edges[i]], so a length
+    equal to an edge is in that edge's bucket, one token more in the next, and every length <= edges[0] (0 too)
+    in bucket 0. A length above the last edge is refused with a BucketError naming it (the last edge must reach
+    max_len), as are edges that are empty, not ints, not positive or not strictly ascending."""
+    e = _check_edges(edges)
+    x = np.asarray(lengths)
+    if x.size and x.max() > e[-1]:
+        i = int(np.argmax(x))  # the first of the longest (a flat index)
+        which = "a sample" if x.ndim == 0 else f"sample {i}"
+        raise BucketError(f"edges {e.tolist()} do not cover {which} of {int(x.flat[i])} tokens: the last edge must "
+                          f"reach max_len")
+    return np.searchsorted(e, x, side="left")
+
+
+def _check_edges(edges: Sequence[int], max_len: int = 0) -> np.ndarray:
+    """`edges` as (K,) int64 once they are a non-empty, positive, strictly ascending list of ints whose last one
+    reaches max_len (tokens; 0 checks no length)."""
     e = np.asarray(edges)
     if e.ndim != 1 or e.size == 0:
         raise BucketError(f"edges must be a non-empty list of ints, got {list(edges)!r}")

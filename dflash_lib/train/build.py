@@ -27,7 +27,7 @@ from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan import sampler as samplers
-from dflash_lib.plan.buckets import BucketPlan, SampleCost, optimal_boundaries
+from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.train import distributed
 
@@ -175,7 +175,7 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
             bucket_max = None
             if queries is not None:  # (K,) the costliest sample of each bucket, drafter query tokens
                 bucket_max = np.zeros(len(edges), dtype=np.int64)
-                np.maximum.at(bucket_max, samplers.bucket_of(np.asarray(lengths), edges), queries)
+                np.maximum.at(bucket_max, bucket_of(lengths, edges), queries)
             sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
         return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
                                                **common)
