@@ -69,7 +69,7 @@ from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
-from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.attention import resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan.buckets import SampleCost
@@ -293,21 +293,9 @@ class _Root(torch.nn.Module):
         return fn()
 
 
-def _sdpa_fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
-    """CPU flash SDPA forward, torch's formula for the CUDA kernels: 2 matmuls of (Q x d) by (d x K) per head."""
-    b, h, sq, d = q
-    return 4 * b * h * sq * k[2] * d
-
-
-def _sdpa_bwd_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-    """CPU flash SDPA backward, torch's formula for the CUDA kernels: 5 matmuls (scores recomputed)."""
-    b, h, sq, d = q
-    return 10 * b * h * sq * k[2] * d
-
-
 class _FlopTally:
-    """FlopCounterMode with torch's formulas plus the CPU flash-attention kernels' (torch's table has only the CUDA
-    ones), and a tally of the matmul FLOPs with a vocabulary-sized dimension (the LM head) for the split."""
+    """FlopCounterMode with torch's formulas plus the CPU flash-attention kernels' (`sdpa_flop_mapping`: torch's table
+    has only the CUDA ones), and a tally of the matmul FLOPs with a vocabulary-sized dimension (the LM head) for the split."""
 
     def __init__(self, vocab_size: int):
         self.vocab, self.head = vocab_size, 0
@@ -321,10 +309,8 @@ class _FlopTally:
         mm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
         addmm = lambda s, a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
         bmm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * a[2] * b[2])  # noqa: E731
-        return FlopCounterMode(display=False, custom_mapping={
-            aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
-            aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd_flops,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_bwd_flops})
+        return FlopCounterMode(display=False, custom_mapping={aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
+                                                              **sdpa_flop_mapping()})
 
 
 def _attention_flops(counter: FlopCounterMode) -> int:
