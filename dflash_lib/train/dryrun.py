@@ -649,14 +649,10 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_cli(args: Any) -> int:
-    """`python -m dflash_lib dryrun` (arguments in `__main__`): the table, then ONE JSON line (the report); returns
-    0 when every batch fits the device, 1 otherwise (a bad parameter raises ConfigError: exit 2)."""
-    params: dict[str, str] = {}
-    for key, value in args.param or []:
-        if key in params:
-            raise ConfigError(f"parameter {key!r} given twice")
-        params[key] = value
+def run_cli(args: Any, params: dict[str, str]) -> int:
+    """`python -m dflash_lib dryrun` (arguments and the -p KEY VALUE `params` parsed in `__main__`): the table, then
+    ONE JSON line (the report); returns 0 when every batch fits the device, 1 otherwise (a bad parameter raises
+    ConfigError: exit 2)."""
     if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.corpus_samples < 0:
         raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --corpus-samples >= 0")
     config = load_config(params, args.preset)
