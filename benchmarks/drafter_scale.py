@@ -50,6 +50,14 @@ from dflash_lib.models.layout import DraftLayout, attention_work  # noqa: E402
 BACKENDS = ("dense", "blocks")
 
 
+def pair_flops(heads: int, head_dim: int) -> int:
+    """Forward + backward SDPA FLOPs of ONE query-key pair over `heads` heads, by `sdpa_flop_mapping`'s formulas."""
+    aten, one = torch.ops.aten, (1, heads, 1, head_dim)  # (b, h, S, d) of one query and one key
+    count = sdpa_flop_mapping()
+    return (count[aten._scaled_dot_product_flash_attention_for_cpu](one, one, one)
+            + count[aten._scaled_dot_product_flash_attention_for_cpu_backward](one, one, one, one))
+
+
 def build(args, layers: int) -> tuple[DFlashDrafter, Batch, torch.Tensor, object]:
     """Target, drafter (seeded: the same weights for every backend), the document batch, its features
     (1, T, F*H) and its anchors (seeded: the same for every backend)."""
@@ -175,12 +183,12 @@ def main() -> None:
     print(f"\n{'layers':>6} {'backend':>7} {'step s':>7} {'peak RSS MiB':>12} {'(abs MiB)':>9} "
           f"{'attn GFLOP':>10} {'total GFLOP':>11} {'attn/allowed':>12}")
     for r in rows:
-        allowed = 12 * args.heads * (args.hidden // args.heads) * r["pairs_allowed"] * r["layers"]  # fwd 4 + bwd 8
+        allowed = pair_flops(args.heads, args.hidden // args.heads) * r["pairs_allowed"] * r["layers"]
         print(f"{r['layers']:>6} {r['backend']:>7} {r['seconds']:>7.2f} {r['growth_mib']:>12.0f} "
               f"{r['peak_mib']:>9.0f} {r['attn_flops'] / 1e9:>10.1f} {r['total_flops'] / 1e9:>11.1f} "
               f"{r['attn_flops'] / allowed:>12.2f}")
     print(f"(peak RSS: growth over the built models and inputs, {rows[0]['rss_method']}; attn/allowed: counted "
-          f"attention FLOPs over 12*h*d*(query-key pairs the mask allows) per layer)")
+          f"attention FLOPs over the forward + backward FLOPs of the query-key pairs the mask allows, per layer)")
     checks = []
     for layers in depths:
         d, b = (next(r for r in rows if r["layers"] == layers and r["backend"] == x) for x in BACKENDS)

@@ -57,6 +57,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _params(pairs: list[list[str]] | None) -> dict[str, str]:
+    """The -p KEY VALUE pairs of a command as a dict (values still text); a key given twice is refused."""
     out: dict[str, str] = {}
     for key, value in pairs or []:
         if key in out:
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "dryrun":
             from dflash_lib.train.dryrun import run_cli
 
-            return run_cli(args)
+            return run_cli(args, _params(args.param))
         elif args.cmd == "params":
             print(params_table(args.section))
     except Exception as e:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, choose_k, efficiency_vs_k,
-                                     equal_length_boundaries, length_histogram, optimal_boundaries, plan_for_edges,
-                                     seed_boundaries)
+from dflash_lib.plan.buckets import (BatchSizing, BucketError, BucketFitError, BucketPlan, SampleCost, bucket_of,
+                                     choose_k, efficiency_vs_k, equal_length_boundaries, length_histogram,
+                                     optimal_boundaries, plan_for_edges, seed_boundaries)
 from dflash_lib.plan.fit import MemoryModel, check_fit
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,6 +151,36 @@ def test_batch_sizes_steps_and_predicted_figures():
     assert plan.capacity_utilisation == pytest.approx(real / (5 * 130))
     quad = BatchSizing("quadratic", q=64.0, token_budget=1000)
     assert quad.batch_sizes([64]).tolist() == [7]  # g(64) = 64 + 64 = 128 -> floor(1000 / 128)
+
+
+def test_sample_cost_and_its_two_spellings():
+    assert SampleCost("quadratic", 64.0)([0, 32, 64]).tolist() == [0.0, 48.0, 128.0]  # l + l^2 / 64
+    assert SampleCost()([3, 7]).tolist() == [3.0, 7.0]
+    # a config's pair (q = 0.0 unused when linear) -> the samplers' q, None meaning linear; and back
+    assert SampleCost("linear", 0.0).q is None and SampleCost("linear", 64.0).q is None
+    assert SampleCost("quadratic", 64.0).q == 64.0
+    assert SampleCost.of_q(None) == SampleCost("linear") and SampleCost.of_q(8.0) == SampleCost("quadratic", 8.0)
+    assert BatchSizing("quadratic", 64.0).g([64]).tolist() == [128.0]
+    with pytest.raises(BucketError, match="needs q > 0"):
+        SampleCost("quadratic", 0.0)
+    with pytest.raises(BucketError, match="cost must be one of"):
+        BatchSizing("cubic")
+
+
+def test_bucket_of_uses_inclusive_upper_edges():
+    edges = [10, 20, 30]
+    # an edge is in its own bucket, one token more in the next; 0 and everything up to edges[0] in bucket 0
+    assert bucket_of([0, 1, 10, 11, 20, 21, 30], edges).tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert int(bucket_of(20, edges)) == 1 and bucket_of(20, edges).shape == ()
+    assert bucket_of(np.zeros(0, dtype=np.int64), edges).shape == (0,)
+    with pytest.raises(BucketError, match=r"do not cover sample 1 of 31 tokens: the last edge must reach max_len"):
+        bucket_of([30, 31], edges)
+    with pytest.raises(BucketError, match="do not cover a sample of 99 tokens"):
+        bucket_of(99, edges)
+    for bad, message in (([], "non-empty"), ([10.0, 20.0], "ints"), ([20, 10], "strictly ascending"),
+                         ([0, 10], "positive")):
+        with pytest.raises(BucketError, match=message):
+            bucket_of(5, bad)
 
 
 def test_truncate_and_drop_policies():

@@ -155,6 +155,15 @@ def test_bad_settings_and_a_folder_as_corpus_are_one_line_before_any_run_folder(
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "dryrun"])
+def test_a_parameter_given_twice_is_one_line_before_any_work(command, tmp_path, capsys):
+    """Every subcommand reads its -p pairs through the one parser."""
+    run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []
+    assert main([command, *run_dir, "--preset", "smoke", "-p", "k", "2", "-p", "k", "3"]) == 2
+    assert capsys.readouterr().err == "error: parameter 'k' given twice\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_params_lists_every_key_and_help_names_the_notebooks_and_backends(capsys):
     from dflash_lib.config import FLAT_FIELDS, TrainConfig
     from dflash_lib.lab.runs import notebook_names

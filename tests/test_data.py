@@ -532,6 +532,28 @@ def test_failed_build_leaves_no_store(tmp_path, corpus, monkeypatch):
         TokenStore.open(cache)
 
 
+def test_a_folder_is_published_whole_and_a_lost_race_keeps_the_winner(tmp_path):
+    """publish_folder (the token store's and the demo target's): build aside, rename into place."""
+    def build(out):
+        (out / "done").write_text("mine")
+
+    def complete(folder):
+        return (folder / "done").is_file()
+
+    final = tmp_path / "key"
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    store_mod.publish_folder(tmp_path / "a", final, build, complete)
+    assert (final / "done").read_text() == "mine" and not (tmp_path / "a").exists()
+    (final / "done").write_text("winner")  # another process got there first: its complete folder stays
+    store_mod.publish_folder(tmp_path / "b", final, build, complete)
+    assert (final / "done").read_text() == "winner" and not (tmp_path / "b").exists()
+    (final / "done").rename(final / "half")  # an incomplete folder under the final name is no winner: refused
+    with pytest.raises(OSError):
+        store_mod.publish_folder(tmp_path / "c", final, build, complete)
+    assert not (tmp_path / "c").exists() and sorted(p.name for p in final.iterdir()) == ["half"]
+
+
 def test_parameter_validation_names_the_parameter(tmp_path, corpus):
     kw = dict(cache_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="policy must be one of"):

@@ -20,7 +20,7 @@ from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
-from dflash_lib.train.feed import Item, bucket_of, epoch_batches
+from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
 from dflash_lib.train.loop import RunSummary, run_training
 from dflash_lib.train.metrics import StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
@@ -109,12 +109,12 @@ def test_plan_steps():
         plan_steps(TrainConfig(epochs=1.0), 0, 0, 1)
 
 
-def test_bucket_of_uses_inclusive_upper_edges():
-    edges = [10, 20, 30]
-    assert [bucket_of(n, edges) for n in (1, 10, 11, 20, 30)] == [0, 0, 1, 1, 2]
-    assert bucket_of(99, []) == -1
-    with pytest.raises(ValueError, match="31 tokens exceeds the last bucket edge 30"):
-        bucket_of(31, edges)
+def test_collate_labels_a_padded_batch_with_the_bucket_of_its_longest_sample():
+    store = [(np.arange(n), np.ones(n, dtype=bool)) for n in (3, 8, 9)]  # samples of 3, 8 and 9 tokens
+    to_edge = make_collate(store, packed=False, pad_id=0, row_len=0, edges=[4, 8, 16], pad_to_edge=True)
+    batches = [to_edge(Work(0, 0, 0, True, idx)).batch for idx in ([0], [0, 1], [2])]
+    assert [(b.bucket, b.input_ids.shape[1]) for b in batches] == [(0, 4), (1, 8), (2, 16)]  # 8 is edge 8's
+    assert make_collate(store, packed=False, pad_id=0, row_len=0)(Work(0, 0, 0, True, [0, 2])).batch.bucket == -1
 
 
 # -- small stand-ins for the store and the sampler -----------------------------------------------------------------

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -158,18 +158,26 @@ def build_token_store(source: str = "sharegpt", tokenizer: str = "qwen", templat
     with writable("the token store cache (-p cache_dir)", final.parent):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+    publish_folder(tmp, final, lambda out: _build(settings, key, out, workers, progress),
+                   lambda folder: (folder / META_FILE).is_file())
+    return TokenStore.open(final)
+
+
+def publish_folder(tmp: Path, final: Path, build: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> None:
+    """Fill the empty folder `tmp` with build(tmp), then rename it to `final` (on the same file system), so that a
+    reader never meets a half-built cache folder. Of two processes racing for one key the loser drops its copy,
+    but only when the winner's `is_complete`; on any failure `tmp` is removed and the error raised."""
     try:
-        _build(settings, key, tmp, workers, progress)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / META_FILE).is_file():  # lost a race only if the winner is complete
+            if not is_complete(final):  # lost a race only if the winner is complete
                 raise
             shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return TokenStore.open(final)
 
 
 def build_token_store_from_config(cfg: DataConfig, progress: bool = True) -> TokenStore:

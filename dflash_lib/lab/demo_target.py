@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import transformers
 from dflash_lib.config import MAPPED_VOCAB_FILE, Config, ConfigError, from_params
 from dflash_lib.data.readers import load_conversations
 from dflash_lib.data.split import split_store
-from dflash_lib.data.store import StoreSettings, build_token_store_from_config
+from dflash_lib.data.store import StoreSettings, build_token_store_from_config, publish_folder
 from dflash_lib.data.templates import get_template
 from dflash_lib.data.tokenizers import MappedVocab, is_mapped_tokenizer, load_tokenizer, tokenizer_identity
 from dflash_lib.models.target import tiny_qwen3_config
@@ -138,19 +137,13 @@ def ensure_demo_target(cfg: Config, settings: DemoTargetSettings | None = None, 
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))  # a leftover one (killed build) is never read
-    try:
-        build_demo_target(cfg, settings, tmp, key, progress)
+
+    def build(out: Path) -> None:
+        build_demo_target(cfg, settings, out, key, progress)
         if final.exists() and not is_complete(final):
             shutil.rmtree(final)  # an incomplete folder under the final name (copied by hand): replace it
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not is_complete(final):  # lost a race only if the winner is complete
-                raise
-            shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    publish_folder(tmp, final, build, is_complete)
     return final
 
 

@@ -22,10 +22,10 @@ import pandas as pd
 from dflash_lib.config import Config, ConfigError, from_params
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.plan.buckets import plan_for_edges
+from dflash_lib.plan.buckets import SampleCost, bucket_of, plan_for_edges
 from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObservation, attention_q_from_fit,
                                        select_cost_model, throughput_rel_sd)
-from dflash_lib.plan.sampler import bucket_of, packing_efficiency, padding_efficiency, randomness
+from dflash_lib.plan.sampler import packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
 from dflash_lib.train.loop import RunSummary, train
 from dflash_lib.train.metrics import load_metrics
@@ -78,7 +78,7 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
         edge = np.asarray(edges)[bucket_of(longest, edges)]  # (S,) the edge each batch is padded to
         return float(lengths[idx].sum() / (edge * np.diff(off)).sum())
     if s.strategy == "bucketed":
-        q = config.buckets.q if config.buckets.cost == "quadratic" else None
+        q = SampleCost(config.buckets.cost, config.buckets.q).q
         plan = plan_for_edges(lengths, edges, max_len=config.data.max_len, objective=config.buckets.objective,
                               cost=config.buckets.cost, q=q, token_budget=s.token_budget,
                               policy=config.data.policy)

@@ -158,17 +158,19 @@ def make_attend(layout: DraftLayout, backend: str) -> Attend:
 
 
 def sdpa_flop_mapping() -> dict:
-    """`FlopCounterMode(custom_mapping=...)` entries for SDPA's CPU flash kernel, which torch's counter does not
-    count: forward 2 matmuls (QK^T, PV) = 4*b*h*Sq*Sk*d FLOPs, backward 4 matmuls = twice that (GQA: h = query
-    heads, the kernel broadcasts K/V heads)."""
+    """`FlopCounterMode(custom_mapping=...)` entries for SDPA's CPU flash kernel, which torch's counter leaves at
+    0: torch's own formulas for its CUDA flash kernels, whose matmuls the CPU kernel runs too. Forward QK^T and PV,
+    4*b*h*Sq*Sk*d FLOPs; backward 5 matmuls, 10*b*h*Sq*Sk*d: the scores QK^T recomputed from the saved logsumexp,
+    then dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (the math backend keeps P and pays 8). GQA: h = query
+    heads, the kernel broadcasts K/V heads."""
     aten = torch.ops.aten
 
     def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         b, h, sq, d = query_shape
-        return 4 * b * h * sq * key_shape[-2] * d
+        return 4 * b * h * sq * key_shape[-2] * d  # 2 matmuls of (Sq x d) by (d x Sk) per query head
 
     def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return 2 * forward(query_shape, key_shape, value_shape)
+        return forward(query_shape, key_shape, value_shape) * 5 // 2  # 5 matmuls of the same size
 
     return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}

@@ -57,8 +57,36 @@ class BucketFitError(BucketError):
 
 
 @dataclass(frozen=True)
+class SampleCost:
+    """What one sample of l tokens costs, in token-equivalents: g(l) = l ("linear") or l + l^2 / q ("quadratic",
+    attention's share; q in tokens). Configs and plans spell it as the pair (cost, q); the samplers as q alone,
+    None meaning linear: `SampleCost(cost, q).q` is the samplers' q, `SampleCost.of_q(q).cost` the pair's name."""
+
+    cost: str = "linear"  # "linear" | "quadratic"
+    q: float | None = None  # quadratic scale in tokens; None when linear (a q given with "linear" is dropped)
+
+    def __post_init__(self) -> None:
+        if self.cost not in COSTS:
+            raise BucketError(f"cost must be one of {list(COSTS)}, got {self.cost!r}")
+        if self.cost == "quadratic" and (self.q is None or not self.q > 0):
+            raise BucketError(f"cost='quadratic' needs q > 0 (tokens), got q={self.q!r}")
+        if self.cost == "linear":
+            object.__setattr__(self, "q", None)  # a config's unused q (0.0) must not read as a quadratic scale
+
+    @classmethod
+    def of_q(cls, q: float | None) -> SampleCost:
+        """The cost a sampler's `q` stands for: linear when None, else quadratic with scale q (tokens)."""
+        return cls("linear" if q is None else "quadratic", q)
+
+    def __call__(self, lengths: Any) -> np.ndarray:
+        """g(lengths), float64 of the same shape (token-equivalents)."""
+        x = np.asarray(lengths, dtype=np.float64)
+        return x if self.q is None else x + x * x / self.q
+
+
+@dataclass(frozen=True)
 class BatchSizing:
-    """How one sample is priced and how many samples one batch of a bucket holds."""
+    """How one sample is priced (`SampleCost`) and how many samples one batch of a bucket holds."""
 
     cost: str = "linear"  # "linear": g(l) = l; "quadratic": g(l) = l + l^2 / q
     q: float | None = None  # quadratic scale in tokens (required for "quadratic")
@@ -67,10 +95,7 @@ class BatchSizing:
     multiple: int = 1  # batch sizes are rounded down to a multiple of this (kernel shapes), never below 1
 
     def __post_init__(self) -> None:
-        if self.cost not in COSTS:
-            raise BucketError(f"cost must be one of {list(COSTS)}, got {self.cost!r}")
-        if self.cost == "quadratic" and (self.q is None or not self.q > 0):
-            raise BucketError(f"cost='quadratic' needs q > 0 (tokens), got q={self.q!r}")
+        SampleCost(self.cost, self.q)  # refuses an unknown cost, or a quadratic one without q > 0
         if self.token_budget is not None and not self.token_budget > 0:
             raise BucketError(f"token_budget must be > 0, got {self.token_budget!r}")
         if self.batch_size is not None and not self.batch_size > 0:
@@ -78,10 +103,13 @@ class BatchSizing:
         if not (isinstance(self.multiple, int) and self.multiple >= 1):
             raise BucketError(f"multiple must be an int >= 1, got {self.multiple!r}")
 
+    @property
+    def sample_cost(self) -> SampleCost:
+        return SampleCost(self.cost, self.q)
+
     def g(self, lengths: Any) -> np.ndarray:
         """Cost of samples of `lengths` tokens, float64 of the same shape (token-equivalents)."""
-        x = np.asarray(lengths, dtype=np.float64)
-        return x + x * x / self.q if self.cost == "quadratic" else x
+        return self.sample_cost(lengths)
 
     def capacity(self, lengths: Any) -> np.ndarray:
         """Most samples a batch whose longest member has `lengths` tokens may hold: floor(T / g(l)), int64."""
@@ -342,7 +370,26 @@ class BucketPlan:
         return plan
 
 
-def _check_edges(edges: Sequence[int], max_len: int) -> np.ndarray:
+def bucket_of(lengths: Any, edges: Sequence[int]) -> np.ndarray:
+    """Bucket index of each of `lengths` (tokens): int64 of their shape (0-d for one length; int() it).
+
+    `edges` are the buckets' inclusive upper edges, ascending: bucket i holds (edges[i-1], edges[i]], so a length
+    equal to an edge is in that edge's bucket, one token more in the next, and every length <= edges[0] (0 too)
+    in bucket 0. A length above the last edge is refused with a BucketError naming it (the last edge must reach
+    max_len), as are edges that are empty, not ints, not positive or not strictly ascending."""
+    e = _check_edges(edges)
+    x = np.asarray(lengths)
+    if x.size and x.max() > e[-1]:
+        i = int(np.argmax(x))  # the first of the longest (a flat index)
+        which = "a sample" if x.ndim == 0 else f"sample {i}"
+        raise BucketError(f"edges {e.tolist()} do not cover {which} of {int(x.flat[i])} tokens: the last edge must "
+                          f"reach max_len")
+    return np.searchsorted(e, x, side="left")
+
+
+def _check_edges(edges: Sequence[int], max_len: int = 0) -> np.ndarray:
+    """`edges` as (K,) int64 once they are a non-empty, positive, strictly ascending list of ints whose last one
+    reaches max_len (tokens; 0 checks no length)."""
     e = np.asarray(edges)
     if e.ndim != 1 or e.size == 0:
         raise BucketError(f"edges must be a non-empty list of ints, got {list(edges)!r}")

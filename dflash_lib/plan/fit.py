@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_lib.plan.buckets import BatchSizing, BucketError, BucketFitError, BucketPlan, check_lengths
+from dflash_lib.plan.buckets import BatchSizing, BucketError, BucketFitError, BucketPlan, bucket_of, check_lengths
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,10 +187,7 @@ def _bucket_queries(plan: BucketPlan, lengths: Any, queries: Any, max_queries: A
     q = np.asarray(queries)
     if q.shape != x.shape or q.dtype.kind not in "iu" or (q < 0).any():
         raise BucketError(f"queries must be {len(x)} ints >= 0 (drafter query tokens per sample, one per length)")
-    longest = int(np.argmax(x))
-    if x[longest] > plan.edges[-1]:
-        raise BucketError(f"sample {longest} of {int(x[longest])} tokens is above the last edge {plan.edges[-1]}")
-    bucket = np.searchsorted(np.asarray(plan.edges), x, side="left")  # (N,)
+    bucket = bucket_of(x, plan.edges)  # (N,)
     order = np.argsort(bucket, kind="stable")
     bounds = np.searchsorted(bucket[order], np.arange(plan.k + 1), side="left")
     return [(x[order[a:b]], q.astype(np.int64)[order[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])]

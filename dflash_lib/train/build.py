@@ -27,7 +27,7 @@ from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan import sampler as samplers
-from dflash_lib.plan.buckets import BucketPlan, optimal_boundaries
+from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.train import distributed
 
@@ -135,7 +135,7 @@ def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = No
         return list(plan.edges)
     if sc.edges:
         return list(sc.edges)
-    q = bc.q if bc.cost == "quadratic" else None
+    q = SampleCost(bc.cost, bc.q).q
     plan = optimal_boundaries(lengths, bc.k, max_len=config.data.max_len, objective=bc.objective, cost=bc.cost,
                               q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy)
     return list(plan.edges)
@@ -160,7 +160,7 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     drafter query tokens per sample (`data.stats.store_drafter_queries`), every batch also stays within
     `sampler.resolve_block_budget` query tokens; None bounds target tokens only."""
     sc = config.sampler
-    q = config.buckets.q if config.buckets.cost == "quadratic" else None
+    q = SampleCost(config.buckets.cost, config.buckets.q).q
     common = dict(seed=sc.sampler_seed, rank=rank, world_size=world_size)
     if queries is not None:
         budget = samplers.resolve_block_budget(sc, config.buckets, config.model, config.data.max_len)
@@ -175,7 +175,7 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
             bucket_max = None
             if queries is not None:  # (K,) the costliest sample of each bucket, drafter query tokens
                 bucket_max = np.zeros(len(edges), dtype=np.int64)
-                np.maximum.at(bucket_max, samplers.bucket_of(np.asarray(lengths), edges), queries)
+                np.maximum.at(bucket_max, bucket_of(lengths, edges), queries)
             sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
         return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
                                                **common)

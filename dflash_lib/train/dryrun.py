@@ -69,9 +69,10 @@ from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
-from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.attention import resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.models.target import target_hf_config
+from dflash_lib.plan.buckets import SampleCost
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.rundir import JsonRecord, load_config, omitted
@@ -161,7 +162,7 @@ def _fill_anchors(n: int, per_doc: int, block_size: int, block_budget: int | Non
 def worst_bucket_batch(bucket: int, lower: int, edge: int, config: Config, block_budget: int | None) -> WorstBatch:
     """The worst batch of bucket (lower, edge] (module docstring): rows from the token budget's fill rule."""
     sc, mc = config.sampler, config.model
-    q = config.buckets.q if config.buckets.cost == "quadratic" else None
+    q = SampleCost(config.buckets.cost, config.buckets.q).q
     n = int(TokenBudget(sc.token_budget, q).sizing.capacity(edge))
     if n < 1:
         raise ConfigError(f"bucket {bucket} ({lower}, {edge}]: not one document of {edge} tokens fits token_budget "
@@ -292,21 +293,9 @@ class _Root(torch.nn.Module):
         return fn()
 
 
-def _sdpa_fwd_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
-    """CPU flash SDPA forward, torch's formula for the CUDA kernels: 2 matmuls of (Q x d) by (d x K) per head."""
-    b, h, sq, d = q
-    return 4 * b * h * sq * k[2] * d
-
-
-def _sdpa_bwd_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-    """CPU flash SDPA backward, torch's formula for the CUDA kernels: 5 matmuls (scores recomputed)."""
-    b, h, sq, d = q
-    return 10 * b * h * sq * k[2] * d
-
-
 class _FlopTally:
-    """FlopCounterMode with torch's formulas plus the CPU flash-attention kernels' (torch's table has only the CUDA
-    ones), and a tally of the matmul FLOPs with a vocabulary-sized dimension (the LM head) for the split."""
+    """FlopCounterMode with torch's formulas plus the CPU flash-attention kernels' (`sdpa_flop_mapping`: torch's table
+    has only the CUDA ones), and a tally of the matmul FLOPs with a vocabulary-sized dimension (the LM head) for the split."""
 
     def __init__(self, vocab_size: int):
         self.vocab, self.head = vocab_size, 0
@@ -320,10 +309,8 @@ class _FlopTally:
         mm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
         addmm = lambda s, a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
         bmm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * a[2] * b[2])  # noqa: E731
-        return FlopCounterMode(display=False, custom_mapping={
-            aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
-            aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd_flops,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_bwd_flops})
+        return FlopCounterMode(display=False, custom_mapping={aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
+                                                              **sdpa_flop_mapping()})
 
 
 def _attention_flops(counter: FlopCounterMode) -> int:
@@ -748,14 +735,10 @@ def format_report(report: DryRunReport) -> str:
     return "\n".join(lines)
 
 
-def run_cli(args: Any) -> int:
-    """`python -m dflash_lib dryrun` (arguments in `__main__`): the table, then ONE JSON line (the report); returns
-    0 when every batch fits the device, 1 otherwise (a bad parameter raises ConfigError: exit 2)."""
-    params: dict[str, str] = {}
-    for key, value in args.param or []:
-        if key in params:
-            raise ConfigError(f"parameter {key!r} given twice")
-        params[key] = value
+def run_cli(args: Any, params: dict[str, str]) -> int:
+    """`python -m dflash_lib dryrun` (arguments and the -p KEY VALUE `params` parsed in `__main__`): the table, then
+    ONE JSON line (the report); returns 0 when every batch fits the device, 1 otherwise (a bad parameter raises
+    ConfigError: exit 2)."""
     if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.corpus_samples < 0:
         raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --corpus-samples >= 0")
     config = load_config(params, args.preset)

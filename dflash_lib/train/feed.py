@@ -27,6 +27,7 @@ import torch
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.models.layout import DraftLayout
+from dflash_lib.plan.buckets import bucket_of
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
 
@@ -121,16 +122,6 @@ class Item:
         self.ready = None  # waited: a second call is a no-op
 
 
-def bucket_of(max_len: int, edges: Sequence[int]) -> int:
-    """Index of the first bucket whose upper edge (tokens) holds `max_len`; -1 without edges."""
-    if not len(edges):
-        return -1
-    k = int(np.searchsorted(np.asarray(edges), max_len, side="left"))
-    if k >= len(edges):
-        raise ValueError(f"a sample of {max_len} tokens exceeds the last bucket edge {edges[-1]}")
-    return k
-
-
 def anchor_seed(seed: int, shard: int, epoch: int, step: int) -> int:
     """Seed of the anchor draw of one micro-batch: a pure function of its sampler position, so anchors can be
     drawn ahead in the feed stage and a resume draws exactly the anchors an uninterrupted run would."""
@@ -174,7 +165,7 @@ def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Seq
         if packed:
             batch = collate_packed(good, pad_id, row_len, idx)
         else:
-            bucket = bucket_of(max(len(t) for t, _ in samples), edges)
+            bucket = int(bucket_of(max(len(t) for t, _ in samples), edges)) if len(edges) else -1  # -1: no buckets
             pad_to = int(edges[bucket]) if pad_to_edge else 0
             batch = collate_padded(good, pad_id, idx, bucket, pad_to)
         return Collated(work, batch, tuple(skips), None if prepare is None else prepare(batch, work))

@@ -13,22 +13,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dflash_lib.plan.buckets import BucketError, bucket_of
 from dflash_lib.plan.sampler.base import EpochBatchSampler, EpochPlan, shard_by_bucket
 from dflash_lib.plan.sampler.budget import SamplerError, TokenBudget, greedy_fill
-
-
-def bucket_of(lengths: np.ndarray, edges: Sequence[int]) -> np.ndarray:
-    """(N,) bucket index of each length: bucket i holds (edges[i-1], edges[i]] tokens. Refuses uncovered lengths."""
-    e = np.asarray(edges)
-    if e.ndim != 1 or e.size == 0 or e.dtype.kind not in "iu":
-        raise SamplerError(f"edges must be a non-empty list of ints (tokens), got {list(edges)!r}")
-    if (e < 1).any() or (np.diff(e) <= 0).any():
-        raise SamplerError(f"edges must be positive and strictly ascending, got {e.tolist()}")
-    longest = int(np.argmax(lengths))
-    if lengths[longest] > e[-1]:
-        raise SamplerError(f"edges {e.tolist()} do not cover sample {longest} of {int(lengths[longest])} tokens: "
-                           f"the last edge must reach max_len")
-    return np.searchsorted(e, lengths, side="left")
 
 
 class BucketedShuffleSampler(EpochBatchSampler):
@@ -45,7 +32,10 @@ class BucketedShuffleSampler(EpochBatchSampler):
                          block_budget=block_budget)
         if bucket_choice not in ("proportional", "uniform"):
             raise SamplerError(f"bucket_choice must be 'proportional' or 'uniform', got {bucket_choice!r}")
-        buckets = bucket_of(self.lengths, edges)  # validates edges first
+        try:
+            buckets = bucket_of(self.lengths, edges)  # (N,); validates edges first
+        except BucketError as e:
+            raise SamplerError(str(e)) from None
         self.edges = tuple(int(e) for e in edges)
         self.budget = TokenBudget(token_budget, q)
         self.budget.check_longest(np.asarray(self.edges), "bucket")  # the longest ALLOWED sample: the last edge

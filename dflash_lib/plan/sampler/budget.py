@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dflash_lib.config import BucketConfig, ModelConfig, SamplerConfig
-from dflash_lib.plan.buckets import BatchSizing, BucketError
+from dflash_lib.plan.buckets import BatchSizing, BucketError, SampleCost
 
 
 class SamplerError(ValueError):
@@ -36,7 +36,7 @@ class TokenBudget:
 
     @property
     def sizing(self) -> BatchSizing:
-        return BatchSizing("linear" if self.q is None else "quadratic", self.q, int(self.tokens))
+        return BatchSizing(SampleCost.of_q(self.q).cost, self.q, int(self.tokens))
 
     def cost(self, lengths: np.ndarray) -> np.ndarray:
         """g(lengths), float64, cost units."""
@@ -94,7 +94,7 @@ def resolve_block_budget(sampler: SamplerConfig, buckets: BucketConfig, model: M
     (with the buckets' quadratic cost when the strategy prices batches by it; packed rows count plain tokens)."""
     if sampler.block_budget > 0:
         return int(sampler.block_budget)
-    q = buckets.q if buckets.cost == "quadratic" and sampler.strategy != "packed" else None
+    q = None if sampler.strategy == "packed" else SampleCost(buckets.cost, buckets.q).q
     return derived_block_budget(sampler.token_budget, max_len, model.num_anchors, model.block_size, q)
 
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dflash_lib.plan.buckets import apply_policy, equal_length_boundaries, optimal_boundaries, seed_boundaries
+from dflash_lib.plan.buckets import (SampleCost, apply_policy, equal_length_boundaries, optimal_boundaries,
+                                     seed_boundaries)
 from dflash_lib.plan.sampler.base import EpochBatchSampler
 from dflash_lib.plan.sampler.bucketed import BucketedShuffleSampler
 from dflash_lib.plan.sampler.budget import SamplerError
@@ -122,8 +123,7 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
     weakness of fixed sizes that is not charged here).
     """
     x = apply_policy(lengths, max_len, policy)
-    cost = "linear" if q is None else "quadratic"
-    kw = dict(max_len=max_len, cost=cost, q=q, token_budget=token_budget)
+    kw = dict(max_len=max_len, cost=SampleCost.of_q(q).cost, q=q, token_budget=token_budget)
     optimal = optimal_boundaries(x, k, objective=objective, **kw)
     seed_plan = seed_boundaries(x, k, objective="edge", **kw)
     equal = equal_length_boundaries(x, k, **kw)

@@ -18,6 +18,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from dflash_lib.plan.buckets import bucket_of
 from dflash_lib.plan.sampler.base import EpochBatchSampler, EpochPlan
 from dflash_lib.plan.sampler.budget import SamplerError
 
@@ -94,10 +95,11 @@ def lag1_correlation(batches: Batches, lengths: np.ndarray, stat: str = "mean") 
 
 
 def bucket_mix(batches: Batches, lengths: np.ndarray, edges: Sequence[int]) -> np.ndarray:
-    """(B,) bucket of each batch, by its longest member (bucket i holds (edges[i-1], edges[i]])."""
+    """(B,) bucket of each batch, by its longest member (`bucket_of`; a batch longer than the last edge counts in
+    the last bucket)."""
     idx, off = as_csr(batches)
     longest = _per_batch(np.asarray(lengths)[idx], off, np.maximum)
-    return np.minimum(np.searchsorted(np.asarray(edges), longest, side="left"), len(edges) - 1)
+    return bucket_of(np.minimum(longest, edges[-1]), edges)
 
 
 def bucket_mix_kl(batches: Batches, lengths: np.ndarray, edges: Sequence[int], tail: float = 0.1) -> float:
