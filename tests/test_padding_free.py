@@ -1,5 +1,5 @@
 """No compute on padding: the target runs a batch's real tokens only (features and losses equal to the slot-by-slot
-path it replaced, FLOPs proportional to real tokens)."""
+path it replaced, FLOPs proportional to real tokens), and packed rows are as long as their documents."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_lib.data.batch import Batch, collate_packed, collate_padded
+from dflash_lib.config import ConfigError, from_params, preset
+from dflash_lib.data.batch import Batch, collate_packed, collate_padded, packed_row_len
 from dflash_lib.models import real_tokens, segment_cu_seqlens
 from dflash_lib.models.attention import sdpa_flop_mapping
+from dflash_lib.plan.sampler import packing_efficiency
+from dflash_lib.train.feed import Work, make_collate
 from test_step_syncs import SyncCounter
 from tiny_models import VOCAB, tiny_drafter, tiny_target
 
@@ -138,3 +141,29 @@ def test_target_flops_are_those_of_the_real_tokens_not_the_slots(target):
             assert _flops(lambda: target.features(batch)) == pytest.approx(reference, rel=0.02)
         finally:
             target.gather = True
+
+
+def test_packed_rows_are_their_tokens_rounded_up_unless_static():
+    docs = _docs([50, 31, 20])  # 101 tokens
+    assert [packed_row_len(101, 256, m) for m in (0, 1, 64, 128, 512)] == [256, 101, 128, 128, 256]
+    assert collate_packed(docs, 0, 256, multiple=64).input_ids.shape == (1, 128)
+    assert collate_packed(docs, 0, 256).input_ids.shape == (1, 256)  # multiple 0: exactly row_len (static)
+    store = docs + _docs([256], 1)
+    for static, want in ((False, [(1, 128), (1, 256)]), (True, [(1, 256), (1, 256)])):
+        collate = make_collate(store, True, 0, 256, pack_multiple=0 if static else 64)
+        shapes = [tuple(collate(Work(0, s, 0, True, idx)).batch.input_ids.shape)
+                  for s, idx in enumerate([[0, 1, 2], [3]])]
+        assert shapes == want
+    # the predicted token efficiency counts the rows' real lengths: (101 + 256) / (128 + 256)
+    lengths = np.array([50, 31, 20, 256])
+    assert packing_efficiency([[0, 1, 2], [3]], lengths, 256, 64) == pytest.approx(357 / 384)
+    assert packing_efficiency([[0, 1, 2], [3]], lengths, 256) == pytest.approx(357 / 512)
+
+
+def test_static_shapes_and_pack_multiple_settings():
+    cfg = from_params({"strategy": "packed", "static_shapes": True}, preset("smoke"))
+    assert cfg.sampler.static_shapes and cfg.sampler.pack_multiple == 64
+    with pytest.raises(ConfigError, match="pack_multiple must be > 0"):
+        from_params({"pack_multiple": 0}, preset("smoke"))
+    with pytest.raises(ConfigError, match="static_shapes needs strategy 'bucketed' or 'packed'"):
+        from_params({"strategy": "random", "static_shapes": True}, preset("smoke"))
