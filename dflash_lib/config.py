@@ -81,21 +81,26 @@ class BucketConfig:
 @dataclass
 class SamplerConfig:
     strategy: str = "bucketed"  # "sorted" | "random" | "bucketed" | "packed"
-    token_budget: int = 16384  # tokens per batch INCLUDING padding (packed: tokens per row)
+    token_budget: int = 16384  # tokens per batch INCLUDING padding (packed: most tokens per row)
     edges: list[int] = field(default_factory=list)  # bucket upper edges; empty = optimal for the data
     plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
     sampler_seed: int = 0  # sampler seed; epoch e uses (sampler_seed, e)
     block_budget: int = 0  # drafter query tokens (anchors x block_size) per micro-batch; 0 = derived (see sampler)
     pack_window: int = 64  # packed: open rows the best-fit packer chooses among (larger = tighter, less random)
-    static_shapes: bool = False  # bucketed: budget // edge rows per batch, every row padded to its bucket's upper
-    # edge (k fixed shapes, as CUDA graphs / torch.compile want; what the "edge" objective prices exactly)
+    pack_multiple: int = 64  # packed: a row holds its tokens rounded up to a multiple of this, at most token_budget:
+    # under 64 padding slots a row (the drafter's context pays them), at most token_budget / 64 row shapes
+    static_shapes: bool = False  # fixed shapes, paying for their padding again (the target runs every slot, the
+    # drafter's context too). packed: every row token_budget slots; bucketed: budget // edge rows per batch, every
+    # row padded to its bucket's upper edge (k fixed shapes, as CUDA graphs / torch.compile want; what the "edge"
+    # objective prices exactly)
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, ("sorted", "random", "bucketed", "packed"))
-        if self.static_shapes and self.strategy != "bucketed":
-            raise ConfigError(f"static_shapes needs strategy 'bucketed', got strategy {self.strategy!r}")
+        if self.static_shapes and self.strategy not in ("bucketed", "packed"):
+            raise ConfigError(f"static_shapes needs strategy 'bucketed' or 'packed', got strategy {self.strategy!r}")
         _positive("token_budget", self.token_budget)
         _positive("pack_window", self.pack_window)
+        _positive("pack_multiple", self.pack_multiple)
         _non_negative("block_budget", self.block_budget)
         if any(b <= a for a, b in zip(self.edges, self.edges[1:])):
             raise ConfigError(f"edges must be strictly ascending, got {self.edges}")

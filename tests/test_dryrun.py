@@ -99,6 +99,22 @@ def test_flex_attention_flops_are_those_of_the_kept_tiles():
     assert fig.kernel_allowance == 0
 
 
+def test_a_fake_step_runs_the_target_on_the_real_tokens_of_a_padded_batch():
+    """The dry run hands the target its gather plan as fake tensors: a padded batch's target FLOPs are those of its
+    documents in one row without padding."""
+    from dflash_lib.data.batch import collate_packed, collate_padded
+
+    cfg = _tiny(target_layers=2, num_features=1, drafter_layers=1)
+    hf = tiny_qwen3_config(hidden_size=64, num_layers=2, vocab_size=VOCAB)
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, VOCAB - 1, n), np.arange(n) >= 2) for n in (60, 20, 33)]
+    padded, unpadded = collate_padded(docs, 0), collate_packed(docs, 0, row_len=113)
+    settings = dryrun.StepSettings("blocks", False)
+    fake = dryrun.build_step_models(cfg, hf, settings, fake=True)
+    figures = {name: dryrun.measure_step(fake, b) for name, b in (("padded", padded), ("unpadded", unpadded))}
+    assert figures["padded"].flops["target_forward"] == figures["unpadded"].flops["target_forward"] > 0
+
+
 def test_required_memory_is_peak_with_fragmentation_plus_kernel_allowance_plus_reserve():
     """required = peak x (1 + fragmentation) + kernel_allowance + reserve_gib, the figure a batch's fit is judged
     by; the dense kernel's allowance is one (Q, K) bf16 mask, K padded to a multiple of 16."""

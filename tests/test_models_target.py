@@ -8,8 +8,7 @@ import torch
 
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import (TargetModel, document_segments, feature_layer_ids, resolve_backend,
-                               segment_cu_seqlens, tiny_qwen3_config)
+from dflash_lib.models import TargetModel, feature_layer_ids, resolve_backend, segment_cu_seqlens, tiny_qwen3_config
 
 VOCAB = 300
 
@@ -79,7 +78,6 @@ def test_segment_boundaries_for_varlen():
     doc = torch.tensor([[0, 0, 1, 1, 1, -1], [2, 2, 2, 3, -1, -1]])
     cu, longest = segment_cu_seqlens(doc)
     assert cu.tolist() == [0, 2, 5, 6, 9, 10, 12] and longest == 3 and cu.dtype == torch.int32
-    assert document_segments(doc) == [(0, 2), (2, 5), (6, 9), (9, 10)]  # padding runs left out
 
 
 def test_backend_choice_and_bad_target_path(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, from_params
 from dflash_lib.lab.probe import StrategyProbe, cost_model_json, demo_summary, observations, probe_table
 from dflash_lib.plan.costmodel import select_cost_model, throughput_rel_sd
 
@@ -140,5 +140,13 @@ def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly()
     slots = sum(edges[int(np.searchsorted(edges, lengths[idx[a:b]].max()))] * (b - a)
                 for a, b in zip(off[:-1], off[1:]))
     assert predicted_efficiency(cfg, sampler, lengths, edges) == pytest.approx(lengths[idx].sum() / slots)
+    for static in (False, True):  # packed rows: their tokens rounded up to pack_multiple, or the whole budget
+        packed = from_params({"static_shapes": static}, strategy_config(preset("smoke"), "packed", steps=5))
+        sampler = build_sampler(packed, lengths, 0, 1, [])
+        idx, off = sampler.epoch_plan(0).csr()
+        row = np.add.reduceat(lengths[idx], off[:-1])  # (rows,) real tokens of each row
+        budget = packed.sampler.token_budget
+        slots = np.full(len(row), budget) if static else np.minimum(budget, -(-row // 64) * 64)
+        assert predicted_efficiency(packed, sampler, lengths, []) == pytest.approx(row.sum() / slots.sum())
     with pytest.raises(ConfigError, match="not one of"):
         strategy_config(preset("smoke"), "megabatch", steps=5)

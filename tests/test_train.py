@@ -397,20 +397,24 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
     assert summary.data_records == report.counts() and report.skipped[NO_ASSISTANT_WITHIN_MAX_LEN] > 0
 
 
-@pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])
-def test_command_line_trains_every_strategy(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,static", [("sorted", False), ("random", False), ("packed", False),
+                                             ("packed", True)])
+def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     from dflash_lib.__main__ import main
+    from dflash_lib.data.batch import packed_row_len
 
     run_dir = tmp_path / strategy
     assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
-                 "-p", "strategy", strategy]) == 0
+                 "-p", "strategy", strategy, "-p", "static_shapes", str(static).lower()]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
-    if strategy == "packed":  # rows are packed tight; a sample skipped by validation leaves its slots empty
-        assert all(r["bucket"] == -1 for r in rows)
-        served = sum(r["real_tokens"] + r["skipped_tokens"] for r in rows)
-        assert served / summary["padded_tokens"] > 0.9
+    if strategy == "packed":  # one row per step, as long as its tokens rounded up to 64 (static: the budget)
+        budget = preset("smoke").sampler.token_budget
+        assert all(r["bucket"] == -1 and r["rows"] == 1 for r in rows)
+        assert [r["row_len"] for r in rows] == [packed_row_len(r["real_tokens"], budget, 0 if static else 64)
+                                                for r in rows]
+        assert summary["padded_tokens"] == sum(r["row_len"] for r in rows)
 
 
 def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_path):

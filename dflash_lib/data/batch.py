@@ -1,9 +1,10 @@
 """The one batch layout every stage agrees on, and the two collators (pad, pack) that make it.
 
 A batch is R rows of T token slots. Padded: one document per row, right-padded to the longest. Packed: one (or
-more) rows of documents laid end to end, no padding except the row tail. Both carry `doc_ids` (which document
-each slot belongs to, -1 for padding) and `position_ids` (restarting at 0 for each document), so a single mask
-builder and a single loss serve both layouts.
+more) rows of documents laid end to end, no padding except the row tail (under `pack_multiple` slots, or up to the
+token budget with static shapes: `packed_row_len`). Both carry `doc_ids` (which document each slot belongs to, -1
+for padding) and `position_ids` (restarting at 0 for each document), so a single mask builder and a single loss
+serve both layouts.
 """
 
 from __future__ import annotations
@@ -80,9 +81,20 @@ def collate_padded(samples: Sequence[Sample], pad_id: int, indices: Sequence[int
                  torch.from_numpy(doc.astype(np.int64)), torch.from_numpy(cu), list(indices), bucket, False)
 
 
+def packed_row_len(real: int, budget: int, multiple: int = 0) -> int:
+    """Token slots of a packed row holding `real` tokens under a row budget of `budget` tokens: `real` rounded up
+    to a multiple of `multiple`, at most `budget`; `multiple` 0 = exactly `budget` (static shapes)."""
+    if multiple < 0:
+        raise ValueError(f"packed_row_len: multiple must be >= 0, got {multiple}")
+    if multiple == 0:
+        return int(budget)
+    return int(min(budget, -(-real // multiple) * multiple))
+
+
 def collate_packed(samples: Sequence[Sample], pad_id: int, row_len: int, indices: Sequence[int] = (),
-                   bucket: int = -1) -> Batch:
-    """Documents laid end to end in one row of exactly `row_len` tokens (the tail is padding).
+                   bucket: int = -1, multiple: int = 0) -> Batch:
+    """Documents laid end to end in one row; the tail is padding. The row has `packed_row_len(tokens, row_len,
+    multiple)` slots: its tokens rounded up to `multiple`, at most `row_len`; `multiple` 0 = exactly `row_len`.
 
     `row_len` is the token budget of a packed batch; documents must fit (the packer guarantees it).
     """
@@ -92,6 +104,7 @@ def collate_packed(samples: Sequence[Sample], pad_id: int, row_len: int, indices
     total = int(lens.sum())
     if total > row_len:
         raise ValueError(f"collate_packed: {total} tokens do not fit a row of {row_len}")
+    row_len = packed_row_len(total, row_len, multiple)
     ids = np.full((1, row_len), pad_id, dtype=np.int64)
     mask = np.zeros((1, row_len), dtype=bool)
     doc = np.full((1, row_len), -1, dtype=np.int64)

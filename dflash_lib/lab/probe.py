@@ -72,6 +72,8 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
     epoch-0 plan."""
     s = config.sampler
     batches = sampler.epoch_plan(0).csr()
+    if s.strategy == "packed":  # rows as `collate_packed` makes them: their tokens rounded up, or full (static)
+        return float(packing_efficiency(batches, lengths, s.token_budget, 0 if s.static_shapes else s.pack_multiple))
     if s.static_shapes:  # every row padded to its bucket's upper edge
         idx, off = batches
         longest = np.maximum.reduceat(lengths[idx], off[:-1])  # (S,) longest sample of each batch
@@ -83,8 +85,6 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
                               cost=config.buckets.cost, q=q, token_budget=s.token_budget,
                               policy=config.data.policy)
         return float(plan.efficiency)
-    if s.strategy == "packed":
-        return float(packing_efficiency(batches, lengths, s.token_budget))
     return float(padding_efficiency(batches, lengths))
 
 

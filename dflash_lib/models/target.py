@@ -2,11 +2,13 @@
 
 `TargetModel` wraps a Hugging Face causal LM of the Llama/Qwen family (a base model exposing `embed_tokens`,
 `layers`, `norm`, `rotary_emb`). It runs the decoder layers itself so that it can stop after the last layer
-the drafter needs and never applies the LM head to every position. Documents never attend to each other: the
-rows are flattened into one sequence whose segments are the documents, attended with flash-attn's varlen kernel
-on CUDA, else with one causal SDPA call per document (`sdpa_varlen_attention`). Either way attention costs the
-sum over documents of len^2, never R * T^2 (a packed row against a block-diagonal mask: LOG.md, 2026-11-29,
-second session).
+the drafter needs and never applies the LM head to every position. It runs the REAL tokens only: the non-padding
+slots of the batch are gathered into one sequence whose segments are the documents (`masks.real_tokens`, on the
+host), attended with flash-attn's varlen kernel on CUDA, else with one causal SDPA call per document
+(`sdpa_varlen_attention`), and the feature layers are scattered back into the (R, T, F*H) slots, zeros on
+padding. So a batch costs the target what its documents cost alone, whatever its padding: linear layers per real
+token, attention the sum over documents of len^2, never R * T^2 (a packed row against a block-diagonal
+mask: LOG.md, 2026-11-29, second session).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
-from dflash_lib.models.masks import document_segments, segment_cu_seqlens
+from dflash_lib.models.masks import RealTokens, real_tokens
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -205,10 +207,12 @@ class TargetModel(torch.nn.Module):
 
     Attributes: `layer_ids` (0-based decoder layers, feature i = output of layer layer_ids[i], i.e. HF
     `hidden_states[id + 1]`), `hidden_size`, `vocab_size`, `num_layers`, `num_features`, `embed_tokens` and
-    `lm_head` (frozen, shared with the drafter), `backend` ("sdpa" or "flash").
+    `lm_head` (frozen, shared with the drafter), `backend` ("sdpa" or "flash"), `gather` (True: the layers run
+    the real tokens only; False: every slot, fixed shapes for CUDA graphs or torch.compile, padding paid).
     """
 
-    def __init__(self, model: transformers.PreTrainedModel, layer_ids: Sequence[int], backend: str = "sdpa"):
+    def __init__(self, model: transformers.PreTrainedModel, layer_ids: Sequence[int], backend: str = "sdpa",
+                 gather: bool = True):
         super().__init__()
         base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -230,6 +234,7 @@ class TargetModel(torch.nn.Module):
         self.model.requires_grad_(False)
         self.base = base
         self.backend = backend
+        self.gather = gather
         self.layer_ids = layer_ids
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -240,30 +245,32 @@ class TargetModel(torch.nn.Module):
 
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", device: torch.device | str = "cpu",
-                          dtype: torch.dtype = torch.float32, seed: int = 0) -> "TargetModel":
+                          dtype: torch.dtype = torch.float32, seed: int = 0, gather: bool = True) -> "TargetModel":
         """cfg.target == "tiny": a random tiny Qwen3 (cfg.target_layers, cfg.hidden_size, real Qwen3 vocab)
         seeded by `seed`; otherwise a LOCAL Hugging Face model directory (nothing is downloaded), loaded straight
-        onto `device` in `dtype` (`load_local`). A named shape (e.g. "qwen3-8b") has no weights to train with."""
+        onto `device` in `dtype` (`load_local`). A named shape (e.g. "qwen3-8b") has no weights to train with.
+        `gather`: see the class docstring (False for `sampler.static_shapes`)."""
         backend = resolve_backend(cfg.attn_backend, device)
         if cfg.target == "tiny":
             hf_cfg = tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
             return cls.from_hf_config(hf_cfg, cfg.num_features, cfg.target_layer_ids or None, device, dtype, seed,
-                                      backend)
+                                      backend, gather)
         hf_cfg = trainable_target_config(cfg)
         model = load_local(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
         ids = cfg.target_layer_ids or feature_layer_ids(model.config.num_hidden_layers, cfg.num_features)
-        return cls(model, ids, backend)
+        return cls(model, ids, backend, gather)
 
     @classmethod
     def from_hf_config(cls, hf_cfg: transformers.PretrainedConfig, num_features: int,
                        layer_ids: Sequence[int] | None = None, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "sdpa") -> "TargetModel":
+                       dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "sdpa",
+                       gather: bool = True) -> "TargetModel":
         """Random weights from `hf_cfg` (seeded; the caller's global RNG is left untouched)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
         ids = list(layer_ids) if layer_ids else feature_layer_ids(hf_cfg.num_hidden_layers, num_features)
-        return cls(model.to(device=device, dtype=dtype), ids, backend)
+        return cls(model.to(device=device, dtype=dtype), ids, backend, gather)
 
     @classmethod
     def fake(cls, hf_cfg: transformers.PretrainedConfig, num_features: int, layer_ids: Sequence[int] | None,
@@ -283,47 +290,59 @@ class TargetModel(torch.nn.Module):
     def train(self, mode: bool = True) -> "TargetModel":
         return super().train(False)  # frozen: always eval (no dropout), whatever a caller asks
 
-    def segments(self, host_doc_ids: torch.Tensor) -> dict[str, Any]:
-        """The decoder layers' varlen arguments for a batch's documents, computed on the HOST from its doc_ids
-        (R, T) (a device tensor would cost a sync): per-document SDPA ranges, or flash-attn's cu_seqlens."""
-        doc_ids = host_doc_ids.cpu()
-        if self.backend == "flash":  # padding runs ride along as segments of their own
-            cu, longest = segment_cu_seqlens(doc_ids)
-            return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        return dict(dflash_segments=document_segments(doc_ids))
+    def segments(self, host_doc_ids: torch.Tensor) -> RealTokens:
+        """The sequence the layers run and its documents (`masks.real_tokens`, gathered unless `gather` is off),
+        computed on the HOST from a batch's doc_ids (R, T): reading a device tensor's values would cost a sync."""
+        return real_tokens(host_doc_ids, self.gather)
 
-    def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: dict[str, Any],
+    def _varlen_kwargs(self, real: RealTokens) -> dict[str, Any]:
+        """The decoder layers' varlen arguments for the segments of the sequence run: flash-attn's cu_seqlens
+        (moved to the device without a sync), or the per-document SDPA ranges (host ints)."""
+        if self.backend == "flash":
+            cu = real.cu_seqlens.to(self.device, non_blocking=True)
+            return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=real.longest, max_length_k=real.longest)
+        return dict(dflash_segments=real.segments)
+
+    def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, real: RealTokens,
                     upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the first `upto` decoder layers -> (features (R, T, F*H) of the feature layers among them, in
-        the model's dtype; the last layer's output (R, T, H)). Each feature layer's output is copied into its
-        slice of the feature tensor as it is produced, so no other layer's output outlives the next layer: at
-        most the features, one layer's output and that layer's temporaries are alive at once."""
-        h = self.embed_tokens(input_ids)  # (R, T, H)
-        R, T, H = h.shape
-        feats = h.new_empty(R, T, self.num_features * H)  # (R, T, F*H)
-        rope = self.base.rotary_emb(h, position_ids)  # cos, sin: (R, T, head_dim)
-        # One flattened sequence (1, R*T) whose segments are the documents: no (R, T, T) mask is ever built.
-        h, rope = h.reshape(1, R * T, -1), tuple(x.reshape(1, R * T, -1) for x in rope)
-        position_ids = position_ids.reshape(1, R * T)
-        extra = {k: v.to(h.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                 for k, v in segments.items()}
+        """Run the first `upto` decoder layers on the sequence `real` names (the gathered real tokens, or every
+        slot) of input_ids, position_ids (R, T) -> (features (R, T, F*H) of the feature layers among them, in the
+        model's dtype, zeros on the padding slots not run; the last layer's output (N, H) over the sequence run).
+        Each feature layer's output is scattered into its slice of the feature tensor as it is produced, so no
+        other layer's output outlives the next layer: at most the features, one layer's output and that layer's
+        temporaries are alive at once."""
+        R, T = input_ids.shape
+        ids, pos = input_ids.reshape(1, R * T), position_ids.reshape(1, R * T)
+        index = None if real.index is None else real.index.to(input_ids.device, non_blocking=True)  # (N,)
+        if index is not None:  # one sequence of the real tokens only: padding never enters a layer
+            ids, pos = ids[:, index], pos[:, index]  # (1, N)
+        h = self.embed_tokens(ids)  # (1, N, H)
+        H = h.shape[-1]
+        # Gathered: the padding slots are never written, so they start at zero; else every slot is written.
+        feats = (h.new_empty if index is None else h.new_zeros)(R * T, self.num_features * H)  # (R*T, F*H)
+        rope = self.base.rotary_emb(h, pos)  # cos, sin: (1, N, head_dim)
+        extra = self._varlen_kwargs(real)  # the documents as segments: no mask is ever built
         for i, layer in enumerate(self.base.layers[:upto]):
-            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rope, **extra)
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, **extra)
             for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
                 if layer_id == i:
-                    feats[..., f * H:(f + 1) * H] = h.reshape(R, T, H)
-        return feats, h.reshape(R, T, H)
+                    if index is None:
+                        feats[:, f * H:(f + 1) * H] = h[0]
+                    else:
+                        feats[index, f * H:(f + 1) * H] = h[0]
+        return feats.view(R, T, -1), h[0]
 
     @torch.no_grad()
-    def features(self, batch: Batch, segments: dict[str, Any] | None = None) -> torch.Tensor:
+    def features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
         """Selected layers concatenated: (R, T, num_features * H) in the model's dtype; zero on padding slots.
-        Runs only up to the deepest feature layer. `segments`: `self.segments(host doc_ids)`, default computed
-        from `batch.doc_ids`: pass a HOST batch (the feed stage's), or the segments of a batch already on the
-        device (the dry run's fake tensors hold no values to read them from)."""
-        segments = self.segments(batch.doc_ids) if segments is None else segments
+        Runs only the real tokens (every slot with `gather` off), only up to the deepest feature layer.
+        `segments`: `self.segments(host doc_ids)`, default computed from `batch.doc_ids`: pass a HOST batch (the
+        feed stage's), or the segments of a batch already on the device (the dry run's fake tensors hold no
+        values to read them from)."""
+        real = self.segments(batch.doc_ids) if segments is None else segments
         b = batch.to(self.device)
-        feats, _ = self._run_layers(b.input_ids, b.position_ids, segments, max(self.layer_ids) + 1)
-        return feats.masked_fill_((b.doc_ids < 0).unsqueeze(-1), 0.0)
+        feats, _ = self._run_layers(b.input_ids, b.position_ids, real, max(self.layer_ids) + 1)
+        return feats.masked_fill_((b.doc_ids < 0).unsqueeze(-1), 0.0) if real.runs_padding else feats
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, logits_from: int = 0) -> TargetStep:
@@ -333,8 +352,8 @@ class TargetModel(torch.nn.Module):
         T = ids.shape[1]
         pos = torch.arange(T, device=self.device).unsqueeze(0)  # (1, T)
         feats, last = self._run_layers(ids, pos, self.segments(torch.zeros(ids.shape, dtype=torch.long)),
-                                       self.num_layers)
-        last = self.base.norm(last[0, logits_from:])  # (T - logits_from, H)
+                                       self.num_layers)  # one document, no padding: last is (T, H)
+        last = self.base.norm(last[logits_from:])  # (T - logits_from, H)
         return TargetStep(feats[0], self.lm_head(last))
 
     @torch.no_grad()

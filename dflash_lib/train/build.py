@@ -42,8 +42,8 @@ class TrainingParts:
     targets: list[TargetModel]  # one replica per target device; targets[0] is on the training device
     drafter: DFlashDrafter  # on the training device, sharing targets[0]'s embedding and LM head
     pad_id: int  # token id written into padding slots (never scored)
-    packed: bool  # collate by packing documents into rows of `row_len` tokens instead of padding
-    row_len: int  # packed row length in tokens (the token budget)
+    packed: bool  # collate by packing documents into rows of at most `row_len` tokens instead of padding
+    row_len: int  # longest packed row in tokens (the token budget; rows are shorter unless static shapes)
     edges: list[int]  # bucket upper edges in tokens, for the bucket id of padded batches ([] = no buckets)
     heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
     full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
@@ -208,8 +208,9 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     else:
         devices = [device]
     # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
-    targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed)
-               for d in devices]
+    # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
+    targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
+                                             gather=not config.sampler.static_shapes) for d in devices]
     torch.manual_seed(config.train.seed)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,

@@ -138,7 +138,7 @@ class WorstBatch:
 
     @property
     def target_tokens(self) -> int:
-        """Token slots the target runs (padding included)."""
+        """Token slots of the batch (padding included); the target runs only the real ones, sum(lengths)."""
         return self.row_len if self.row_len else self.docs * max(self.lengths)
 
     @property
@@ -439,6 +439,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures
         allowance = layout.num_queries * (-(-(layout.ctx_doc.numel() + layout.num_queries) // 16) * 16) * 2
     segments = target.segments(batch.doc_ids)  # host work of the target worker
     dev_batch, dev_layout = _to_mode(batch, models.mode), _to_mode(layout, models.mode)
+    segments = _to_mode(segments, models.mode)  # its gather index, copied to the device as the worker copies it
 
     def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
         def forward():

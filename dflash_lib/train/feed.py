@@ -140,10 +140,12 @@ def make_prepare(drafter: Any, seed: int, noise_of: Callable[[int], float]) -> C
 
 def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Sequence[int] = (),
                  vocab_size: int | None = None, pad_to_edge: bool = False,
-                 prepare: Callable[[Batch, Work], DraftLayout] | None = None) -> Callable[[Work], Collated]:
+                 prepare: Callable[[Batch, Work], DraftLayout] | None = None,
+                 pack_multiple: int = 0) -> Callable[[Work], Collated]:
     """Work -> Collated: the samples that pass `validate_sample` (not checked when `vocab_size` is None) padded
     one per row (to the longest, or with `pad_to_edge` to the bucket's upper edge: static shapes) or packed into
-    one row of `row_len` tokens; the others are listed in `skips`. A padded batch's bucket id (from `edges`) is
+    one row of at most `row_len` tokens (their tokens rounded up to `pack_multiple`; 0 = exactly `row_len`:
+    static shapes); the others are listed in `skips`. A padded batch's bucket id (from `edges`) is
     that of the longest sample the sampler put in it, valid or not, so a skip never relabels the batch.
     `prepare` (e.g. `make_prepare`) lays out the drafter's work on the host here, off the training thread."""
     if pad_to_edge and not len(edges):
@@ -163,7 +165,7 @@ def make_collate(store: Any, packed: bool, pad_id: int, row_len: int, edges: Seq
             return Collated(work, None, tuple(skips))
         good, idx = [samples[k] for k in keep], [work.indices[k] for k in keep]
         if packed:
-            batch = collate_packed(good, pad_id, row_len, idx)
+            batch = collate_packed(good, pad_id, row_len, idx, multiple=pack_multiple)
         else:
             bucket = int(bucket_of(max(len(t) for t, _ in samples), edges)) if len(edges) else -1  # -1: no buckets
             pad_to = int(edges[bucket]) if pad_to_edge else 0

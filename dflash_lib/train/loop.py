@@ -274,8 +274,10 @@ class Trainer:
     def _pipeline(self) -> Pipeline:
         parts, cfg, p = self.parts, self.config, self.progress
         prepare = make_prepare(parts.drafter, cfg.train.seed, lambda index: noise_at(index, cfg.train))
+        static = cfg.sampler.static_shapes
         collate = make_collate(parts.store, parts.packed, parts.pad_id, parts.row_len, parts.edges,
-                               parts.drafter.cfg.vocab_size, pad_to_edge=cfg.sampler.static_shapes, prepare=prepare)
+                               parts.drafter.cfg.vocab_size, pad_to_edge=static and not parts.packed, prepare=prepare,
+                               pack_multiple=0 if static else cfg.sampler.pack_multiple)
         workers = make_target_workers(parts.targets, cfg.pipeline.target_workers, self.device,
                                       cfg.pipeline.target_threads)
         source = epoch_batches(parts.sampler, self.max_batches, p.position, p.batches_done, self.shards,

@@ -83,10 +83,12 @@ def _mean_se(values: Sequence[float]) -> tuple[float, float]:
 
 
 def measure(name: str, sampler: EpochBatchSampler, edges: Sequence[int], *, epoch: int = 0, epochs: int = 4,
-            packed_budget: int | None = None, plan_edges: Sequence[int] | None = None) -> StrategyPoint:
+            packed_budget: int | None = None, plan_edges: Sequence[int] | None = None,
+            pack_multiple: int = 0) -> StrategyPoint:
     """Measure one sampler on epochs epoch .. epoch+epochs-1 (recurrence on each consecutive pair).
-    packed_budget: measure packing efficiency. Efficiency is per batch; randomness per optimizer step (all
-    ranks' batches of a step together)."""
+    packed_budget: measure packing efficiency, rows rounded up to `pack_multiple` tokens (0 = full rows of
+    packed_budget). Efficiency is per batch; randomness per optimizer step (all ranks' batches of a step
+    together)."""
     if epochs < 2:
         raise SamplerError(f"epochs must be >= 2 (recurrence compares consecutive epochs), got {epochs}")
     lengths = sampler.lengths
@@ -94,7 +96,7 @@ def measure(name: str, sampler: EpochBatchSampler, edges: Sequence[int], *, epoc
     for e in range(epoch, epoch + epochs):
         plan = sampler.epoch_plan(e)
         batches, cur = plan.csr(), plan.step_csr()
-        effs.append(packing_efficiency(batches, lengths, packed_budget) if packed_budget
+        effs.append(packing_efficiency(batches, lengths, packed_budget, pack_multiple) if packed_budget
                     else padding_efficiency(batches, lengths))
         lags.append(lag1_correlation(cur, lengths))
         kls.append(bucket_mix_kl(cur, lengths, edges))
@@ -110,8 +112,8 @@ def measure(name: str, sampler: EpochBatchSampler, edges: Sequence[int], *, epoc
 
 def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int, seed: int = 0,
                         epoch: int = 0, epochs: int = 4, objective: str = "batch_max", q: float | None = None,
-                        window: int = 64, policy: str = "truncate", mega_batch_mult: int | None = None
-                        ) -> list[StrategyPoint]:
+                        window: int = 64, policy: str = "truncate", mega_batch_mult: int | None = None,
+                        pack_multiple: int = 0) -> list[StrategyPoint]:
     """Every strategy on `lengths` (tokens) with one token budget: the reference run's sorted static batches,
     full random shuffle, bucketed shuffle with optimal / "seed" / equal-total-length edges, Hugging Face
     megabatch length grouping, and packing. Lengths follow `policy` at max_len first.
@@ -120,7 +122,7 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
     padded to their longest member). The "seed" baseline is the reference run's own method as it ran: geometric
     start and coordinate descent on the padding to the edge. Megabatch grouping has a fixed batch size; it gets
     round(token_budget / mean length) (the budget filled on average, so its long batches overrun the budget: a
-    weakness of fixed sizes that is not charged here).
+    weakness of fixed sizes that is not charged here). Packed rows are `pack_multiple` rounded (0 = full rows).
     """
     x = apply_policy(lengths, max_len, policy)
     kw = dict(max_len=max_len, cost=SampleCost.of_q(q).cost, q=q, token_budget=token_budget)
@@ -145,7 +147,8 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
     for name, make in makers.items():
         sampler, edges = make()
         points.append(measure(name, sampler, optimal.edges, epoch=epoch, epochs=epochs, plan_edges=edges,
-                              packed_budget=token_budget if name == "packed" else None))
+                              packed_budget=token_budget if name == "packed" else None,
+                              pack_multiple=pack_multiple))
     return points
 
 

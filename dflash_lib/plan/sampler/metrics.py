@@ -4,7 +4,7 @@ Batches may be given as an EpochPlan (its batches, every rank's, step-major), a 
 a list of index lists. All lengths are tokens. With several ranks, `randomness` judges optimizer steps (the
 world_size batches of one step together, EpochPlan.step_csr), since one update averages over all of them.
 - padding_efficiency: real tokens / padded tokens (each batch padded to its longest member).
-- packing_efficiency: real tokens / (rows * token_budget), for packed rows.
+- packing_efficiency: real tokens / the slots of the packed rows (`data.batch.packed_row_len`).
 - cobatch_recurrence: of the sample pairs batched together in one epoch (and both present in the next), the
   fraction batched together again in the next. 1.0 = frozen batches; ~(b-1)/(n_k-1) reshuffling in buckets.
 - lag1_correlation: Pearson correlation of consecutive batches' mean (or max) length.
@@ -18,6 +18,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from dflash_lib.data.batch import packed_row_len
 from dflash_lib.plan.buckets import bucket_of
 from dflash_lib.plan.sampler.base import EpochBatchSampler, EpochPlan
 from dflash_lib.plan.sampler.budget import SamplerError
@@ -53,10 +54,14 @@ def padding_efficiency(batches: Batches, lengths: np.ndarray) -> float:
     return float(x.sum() / padded.sum())
 
 
-def packing_efficiency(batches: Batches, lengths: np.ndarray, token_budget: int) -> float:
-    """Real tokens / (rows * token_budget): the share of packed row slots holding a document."""
+def packing_efficiency(batches: Batches, lengths: np.ndarray, token_budget: int, multiple: int = 0) -> float:
+    """Real tokens / slots of the packed rows: the share of row slots holding a document, each row as long as
+    `collate_packed` makes it (its tokens rounded up to `multiple`, at most token_budget; `multiple` 0 = every
+    row token_budget slots, static shapes)."""
     idx, off = as_csr(batches)
-    return float(np.asarray(lengths)[idx].sum() / ((len(off) - 1) * token_budget))
+    real = _per_batch(np.asarray(lengths)[idx], off, np.add)  # (B,) real tokens of each row
+    slots = sum(packed_row_len(int(r), token_budget, multiple) for r in real)
+    return float(real.sum() / slots)
 
 
 def cobatch_recurrence(batches_a: Batches, batches_b: Batches, num_samples: int) -> float:
