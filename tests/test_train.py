@@ -402,6 +402,7 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
 def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     from dflash_lib.__main__ import main
     from dflash_lib.data.batch import packed_row_len
+    from dflash_lib.plan.sampler import resolve_block_budget
 
     run_dir = tmp_path / strategy
     assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
@@ -409,8 +410,17 @@ def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
+    smoke = preset("smoke")  # token budget 2048; block budget 4 rows x 8 anchors x 4 = 128 query tokens
+    blocks = resolve_block_budget(smoke.sampler, smoke.buckets, smoke.model, smoke.data.max_len)
+    assert blocks == 128
+    for r in rows:  # how full each step's batch is in both budgets, and which one closed it (plan's record)
+        tokens = r["real_tokens"] if strategy == "packed" else r["rows"] * r["row_len"]  # padding counted
+        assert r["token_fill"] == pytest.approx(tokens / smoke.sampler.token_budget)
+        assert r["query_fill"] == pytest.approx(r["blocks"] * smoke.model.block_size / blocks)
+        assert r["bound_tokens"] in (0.0, 1.0) and r["bound_blocks"] in (0.0, 1.0)
+        assert r["bound_tokens"] or r["bound_blocks"] or r["token_fill"] < 1 and r["query_fill"] < 1
     if strategy == "packed":  # one row per step, as long as its tokens rounded up to 64 (static: the budget)
-        budget = preset("smoke").sampler.token_budget
+        budget = smoke.sampler.token_budget
         assert all(r["bucket"] == -1 and r["rows"] == 1 for r in rows)
         assert [r["row_len"] for r in rows] == [packed_row_len(r["real_tokens"], budget, 0 if static else 64)
                                                 for r in rows]
