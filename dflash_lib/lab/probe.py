@@ -73,8 +73,8 @@ def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int =
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
     """Padding efficiency known before training. bucketed: the plan's analytic prediction (the objective of the
-    buckets section, the reference run's kind of estimate); sorted / random / packed / static shapes: exact, from the
-    epoch-0 plan."""
+    buckets section under the sampler's budgets, the reference run's kind of estimate); sorted / random / packed /
+    static shapes: exact, from the epoch-0 plan."""
     s = config.sampler
     batches = sampler.epoch_plan(0).csr()
     if s.strategy == "packed":  # rows as `collate_packed` makes them: their tokens rounded up, or full (static)
@@ -88,7 +88,7 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
         q = SampleCost(config.buckets.cost, config.buckets.q).q
         plan = plan_for_edges(lengths, edges, max_len=config.data.max_len, objective=config.buckets.objective,
                               cost=config.buckets.cost, q=q, token_budget=s.token_budget,
-                              policy=config.data.policy)
+                              policy=config.data.policy, queries=sampler.queries, block_budget=sampler.block_budget)
         return float(plan.efficiency)
     return float(padding_efficiency(batches, lengths))
 
@@ -140,7 +140,7 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: RunSummary, 
     if not obs:
         raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
     lengths, queries = _lengths_and_queries(cfg)
-    edges = bucket_edges(cfg, lengths) if cfg.sampler.strategy == "bucketed" else []
+    edges = bucket_edges(cfg, lengths, queries=queries) if cfg.sampler.strategy == "bucketed" else []
     sampler = build_sampler(cfg, lengths, 0, 1, edges, queries)  # the block budget too, as training's sampler
     stats = randomness(sampler, edges or [int(lengths.max())])
     real = sum(o.real_tokens for o in obs)

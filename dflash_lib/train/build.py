@@ -79,10 +79,10 @@ def load_training_data(config: Config) -> TrainingData:
                           f"{len(lengths)} samples")
     if len(split.heldout):  # the sampler and its bucket plan see the training part only
         store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
-    edges = (bucket_edges(config, lengths, full_store.meta.get("key")) if config.sampler.strategy == "bucketed"
-             else [])
     queries = store_drafter_queries(full_store, config.model.num_anchors,
                                     config.model.block_size)[split.train]  # (N,) query tokens
+    edges = (bucket_edges(config, lengths, full_store.meta.get("key"), queries)
+             if config.sampler.strategy == "bucketed" else [])
     pad_id = store.meta.get("tokenizer", {}).get("pad_id")
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
@@ -115,9 +115,11 @@ def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
             f"vocab_size {vocab}, mask_id {model.mask_id}")
 
 
-def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None) -> list[int]:
+def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None,
+                 queries: np.ndarray | None = None) -> list[int]:
     """Bucket upper edges (tokens) for the bucketed sampler: `plan` (a plan.json) if set, else `edges`, else
-    the optimal edges for these lengths (`plan.buckets.optimal_boundaries` with the buckets section's settings).
+    the optimal edges for these lengths (`plan.buckets.optimal_boundaries` with the buckets section's settings;
+    given the samples' drafter `queries` (N,), priced under the resolved block budget too, as the sampler fills).
     `store_key`: the key of the token store the lengths come from; a plan made for a store of another key is
     refused (ConfigError naming both corpora and how to use its edges anyway)."""
     sc, bc = config.sampler, config.buckets
@@ -136,8 +138,11 @@ def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = No
     if sc.edges:
         return list(sc.edges)
     q = SampleCost(bc.cost, bc.q).q
+    blocks = (None if queries is None
+              else samplers.resolve_block_budget(sc, bc, config.model, config.data.max_len))
     plan = optimal_boundaries(lengths, bc.k, max_len=config.data.max_len, objective=bc.objective, cost=bc.cost,
-                              q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy)
+                              q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy,
+                              queries=queries, block_budget=blocks)
     return list(plan.edges)
 
 
