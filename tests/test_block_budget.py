@@ -18,8 +18,8 @@ from dflash_lib.plan.buckets import BucketFitError, plan_for_edges
 from dflash_lib.plan.fit import check_fit, worst_batch_queries
 from dflash_lib.plan.sampler import (BatchBudget, BlockBudget, Bound, BucketedShuffleSampler, LengthGroupedSampler,
                                      PackedSampler, RandomShuffleSampler, SamplerError, SortedStaticSampler,
-                                     TokenBudget, derived_block_budget, fill_in_order, fixed_batch_sizes, pack_rows,
-                                     resolve_block_budget, worst_batch_refusal)
+                                     TokenBudget, budget_use, derived_block_budget, fill_in_order, fixed_batch_sizes,
+                                     pack_rows, resolve_block_budget, worst_batch_refusal)
 
 BUDGET = 256  # target tokens per batch
 EDGES = (16, 40, 64)
@@ -173,6 +173,14 @@ def test_short_documents_are_split_by_the_block_budget(kind):
     both = make(kind, lengths, queries, 240)
     assert len(tokens_only) == 25 and len(both) == 100
     assert max(queries[b].sum() for b in tokens_only) == 960 and max(queries[b].sum() for b in both) == 240
+    # 4 x 16 of 256 tokens, 240 of 240 queries; every batch closed by the block budget (but the epoch's last of a
+    # fill sequence, which the data closed; a packed row with no room for a 5th sample's queries is closed too)
+    use = budget_use(both)
+    assert (use.batches, use.token_fill, use.query_fill, use.bound_tokens) == (100, 0.25, 1.0, 0.0)
+    assert use.bound_blocks == (1.0 if kind == "packed" else 0.99)
+    alone = budget_use(tokens_only)  # 16 x 16 = 256 tokens: full; no block budget to report
+    assert (alone.token_fill, alone.query_fill, alone.bound_blocks) == (1.0, None, None)
+    assert alone.bound_tokens == (1.0 if kind == "packed" else 24 / 25)
 
 
 def test_the_fill_closes_each_batch_at_the_first_budget_the_next_sample_would_pass():
@@ -275,6 +283,9 @@ def test_static_batch_sizes_follow_the_block_budget():
     rows = np.diff(plan.offsets)[plan.steps.ravel()]
     assert sorted(zip(rows.tolist(), plan.served_bound().tolist())) == [(1, 0), (4, 0), (4, 1), (6, 1), (14, 0),
                                                                         (16, 1)]
+    use = budget_use(full)  # rows padded to their edge: 16x16, 14x16, 6x40, 4x40, 4x64, 1x64 of 256 tokens
+    assert use.token_fill == pytest.approx((256 + 224 + 240 + 160 + 256 + 64) / 6 / 256)
+    assert use.bound_tokens == 0.5 and use.bound_blocks == 0.0
 
 
 def test_build_sampler_applies_the_resolved_block_budget():
