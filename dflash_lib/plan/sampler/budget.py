@@ -207,6 +207,7 @@ def fill_in_order(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray
                                f"block budget {block_budget}")
         prefix = np.concatenate([[0], np.cumsum(queries, dtype=np.int64)]).tolist()  # (n + 1,) queries before p
     offsets, bound = [0], []
+    tokens, blocks = int(Bound.TOKENS), int(Bound.BLOCKS)
     p = 0
     while p < n:
         # end: the most samples from p whose queries fit, prefix[end] - prefix[p] <= block_budget
@@ -220,14 +221,14 @@ def fill_in_order(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray
             if e - p + 1 > cap[m2]:
                 break
             m, e = m2, e + 1
-        why = Bound.NONE
+        why = 0  # plain ints: an IntFlag operation per batch would cost more than the fill itself
         if e < n:  # the sample the batch was offered last: which budgets it would have passed
-            if e - p + 1 > cap[max(m, x[e])]:
-                why |= Bound.TOKENS
+            if e - p + 1 > cap[x[e] if x[e] > m else m]:
+                why = tokens
             if queries is not None and prefix[e + 1] - prefix[p] > block_budget:
-                why |= Bound.BLOCKS
+                why |= blocks
         offsets.append(e)
-        bound.append(int(why))
+        bound.append(why)
         p = e
     return np.asarray(offsets, dtype=np.int64), np.asarray(bound, dtype=np.int8)
 
