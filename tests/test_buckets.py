@@ -25,8 +25,8 @@ def g_of(cost, q):
 def ref_objective(lengths, edges, objective, g, token_budget=None, batch_size=None, multiple=1, queries=None,
                   block_budget=None):
     """Padded cost of one epoch: pad to edge, or E[sum of b * g(max)] over a shuffled bucket cut into chunks. With
-    drafter queries and a block budget B: b also <= B // the bucket's costliest sample, and a batch_max bucket
-    costs max(its padded cost, its queries x token_budget / B) + 1e-6 x its padded cost."""
+    drafter queries and a block budget B: b also <= B // the bucket's costliest sample, and every bucket costs its
+    queries x token_budget / B on top."""
     pairs = sorted(zip((int(v) for v in lengths), [0] * len(lengths) if queries is None else queries))
     xs_all, total, lower = [v for v, _ in pairs], 0.0, 0
     for e in edges:
@@ -35,6 +35,8 @@ def ref_objective(lengths, edges, objective, g, token_budget=None, batch_size=No
         lower, n = e, len(xs)
         if n == 0:
             continue
+        if block_budget is not None:
+            total += sum(qs) * token_budget / block_budget
         if objective == "edge":
             total += n * g(e)
             continue
@@ -50,11 +52,7 @@ def ref_objective(lengths, edges, objective, g, token_budget=None, batch_size=No
             return sum(g(xs[r - 1]) * math.comb(r - 1, size - 1) for r in range(1, n + 1)) / math.comb(n, size)
 
         r = n % b
-        padded = (n - r) * (e_max(min(b, n)) if n >= b else 0.0) + (r * e_max(r) if r else 0.0)
-        if block_budget is None:
-            total += padded
-        else:
-            total += max(padded, sum(qs) * token_budget / block_budget) + 1e-6 * padded
+        total += (n - r) * (e_max(min(b, n)) if n >= b else 0.0) + (r * e_max(r) if r else 0.0)
     return total
 
 
@@ -116,21 +114,26 @@ def test_optimal_boundaries_with_both_budgets_equal_brute_force(objective, corpu
         assert b <= max(budget // e, 1) and (mq == 0 or b <= max(1, block_budget // mq))
 
 
-def test_the_block_budget_prices_a_bucket_by_the_batches_it_needs():
+def test_the_block_budget_sizes_and_prices_the_batches():
     """10 documents of 10 tokens with 20 drafter queries each, 10 of 50 tokens with none; token budget 100, block
-    budget 40. The short bucket's batches are capped at 40 // 20 = 2 rows (10 by tokens): its 200 queries fill 5
-    block budgets, 500 token-budget units, though its 100 tokens fill one token budget."""
+    budget 40. The short bucket's batches are capped at 40 // 20 = 2 rows (10 by tokens); its 200 queries fill 5
+    block budgets, priced 100 / 40 = 2.5 token-budget units each: 500 on top of its 100 tokens."""
     lengths = np.array([10] * 10 + [50] * 10)
     queries = np.array([20] * 10 + [0] * 10)
     kw = dict(max_len=50, token_budget=100, queries=queries, block_budget=40)
     plan = plan_for_edges(lengths, [10, 50], objective="batch_max", **kw)
     assert plan.batch_sizes == (2, 2) and plan.steps_per_epoch == 5 + 5
-    assert plan.objective_value == pytest.approx(max(100, 500) + 1e-6 * 100 + 500 + 1e-6 * 500)
+    assert plan.objective_value == pytest.approx(100 + 500 + 500)
     tokens_only = plan_for_edges(lengths, [10, 50], objective="batch_max", max_len=50, token_budget=100)
     assert tokens_only.batch_sizes == (10, 2) and tokens_only.objective_value == pytest.approx(600)
     assert tokens_only.block_budget is None and plan.efficiency == tokens_only.efficiency == 1.0
     static = plan_for_edges(lengths, [10, 50], objective="edge", **kw)  # a padded kernel: its slots, as before
-    assert static.objective_value == 10 * 10 + 10 * 50 and static.batch_sizes == (2, 2)
+    assert static.objective_value == 10 * 10 + 10 * 50 + 500 and static.batch_sizes == (2, 2)
+    # one bucket: batches of 40 // 20 = 2 rows padded to their longest; a pair holds a 50 unless both are 10s:
+    # P = C(10, 2) / C(20, 2) = 45 / 190, so 10 pairs cost 10 x 2 x (50 - 40 x 45 / 190) tokens
+    one = plan_for_edges(lengths, [50], objective="batch_max", **kw)
+    assert one.batch_sizes == (2,) and one.objective_value == pytest.approx(20 * (50 - 40 * 45 / 190) + 500)
+    assert one.efficiency < plan.efficiency
     assert BucketPlan.from_json(plan.to_json()) == plan
     legacy = {k: v for k, v in json.loads(tokens_only.to_json()).items() if k != "block_budget"}
     assert BucketPlan.from_json(json.dumps(legacy)) == tokens_only  # a plan written before block_budget

@@ -16,14 +16,14 @@ Units and conventions (see docs/batching.md):
 - Work is on the histogram of distinct lengths (M values, plus max_len), never on the N samples.
 - Which to use: "edge" for static shapes; "batch_max" predicts what BucketedShuffleSampler's fill rule pays
   (random batches padded to their longest member), which "edge" under-predicts.
-- Both budgets (given the samples' drafter `queries` and a `block_budget`, in query tokens): a bucket's batch
-  size is also capped at block_budget // its costliest sample's queries, and the "batch_max" objective prices a
-  bucket by the batches it needs rather than by its padding, since no kernel of a dynamic-shape batch computes
-  padding (the target runs real tokens only): max(E_k, (T / B) * Q_k) token-budget units, E_k its expected
-  token cost (padding counted: the token budget bounds memory, which holds every slot) and Q_k its drafter
-  queries. Whichever budget the bucket fills first sets its batches; a bucket that the block budget binds costs
-  the same whatever its edges, so PAD_TIE * E_k breaks those ties towards less padding. "edge" (static shapes, a
-  padded kernel) keeps pricing padded slots: those are computed.
+- Both budgets (given the samples' drafter `queries` and a `block_budget` B, in query tokens): a bucket's batch
+  size is also capped at B // its costliest sample's queries, and a bucket is priced by what its batches hold of
+  each budget: its padded cost plus its drafter queries Q_k at T / B token-budget units each (a batch full in
+  queries costs what a batch full in tokens costs). The queries are the same whatever the edges; what the edges
+  change is the padding, which "edge" (static shapes) pays as computed slots, and "batch_max" as room in the
+  token budget, whose fill sets the steps where tokens bind, and as the drafter's context and the features, which
+  hold every slot (the target computes real tokens only). Pricing a bucket by max(padded cost, queries), the
+  batches it needs, was tried and chose worse edges: LOG.md, 2026-12-02.
 
 Exactness: "edge" is solved by dynamic programming with divide-and-conquer (the cost obeys the quadrangle
 inequality), O(k M log M), always exact. "batch_max" has no monotone structure; its DP is O(k G^2) over G
@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import numpy as np
 
 OBJECTIVES = ("edge", "batch_max")
-PAD_TIE = 1e-6  # batch_max with a block budget: weight of padding beside a bucket's batches (ties only)
 COSTS = ("linear", "quadratic")
 POLICIES = ("truncate", "drop")
 METHODS = ("optimal", "seed", "equal_length", "given")
@@ -310,15 +309,13 @@ class _BucketCost:
         return self.sizing.batch_sizes(edge, self.max_queries(lo, hi))
 
     def price(self, lo: Any, hi: Any, edge: Any) -> np.ndarray:
-        """(R,) what the objective charges the buckets [lo, hi) with upper edge `edge`: their padded cost, or with
-        both budgets under batch_max max(padded cost, queries x token_budget / block_budget) + PAD_TIE x padded
-        cost (the module docstring)."""
+        """(R,) what the objective charges the buckets [lo, hi) with upper edge `edge`: their padded cost, plus
+        with both budgets their drafter queries x token_budget / block_budget (the module docstring)."""
         cost = self.padded(lo, hi, edge)[0]
-        if not self.blocks or self.objective == "edge" or self.sizing.token_budget is None:
+        if not self.blocks or self.sizing.token_budget is None:
             return cost
         lo, hi = np.broadcast_arrays(np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64))
-        queries = (self.cum_q[hi] - self.cum_q[lo]) * (self.sizing.token_budget / self.sizing.block_budget)
-        return np.maximum(cost, queries) + PAD_TIE * cost
+        return cost + (self.cum_q[hi] - self.cum_q[lo]) * (self.sizing.token_budget / self.sizing.block_budget)
 
     def padded(self, lo: Any, hi: Any, edge: Any) -> tuple[np.ndarray, np.ndarray]:
         """Buckets holding positions [lo, hi) with upper edge `edge` tokens -> (cost, tokens) arrays (R,)."""
@@ -399,8 +396,8 @@ class BucketPlan:
     token_budget: int | None  # cost units per batch including padding
     multiple: int  # batch sizes were rounded down to a multiple of this
     max_len: int  # longest allowed sample, tokens
-    objective_value: float  # what the objective charges one epoch: the padded cost (sum of g over padded slots);
-    # batch_max with a block budget: sum over buckets of max(padded cost, queries x token_budget / block_budget)
+    objective_value: float  # what the objective charges one epoch: the padded cost (sum of g over padded slots),
+    # with a block budget + the drafter queries x token_budget / block_budget
     exact: bool  # True: proven optimal over every boundary set; False: grid search, a baseline or given edges
     method: str  # "optimal" | "seed" | "equal_length" | "given"
     corpus: dict[str, Any] | None = None  # the corpus planned for (notebook 02: source, store_key, samples);
@@ -663,8 +660,7 @@ def optimal_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "
     token_budget (cost units incl. padding) or batch_size sets the batch sizes; batch_max needs one of them.
     multiple: round batch sizes down to a multiple of this. policy: lengths above max_len are cut
     ("truncate") or dropped ("drop"). queries (N,) drafter query tokens per sample with block_budget (query
-    tokens per batch): both budgets size the batches and batch_max prices a bucket by the batches it needs
-    (module docstring); None = tokens only. Edges are observed lengths (an edge above a bucket's longest member only
+    tokens per batch): both budgets size the batches and price them (module docstring); None = tokens only. Edges are observed lengths (an edge above a bucket's longest member only
     pads more, or shrinks its batches); edges[-1] == max_len, and that top bucket may be empty when no sample
     reaches max_len. Lengths with too few distinct values for k buckets get one bucket per value, the top one up
     to max_len (and a warning line).
