@@ -252,9 +252,11 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     assert SUMMARY_KEYS <= set(summary.to_json()) and summary.steps == 6
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
     assert not summary.steady and summary.steady_ktok_s is None  # 6 steps: too short to call steady
-    # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation)
+    # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation) and
+    # the budget figures (a list of batches fills by no budget)
     heldout = {"heldout_step", *(f.name for f in fields(StepMetrics) if f.name.startswith("heldout_"))}
-    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout for r in rows)
+    budget = {"token_fill", "query_fill", "bound_tokens", "bound_blocks"}
+    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout - budget for r in rows)
     assert all(StepMetrics.from_json(r).to_json() == r for r in rows)
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert set(doc) == {f.name for f in fields(RunSummary)} - heldout
