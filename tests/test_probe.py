@@ -171,3 +171,15 @@ def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly()
         assert predicted_efficiency(packed, sampler, lengths, []) == pytest.approx(row.sum() / slots.sum())
     with pytest.raises(ConfigError, match="not one of"):
         strategy_config(preset("smoke"), "megabatch", steps=5)
+
+
+def test_budget_fill_bars_show_both_fills_and_which_budget_closed_the_batches():
+    from dflash_lib.lab.report.probe import budget_fill_bars
+
+    table = pd.DataFrame(dict(token_fill=[0.675, 0.677], query_fill=[0.995, 0.998], bound_tokens=[0.509, 0.008],
+                              bound_blocks=[0.999, 0.985]), index=pd.Index(["sorted", "packed"], name="strategy"))
+    fig = budget_fill_bars(table)
+    assert [t.name for t in fig.data] == ["token budget", "block budget"]
+    assert list(fig.data[0].y) == [0.675, 0.677] and list(fig.data[1].text) == ["closed 100%", "closed 98%"]
+    assert list(fig.data[0].text) == ["closed 51%", "closed 1%"]
+    assert [t.name for t in budget_fill_bars(table[["token_fill"]]).data] == ["token budget"]  # no block budget
