@@ -9,7 +9,8 @@ interleaved so that load from other processes falls on all of them alike. Then:
   the term choice also made without it);
 - the reference run's padding-only estimate (sorted tokens/s x efficiency ratio) for comparison.
 
-Packed rows use a block-diagonal mask through SDPA, which computes the whole row: priced with varlen=False.
+Packed rows use a block-diagonal mask through SDPA, which computes the whole row: priced with varlen=False. Every
+batch runs this dense model over all its slots, so every shape is described as a padded kernel.
 Run: .venv/bin/python benchmarks/costmodel_fit.py [--steps 40] [--budget 2048]
 """
 
@@ -74,7 +75,7 @@ def strategies(lens: np.ndarray, budget: int, rng: np.random.Generator) -> dict[
         return [b.tolist() for b in split_by_budget(lens[order], budget)]
 
     def padded(batches: list[list[int]]) -> list[Planned]:
-        return [([[n] for n in b], max(b), describe_padded(b)) for b in batches]
+        return [([[n] for n in b], max(b), describe_padded(b, padded_kernel=True)) for b in batches]
 
     edges = np.quantile(lens, [0.3, 0.55, 0.75, 0.9, 1.0])
     bucket = np.searchsorted(edges, lens)
@@ -87,7 +88,7 @@ def strategies(lens: np.ndarray, budget: int, rng: np.random.Generator) -> dict[
         cur.append(int(lens[i]))
     return {"sorted": padded(fill(np.argsort(lens, kind="stable"))), "random": padded(fill(rng.permutation(len(lens)))),
             "bucketed": padded(bucketed),
-            "packed": [([r], budget, describe_packed([r], budget, varlen=False)) for r in rows]}
+            "packed": [([r], budget, describe_packed([r], budget, varlen=False, padded_kernel=True)) for r in rows]}
 
 
 def main() -> None:
@@ -131,7 +132,7 @@ def main() -> None:
         rows, T, shape = picks[name][i]
         seconds = step(rows, T)
         obs[name].append(StepObservation(shape.rows, shape.row_len, shape.real_tokens, shape.attention,
-                                         seconds, run="bench"))
+                                         seconds, run="bench", padded_kernel=True))
     print(f"measured {len(order)} steps in {time.perf_counter() - t_all:.1f} s "
           f"(budget {args.budget} tokens, hidden {args.hidden}, {args.threads} thread(s))")
 

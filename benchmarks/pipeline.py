@@ -139,8 +139,8 @@ def main() -> None:
                               hidden_size=args.hidden, num_anchors=args.anchors), preset("demo"))
     store = build_token_store_from_config(config.data, progress=False)
     lengths = np.asarray(store.lengths)
-    edges = bucket_edges(config, lengths)
     queries = store_drafter_queries(store, config.model.num_anchors, config.model.block_size)  # as build_parts
+    edges = bucket_edges(config, lengths, queries=queries)
     sampler = build_sampler(config, lengths, 0, 1, edges, queries)
     batches = [b for _, b in zip(range(args.steps), sampler)]
     pad_id = int(store.meta["tokenizer"]["pad_id"])

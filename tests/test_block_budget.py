@@ -16,8 +16,10 @@ from dflash_lib.data.stats import drafter_queries, store_drafter_queries, valid_
 from dflash_lib.models.anchors import sample_anchors
 from dflash_lib.plan.buckets import BucketFitError, plan_for_edges
 from dflash_lib.plan.fit import check_fit, worst_batch_queries
-from dflash_lib.plan.sampler import (BucketedShuffleSampler, PackedSampler, RandomShuffleSampler, SamplerError,
-                                     SortedStaticSampler, derived_block_budget, resolve_block_budget)
+from dflash_lib.plan.sampler import (BatchBudget, BlockBudget, Bound, BucketedShuffleSampler, LengthGroupedSampler,
+                                     PackedSampler, RandomShuffleSampler, SamplerError, SortedStaticSampler,
+                                     TokenBudget, budget_use, derived_block_budget, fill_in_order, fixed_batch_sizes,
+                                     pack_rows, resolve_block_budget, worst_batch_refusal)
 
 BUDGET = 256  # target tokens per batch
 EDGES = (16, 40, 64)
@@ -34,10 +36,13 @@ def make(kind, lengths, queries=None, block_budget=None, seed=0, rank=0, world_s
         return BucketedShuffleSampler(lengths, EDGES, BUDGET, seed, **kw)
     if kind == "static":
         return BucketedShuffleSampler(lengths, EDGES, BUDGET, seed, batch_sizes=FIXED, **kw)
+    if kind == "grouped":  # Hugging Face's megabatches, capped at GROUPED samples, cut by the budgets too
+        return LengthGroupedSampler(lengths, GROUPED, seed, mega_batch_mult=3, token_budget=BUDGET, **kw)
     return PackedSampler(lengths, BUDGET, seed, window=4, **kw)
 
 
-KINDS = ["sorted", "random", "bucketed", "static", "packed"]
+GROUPED = 8  # the length-grouped sampler's batch size
+KINDS = ["sorted", "random", "bucketed", "static", "packed", "grouped"]
 
 
 def corpus(seed, n, max_len=64, assistant=0.6):
@@ -127,7 +132,7 @@ def within_token_budget(kind, x):
         return x.sum() <= BUDGET
     if kind == "static":
         return len(x) <= FIXED[int(np.searchsorted(EDGES, x.max()))]
-    return len(x) * x.max() <= BUDGET
+    return len(x) * x.max() <= BUDGET and (kind != "grouped" or len(x) <= GROUPED)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,23 +173,119 @@ def test_short_documents_are_split_by_the_block_budget(kind):
     both = make(kind, lengths, queries, 240)
     assert len(tokens_only) == 25 and len(both) == 100
     assert max(queries[b].sum() for b in tokens_only) == 960 and max(queries[b].sum() for b in both) == 240
+    # 4 x 16 of 256 tokens, 240 of 240 queries; every batch closed by the block budget (but the epoch's last of a
+    # fill sequence, which the data closed; a packed row with no room for a 5th sample's queries is closed too)
+    use = budget_use(both)
+    assert (use.batches, use.token_fill, use.query_fill, use.bound_tokens) == (100, 0.25, 1.0, 0.0)
+    assert use.bound_blocks == (1.0 if kind == "packed" else 0.99)
+    alone = budget_use(tokens_only)  # 16 x 16 = 256 tokens: full; no block budget to report
+    assert (alone.token_fill, alone.query_fill, alone.bound_blocks) == (1.0, None, None)
+    assert alone.bound_tokens == (1.0 if kind == "packed" else 24 / 25)
+
+
+def test_the_fill_closes_each_batch_at_the_first_budget_the_next_sample_would_pass():
+    budget = TokenBudget(64)
+    cap = budget.capacity_table(30)
+    # [10 10 10] + 30 -> 4 x 30 = 120 tokens > 64; [30 5] + 5 -> 3 x 30 > 64 and 48 + 8 queries > 48; [5] ends
+    offsets, bound = fill_in_order(np.array([10, 10, 10, 30, 5, 5]), cap, np.array([8, 8, 8, 8, 40, 8]), 48)
+    assert offsets.tolist() == [0, 3, 5, 6] and bound.tolist() == [Bound.TOKENS, Bound.TOKENS | Bound.BLOCKS, 0]
+    offsets, bound = fill_in_order(np.full(4, 4), cap, np.full(4, 20), 48)  # 3 x 20 queries > 48, tokens 12
+    assert offsets.tolist() == [0, 2, 4] and bound.tolist() == [Bound.BLOCKS, Bound.NONE]
+    offsets, bound = fill_in_order(np.full(5, 4), cap, max_size=2)  # a size cap closes batches by neither budget
+    assert offsets.tolist() == [0, 2, 4, 5] and bound.tolist() == [0, 0, 0]
+    rule = BatchBudget(budget, BlockBudget(48))
+    assert rule.refusal([10, 10, 10], [8, 8, 8], 30, 8) == Bound.TOKENS
+    assert rule.refusal([30, 5], [8, 40], 5, 8) == Bound.TOKENS | Bound.BLOCKS
+    assert rule.fill([30, 5], [8, 40]) == (60 / 64, 48 / 48)  # 2 rows x 30 tokens; 48 of 48 queries
+    packed = BatchBudget(budget, BlockBudget(48), packed=True)
+    assert packed.fill([30, 5], [8, 40]) == (35 / 64, 1.0) and packed.refusal([30, 5], [8, 8], 29) == Bound.NONE
+    assert rule.fill([30, 5], None, row_len=40) == (80 / 64, None)  # rows padded to 40 (static shapes)
+
+
+def test_packed_rows_record_the_budget_that_closed_them():
+    # window 1: 5 does not fit the row of 6 (room 4): that row leaves the window; 4 fills the row of 5 to 9, no
+    # room for the smallest sample (3); the row of 3 is still open at the end
+    positions, offsets, bound = pack_rows(np.array([6, 5, 4, 3]), 10, window=1)
+    assert positions.tolist() == [0, 1, 2, 3] and offsets.tolist() == [0, 1, 3, 4]
+    assert bound.tolist() == [Bound.TOKENS, Bound.TOKENS, Bound.NONE]
+    # the drafter queries fill rows first (100 of 50 queries against 8 of 100 tokens): the same, in queries
+    positions, offsets, bound = pack_rows(np.full(4, 2), 100, 1, np.array([30, 30, 10, 30]), 50)
+    assert offsets.tolist() == [0, 1, 3, 4] and bound.tolist() == [Bound.BLOCKS, Bound.BLOCKS, Bound.NONE]
+
+
+FILL_KINDS = ["sorted", "random", "bucketed", "grouped"]
+
+
+@pytest.mark.parametrize("kind", FILL_KINDS)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), n=st.integers(8, 120), num_anchors=st.integers(1, 40), slack=st.integers(0, 200))
+def test_every_fill_closes_where_the_one_rule_refuses_the_next_sample(kind, seed, n, num_anchors, slack):
+    """Each batch of a fill sequence (the epoch's order; a bucket; a megabatch) ends where `BatchBudget.refusal`
+    says the next sample of the sequence passes a budget, with that Bound; the last batch of a sequence ends with
+    none (as does a length-grouped batch cut at its size)."""
+    lengths, mask, off = corpus(seed, n)
+    queries = drafter_queries(valid_anchor_counts(mask, off), num_anchors, 4)
+    s = make(kind, lengths, queries, max(1, int(queries.max())) + slack, seed=seed % 1000)
+    plan, rule = s.epoch_plan(1), s.batch_budget
+    if kind == "bucketed":
+        bucket = np.searchsorted(EDGES, lengths[plan.order])
+        ends = set(np.flatnonzero(np.diff(bucket)) + 1) | {n}
+    elif kind == "grouped":
+        ends = set(range(3 * GROUPED, n, 3 * GROUPED)) | {n}
+    else:
+        ends = {n}
+    for b in range(len(plan.offsets) - 1):
+        lo, hi = plan.offsets[b], plan.offsets[b + 1]
+        batch = plan.order[lo:hi]
+        if hi in ends:
+            assert plan.bound[b] == Bound.NONE
+            continue
+        nxt = plan.order[hi]
+        why = rule.refusal(lengths[batch], queries[batch], lengths[nxt], queries[nxt])
+        if kind == "grouped" and why == Bound.NONE:
+            assert hi - lo == GROUPED  # only the size closed it
+        assert plan.bound[b] == why
 
 
 def test_static_batch_sizes_follow_the_block_budget():
     from dflash_lib.train.build import static_batch_sizes
 
     assert static_batch_sizes([100, 500, 2048], 2048) == [20, 4, 1]
-    # bucket maxima 64, 0 (no anchor anywhere) and 512 drafter query tokens under a 256-query budget
-    assert static_batch_sizes([100, 500, 2048], 2048, None, 256, [64, 0, 512]) == [4, 4, 1]
+    # bucket 0: 3 samples of 64 drafter query tokens and 10 of 16: its 7 costliest hold 3*64 + 4*16 = 256, the
+    # 8th passes a 256-query budget (a bound of rows x its costliest, 256 // 64, would allow only 4); bucket 1: no
+    # anchor anywhere, tokens decide (2048 // 500); bucket 2: one sample
+    lengths = np.array([50] * 13 + [400] * 6 + [2000])
+    queries = np.array([64] * 3 + [16] * 10 + [0] * 6 + [200])
+    assert static_batch_sizes([100, 500, 2048], 2048, None, 256, lengths, queries) == [7, 4, 1]
+    budget = BatchBudget(TokenBudget(2048), BlockBudget(256))
+    costliest = [np.sort(queries[:13])[::-1], queries[13:19], queries[19:]]
+    assert worst_batch_refusal(budget, 7, 100, costliest[0]) == Bound.BLOCKS  # 8 rows of 100 fit the tokens
+    assert worst_batch_refusal(budget, 4, 500, costliest[1]) == Bound.TOKENS  # 5 rows of 500 = 2500 > 2048
+    assert worst_batch_refusal(budget, 1, 2048, costliest[2]) == Bound.NONE  # the bucket has no second sample
+    assert worst_batch_refusal(budget, 3, 500, costliest[1]) == Bound.NONE  # a size below what the budgets allow
+    assert fixed_batch_sizes(budget, [100], [np.array([300])]) == [1]  # never below one row
     lengths = np.array([10] * 30 + [30] * 10 + [60] * 5)
     queries = np.array([40] * 30 + [120] * 10 + [120] * 5)
     with pytest.raises(SamplerError, match=r"batch_sizes\[0\] = 16 rows of bucket 0 can hold 640 drafter query "
                                            r"tokens .*block_budget 200"):
         BucketedShuffleSampler(lengths, EDGES, BUDGET, batch_sizes=FIXED, queries=queries, block_budget=200)
-    sizes = static_batch_sizes(list(EDGES), BUDGET, None, 200, [40, 120, 120])
+    sizes = static_batch_sizes(list(EDGES), BUDGET, None, 200, lengths, queries)
     assert sizes == [5, 1, 1]
     s = BucketedShuffleSampler(lengths, EDGES, BUDGET, batch_sizes=sizes, queries=queries, block_budget=200)
     assert len(s) == 6 + 10 + 5
+    # every full batch is bound by the block budget (a 6th row of 40, a 2nd of 120 queries pass 200); none is
+    # partial here (30 = 6 x 5)
+    assert (s.epoch_plan(0).served_bound() == Bound.BLOCKS).all()
+    wide = BucketedShuffleSampler(lengths, EDGES, BUDGET, batch_sizes=[4, 1, 1], queries=queries, block_budget=400)
+    assert (wide.epoch_plan(0).served_bound() == Bound.NONE).all()  # sizes below what both budgets allow
+    full = BucketedShuffleSampler(lengths, EDGES, BUDGET, batch_sizes=FIXED, queries=queries, block_budget=10_000)
+    plan = full.epoch_plan(0)  # 16 + 14, 6 + 4, 4 + 1 rows: the full batches bound by the tokens, the rest by none
+    rows = np.diff(plan.offsets)[plan.steps.ravel()]
+    assert sorted(zip(rows.tolist(), plan.served_bound().tolist())) == [(1, 0), (4, 0), (4, 1), (6, 1), (14, 0),
+                                                                        (16, 1)]
+    use = budget_use(full)  # rows padded to their edge: 16x16, 14x16, 6x40, 4x40, 4x64, 1x64 of 256 tokens
+    assert use.token_fill == pytest.approx((256 + 224 + 240 + 160 + 256 + 64) / 6 / 256)
+    assert use.bound_tokens == 0.5 and use.bound_blocks == 0.0
 
 
 def test_build_sampler_applies_the_resolved_block_budget():

@@ -22,19 +22,28 @@ def g_of(cost, q):
     return (lambda l: float(l)) if cost == "linear" else (lambda l: l + l * l / q)
 
 
-def ref_objective(lengths, edges, objective, g, token_budget=None, batch_size=None, multiple=1):
-    """Padded cost of one epoch: pad to edge, or E[sum of b * g(max)] over a shuffled bucket cut into chunks."""
-    xs_all, total, lower = sorted(int(v) for v in lengths), 0.0, 0
+def ref_objective(lengths, edges, objective, g, token_budget=None, batch_size=None, multiple=1, queries=None,
+                  block_budget=None):
+    """Padded cost of one epoch: pad to edge, or E[sum of b * g(max)] over a shuffled bucket cut into chunks. With
+    drafter queries and a block budget B: b also <= B // the bucket's costliest sample, and every bucket costs its
+    queries x token_budget / B on top."""
+    pairs = sorted(zip((int(v) for v in lengths), [0] * len(lengths) if queries is None else queries))
+    xs_all, total, lower = [v for v, _ in pairs], 0.0, 0
     for e in edges:
         xs = [v for v in xs_all if lower < v <= e]
+        qs = [int(q) for v, q in pairs if lower < v <= e]
         lower, n = e, len(xs)
         if n == 0:
             continue
+        if block_budget is not None:
+            total += sum(qs) * token_budget / block_budget
         if objective == "edge":
             total += n * g(e)
             continue
         if token_budget is not None:
             b = math.floor(token_budget / g(e))
+            if block_budget is not None and max(qs) > 0:
+                b = min(b, max(1, block_budget // max(qs)))
             b = b // multiple * multiple if b >= multiple else b
         else:
             b = batch_size
@@ -79,6 +88,59 @@ def test_optimal_boundaries_equal_brute_force(objective, cost, corpus, k, budget
     assert ref_objective(lengths, plan.edges, objective, g, token_budget=budget, multiple=multiple) == \
         pytest.approx(best, rel=1e-9)
     assert sum(plan.counts) == len(lengths)
+
+
+@pytest.mark.parametrize("objective", ["edge", "batch_max"])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(corpus=small_corpus, k=st.integers(1, 4), budget_factor=st.floats(1.0, 8.0), multiple=st.sampled_from([1, 2]),
+       block_factor=st.floats(1.0, 6.0), seed=st.integers(0, 2**31))
+def test_optimal_boundaries_with_both_budgets_equal_brute_force(objective, corpus, k, budget_factor, multiple,
+                                                                 block_factor, seed):
+    vals, extra = corpus
+    lengths = np.array(vals + extra)
+    queries = np.random.default_rng(seed).integers(0, 6, len(lengths)) * 4  # drafter query tokens per sample
+    block_budget = max(1, int(queries.max() * block_factor))
+    max_len, g = max(vals), g_of("linear", None)
+    k = min(k, len(vals))
+    budget = math.ceil(max_len * budget_factor)
+    kw = dict(token_budget=budget, multiple=multiple, queries=queries, block_budget=block_budget)
+    plan = optimal_boundaries(lengths, k, max_len=max_len, objective=objective, **kw)
+    best = brute_force(lengths, k, max_len, objective, g, **kw)
+    assert plan.exact and plan.block_budget == block_budget
+    assert plan.objective_value == pytest.approx(best, rel=1e-9)
+    assert ref_objective(lengths, plan.edges, objective, g, **kw) == pytest.approx(best, rel=1e-9)
+    for b, e, lo in zip(plan.batch_sizes, plan.edges, plan.lower_edges):  # both budgets cap the sizes
+        mq = queries[(lengths > lo) & (lengths <= e)].max(initial=0)
+        assert b <= max(budget // e, 1) and (mq == 0 or b <= max(1, block_budget // mq))
+
+
+def test_the_block_budget_sizes_and_prices_the_batches():
+    """10 documents of 10 tokens with 20 drafter queries each, 10 of 50 tokens with none; token budget 100, block
+    budget 40. The short bucket's batches are capped at 40 // 20 = 2 rows (10 by tokens); its 200 queries fill 5
+    block budgets, priced 100 / 40 = 2.5 token-budget units each: 500 on top of its 100 tokens."""
+    lengths = np.array([10] * 10 + [50] * 10)
+    queries = np.array([20] * 10 + [0] * 10)
+    kw = dict(max_len=50, token_budget=100, queries=queries, block_budget=40)
+    plan = plan_for_edges(lengths, [10, 50], objective="batch_max", **kw)
+    assert plan.batch_sizes == (2, 2) and plan.steps_per_epoch == 5 + 5
+    assert plan.objective_value == pytest.approx(100 + 500 + 500)
+    tokens_only = plan_for_edges(lengths, [10, 50], objective="batch_max", max_len=50, token_budget=100)
+    assert tokens_only.batch_sizes == (10, 2) and tokens_only.objective_value == pytest.approx(600)
+    assert tokens_only.block_budget is None and plan.efficiency == tokens_only.efficiency == 1.0
+    static = plan_for_edges(lengths, [10, 50], objective="edge", **kw)  # a padded kernel: its slots, as before
+    assert static.objective_value == 10 * 10 + 10 * 50 + 500 and static.batch_sizes == (2, 2)
+    # one bucket: batches of 40 // 20 = 2 rows padded to their longest; a pair holds a 50 unless both are 10s:
+    # P = C(10, 2) / C(20, 2) = 45 / 190, so 10 pairs cost 10 x 2 x (50 - 40 x 45 / 190) tokens
+    one = plan_for_edges(lengths, [50], objective="batch_max", **kw)
+    assert one.batch_sizes == (2,) and one.objective_value == pytest.approx(20 * (50 - 40 * 45 / 190) + 500)
+    assert one.efficiency < plan.efficiency
+    assert BucketPlan.from_json(plan.to_json()) == plan
+    legacy = {k: v for k, v in json.loads(tokens_only.to_json()).items() if k != "block_budget"}
+    assert BucketPlan.from_json(json.dumps(legacy)) == tokens_only  # a plan written before block_budget
+    with pytest.raises(BucketError, match="go together"):
+        plan_for_edges(lengths, [10, 50], max_len=50, token_budget=100, queries=queries)
+    with pytest.raises(BucketError, match="needs 20 drafter query tokens, more than block_budget 16"):
+        plan_for_edges(lengths, [10, 50], **{**kw, "block_budget": 16})
 
 
 @settings(max_examples=30, deadline=None)

@@ -23,14 +23,16 @@ def _fill(lens: np.ndarray, order: np.ndarray) -> list[list[int]]:
 
 
 def _strategies(n: int = 1500, seed: int = 0) -> dict[str, list[BatchShape]]:
-    """One epoch of each of the four strategies on lognormal lengths, as batch shapes."""
+    """One epoch of each of the four strategies on lognormal lengths, as batch shapes; padded batches on padded
+    kernels (every slot computed: the fit has to tell padding from documents)."""
     rng = np.random.default_rng(seed)
     lens = np.clip(rng.lognormal(5.5, 0.8, n).astype(np.int64), 8, 2048)  # (n,) tokens
-    out = {"sorted": describe_batches(_fill(lens, np.argsort(lens, kind="stable"))),
-           "random": describe_batches(_fill(lens, rng.permutation(n)))}
+    out = {"sorted": describe_batches(_fill(lens, np.argsort(lens, kind="stable")), padded_kernel=True),
+           "random": describe_batches(_fill(lens, rng.permutation(n)), padded_kernel=True)}
     bucket = np.searchsorted(np.quantile(lens, [0.25, 0.5, 0.75, 0.9, 1.0]), lens)
     out["bucketed"] = describe_batches([b for k in range(5)
-                                        for b in _fill(lens, rng.permutation(np.flatnonzero(bucket == k)))])
+                                        for b in _fill(lens, rng.permutation(np.flatnonzero(bucket == k)))],
+                                       padded_kernel=True)
     rows, cur = [], []
     for i in rng.permutation(n):
         if sum(cur) + lens[i] > BUDGET:
@@ -50,9 +52,9 @@ def _observe(shapes: dict[str, list[BatchShape]], noise: float, seed: int, d: fl
     for name, batch_shapes in shapes.items():
         seen, obs = set(), []
         for s in batch_shapes:
-            t = a + b * s.padded_tokens + c * s.attention + (d if s.key not in seen else 0.0)
+            t = a + b * s.computed_slots + c * s.attention + (d if s.key not in seen else 0.0)
             seen.add(s.key)
-            obs.append(StepObservation(s.rows, s.row_len, s.real_tokens, s.attention,
+            obs.append(StepObservation(s.rows, s.row_len, s.real_tokens, s.attention, padded_kernel=s.padded_kernel,
                                        seconds=t * (1 + noise * rng.standard_normal()), run=name))
         out[name] = obs
     return out
@@ -128,8 +130,8 @@ def test_shape_term_is_left_out_when_it_does_not_help_held_out_error(shapes):
 
 def test_predict_throughput_matches_a_hand_computation():
     model = CostModel(a=0.1, b=1e-3, c=1e-6, d=0.05, terms=("a", "b", "c", "d"))
-    padded = describe_padded([3, 5])  # R=2, T=5: 10 slots, attention 2*25 = 50, 8 real tokens
-    packed = describe_packed([[4, 4]], row_len=10)  # 1 x 10 slots, attention 16 + 16 = 32, 8 real
+    padded = describe_padded([3, 5], padded_kernel=True)  # R=2, T=5: 10 slots, attention 2*25 = 50, 8 real
+    packed = describe_packed([[4, 4]], row_len=10, padded_kernel=True)  # 1 x 10 slots, attention 16 + 16, 8 real
     assert (padded.padded_tokens, padded.attention, padded.real_tokens) == (10, 50.0, 8)
     assert (packed.padded_tokens, packed.attention, packed.real_tokens) == (10, 32.0, 8)
     t_pad, t_pack = 0.1 + 0.010 + 50e-6, 0.1 + 0.010 + 32e-6
@@ -139,17 +141,26 @@ def test_predict_throughput_matches_a_hand_computation():
     assert model.predict_throughput(batches) == pytest.approx(24 / expected_s, rel=1e-12)
     warm = model.predict_throughput(batches, warm_shapes=[padded.key, packed.key])
     assert warm == pytest.approx(24 / (2 * t_pad + t_pack), rel=1e-12)
+    # without a padded kernel a batch is priced by its documents: 8 computed slots, attention 9 + 25 (16 + 16)
+    free, free_packed = describe_padded([3, 5]), describe_packed([[4, 4]], row_len=10)
+    assert (free.computed_slots, free.padded_tokens, free.attention) == (8, 10, 34.0)
+    assert model.predict_step(free) == pytest.approx(0.1 + 0.008 + 34e-6, rel=1e-12)
+    assert model.predict_step(free_packed) == pytest.approx(0.1 + 0.008 + 32e-6, rel=1e-12)
 
 
 def test_batch_descriptions_price_layouts_and_edges():
     assert describe_padded([3, 5], pad_to=8).key == (2, 8)
-    assert describe_padded([3, 5], pad_to=8).attention == 2 * 64
+    assert describe_padded([3, 5], pad_to=8, padded_kernel=True).attention == 2 * 64
+    assert describe_padded([3, 5], pad_to=8).attention == 9 + 25  # per document, whatever the padding
     assert describe_packed([[4, 4], [9]], row_len=10, varlen=False).attention == 2 * 100
     assert describe_packed([[4, 4], [9]], row_len=10).attention == 16 + 16 + 81
     model = CostModel(a=0.01, b=1e-6, c=1e-9)
-    to_max = describe_batches([[100, 120], [300, 310]])
-    to_edge = describe_batches([[100, 120], [300, 310]], row_len=512)
+    to_max = describe_batches([[100, 120], [300, 310]], padded_kernel=True)
+    to_edge = describe_batches([[100, 120], [300, 310]], row_len=512, padded_kernel=True)
     assert model.predict_throughput(to_edge) < model.predict_throughput(to_max)
+    # padding-free kernels: padding to the edge costs nothing, the documents are the same
+    assert model.predict_throughput(describe_batches([[100, 120], [300, 310]], row_len=512)) == \
+        model.predict_throughput(describe_batches([[100, 120], [300, 310]]))
     with pytest.raises(CostModelError, match="row 1: 11 tokens do not fit row_len=10"):
         describe_packed([[4], [5, 6]], row_len=10)
     with pytest.raises(CostModelError, match="lengths must be > 0"):
@@ -222,10 +233,10 @@ def test_block_term_is_recovered_when_blocks_vary_independently():
     obs = []
     for i in range(120):
         docs = rng.integers(20, 900, size=int(rng.integers(1, 12)))
-        shape = describe_padded(docs, anchors_per_doc=int(rng.integers(4, 64)))
+        shape = describe_padded(docs, anchors_per_doc=int(rng.integers(4, 64)), padded_kernel=True)
         t = true["a"] + true["b"] * shape.padded_tokens + true["c"] * shape.attention + true["e"] * shape.blocks
         obs.append(StepObservation(shape.rows, shape.row_len, shape.real_tokens, shape.attention,
-                                   blocks=shape.blocks, seconds=t))
+                                   blocks=shape.blocks, seconds=t, padded_kernel=True))
     model = fit_cost_model(obs)
     assert (model.a, model.b, model.c, model.e) == pytest.approx(tuple(true.values()), rel=1e-6)
     assert anchor_blocks(np.array([1, 5, 100]), 8) == 0 + 4 + 8
@@ -238,7 +249,7 @@ def test_real_token_term_is_chosen_and_recovered_when_padding_is_cheaper_than_do
     predicted within 3%, also when the term choice never saw it (nested)."""
     rng = np.random.default_rng(6)
     true = dict(a=0.02, b=5e-7, r=4e-6, c=1e-9)
-    obs = {name: [StepObservation(s.rows, s.row_len, s.real_tokens, s.attention, run=name,
+    obs = {name: [StepObservation(s.rows, s.row_len, s.real_tokens, s.attention, run=name, padded_kernel=True,
                                   seconds=(true["a"] + true["b"] * s.padded_tokens + true["r"] * s.real_tokens
                                            + true["c"] * s.attention) * (1 + 0.01 * rng.standard_normal()))
                    for s in batch_shapes] for name, batch_shapes in shapes.items()}
@@ -291,3 +302,67 @@ def test_throughput_noise_is_zero_for_identical_steps_and_grows_with_spread():
         assert throughput_rel_sd(steps) == throughput_rel_sd(steps, np.random.default_rng(0))  # documented default
     with pytest.raises(CostModelError, match="no steps"):
         throughput_rel_sd([])
+
+
+def _padding_free_probe(noise: float, seed: int = 8) -> dict[str, list[StepObservation]]:
+    """The probe after the target went padding-free: sorted, random, bucketed and packed batches cost their
+    documents (real tokens, per-document attention) and anchor blocks; static batches (rows padded to the bucket
+    edge, a padded kernel) every slot. True costs: a 0.02 s, b 2e-6 s/computed slot, c 1e-9 s/token^2,
+    e 4e-4 s/block; 16 anchors per document."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(5.5, 0.8, 1200).astype(np.int64), 8, 2048)  # (n,) tokens
+    edges = np.quantile(lens, [0.25, 0.5, 0.75, 0.9, 1.0]).astype(np.int64)
+    bucket = np.searchsorted(edges, lens)
+    by_bucket = [(b, int(edges[k])) for k in range(5)
+                 for b in _fill(lens, rng.permutation(np.flatnonzero(bucket == k)))]
+    rows, cur = [], []
+    for i in rng.permutation(len(lens)):
+        if sum(cur) + lens[i] > BUDGET:
+            rows.append(cur)
+            cur = []
+        cur.append(int(lens[i]))
+    shapes = {"sorted": describe_batches(_fill(lens, np.argsort(lens, kind="stable")), anchors_per_doc=16),
+              "random": describe_batches(_fill(lens, rng.permutation(len(lens))), anchors_per_doc=16),
+              "bucketed": describe_batches([b for b, _ in by_bucket], anchors_per_doc=16),
+              "packed": [describe_packed([r], BUDGET, anchors_per_doc=16) for r in rows + [cur]],
+              "static": [describe_padded(b, pad_to=e, anchors_per_doc=16, padded_kernel=True) for b, e in by_bucket]}
+    out = {}
+    for name, batch_shapes in shapes.items():
+        out[name] = [StepObservation(s.rows, s.row_len, s.real_tokens, s.attention, blocks=s.blocks, run=name,
+                                     padded_kernel=s.padded_kernel,
+                                     seconds=(0.02 + 2e-6 * s.computed_slots + 1e-9 * s.attention + 4e-4 * s.blocks)
+                                     * (1 + noise * rng.standard_normal()))
+                     for s in batch_shapes]
+    return out
+
+
+def test_padding_free_batches_are_priced_by_documents_and_blocks_static_ones_by_every_slot():
+    obs = _padding_free_probe(noise=0.01)
+    choice = select_cost_model(obs)
+    assert choice.model.b == pytest.approx(2e-6, rel=0.05) and choice.model.e == pytest.approx(4e-4, rel=0.1)
+    assert choice.nested_max_abs_error < 0.03
+    # the same steps described as the padded world was (every slot computed, attention over whole rows): the fit
+    # now charges random's padding, which it never ran, and misses it
+    as_padded = {name: [StepObservation(o.rows, o.row_len, o.real_tokens,
+                                        float(o.rows) * o.row_len ** 2 if name != "packed" else o.attention,
+                                        blocks=o.blocks, run=name, seconds=o.seconds, padded_kernel=True)
+                        for o in steps] for name, steps in obs.items()}
+    assert abs(select_cost_model(as_padded).nested["random"].rel_error) > 0.05
+
+
+def test_held_out_noise_separates_probe_noise_from_model_error():
+    from dflash_lib.plan.costmodel import held_out_noise
+
+    exact = _padding_free_probe(noise=0.0)
+    choice = select_cost_model(exact)
+    assert all(sd < 1e-9 for sd in held_out_noise(exact, choice.nested, draws=20).values())  # noise-free: none
+    noisy = _padding_free_probe(noise=0.10)
+    choice = select_cost_model(noisy)
+    spread = held_out_noise(noisy, choice.nested, draws=100)
+    # 10% per-step scatter over ~50-200 steps: a few tenths of a percent to ~2% on a held-out rate
+    assert set(spread) == set(noisy) and all(0.002 < sd < 0.03 for sd in spread.values())
+    assert all(abs(h.rel_error) < 3 * spread[name] for name, h in choice.nested.items())  # noise, not model
+    # a model without the block term: random (many short documents per token) is missed far beyond the noise
+    wrong = leave_one_out(noisy, ("a", "b", "c"))
+    spread = held_out_noise(noisy, wrong, draws=100)
+    assert abs(wrong["random"].rel_error) > 0.2 and abs(wrong["random"].rel_error) > 5 * spread["random"]

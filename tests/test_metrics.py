@@ -37,6 +37,16 @@ def test_log_line_matches_the_seed_format():
                                           "wait 0.4% | bucket 3 | ETA 5.1d | q_pre=[50,50] q_hs=[0]")
 
 
+def test_log_line_says_how_full_the_budgets_are_and_which_bound():
+    base = format_log_line(SEED_LIKE)
+    both = {**SEED_LIKE, "token_fill": 0.694, "query_fill": 1.0, "bound_tokens": 0.0, "bound_blocks": 1.0}
+    assert format_log_line(both) == base + " | fill tok 0.69 blk 1.00 | bound tok 0.00 blk 1.00"
+    assert format_log_line({**SEED_LIKE, "token_fill": 0.5, "bound_tokens": 0.25}) == \
+        base + " | fill tok 0.50 | bound tok 0.25"  # no block budget
+    assert format_log_line({**SEED_LIKE, "token_fill": 0.5, "query_fill": 0.75}) == \
+        base + " | fill tok 0.50 blk 0.75"  # a sampler whose plan does not record what closed its batches
+
+
 def test_log_line_marks_provisional_and_missing_eta():
     assert "| ETA ~5.1d |" in format_log_line({**SEED_LIKE, "steady": False})
     assert "| ETA -- |" in format_log_line({**SEED_LIKE, "steady": False, "eta_s": None})

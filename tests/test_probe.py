@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 
 from dflash_lib.config import ConfigError, from_params
-from dflash_lib.lab.probe import StrategyProbe, cost_model_json, demo_summary, observations, probe_table
-from dflash_lib.plan.costmodel import select_cost_model, throughput_rel_sd
+from dflash_lib.lab.probe import (StrategyProbe, budget_figures, cost_model_json, demo_summary, observations,
+                                  probe_table)
+from dflash_lib.plan.costmodel import held_out_noise, select_cost_model, throughput_rel_sd
 
 
 def _metrics(n: int, rows: int, row_len: int, fill: float, blocks: int, seconds, seed: int = 0) -> pd.DataFrame:
@@ -42,6 +43,18 @@ def test_observations_skip_warm_up_and_steps_that_ran_no_batch():
         observations(m, 3, attention="flops")
     with pytest.raises(ConfigError, match=r"metrics lack \['blocks'\]"):
         observations(m.drop(columns="blocks"), 3)
+    # padding is priced only for a run of padded kernels (static shapes)
+    assert obs[0].computed_slots == m.loc[2, "real_tokens"]
+    assert observations(m, 3, padded_kernel=True)[0].computed_slots == m.loc[2, "padded_tokens"]
+
+
+def test_budget_figures_average_the_steps_that_have_them():
+    m = pd.DataFrame(dict(step=[1, 2, 3, 4], token_fill=[0.5, 0.7, 0.9, np.nan], query_fill=[1.0, 1.0, 0.5, np.nan],
+                          bound_tokens=[0.0, 0.0, 1.0, np.nan], bound_blocks=[1.0, 1.0, 0.0, np.nan]))
+    assert budget_figures(m) == pytest.approx(dict(token_fill=0.7, query_fill=2.5 / 3, bound_tokens=1 / 3,
+                                                   bound_blocks=2 / 3))
+    assert budget_figures(m[["step", "token_fill"]]) == {"token_fill": pytest.approx(0.7)}  # no block budget
+    assert budget_figures(m[["step"]]) == {}  # an older trainer's metrics
 
 
 def _probe(name: str, m: pd.DataFrame, predicted: float) -> StrategyProbe:
@@ -53,13 +66,15 @@ def _probe(name: str, m: pd.DataFrame, predicted: float) -> StrategyProbe:
 
 
 def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
-    cost = lambda pad, real, attn, blocks: 0.02 + 2e-6 * pad + 1e-9 * attn + 1e-3 * blocks  # noqa: E731
+    # padding-free kernels: a step pays its documents (real tokens, per-document attention) and blocks
+    cost = lambda pad, real, attn, blocks: 0.02 + 2e-6 * real + 1e-9 * attn + 1e-3 * blocks  # noqa: E731
     ms = {"sorted": _metrics(40, 8, 512, 0.99, 8, cost, 1), "random": _metrics(40, 4, 1024, 0.6, 8, cost, 2),
           "bucketed": _metrics(40, 6, 700, 0.9, 8, cost, 3), "packed": _metrics(40, 1, 4096, 0.98, 40, cost, 4)}
     predicted = {"sorted": 0.99, "random": 0.62, "bucketed": 0.92, "packed": 0.98}
     probes = [_probe(k, m, predicted[k]) for k, m in ms.items()]
+    probes[3].fills.update(token_fill=0.69, query_fill=1.0, bound_tokens=0.0, bound_blocks=1.0)
     choice = select_cost_model({p.strategy: p.observations for p in probes})
-    table = probe_table(probes, choice)
+    table = probe_table(probes, choice, noise_draws=50)
     assert list(table.index) == ["sorted", "random", "bucketed", "packed"]
     assert table.loc["sorted", "ratio_to_sorted"] == 1.0
     assert table.loc["random", "ratio_to_sorted"] == pytest.approx(probes[1].ktok_s / probes[0].ktok_s)
@@ -67,6 +82,11 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
     assert table.loc["packed", "ktok_s_noise_pct"] == pytest.approx(200 * throughput_rel_sd(probes[3].observations))
     assert (table["ktok_s_noise_pct"] > 0).all() and (table["ktok_s_noise_pct"] < 10).all()
     assert (table["cost_model_error_pct"].abs() < 1e-6).all() and (table["nested_error_pct"].abs() < 1e-6).all()
+    noise = held_out_noise({p.strategy: p.observations for p in probes}, choice.nested, 50)
+    assert table["nested_noise_pct"].to_dict() == pytest.approx({k: 200 * v for k, v in noise.items()})
+    assert (table["nested_noise_pct"] < 1e-6).all()  # noise-free step times: resampled steps are fitted exactly
+    assert table.loc["packed", "token_fill"] == 0.69 and table.loc["packed", "bound_blocks"] == 1.0
+    assert np.isnan(table.loc["sorted", "token_fill"])  # a probe without the figures
     gap = table.loc["random", "efficiency_gap_pts"]
     assert gap == pytest.approx(100 * (0.62 - probes[1].realized_efficiency))
     # the reference run's padding-only estimate misses random, the fitted model does not
@@ -75,7 +95,8 @@ def test_probe_table_puts_measurement_prediction_and_noise_side_by_side():
     summary = demo_summary(table)
     assert set(summary["packed"]) >= {"ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency",
                                       "co_batch_recurrence", "cost_model_error_pct", "nested_error_pct",
-                                      "full_run_eta_days"}
+                                      "nested_noise_pct", "full_run_eta_days", "token_fill", "bound_blocks"}
+    assert "token_fill" not in summary["sorted"]  # left out where the table has none
     js = json.loads(json.dumps(cost_model_json(choice)))
     assert js["model"]["terms"][0] == "a" and js["max_abs_error"] < 1e-6 and js["nested_max_abs_error"] < 1e-6
     assert math.isclose(js["q"], choice.model.b / choice.model.c, rel_tol=1e-9)
@@ -150,3 +171,15 @@ def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly()
         assert predicted_efficiency(packed, sampler, lengths, []) == pytest.approx(row.sum() / slots.sum())
     with pytest.raises(ConfigError, match="not one of"):
         strategy_config(preset("smoke"), "megabatch", steps=5)
+
+
+def test_budget_fill_bars_show_both_fills_and_which_budget_closed_the_batches():
+    from dflash_lib.lab.report.probe import budget_fill_bars
+
+    table = pd.DataFrame(dict(token_fill=[0.675, 0.677], query_fill=[0.995, 0.998], bound_tokens=[0.509, 0.008],
+                              bound_blocks=[0.999, 0.985]), index=pd.Index(["sorted", "packed"], name="strategy"))
+    fig = budget_fill_bars(table)
+    assert [t.name for t in fig.data] == ["token budget", "block budget"]
+    assert list(fig.data[0].y) == [0.675, 0.677] and list(fig.data[1].text) == ["closed 100%", "closed 98%"]
+    assert list(fig.data[0].text) == ["closed 51%", "closed 1%"]
+    assert [t.name for t in budget_fill_bars(table[["token_fill"]]).data] == ["token budget"]  # no block budget

@@ -252,9 +252,11 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     assert SUMMARY_KEYS <= set(summary.to_json()) and summary.steps == 6
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
     assert not summary.steady and summary.steady_ktok_s is None  # 6 steps: too short to call steady
-    # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation)
+    # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation) and
+    # the budget figures (a list of batches fills by no budget)
     heldout = {"heldout_step", *(f.name for f in fields(StepMetrics) if f.name.startswith("heldout_"))}
-    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout for r in rows)
+    budget = {"token_fill", "query_fill", "bound_tokens", "bound_blocks"}
+    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout - budget for r in rows)
     assert all(StepMetrics.from_json(r).to_json() == r for r in rows)
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert set(doc) == {f.name for f in fields(RunSummary)} - heldout
@@ -402,6 +404,7 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
 def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     from dflash_lib.__main__ import main
     from dflash_lib.data.batch import packed_row_len
+    from dflash_lib.plan.sampler import resolve_block_budget
 
     run_dir = tmp_path / strategy
     assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
@@ -409,8 +412,17 @@ def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
+    smoke = preset("smoke")  # token budget 2048; block budget 4 rows x 8 anchors x 4 = 128 query tokens
+    blocks = resolve_block_budget(smoke.sampler, smoke.buckets, smoke.model, smoke.data.max_len)
+    assert blocks == 128
+    for r in rows:  # how full each step's batch is in both budgets, and which one closed it (plan's record)
+        tokens = r["real_tokens"] if strategy == "packed" else r["rows"] * r["row_len"]  # padding counted
+        assert r["token_fill"] == pytest.approx(tokens / smoke.sampler.token_budget)
+        assert r["query_fill"] == pytest.approx(r["blocks"] * smoke.model.block_size / blocks)
+        assert r["bound_tokens"] in (0.0, 1.0) and r["bound_blocks"] in (0.0, 1.0)
+        assert r["bound_tokens"] or r["bound_blocks"] or r["token_fill"] < 1 and r["query_fill"] < 1
     if strategy == "packed":  # one row per step, as long as its tokens rounded up to 64 (static: the budget)
-        budget = preset("smoke").sampler.token_budget
+        budget = smoke.sampler.token_budget
         assert all(r["bucket"] == -1 and r["rows"] == 1 for r in rows)
         assert [r["row_len"] for r in rows] == [packed_row_len(r["real_tokens"], budget, 0 if static else 64)
                                                 for r in rows]

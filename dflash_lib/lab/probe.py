@@ -4,15 +4,16 @@ side by side, and the step-time cost model calibrated on (and checked against) t
 Per strategy the probe reports real-token throughput at steady state (warm-up discarded by the trainer's
 steady-state detector), its ratio to sorted batches, the padding efficiency PREDICTED before running (bucketed:
 the analytic plan, as the reference run did; the others: their epoch plans) and the one REALIZED on the probe's steps,
-steps per epoch, the ETA of a configurable full run (`full_run_eta_days`), and the randomness figures of its
-sampler.
+how full its measured batches were in the token and the block budget and which budget closed them (the trainer's
+`token_fill`, `query_fill`, `bound_tokens`, `bound_blocks`), steps per epoch, the ETA of a configurable full run
+(`full_run_eta_days`), and the randomness figures of its sampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,7 +25,7 @@ from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.plan.buckets import SampleCost, bucket_of, plan_for_edges
 from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObservation, attention_q_from_fit,
-                                       select_cost_model, throughput_rel_sd)
+                                       held_out_noise, select_cost_model, throughput_rel_sd)
 from dflash_lib.plan.sampler import packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
 from dflash_lib.train.loop import RunSummary, train
@@ -35,6 +36,7 @@ STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary ne
 # deliberate, so the fit can tell per-slot from per-real-token cost without leaning on random's steps
 PROBES = (*STRATEGIES, "static")
 RESUME_WARMUP = 2  # steps left out after a probe chunk resumes (pipeline refill, first-step allocations)
+FILLS = ("token_fill", "query_fill", "bound_tokens", "bound_blocks")  # the trainer's budget figures, per step
 
 
 @dataclass
@@ -53,6 +55,9 @@ class StrategyProbe:
     full_run_eta_days: float | None  # the full run (full_run_epochs over the corpus) at this throughput, days
     co_batch_recurrence: float  # fraction of co-batched pairs batched together again next epoch
     lag1: float  # lag-1 correlation of consecutive batch lengths
+    fills: dict[str, float] = field(default_factory=dict)  # FILLS -> mean over the observed steps
+    # (token_fill: token cost / token budget; query_fill: drafter queries / block budget; bound_*: share of the
+    # batches that budget closed); a figure the trainer did not write is left out
 
 
 def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int = 0) -> Config:
@@ -68,8 +73,8 @@ def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int =
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:
     """Padding efficiency known before training. bucketed: the plan's analytic prediction (the objective of the
-    buckets section, the reference run's kind of estimate); sorted / random / packed / static shapes: exact, from the
-    epoch-0 plan."""
+    buckets section under the sampler's budgets, the reference run's kind of estimate); sorted / random / packed /
+    static shapes: exact, from the epoch-0 plan."""
     s = config.sampler
     batches = sampler.epoch_plan(0).csr()
     if s.strategy == "packed":  # rows as `collate_packed` makes them: their tokens rounded up, or full (static)
@@ -83,18 +88,19 @@ def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edge
         q = SampleCost(config.buckets.cost, config.buckets.q).q
         plan = plan_for_edges(lengths, edges, max_len=config.data.max_len, objective=config.buckets.objective,
                               cost=config.buckets.cost, q=q, token_budget=s.token_budget,
-                              policy=config.data.policy)
+                              policy=config.data.policy, queries=sampler.queries, block_budget=sampler.block_budget)
         return float(plan.efficiency)
     return float(padding_efficiency(batches, lengths))
 
 
 def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_varlen",
-                 run: str = "probe") -> list[StepObservation]:
+                 run: str = "probe", padded_kernel: bool = False) -> list[StepObservation]:
     """Cost-model observations from a run's metrics: the steps from `start_step` on (warm-up left out), less the
     steps that ran no batch (every sample failed validation: no shape, nothing to price).
 
     attention: "attn_varlen" (sum of doc_len^2: what the target pays with either backend, flash-attn varlen or
     per-document SDPA) or "attn_dense" (R * T^2: a backend that computes whole rows under a mask).
+    padded_kernel: the run computed every slot (`static_shapes`); else its padding is not priced.
     """
     if attention not in ("attn_dense", "attn_varlen"):
         raise ConfigError(f"attention must be 'attn_dense' or 'attn_varlen', got {attention!r}")
@@ -104,8 +110,14 @@ def observations(metrics: pd.DataFrame, start_step: int, attention: str = "attn_
     part = metrics[(metrics["step"] >= start_step) & (metrics["step_s"] > 0) & metrics["rows"].notna()]
     return [StepObservation(rows=int(r.rows), row_len=int(r.row_len), real_tokens=int(r.real_tokens),
                             attention=float(getattr(r, attention)), blocks=int(r.blocks), seconds=float(r.step_s),
-                            run=run)
+                            run=run, padded_kernel=padded_kernel)
             for r in part.itertuples()]
+
+
+def budget_figures(metrics: pd.DataFrame) -> dict[str, float]:
+    """FILLS -> their mean over the steps of `metrics` that have them (how full the batches were in each budget,
+    and the share of them each budget closed); a figure no step has is left out."""
+    return {k: float(metrics[k].mean()) for k in FILLS if k in metrics.columns and metrics[k].notna().any()}
 
 
 def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: RunSummary, last: RunSummary,
@@ -124,11 +136,11 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: RunSummary, 
     for step in resumed_at:
         resumed |= metrics["step"].between(step + 1, step + RESUME_WARMUP).to_numpy()
     measured = metrics[~resumed]
-    obs = observations(measured, start, attention, "probe")
+    obs = observations(measured, start, attention, "probe", padded_kernel=cfg.sampler.static_shapes)
     if not obs:
         raise ConfigError(f"probe {strategy}: no step to measure in {run_dir}; raise probe_steps")
     lengths, queries = _lengths_and_queries(cfg)
-    edges = bucket_edges(cfg, lengths) if cfg.sampler.strategy == "bucketed" else []
+    edges = bucket_edges(cfg, lengths, queries=queries) if cfg.sampler.strategy == "bucketed" else []
     sampler = build_sampler(cfg, lengths, 0, 1, edges, queries)  # the block budget too, as training's sampler
     stats = randomness(sampler, edges or [int(lengths.max())])
     real = sum(o.real_tokens for o in obs)
@@ -138,7 +150,8 @@ def measure_probe(cfg: Config, strategy: str, run_dir: Path, first: RunSummary, 
     full_tokens = float(last.full_run_tokens)
     return StrategyProbe(strategy, run_dir, last, obs, steady, tok_s / 1000.0,
                          predicted_efficiency(cfg, sampler, lengths, edges), realized, len(sampler),
-                         full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1))
+                         full_tokens / tok_s / 86400.0, float(stats.recurrence), float(stats.lag1),
+                         budget_figures(part))
 
 
 def _lengths_and_queries(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
@@ -176,17 +189,21 @@ def calibrate(probes: Sequence[StrategyProbe]) -> CostModelChoice:
     return select_cost_model({p.strategy: p.observations for p in probes})
 
 
-def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None = None) -> pd.DataFrame:
+def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None = None,
+                noise_draws: int = 200) -> pd.DataFrame:
     """One row per strategy, side by side (see the module docstring); `ktok_s_noise_pct`: two bootstrap standard
-    deviations of the measured throughput, in % (a held-out error below it is noise). With `choice`: the cost
-    model's held-out
-    prediction and its error, next to the padding-only prediction the reference run used (sorted throughput scaled by
-    predicted efficiency). `nested_*`: the same prediction with the choice of terms also made without the
-    strategy (the honest estimate for a strategy nobody has run yet)."""
+    deviations of the measured throughput, in %. With `choice`: the cost model's held-out prediction and its
+    error, next to the padding-only prediction the reference run used (sorted throughput scaled by predicted
+    efficiency). `nested_*`: the same prediction with the choice of terms also made without the strategy (the
+    honest estimate for a strategy nobody has run yet); `nested_noise_pct`: two standard deviations of that error
+    from probe noise alone (`costmodel.held_out_noise`, `noise_draws` resamples): within it, the error is noise;
+    beyond it, model error."""
     by = {p.strategy: p for p in probes}
     if "sorted" not in by:
         raise ConfigError("the probe needs the 'sorted' strategy as the reference")
     ref = by["sorted"]
+    noise = (held_out_noise({p.strategy: p.observations for p in probes}, choice.nested, noise_draws)
+             if choice is not None else {})
     rows = []
     for p in probes:
         padding_only = ref.ktok_s * p.predicted_efficiency / ref.realized_efficiency
@@ -195,12 +212,13 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
                    predicted_efficiency=p.predicted_efficiency, realized_efficiency=p.realized_efficiency,
                    efficiency_gap_pts=100 * (p.predicted_efficiency - p.realized_efficiency),
                    steps_per_epoch=p.steps_per_epoch, full_run_eta_days=p.full_run_eta_days,
-                   co_batch_recurrence=p.co_batch_recurrence, lag1=p.lag1,
+                   co_batch_recurrence=p.co_batch_recurrence, lag1=p.lag1, **p.fills,
                    padding_only_ktok_s=padding_only, padding_only_error_pct=100 * (padding_only / p.ktok_s - 1))
         if choice is not None:
             held, nested = choice.held_out[p.strategy], choice.nested[p.strategy]
             row.update(cost_model_ktok_s=held.predicted_tok_s / 1000.0, cost_model_error_pct=100 * held.rel_error,
-                       nested_error_pct=100 * nested.rel_error, nested_terms="+".join(nested.terms))
+                       nested_error_pct=100 * nested.rel_error, nested_noise_pct=200 * noise[p.strategy],
+                       nested_terms="+".join(nested.terms))
         rows.append(row)
     return pd.DataFrame(rows).set_index("strategy")
 
@@ -208,9 +226,10 @@ def probe_table(probes: Sequence[StrategyProbe], choice: CostModelChoice | None 
 def demo_summary(table: pd.DataFrame) -> dict[str, dict[str, float]]:
     """The per-strategy figures `runs/<id>_demo/summary.json` holds."""
     keys = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
-    extra = [c for c in ("full_run_eta_days", "cost_model_error_pct", "nested_error_pct",
-                         "padding_only_error_pct") if c in table.columns]
-    return {s: {k: float(table.loc[s, k]) for k in (*keys, *extra)} for s in table.index}
+    extra = [c for c in ("full_run_eta_days", "cost_model_error_pct", "nested_error_pct", "nested_noise_pct",
+                         "padding_only_error_pct", *FILLS) if c in table.columns]
+    return {s: {k: float(table.loc[s, k]) for k in (*keys, *extra) if pd.notna(table.loc[s, k])}
+            for s in table.index}
 
 
 def cost_model_json(choice: CostModelChoice) -> dict[str, Any]:

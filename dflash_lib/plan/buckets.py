@@ -16,6 +16,14 @@ Units and conventions (see docs/batching.md):
 - Work is on the histogram of distinct lengths (M values, plus max_len), never on the N samples.
 - Which to use: "edge" for static shapes; "batch_max" predicts what BucketedShuffleSampler's fill rule pays
   (random batches padded to their longest member), which "edge" under-predicts.
+- Both budgets (given the samples' drafter `queries` and a `block_budget` B, in query tokens): a bucket's batch
+  size is also capped at B // its costliest sample's queries, and a bucket is priced by what its batches hold of
+  each budget: its padded cost plus its drafter queries Q_k at T / B token-budget units each (a batch full in
+  queries costs what a batch full in tokens costs). The queries are the same whatever the edges; what the edges
+  change is the padding, which "edge" (static shapes) pays as computed slots, and "batch_max" as room in the
+  token budget, whose fill sets the steps where tokens bind, and as the drafter's context and the features, which
+  hold every slot (the target computes real tokens only). Pricing a bucket by max(padded cost, queries), the
+  batches it needs, was tried and chose worse edges: LOG.md, 2026-12-02.
 
 Exactness: "edge" is solved by dynamic programming with divide-and-conquer (the cost obeys the quadrangle
 inequality), O(k M log M), always exact. "batch_max" has no monotone structure; its DP is O(k G^2) over G
@@ -93,9 +101,14 @@ class BatchSizing:
     token_budget: int | None = None  # cost units per batch INCLUDING padding (tokens when linear)
     batch_size: int | None = None  # fixed samples per batch, used only when token_budget is None
     multiple: int = 1  # batch sizes are rounded down to a multiple of this (kernel shapes), never below 1
+    block_budget: int | None = None  # drafter query tokens per batch; None = not bounded
 
     def __post_init__(self) -> None:
         SampleCost(self.cost, self.q)  # refuses an unknown cost, or a quadratic one without q > 0
+        if self.block_budget is not None and not (isinstance(self.block_budget, (int, np.integer))
+                                                  and self.block_budget >= 1):
+            raise BucketError(f"block_budget must be an int >= 1 (drafter query tokens) or None, got "
+                              f"{self.block_budget!r}")
         if self.token_budget is not None and not self.token_budget > 0:
             raise BucketError(f"token_budget must be > 0, got {self.token_budget!r}")
         if self.batch_size is not None and not self.batch_size > 0:
@@ -120,8 +133,10 @@ class BatchSizing:
             return self.token_budget // np.maximum(x, 1)
         return np.floor(self.token_budget / self.g(np.maximum(x, 1))).astype(np.int64)
 
-    def batch_sizes(self, edges: Any) -> np.ndarray | None:
-        """(K,) samples per batch of each bucket, or None when neither token_budget nor batch_size is set."""
+    def batch_sizes(self, edges: Any, max_queries: Any = None) -> np.ndarray | None:
+        """(K,) samples per batch of each bucket, or None when neither token_budget nor batch_size is set. With
+        block_budget and `max_queries` (K,) (each bucket's costliest sample, drafter query tokens), also at most
+        block_budget // max_queries rows (at least 1), before rounding to `multiple`."""
         edges = np.asarray(edges, dtype=np.int64)
         if self.token_budget is None:
             return None if self.batch_size is None else np.full(edges.shape, self.batch_size, dtype=np.int64)
@@ -131,6 +146,9 @@ class BatchSizing:
             e = int(edges[bad[0]])
             raise BucketError(f"token_budget {self.token_budget} is below the cost {float(self.g(e)):g} of one "
                               f"sample of {e} tokens (bucket edge {e}): that bucket can never fit a batch")
+        if self.block_budget is not None and max_queries is not None:
+            mq = np.broadcast_to(np.asarray(max_queries, dtype=np.int64), raw.shape)
+            raw = np.where(mq > 0, np.minimum(raw, np.maximum(1, self.block_budget // np.maximum(mq, 1))), raw)
         rounded = (raw // self.multiple) * self.multiple
         return np.where(rounded >= 1, rounded, raw)  # below one multiple: keep what fits rather than 0
 
@@ -148,6 +166,8 @@ class LengthHistogram:
     max_len: int  # longest allowed sample, tokens
     clipped: int  # samples longer than max_len cut to it (policy "truncate")
     dropped: int  # samples longer than max_len left out (policy "drop")
+    queries: np.ndarray | None = None  # (P,) int64 drafter query tokens of the samples of each length, summed
+    max_queries: np.ndarray | None = None  # (P,) int64 the costliest sample of each length (0 where none)
 
     @property
     def num_samples(self) -> int:
@@ -195,8 +215,9 @@ def apply_policy(lengths: Any, max_len: int, policy: str = "truncate") -> np.nda
     return kept
 
 
-def length_histogram(lengths: Any, *, max_len: int, policy: str = "truncate") -> LengthHistogram:
-    """Histogram of `lengths` (tokens) after the max_len policy; O(N + max_len)."""
+def length_histogram(lengths: Any, *, max_len: int, policy: str = "truncate", queries: Any = None) -> LengthHistogram:
+    """Histogram of `lengths` (tokens) after the max_len policy, with the samples' drafter `queries` (N,) (query
+    tokens, None = not counted) summed and maximised per length; O(N + max_len)."""
     arr = check_lengths(lengths)
     _check_policy(policy, max_len)
     over = int(np.count_nonzero(arr > max_len))
@@ -205,8 +226,20 @@ def length_histogram(lengths: Any, *, max_len: int, policy: str = "truncate") ->
     values = np.flatnonzero(counts)
     if values[-1] != max_len:
         values = np.append(values, max_len)
+    q_sum = q_max = None
+    if queries is not None:
+        q = np.asarray(queries)
+        if q.shape != arr.shape or q.dtype.kind not in "iu" or (q < 0).any():
+            raise BucketError(f"queries must be {arr.size} ints >= 0 (drafter query tokens per sample), got shape "
+                              f"{q.shape} dtype {q.dtype}")
+        q = q.astype(np.int64) if policy == "truncate" else q[arr <= max_len].astype(np.int64)
+        q_sum = np.bincount(kept, weights=q, minlength=max_len + 1).astype(np.int64)[values]
+        top = np.zeros(max_len + 1, dtype=np.int64)
+        np.maximum.at(top, kept, q)
+        q_max = top[values]
     return LengthHistogram(values.astype(np.int64), counts[values].astype(np.int64), int(max_len),
-                           clipped=over if policy == "truncate" else 0, dropped=over if policy == "drop" else 0)
+                           clipped=over if policy == "truncate" else 0, dropped=over if policy == "drop" else 0,
+                           queries=q_sum, max_queries=q_max)
 
 
 def _check_policy(policy: str, max_len: int) -> None:
@@ -234,13 +267,21 @@ def _log_factorials(n_max: int) -> np.ndarray:
 
 
 class _BucketCost:
-    """Predicted padded (cost, tokens) of buckets of one histogram under one objective and sizing."""
+    """Predicted padded (cost, tokens) and objective price of buckets of one histogram under one objective and
+    sizing."""
 
     def __init__(self, hist: LengthHistogram, sizing: BatchSizing, objective: str) -> None:
         self.hist, self.sizing, self.objective = hist, sizing, objective
         self.cum = np.concatenate([[0], np.cumsum(hist.counts)])  # (P+1,) samples below each position
         self.tok = hist.values.astype(np.float64)  # (P,)
         self.cost = sizing.g(hist.values)  # (P,)
+        self.blocks = hist.queries is not None and sizing.block_budget is not None  # both budgets priced
+        if self.blocks:
+            self.cum_q = np.concatenate([[0], np.cumsum(hist.queries)]).astype(np.float64)  # (P+1,)
+            self.top_q = [hist.max_queries]  # sparse table: top_q[j][i] = max of max_queries[i : i + 2^j]
+            while 2 ** len(self.top_q) <= len(hist.values):
+                prev, half = self.top_q[-1], 2 ** (len(self.top_q) - 1)
+                self.top_q.append(np.maximum(prev[:-half], prev[half:]))
         if objective == "batch_max":
             if sizing.token_budget is None and sizing.batch_size is None:
                 raise BucketError("objective='batch_max' needs a batch size: pass token_budget= or batch_size=")
@@ -248,13 +289,41 @@ class _BucketCost:
             self.dtok = np.diff(self.tok)  # (P-1,)
             self.dcost = np.diff(self.cost)  # (P-1,)
 
+    def max_queries(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+        """(R,) the costliest sample's drafter queries in positions [lo, hi) (0 for an empty range); None
+        without queries."""
+        if not self.blocks:
+            return None
+        span = np.maximum(hi - lo, 1)
+        j = np.floor(np.log2(span)).astype(np.int64)  # (R,) the largest 2^j <= span
+        out = np.zeros(lo.shape, dtype=np.int64)
+        for level in np.unique(j):
+            sel = (j == level) & (hi > lo)
+            t = self.top_q[int(level)]
+            out[sel] = np.maximum(t[lo[sel]], t[hi[sel] - 2 ** int(level)])
+        return out
+
+    def sizes(self, lo: Any, hi: Any, edge: Any) -> np.ndarray | None:
+        """(R,) batch sizes of the buckets [lo, hi) with upper edge `edge` under both budgets."""
+        lo, hi, edge = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (lo, hi, edge)))
+        return self.sizing.batch_sizes(edge, self.max_queries(lo, hi))
+
+    def price(self, lo: Any, hi: Any, edge: Any) -> np.ndarray:
+        """(R,) what the objective charges the buckets [lo, hi) with upper edge `edge`: their padded cost, plus
+        with both budgets their drafter queries x token_budget / block_budget (the module docstring)."""
+        cost = self.padded(lo, hi, edge)[0]
+        if not self.blocks or self.sizing.token_budget is None:
+            return cost
+        lo, hi = np.broadcast_arrays(np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64))
+        return cost + (self.cum_q[hi] - self.cum_q[lo]) * (self.sizing.token_budget / self.sizing.block_budget)
+
     def padded(self, lo: Any, hi: Any, edge: Any) -> tuple[np.ndarray, np.ndarray]:
         """Buckets holding positions [lo, hi) with upper edge `edge` tokens -> (cost, tokens) arrays (R,)."""
         lo, hi, edge = np.broadcast_arrays(*(np.asarray(a, dtype=np.int64) for a in (lo, hi, edge)))
         n = (self.cum[hi] - self.cum[lo]).astype(np.float64)
         if self.objective == "edge":
             return n * self.sizing.g(edge), n * edge
-        b = self.sizing.batch_sizes(edge).astype(np.int64)
+        b = self.sizes(lo, hi, edge).astype(np.int64)
         n_int = n.astype(np.int64)
         r = n_int % b
         full = (n_int - r).astype(np.float64)
@@ -327,11 +396,13 @@ class BucketPlan:
     token_budget: int | None  # cost units per batch including padding
     multiple: int  # batch sizes were rounded down to a multiple of this
     max_len: int  # longest allowed sample, tokens
-    objective_value: float  # predicted padded cost of one epoch (sum of g over padded slots)
+    objective_value: float  # what the objective charges one epoch: the padded cost (sum of g over padded slots),
+    # with a block budget + the drafter queries x token_budget / block_budget
     exact: bool  # True: proven optimal over every boundary set; False: grid search, a baseline or given edges
     method: str  # "optimal" | "seed" | "equal_length" | "given"
     corpus: dict[str, Any] | None = None  # the corpus planned for (notebook 02: source, store_key, samples);
     # training refuses the plan for a token store with another key. None = not recorded (never checked)
+    block_budget: int | None = None  # drafter query tokens per batch the plan was priced with; None = none
 
     @property
     def k(self) -> int:
@@ -347,8 +418,8 @@ class BucketPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "BucketPlan":
-        """Inverse of to_json; refuses missing or unknown keys with a BucketError naming them (`corpus` may be
-        missing: plans written before it was recorded)."""
+        """Inverse of to_json; refuses missing or unknown keys with a BucketError naming them (`corpus` and
+        `block_budget` may be missing: plans written before they were recorded)."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -356,7 +427,7 @@ class BucketPlan:
         if not isinstance(raw, dict):
             raise BucketError(f"plan JSON must be an object, got {type(raw).__name__}")
         names = {f.name for f in fields(cls)}
-        if missing := names - raw.keys() - {"corpus"}:
+        if missing := names - raw.keys() - {"corpus", "block_budget"}:
             raise BucketError(f"plan JSON lacks {sorted(missing)}")
         if unknown := raw.keys() - names:
             raise BucketError(f"plan JSON has unknown keys {sorted(unknown)}")
@@ -407,9 +478,10 @@ def _make_plan(hist: LengthHistogram, sizing: BatchSizing, objective: str, posit
     """positions: (K+1,) histogram cut positions (0 first, P last); edges: (K,) upper edges in tokens."""
     lo, hi = positions[:-1], positions[1:]
     coster = coster or _BucketCost(hist, sizing, objective)
-    cost, tokens = coster.padded(lo, hi, edges)
+    _, tokens = coster.padded(lo, hi, edges)
+    cost = coster.price(lo, hi, edges)
     counts = coster.cum[hi] - coster.cum[lo]
-    sizes = sizing.batch_sizes(edges)
+    sizes = coster.sizes(lo, hi, edges)
     steps = None if sizes is None else int(np.sum(-(-counts // sizes)))
     capacity = None
     if sizing.token_budget is not None and steps:
@@ -420,7 +492,7 @@ def _make_plan(hist: LengthHistogram, sizing: BatchSizing, objective: str, posit
         efficiency=float(hist.real_tokens / tokens.sum()), capacity_utilisation=capacity, steps_per_epoch=steps,
         objective=objective, cost=sizing.cost, q=sizing.q, token_budget=sizing.token_budget,
         multiple=sizing.multiple, max_len=hist.max_len, objective_value=float(cost.sum()), exact=exact,
-        method=method)
+        method=method, block_budget=sizing.block_budget if coster.blocks else None)
 
 
 def _plan_from_cuts(hist: LengthHistogram, sizing: BatchSizing, objective: str, cuts: Sequence[int],
@@ -431,15 +503,21 @@ def _plan_from_cuts(hist: LengthHistogram, sizing: BatchSizing, objective: str, 
 
 
 def _setup(lengths: Any, k: int, max_len: int, objective: str, cost: str, q: float | None,
-           token_budget: int | None, batch_size: int | None, multiple: int, policy: str
-           ) -> tuple[LengthHistogram, BatchSizing, int]:
+           token_budget: int | None, batch_size: int | None, multiple: int, policy: str, queries: Any = None,
+           block_budget: int | None = None) -> tuple[LengthHistogram, BatchSizing, int]:
     """The histogram, the batch sizing and the number of buckets to plan: k, or one per distinct length (plus the
     top one up to max_len) when the lengths have fewer (a small corpus trains with the buckets it can have; one
     warning line says so)."""
     if objective not in OBJECTIVES:
         raise BucketError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
-    hist = length_histogram(lengths, max_len=max_len, policy=policy)
-    sizing = BatchSizing(cost, q, token_budget, batch_size, multiple)
+    if (queries is None) != (block_budget is None):
+        raise BucketError("queries (drafter query tokens per sample) and block_budget go together: pass both or "
+                          "neither")
+    hist = length_histogram(lengths, max_len=max_len, policy=policy, queries=queries)
+    sizing = BatchSizing(cost, q, token_budget, batch_size, multiple, block_budget)
+    if hist.max_queries is not None and int(hist.max_queries.max()) > block_budget:
+        raise BucketError(f"a sample needs {int(hist.max_queries.max())} drafter query tokens, more than "
+                          f"block_budget {block_budget}: it can never fit a batch")
     if not (isinstance(k, (int, np.integer)) and k >= 1):
         raise BucketError(f"k must be an int >= 1, got {k!r}")
     if k > len(hist.values):  # one bucket per distinct length (+ the top one up to max_len) is all there is
@@ -539,7 +617,7 @@ def _batch_max_layers(hist: LengthHistogram, coster: _BucketCost, k_max: int, gr
     W = np.full((G, G), np.inf)  # W[a, c]: bucket from grid point a to grid point c
     for c in range(1, G):
         rows = np.arange(c)
-        W[rows, c] = coster.padded(pos[rows], pos[c], hist.values[pos[c] - 1])[0]
+        W[rows, c] = coster.price(pos[rows], pos[c], hist.values[pos[c] - 1])
     prev = np.full(G, np.inf)
     prev[0] = 0.0
     args = []
@@ -572,20 +650,23 @@ def _solve(hist: LengthHistogram, coster: _BucketCost, objective: str, k_max: in
 
 def optimal_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edge", cost: str = "linear",
                        q: float | None = None, token_budget: int | None = None, batch_size: int | None = None,
-                       multiple: int = 1, policy: str = "truncate", grid: int = DEFAULT_GRID) -> BucketPlan:
-    """The k bucket edges minimising the padded cost of one epoch of `lengths` (tokens).
+                       multiple: int = 1, policy: str = "truncate", queries: Any = None,
+                       block_budget: int | None = None, grid: int = DEFAULT_GRID) -> BucketPlan:
+    """The k bucket edges minimising what the objective charges one epoch of `lengths` (tokens).
 
     objective: "edge" (pad to the bucket's upper edge; exact, O(k M log M)) or "batch_max" (random batches
     padded to their longest member; exact when the distinct lengths number <= `grid`, else optimal among grid
     candidates, O(k G^2 + G^2 M) worst case). cost: "linear" or "quadratic" (needs q, tokens).
     token_budget (cost units incl. padding) or batch_size sets the batch sizes; batch_max needs one of them.
     multiple: round batch sizes down to a multiple of this. policy: lengths above max_len are cut
-    ("truncate") or dropped ("drop"). Edges are observed lengths (an edge above a bucket's longest member only
+    ("truncate") or dropped ("drop"). queries (N,) drafter query tokens per sample with block_budget (query
+    tokens per batch): both budgets size the batches and price them (module docstring); None = tokens only. Edges are observed lengths (an edge above a bucket's longest member only
     pads more, or shrinks its batches); edges[-1] == max_len, and that top bucket may be empty when no sample
     reaches max_len. Lengths with too few distinct values for k buckets get one bucket per value, the top one up
     to max_len (and a warning line).
     """
-    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy,
+                            queries, block_budget)
     coster = _BucketCost(hist, sizing, objective)
     layers, exact = _solve(hist, coster, objective, k, grid)
     return _plan_from_cuts(hist, sizing, objective, layers[k - 1], "optimal", exact, coster)
@@ -593,12 +674,14 @@ def optimal_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "
 
 def efficiency_vs_k(lengths: Any, k_max: int, *, max_len: int, objective: str = "edge", cost: str = "linear",
                     q: float | None = None, token_budget: int | None = None, batch_size: int | None = None,
-                    multiple: int = 1, policy: str = "truncate", grid: int = DEFAULT_GRID) -> list[BucketPlan]:
+                    multiple: int = 1, policy: str = "truncate", queries: Any = None,
+                    block_budget: int | None = None, grid: int = DEFAULT_GRID) -> list[BucketPlan]:
     """Optimal plans for k = 1..min(k_max, P), from ONE dynamic programme (list index k-1); P = the distinct
     lengths, plus one when no sample reaches max_len (the top bucket's edge is always max_len)."""
     if not (isinstance(k_max, (int, np.integer)) and k_max >= 1):
         raise BucketError(f"k_max must be an int >= 1, got {k_max!r}")
-    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy,
+                            queries, block_budget)
     k_top = min(int(k_max), len(hist.values))
     coster = _BucketCost(hist, sizing, objective)
     layers, exact = _solve(hist, coster, objective, k_top, grid)
@@ -627,12 +710,14 @@ def choose_k(lengths: Any, *, max_len: int, distance: float, reference: float = 
 def plan_for_edges(lengths: Any, edges: Sequence[int], *, max_len: int, objective: str = "edge",
                    cost: str = "linear", q: float | None = None, token_budget: int | None = None,
                    batch_size: int | None = None, multiple: int = 1, policy: str = "truncate",
+                   queries: Any = None, block_budget: int | None = None,
                    method: str = "given") -> BucketPlan:
     """Evaluate GIVEN edges (tokens, ascending, last >= max_len) with the same predictions as the optimum.
     Edges need not be observed lengths; samples are padded to / batched by the edge values as given."""
     if method not in METHODS:
         raise BucketError(f"method must be one of {list(METHODS)}, got {method!r}")
-    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, _ = _setup(lengths, 1, max_len, objective, cost, q, token_budget, batch_size, multiple, policy,
+                            queries, block_budget)
     e = _check_edges(edges, max_len)
     if token_budget is not None:
         sizing.batch_sizes(e)
@@ -642,14 +727,16 @@ def plan_for_edges(lengths: Any, edges: Sequence[int], *, max_len: int, objectiv
 
 def seed_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edge", cost: str = "linear",
                     q: float | None = None, token_budget: int | None = None, batch_size: int | None = None,
-                    multiple: int = 1, policy: str = "truncate", grid: int = DEFAULT_GRID,
+                    multiple: int = 1, policy: str = "truncate", queries: Any = None,
+                    block_budget: int | None = None, grid: int = DEFAULT_GRID,
                     max_sweeps: int = 100) -> BucketPlan:
     """Baseline: the reference run's method (plan method "seed"). Start from a geometric progression of edges
     between the shortest length and max_len, then coordinate descent: move one inner edge at a time to its best
     position between its neighbours (an exact 1-D search), sweeping until no edge moves. A local optimum. The
     candidate positions are those optimal_boundaries searches (every observed length; for batch_max, its grid),
     so the optimum is never worse than this baseline."""
-    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy,
+                            queries, block_budget)
     P = len(hist.values)
     allowed = np.arange(1, P) if objective == "edge" else _grid_positions(hist, grid)[0]  # candidate cuts
     if len(allowed) < k - 1:
@@ -672,8 +759,8 @@ def seed_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edg
             left = cuts[m - 1] if m > 0 else 0
             right = cuts[m + 1] if m + 1 < k - 1 else P
             cand = allowed[(allowed > left) & (allowed < right)]  # (C,) positions for this edge
-            total = (coster.padded(left, cand, hist.values[cand - 1])[0]
-                     + coster.padded(cand, right, hist.values[right - 1])[0])
+            total = (coster.price(left, cand, hist.values[cand - 1])
+                     + coster.price(cand, right, hist.values[right - 1]))
             best = int(np.argmin(total))
             if total[best] < total[int(np.searchsorted(cand, cuts[m]))]:
                 cuts[m], moved = int(cand[best]), True
@@ -684,12 +771,13 @@ def seed_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edg
 
 def equal_length_boundaries(lengths: Any, k: int, *, max_len: int, objective: str = "edge",
                             cost: str = "linear", q: float | None = None, token_budget: int | None = None,
-                            batch_size: int | None = None, multiple: int = 1, policy: str = "truncate"
-                            ) -> BucketPlan:
+                            batch_size: int | None = None, multiple: int = 1, policy: str = "truncate",
+                            queries: Any = None, block_budget: int | None = None) -> BucketPlan:
     """Baseline: lhotse's rule, equal TOTAL length per bucket. Edge m (1..k-1) is the shortest length at which
     the running token total reaches m/k of all tokens. Repeated edges merge, so a length holding more than 1/k
     of the tokens (e.g. a pile at max_len under truncation) leaves fewer than k buckets."""
-    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy)
+    hist, sizing, k = _setup(lengths, k, max_len, objective, cost, q, token_budget, batch_size, multiple, policy,
+                            queries, block_budget)
     running = np.cumsum(hist.values * hist.counts)
     targets = running[-1] * np.arange(1, k) / k
     cuts = np.unique(np.searchsorted(running, targets, side="left") + 1)

@@ -1,18 +1,24 @@
 """A step-time model calibrated on measured steps:
-seconds = a + b * padded + r * real + c * attention + e * blocks (+ d * new shape).
+seconds = a + b * computed slots + r * real + c * attention + e * blocks (+ d * new shape).
 
 The reference run predicted throughput from padding efficiency alone and missed (docs/dflash.md), because a step
-also pays a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot INCLUDING padding,
-and a quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any strategy,
-or any set of bucket edges, be priced without running it.
+also pays a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot its kernels
+compute, and a quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any
+strategy, or any set of bucket edges, be priced without running it.
+
+A batch is priced by its real tokens and its drafter queries (anchor blocks): the target runs the real tokens
+of a batch only, whatever its layout (`models/target.py`). Its padding slots are priced only when the batch asks
+for a padded kernel (`BatchShape.padded_kernel`, the `static_shapes` setting: fixed shapes, every slot computed).
 
 Terms of one step (one forward + backward of one batch of R rows x T token slots):
 - a: seconds per step (always fitted).
-- b: seconds per padded token slot (R * T): dense work over every slot (linear layers, MLPs).
-- r: seconds per real (document) token: work that skips padding (collation, per-document attention calls,
-  gathers over document tokens).
-- c: seconds per attention unit: the sum over attention blocks of len^2 (tokens^2). Padded rows pay R * T^2;
-  packed rows pay sum(doc_len^2) with varlen attention, or T^2 per row when the backend cannot do varlen.
+- b: seconds per computed token slot (`BatchShape.computed_slots`): dense work over the slots the kernels run
+  (linear layers, MLPs), R * T for a padded kernel, the real tokens otherwise.
+- r: seconds per real (document) token: work that follows the documents whatever the kernels (collation,
+  per-document attention calls, gathers over document tokens). It differs from b only on padded kernels.
+- c: seconds per attention unit: the sum over attention blocks of len^2 (tokens^2). Per document (sum of
+  doc_len^2) with varlen attention, R * T^2 for padded kernels over whole rows, T^2 per packed row when the
+  backend cannot do varlen.
 - e: seconds per anchor block the drafter scores (its LM head + cross-entropy over the whole vocabulary): this
   grows with the number of DOCUMENTS in a step (anchors per document are capped), not with its tokens, so a
   strategy that puts many short documents in a step pays more per token. Only when observations carry blocks.
@@ -23,6 +29,11 @@ Which of b, r, c, e, d a fit uses is chosen by held-out error (`select_cost_mode
 predicted from a fit on the others (leave-one-out) and the term set with the lowest mean error wins. Because
 that choice itself looks at the held-out strategies, the choice is also repeated inside each fold (nested
 leave-one-out), which gives the honest estimate of how well an unseen strategy is predicted.
+
+Probe noise against model error (`held_out_noise`): a held-out error is also moved by which steps happened to be
+measured, in the held-out strategy and in the strategies the fit saw. Resampling the steps of every strategy
+(bootstrap) and repeating the fold's fit and prediction gives the spread of the held-out error that noise alone
+makes; an error within twice that spread is not evidence against the model, the part beyond it is.
 
 numpy only: the fit is a non-negative least squares over at most six columns, solved exactly by trying every
 support set (2^6 small solves) instead of pulling in scipy.
@@ -57,11 +68,18 @@ class BatchShape:
     real_tokens: int  # tokens that belong to a document
     attention: float  # sum over attention blocks of len^2, in tokens^2
     blocks: int = field(default=0, kw_only=True)  # anchor blocks the drafter scores in the step (0 = unknown)
+    padded_kernel: bool = field(default=False, kw_only=True)  # its kernels compute every slot (static shapes);
+    # False: the real tokens only, padding rides along unpaid
 
     @property
     def padded_tokens(self) -> int:
-        """Token slots paid for: R * T."""
+        """Token slots the batch holds: R * T."""
         return self.rows * self.row_len
+
+    @property
+    def computed_slots(self) -> int:
+        """Token slots its kernels compute: R * T with a padded kernel, else the real tokens."""
+        return self.padded_tokens if self.padded_kernel else self.real_tokens
 
     @property
     def key(self) -> tuple[int, int]:
@@ -83,24 +101,28 @@ def anchor_blocks(lengths: np.ndarray, anchors_per_doc: int) -> int:
     return int(np.minimum(np.maximum(lengths - 1, 0), anchors_per_doc).sum()) if anchors_per_doc > 0 else 0
 
 
-def describe_padded(lengths: Sequence[int], pad_to: int = 0, anchors_per_doc: int = 0) -> BatchShape:
+def describe_padded(lengths: Sequence[int], pad_to: int = 0, anchors_per_doc: int = 0,
+                    padded_kernel: bool = False) -> BatchShape:
     """A padded batch: one document per row, right-padded to the longest (or to `pad_to` tokens if larger).
 
     `pad_to` prices a bucket padded to its upper edge (static shapes) rather than to its longest member.
-    `anchors_per_doc` (the drafter's num_anchors) prices the scored blocks; 0 leaves them out.
+    `anchors_per_doc` (the drafter's num_anchors) prices the scored blocks; 0 leaves them out. padded_kernel:
+    every slot is computed and attention runs over whole rows (R * T^2); else the documents only (sum of len^2).
     """
     lens = _lengths(lengths, "describe_padded")
     R, T = len(lens), max(int(lens.max()), int(pad_to))
-    return BatchShape(rows=R, row_len=T, real_tokens=int(lens.sum()), attention=float(R) * T * T,
-                      blocks=anchor_blocks(lens, anchors_per_doc))
+    attention = float(R) * T * T if padded_kernel else float((lens.astype(np.float64) ** 2).sum())
+    return BatchShape(rows=R, row_len=T, real_tokens=int(lens.sum()), attention=attention,
+                      blocks=anchor_blocks(lens, anchors_per_doc), padded_kernel=padded_kernel)
 
 
 def describe_packed(rows: Sequence[Sequence[int]], row_len: int, varlen: bool = True,
-                    anchors_per_doc: int = 0) -> BatchShape:
+                    anchors_per_doc: int = 0, padded_kernel: bool = False) -> BatchShape:
     """A packed batch: each inner list holds the document lengths laid end to end in one row of `row_len` slots.
 
     varlen=True prices attention per document (flash-attn varlen / a block-diagonal kernel); False prices the
-    full row (a backend that computes the whole T x T score matrix and masks it).
+    full row (a backend that computes the whole T x T score matrix and masks it). padded_kernel: the row's tail
+    slots are computed too (static shapes).
     """
     if not rows:
         raise CostModelError("describe_packed: a packed batch needs at least one row")
@@ -112,32 +134,35 @@ def describe_packed(rows: Sequence[Sequence[int]], row_len: int, varlen: bool = 
         real += int(lens.sum())
         attn += float((lens.astype(np.float64) ** 2).sum()) if varlen else float(row_len) ** 2
     blocks = sum(anchor_blocks(_lengths(r, "describe_packed"), anchors_per_doc) for r in rows)
-    return BatchShape(rows=len(rows), row_len=int(row_len), real_tokens=real, attention=attn, blocks=blocks)
+    return BatchShape(rows=len(rows), row_len=int(row_len), real_tokens=real, attention=attn, blocks=blocks,
+                      padded_kernel=padded_kernel)
 
 
 def describe_batches(batches: Iterable[Sequence[int]], layout: str = "padded", row_len: int = 0,
-                     varlen: bool = True, anchors_per_doc: int = 0) -> list[BatchShape]:
+                     varlen: bool = True, anchors_per_doc: int = 0, padded_kernel: bool = False) -> list[BatchShape]:
     """Shapes of a list of batches given as document lengths (tokens), one list per batch.
 
     layout="padded": each batch is padded to its longest document (or to `row_len` if larger).
     layout="packed": each batch is ONE row of `row_len` slots holding its documents end to end.
+    padded_kernel: as in `describe_padded` / `describe_packed`.
     """
     if layout == "padded":
-        return [describe_padded(b, pad_to=row_len, anchors_per_doc=anchors_per_doc) for b in batches]
+        return [describe_padded(b, pad_to=row_len, anchors_per_doc=anchors_per_doc, padded_kernel=padded_kernel)
+                for b in batches]
     if layout == "packed":
         if row_len <= 0:
             raise CostModelError(f"describe_batches: layout='packed' needs row_len > 0, got {row_len}")
-        return [describe_packed([b], row_len, varlen, anchors_per_doc) for b in batches]
+        return [describe_packed([b], row_len, varlen, anchors_per_doc, padded_kernel) for b in batches]
     raise CostModelError(f"describe_batches: layout must be 'padded' or 'packed', got {layout!r}")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Fitted step time, seconds: a + b * padded_tokens + r * real_tokens + c * attention + e * blocks
+    """Fitted step time, seconds: a + b * computed_slots + r * real_tokens + c * attention + e * blocks
     + d * [first step of a new shape]. A term left out of `terms` is 0."""
 
     a: float  # seconds per step
-    b: float = 0.0  # seconds per padded token slot
+    b: float = 0.0  # seconds per computed token slot (padding only with a padded kernel)
     c: float = 0.0  # seconds per attention unit (tokens^2)
     d: float = 0.0  # seconds per new (R, T) shape met in a run
     e: float = 0.0  # seconds per scored anchor block
@@ -154,7 +179,7 @@ class CostModel:
 
     def predict_step(self, shape: BatchShape, new_shape: bool = False) -> float:
         """Predicted seconds of one step on `shape` (plus d when it is the run's first step of that shape)."""
-        return (self.a + self.b * shape.padded_tokens + self.r * shape.real_tokens + self.c * shape.attention
+        return (self.a + self.b * shape.computed_slots + self.r * shape.real_tokens + self.c * shape.attention
                 + self.e * shape.blocks + (self.d if new_shape else 0.0))
 
     def predict_seconds(self, batches: Sequence[BatchShape], warm_shapes: Iterable[tuple[int, int]] = ()) -> float:
@@ -176,7 +201,7 @@ class CostModel:
 def attention_q_from_fit(model: CostModel) -> float:
     """The q (tokens) of the per-sample cost g(l) = l + l^2 / q implied by the fit: q = b / c.
 
-    A row of T slots costs b*T + c*T^2 = b * (T + T^2 / q), so bucket boundaries optimised with
+    A row of T computed slots costs b*T + c*T^2 = b * (T + T^2 / q), so bucket boundaries optimised with
     cost="quadratic", q=q minimise the fitted time. Returns inf when c == 0 (attention is free: use "linear").
     """
     if model.b <= 0:
@@ -336,6 +361,30 @@ def throughput_rel_sd(steps: Sequence[StepObservation], rng: np.random.Generator
     return float(tok_s.std() / (real.sum() / sec.sum()))
 
 
+def held_out_noise(obs_by_strategy: Mapping[str, Sequence[StepObservation]], held: Mapping[str, HeldOut],
+                   draws: int = 200, rng: np.random.Generator | None = None) -> dict[str, float]:
+    """Standard deviation of each held-out relative error (`held[s].rel_error`, e.g. `CostModelChoice.nested`)
+    that probe noise alone makes. Per draw, every strategy's steps are resampled with replacement (which steps
+    were measured: their mix of shapes and their timing scatter), the held-out strategy's terms (`held[s].terms`,
+    kept: the term choice is not redone) are refitted on the other strategies' resampled steps, and its resampled
+    steps are predicted. An error within twice this spread is consistent with noise; beyond it, it is model error.
+    Slow drift of the machine between strategies is not in it (the probe's rounds spread drift over all of them).
+    Draws whose resample cannot be fitted are skipped; NaN with fewer than two draws left."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    out: dict[str, float] = {}
+    for name, h in held.items():
+        errors = []
+        for _ in range(draws):
+            sample = {k: [v[i] for i in rng.integers(0, len(v), len(v))] for k, v in obs_by_strategy.items()}
+            try:
+                model = fit_cost_model([o for k, v in sample.items() if k != name for o in v], h.terms)
+            except CostModelError:
+                continue
+            errors.append(predict_held_out(model, name, sample[name]).rel_error)
+        out[name] = float(np.std(errors, ddof=1)) if len(errors) > 1 else math.nan
+    return out
+
+
 def _mean_abs(held: Mapping[str, HeldOut]) -> float:
     return float(np.mean([abs(h.rel_error) for h in held.values()]))
 
@@ -380,7 +429,7 @@ def _design(obs: Sequence[StepObservation], terms: Sequence[str]) -> tuple[np.nd
     bad = set(terms) - set(TERMS)
     if bad:
         raise CostModelError(f"unknown cost-model terms {sorted(bad)}; known: {TERMS}")
-    column = {"a": lambda: np.ones(len(obs)), "b": lambda: [o.padded_tokens for o in obs],
+    column = {"a": lambda: np.ones(len(obs)), "b": lambda: [o.computed_slots for o in obs],
               "r": lambda: [o.real_tokens for o in obs], "c": lambda: [o.attention for o in obs],
               "e": lambda: [o.blocks for o in obs], "d": lambda: _new_shape_flags(obs)}
     names = [t for t in TERMS if t == "a" or (t in terms and (t != "e" or any(o.blocks for o in obs)))]

@@ -79,10 +79,10 @@ def load_training_data(config: Config) -> TrainingData:
                           f"{len(lengths)} samples")
     if len(split.heldout):  # the sampler and its bucket plan see the training part only
         store, lengths = SubsetStore(full_store, split.train), lengths[split.train]
-    edges = (bucket_edges(config, lengths, full_store.meta.get("key")) if config.sampler.strategy == "bucketed"
-             else [])
     queries = store_drafter_queries(full_store, config.model.num_anchors,
                                     config.model.block_size)[split.train]  # (N,) query tokens
+    edges = (bucket_edges(config, lengths, full_store.meta.get("key"), queries)
+             if config.sampler.strategy == "bucketed" else [])
     pad_id = store.meta.get("tokenizer", {}).get("pad_id")
     if pad_id is None:
         raise ConfigError(f"token store {store.path}: meta.json records no tokenizer pad_id")
@@ -115,9 +115,11 @@ def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
             f"vocab_size {vocab}, mask_id {model.mask_id}")
 
 
-def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None) -> list[int]:
+def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = None,
+                 queries: np.ndarray | None = None) -> list[int]:
     """Bucket upper edges (tokens) for the bucketed sampler: `plan` (a plan.json) if set, else `edges`, else
-    the optimal edges for these lengths (`plan.buckets.optimal_boundaries` with the buckets section's settings).
+    the optimal edges for these lengths (`plan.buckets.optimal_boundaries` with the buckets section's settings;
+    given the samples' drafter `queries` (N,), priced under the resolved block budget too, as the sampler fills).
     `store_key`: the key of the token store the lengths come from; a plan made for a store of another key is
     refused (ConfigError naming both corpora and how to use its edges anyway)."""
     sc, bc = config.sampler, config.buckets
@@ -136,22 +138,28 @@ def bucket_edges(config: Config, lengths: np.ndarray, store_key: str | None = No
     if sc.edges:
         return list(sc.edges)
     q = SampleCost(bc.cost, bc.q).q
+    blocks = (None if queries is None
+              else samplers.resolve_block_budget(sc, bc, config.model, config.data.max_len))
     plan = optimal_boundaries(lengths, bc.k, max_len=config.data.max_len, objective=bc.objective, cost=bc.cost,
-                              q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy)
+                              q=q, token_budget=sc.token_budget, multiple=bc.multiple, policy=config.data.policy,
+                              queries=queries, block_budget=blocks)
     return list(plan.edges)
 
 
 def static_batch_sizes(edges: Sequence[int], token_budget: int, q: float | None = None,
-                       block_budget: int | None = None, bucket_queries: Sequence[int] | None = None) -> list[int]:
-    """Rows per batch of each bucket when every row is padded to its bucket's upper edge: the most rows whose
-    cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget and, given block_budget and
-    bucket_queries (K,) (drafter query tokens of each bucket's costliest sample), whose drafter queries fit
-    it even when every row is that costliest sample: block_budget // bucket_queries[k] rows at most."""
-    cost = TokenBudget(token_budget, q).cost(np.asarray(edges, dtype=np.float64))  # (K,)
-    sizes = [max(1, int(token_budget // c)) for c in cost]
-    if block_budget is not None and bucket_queries is not None:
-        sizes = [min(b, max(1, block_budget // int(mq))) if mq > 0 else b for b, mq in zip(sizes, bucket_queries)]
-    return sizes
+                       block_budget: int | None = None, lengths: np.ndarray | None = None,
+                       queries: np.ndarray | None = None) -> list[int]:
+    """Rows per batch of each bucket when every row is padded to its bucket's upper edge (`budget.fixed_batch_sizes`):
+    the most rows whose cost (edge tokens, + edge^2 / q with a quadratic cost) fits the token budget and, given
+    block_budget with the samples' `lengths` (N,) and drafter `queries` (N,), whose bucket's costliest samples
+    fit the block budget."""
+    budget = samplers.BatchBudget(TokenBudget(token_budget, q),
+                                  None if block_budget is None else samplers.BlockBudget(block_budget))
+    costliest = None
+    if block_budget is not None and queries is not None:
+        bucket = bucket_of(lengths, edges)  # (N,)
+        costliest = [np.sort(queries[bucket == k])[::-1] for k in range(len(edges))]
+    return samplers.fixed_batch_sizes(budget, edges, costliest)
 
 
 def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: int,
@@ -172,11 +180,7 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     if sc.strategy == "bucketed":
         sizes = None
         if sc.static_shapes:
-            bucket_max = None
-            if queries is not None:  # (K,) the costliest sample of each bucket, drafter query tokens
-                bucket_max = np.zeros(len(edges), dtype=np.int64)
-                np.maximum.at(bucket_max, bucket_of(lengths, edges), queries)
-            sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), bucket_max)
+            sizes = static_batch_sizes(edges, sc.token_budget, q, common.get("block_budget"), lengths, queries)
         return samplers.BucketedShuffleSampler(lengths, list(edges), sc.token_budget, q=q, batch_sizes=sizes,
                                                **common)
     return samplers.PackedSampler(lengths, sc.token_budget, window=sc.pack_window, **common)

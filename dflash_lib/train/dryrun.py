@@ -667,7 +667,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     store = build_token_store_from_config(config.data, progress=False)
     lengths = np.asarray(store.lengths)
     queries = store_drafter_queries(store, mc.num_anchors, mc.block_size)
-    edges = bucket_edges(_with(config, strategy="bucketed"), lengths, store.meta.get("key"))
+    edges = bucket_edges(_with(config, strategy="bucketed"), lengths, store.meta.get("key"), queries)
     block_budget = resolve_block_budget(config.sampler, config.buckets, mc, config.data.max_len)
     say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
         f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "

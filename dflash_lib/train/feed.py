@@ -60,6 +60,7 @@ class Work:
     indices: list[int]  # sample indices in the store ([] for shard -1)
     index: int = 0  # sampler steps drawn before this one since the run began (the noise schedule's clock)
     step_end: bool = True  # the last item of its OPTIMIZER step (the same sampler step on every rank)
+    bound: int = -1  # the plan's `Bound` code of this batch (the budgets that closed it); -1 = not known
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Item:
     ready: torch.cuda.Event | None = None  # recorded on the target worker's stream once every device tensor above
     # is written (CUDA); None where the worker ran on the consumer's stream (CPU)
     step_end: bool = True  # the last item of its optimizer step (see Work)
+    bound: int = -1  # the budgets that closed its batch (see Work)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every tensor of device_batch, features and device_layout (the ones written on the worker's stream)."""
@@ -205,10 +207,12 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
         raise ConfigError("accum_tokens > 0 needs the samples' lengths to cut optimizer steps")
     n, tokens = done, 0
     while max_steps is None or n < max_steps:
+        bound = None  # (S, D) Bound codes of the plan's batches, when it records them
         if plan_of is not None:
             plan = plan_of(epoch)
             steps: Iterator[tuple[int, list[list[int]]]] = (
                 (s, [plan.batch(s, d) for d in range(data_shards)]) for s in range(first, plan.num_steps))
+            bound = None if plan.bound is None else plan.bound[plan.steps]
         else:
             sampler.set_epoch(epoch)
             steps = ((s, [list(b)]) for s, b in enumerate(sampler) if s >= first)
@@ -224,7 +228,8 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
             mine = [(d, per_shard[d] if plan_of is not None else per_shard[0]) for d in shards] or [(-1, [])]
             for k, (d, indices) in enumerate(mine):
                 last = k == len(mine) - 1
-                yield Work(epoch, s, d, last, indices, n, step_end=last and end)
+                why = -1 if bound is None or d < 0 else int(bound[s, d])
+                yield Work(epoch, s, d, last, indices, n, step_end=last and end, bound=why)
             n += 1
             if max_steps is not None and n >= max_steps:
                 return
@@ -266,7 +271,8 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                 local.threads = threads
             w = c.work
             if c.batch is None:
-                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips, step_end=w.step_end)
+                return Item(w.epoch, None, None, None, w.step, w.shard, w.last_shard, c.skips, step_end=w.step_end,
+                            bound=w.bound)
             with contextlib.ExitStack() as on:
                 hand_over = None
                 if use_streams:
@@ -286,7 +292,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                     ready = torch.cuda.Event()
                     ready.record(hand_over)  # after the features and every copy above
             return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
-                        dev_layout, ready, w.step_end)
+                        dev_layout, ready, w.step_end, w.bound)
         return run
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]

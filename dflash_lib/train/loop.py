@@ -40,6 +40,7 @@ from dflash_lib.config import Config, ConfigError, TrainConfig
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.target import trainable_target_config
+from dflash_lib.plan.sampler.budget import BatchBudget, Bound
 from dflash_lib.rundir import JsonRecord, omitted, write_json
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
@@ -79,6 +80,33 @@ def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
     dense = sum(float(b.input_ids.shape[0]) * float(b.input_ids.shape[1]) ** 2 for b in batches)
     varlen = sum(float(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double() ** 2).sum()) for b in batches)
     return dict(rows=rows, row_len=row_len, attn_dense=dense, attn_varlen=varlen)
+
+
+def budget_fill(items: Sequence[Item], budget: BatchBudget | None) -> dict[str, float]:
+    """How full a step's micro-batches (this rank's `items`) are in each budget of `budget` (their sampler's rule),
+    for the metrics row: token_fill, query_fill (means of `BatchBudget.fill`; a batch's queries are its drafter
+    blocks x block size), and bound_tokens, bound_blocks (the share of the batches whose plan says that budget
+    closed them; left out when the plan does not say). {} without a budget or a batch."""
+    live = [it for it in items if it.batch is not None]
+    if budget is None or not live:
+        return {}
+    tokens, queries = [], []
+    for it in live:
+        b = it.batch
+        lengths = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).numpy()  # (D,) document tokens
+        n_queries = None if it.layout is None else int(it.layout.block_ids.numel())  # blocks x block size
+        t, q = budget.fill(lengths, None if n_queries is None else [n_queries], int(b.input_ids.shape[1]))
+        tokens.append(t)
+        queries.append(q)
+    out = {"token_fill": float(np.mean(tokens))}
+    if all(q is not None for q in queries):
+        out["query_fill"] = float(np.mean(queries))
+    known = [Bound(it.bound) for it in live if it.bound >= 0]
+    if known:
+        out["bound_tokens"] = float(np.mean([Bound.TOKENS in w for w in known]))
+        if budget.blocks is not None:
+            out["bound_blocks"] = float(np.mean([Bound.BLOCKS in w for w in known]))
+    return out
 
 
 class RunLog:
@@ -337,6 +365,7 @@ class Trainer:
             blocks=res.blocks, head_rows=res.head_rows,
             bad_steps=self.guard.total, skipped_samples=p.skipped_samples, skipped_tokens=int(skipped_tokens),
             **(batch_shape(live) if live else {}),
+            **budget_fill(items, getattr(self.parts.sampler, "batch_budget", None)),
         )
 
     def _report_faults(self, items: list[Item], say: Callable[[str], None]) -> None:

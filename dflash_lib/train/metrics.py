@@ -74,6 +74,13 @@ class StepMetrics(JsonRecord):
     row_len: int | None = omitted()  # longest row (tokens)
     attn_dense: float | None = omitted()  # attention work of whole rows, sum of R x T^2 (tokens^2)
     attn_varlen: float | None = omitted()  # attention work per document, sum of doc_len^2 (tokens^2)
+    # How full this rank's micro-batches are in each budget (`plan.sampler.budget.BatchBudget`, `loop.budget_fill`);
+    # absent when this rank ran no batch or its sampler fills by no budget:
+    token_fill: float | None = omitted()  # mean token cost / token budget (padding counted, as the budget counts it)
+    query_fill: float | None = omitted()  # mean drafter query tokens / block budget; absent without a block budget
+    bound_tokens: float | None = omitted()  # share of the micro-batches the token budget closed (the next sample
+    # would have passed it); absent when the sampler's plan does not say
+    bound_blocks: float | None = omitted()  # share of the micro-batches the block budget closed (both: in both)
     # The held-out evaluation (`heldout.evaluate`), on evaluation steps only (every `eval_every` steps and the run's
     # last step; rank 0 evaluates the first `eval_samples` held-out samples, `dflash_lib.data.split`):
     heldout_loss: float | None = omitted()  # cross-entropy (nats), weighted as in training
@@ -111,16 +118,22 @@ def format_log_line(m: Mapping[str, Any]) -> str:
     """One console line per step, in the reference run's format (docs/dflash.md), e.g.
 
     `step 58 | loss 1.42 | acc 0.61 | lr 1.2e-05 | noise 1.00 | 25.1 Ktok/s | wait 0.4% | bucket 3 | ETA 5.1d |
-    q_pre=[50,50] q_hs=[0]` (one line). `m` needs the keys in `LOG_LINE_KEYS`.
+    q_pre=[50,50] q_hs=[0]` (one line). `m` needs the keys in `LOG_LINE_KEYS`. With the budget figures
+    (`StepMetrics.token_fill` ...) it goes on: `| fill tok 0.70 blk 1.00 | bound tok 0.00 blk 1.00` (how full
+    the batches are in the token and block budgets, and the share of them each budget closed).
     """
     missing = [k for k in LOG_LINE_KEYS if k not in m]
     if missing:
         raise KeyError(f"format_log_line: metrics lack {missing}")
     eta = format_duration(m["eta_s"])
     eta = eta if m["steady"] or eta == "--" else "~" + eta
-    return (f"step {m['step']} | loss {m['loss']:.2f} | acc {m['acc']:.2f} | lr {m['lr']:.1e} | "
+    line = (f"step {m['step']} | loss {m['loss']:.2f} | acc {m['acc']:.2f} | lr {m['lr']:.1e} | "
             f"noise {m['noise']:.2f} | {m['ktok_s']:.1f} Ktok/s | wait {m['data_wait_pct']:.1f}% | "
             f"bucket {m['bucket']} | ETA {eta} | q_pre={_queue_list(m['q_pre'])} q_hs={_queue_list(m['q_hs'])}")
+    for label, tokens, blocks in (("fill", "token_fill", "query_fill"), ("bound", "bound_tokens", "bound_blocks")):
+        if m.get(tokens) is not None:
+            line += f" | {label} tok {m[tokens]:.2f}" + (f" blk {m[blocks]:.2f}" if m.get(blocks) is not None else "")
+    return line
 
 
 def _json_safe(value: Any) -> Any:

@@ -33,3 +33,22 @@ def predicted_vs_realized(table: pd.DataFrame, title: str = "Predicted vs realiz
     fig.update_layout(title=title, xaxis_title="realized Ktok/s", yaxis_title="predicted Ktok/s",
                       template="plotly_white")
     return fig
+
+
+def budget_fill_bars(table: pd.DataFrame, title: str = "How full the batches are, and which budget closed them"
+                     ) -> go.Figure:
+    """Per strategy, bars of its batches' mean token fill and drafter-query fill (`token_fill`, `query_fill`,
+    fractions of each budget), each labelled with the share of the batches that budget closed (`bound_tokens`,
+    `bound_blocks`); a figure the table lacks is left out."""
+    fig = go.Figure()
+    for fill, bound, name, color in (("token_fill", "bound_tokens", "token budget", "#4c72b0"),
+                                     ("query_fill", "bound_blocks", "block budget", "#dd8452")):
+        if fill not in table:
+            continue
+        closed = table[bound] if bound in table else pd.Series(float("nan"), index=table.index)
+        fig.add_trace(go.Bar(x=list(table.index), y=table[fill], name=name, marker_color=color,
+                             text=[f"closed {c:.0%}" if pd.notna(c) else "" for c in closed],
+                             textposition="outside"))
+    fig.update_layout(title=title, barmode="group", yaxis_title="mean fill (fraction of the budget)",
+                      yaxis_range=[0, 1.15], template="plotly_white")
+    return fig

@@ -18,7 +18,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dflash_lib.plan.buckets import BucketError, check_lengths
-from dflash_lib.plan.sampler.budget import SamplerError, TokenBudget, check_queries
+from dflash_lib.plan.sampler.budget import BatchBudget, SamplerError, TokenBudget, check_queries, fill_in_order
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class EpochPlan:
     steps: np.ndarray  # (S, W) int64 batch id that rank r takes at step s
     step_bucket: np.ndarray | None  # (S,) bucket of the W batches of step s (bucketed samplers), else None
     dropped: int  # samples in batches left out so that every rank takes exactly S steps
+    bound: np.ndarray | None = None  # (B,) int8 `budget.Bound` of each batch: the budgets that closed it; None =
+    # not recorded (a sampler that fills by no budget)
 
     @property
     def num_steps(self) -> int:
@@ -58,28 +60,33 @@ class EpochPlan:
         order, offsets = self.csr()
         return np.split(order, offsets[1:-1])
 
+    def served_bound(self) -> np.ndarray | None:
+        """(S*W,) int8 `Bound` of the batches actually served, in `csr` order; None when not recorded."""
+        return None if self.bound is None else self.bound[self.steps.ravel()]
+
 
 def shard_in_order(order: np.ndarray, offsets: np.ndarray, world_size: int,
-                   batch_order: np.ndarray | None = None) -> EpochPlan:
+                   batch_order: np.ndarray | None = None, bound: np.ndarray | None = None) -> EpochPlan:
     """Deal batches (in `batch_order`, default 0..B-1) to ranks round-robin; the tail that would leave ranks
-    unequal (fewer than world_size batches) is dropped and counted."""
+    unequal (fewer than world_size batches) is dropped and counted. `bound`: (B,) the batches' `Bound`s."""
     n_batches = len(offsets) - 1
     seq = np.arange(n_batches) if batch_order is None else np.asarray(batch_order, dtype=np.int64)
     _check_world(world_size, n_batches)
     S = len(seq) // world_size
     tail = seq[S * world_size:]
     dropped = int(np.sum(offsets[tail + 1] - offsets[tail]))
-    return EpochPlan(order, offsets, seq[:S * world_size].reshape(S, world_size), None, dropped)
+    return EpochPlan(order, offsets, seq[:S * world_size].reshape(S, world_size), None, dropped, bound)
 
 
 def shard_by_bucket(order: np.ndarray, offsets: np.ndarray, batch_bucket: np.ndarray, world_size: int,
-                    rng: np.random.Generator, choice: str = "proportional") -> EpochPlan:
+                    rng: np.random.Generator, choice: str = "proportional", bound: np.ndarray | None = None
+                    ) -> EpochPlan:
     """Bucket-synchronous sharding. Each bucket's batches (contiguous ids, in fill order) are cut into groups of
     world_size; the last incomplete group of each bucket is dropped and counted. Step s serves one group: all
     ranks get a batch of the SAME bucket. Group order: "proportional" = a uniformly random interleaving of all
     groups, i.e. the next bucket is drawn with probability proportional to its remaining groups (the mix stays
     even to the end); "uniform" = the next bucket is drawn uniformly among non-empty ones (the flawed rule that
-    empties small buckets early; kept for comparison)."""
+    empties small buckets early; kept for comparison). `bound`: (B,) the batches' `Bound`s."""
     n_batches = len(offsets) - 1
     _check_world(world_size, n_batches)
     K = int(batch_bucket.max()) + 1
@@ -109,7 +116,7 @@ def shard_by_bucket(order: np.ndarray, offsets: np.ndarray, batch_bucket: np.nda
     occurrence = np.empty(S, dtype=np.int64)  # (S,) how many earlier steps used the same bucket
     occurrence[by_bucket] = np.arange(S) - np.repeat(np.cumsum(groups) - groups, groups)
     steps = (first[step_bucket] + occurrence * world_size)[:, None] + np.arange(world_size)[None, :]  # (S, W)
-    return EpochPlan(order, offsets, steps, step_bucket, dropped)
+    return EpochPlan(order, offsets, steps, step_bucket, dropped, bound)
 
 
 def _check_world(world_size: int, n_batches: int) -> None:
@@ -209,6 +216,11 @@ class EpochBatchSampler(Sampler[list[int]]):
         """Drafter query tokens per batch, or None when batches are bounded by tokens only."""
         return None if self.blocks is None else int(self.blocks.queries)
 
+    @property
+    def batch_budget(self) -> BatchBudget | None:
+        """The rule this sampler fills its batches by (None: a fixed batch size, no budget)."""
+        return None
+
     def _fingerprint(self) -> str:
         h = hashlib.sha256(self.lengths.tobytes())
         settings = self._settings()
@@ -265,7 +277,7 @@ class FixedBatchSampler:
 
 class PaddedBudgetSampler(EpochBatchSampler):
     """A sampler whose batches are padded to their longest member under one TokenBudget (`self.budget`; every
-    sample must fit a batch on its own) and filled by `greedy_fill` with `self.capacity`. Subclasses say in what
+    sample must fit a batch on its own) and filled by `fill_in_order` with `self.capacity`. Subclasses say in what
     order (`_plan`)."""
 
     def __init__(self, lengths: Any, token_budget: int, seed: int = 0, *, rank: int = 0, world_size: int = 1,
@@ -278,3 +290,12 @@ class PaddedBudgetSampler(EpochBatchSampler):
 
     def _settings(self) -> dict[str, Any]:
         return {"token_budget": int(self.budget.tokens), "q": self.budget.q}
+
+    @property
+    def batch_budget(self) -> BatchBudget:
+        return BatchBudget(self.budget, self.blocks)
+
+    def _fill(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets (B + 1,), bound (B,)) of the samples `order` (n,) cut in that order by the batch budget."""
+        return fill_in_order(self.lengths[order], self.capacity, None if self.queries is None else self.queries[order],
+                             self.block_budget)

@@ -120,9 +120,10 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
 
     Our edges are optimal for `objective` ("batch_max" models what the fill-rule sampler pays: random batches
     padded to their longest member). The "seed" baseline is the reference run's own method as it ran: geometric
-    start and coordinate descent on the padding to the edge. Megabatch grouping has a fixed batch size; it gets
-    round(token_budget / mean length) (the budget filled on average, so its long batches overrun the budget: a
-    weakness of fixed sizes that is not charged here). Packed rows are `pack_multiple` rounded (0 = full rows).
+    start and coordinate descent on the padding to the edge. Megabatch grouping has a fixed batch size,
+    round(token_budget / mean length) (the budget filled on average); like every strategy here it also closes a
+    batch where the next sample would pass the token budget, so its long batches do not overrun it. Packed rows
+    are `pack_multiple` rounded (0 = full rows).
     """
     x = apply_policy(lengths, max_len, policy)
     kw = dict(max_len=max_len, cost=SampleCost.of_q(q).cost, q=q, token_budget=token_budget)
@@ -139,8 +140,8 @@ def evaluate_strategies(lengths: Any, token_budget: int, *, k: int, max_len: int
                                   seed_plan.edges),
         "bucketed_equal_length": lambda: (BucketedShuffleSampler(x, equal.edges, token_budget, seed, q=q),
                                           equal.edges),
-        "length_grouped": lambda: (LengthGroupedSampler(x, hf_batch, seed, mega_batch_mult=mega_batch_mult),
-                                   None),
+        "length_grouped": lambda: (LengthGroupedSampler(x, hf_batch, seed, mega_batch_mult=mega_batch_mult,
+                                                        token_budget=token_budget, q=q), None),
         "packed": lambda: (PackedSampler(x, token_budget, seed, window=window), None),
     }
     points = []

@@ -9,6 +9,7 @@ world_size batches of one step together, EpochPlan.step_csr), since one update a
   fraction batched together again in the next. 1.0 = frozen batches; ~(b-1)/(n_k-1) reshuffling in buckets.
 - lag1_correlation: Pearson correlation of consecutive batches' mean (or max) length.
 - bucket_mix_kl: KL(mix of the last `tail` of the batches || mix of the whole epoch), buckets by batch maximum.
+- budget_use: how full a sampler's batches are in its token and block budgets, and the share each budget closed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from dflash_lib.data.batch import packed_row_len
 from dflash_lib.plan.buckets import bucket_of
 from dflash_lib.plan.sampler.base import EpochBatchSampler, EpochPlan
-from dflash_lib.plan.sampler.budget import SamplerError
+from dflash_lib.plan.sampler.budget import Bound, SamplerError
 
 Batches = Union[EpochPlan, tuple[np.ndarray, np.ndarray], Sequence[Sequence[int]]]
 
@@ -140,3 +141,43 @@ def randomness(sampler: EpochBatchSampler, edges: Sequence[int], epoch: int = 0,
     return RandomnessStats(cobatch_recurrence(csr_a, csr_b, len(sampler.lengths)),
                            lag1_correlation(csr_a, sampler.lengths),
                            bucket_mix_kl(csr_a, sampler.lengths, edges, tail), a.dropped)
+
+
+@dataclass(frozen=True)
+class BudgetUse:
+    """How full one epoch's served batches are in each budget of their sampler (`BatchBudget`): means over the
+    batches, as the trainer's `token_fill`, `query_fill`, `bound_tokens`, `bound_blocks` are per step."""
+
+    batches: int  # batches served in the epoch (all ranks)
+    token_fill: float  # mean token cost / token budget (padded rows: rows x g(longest, or the bucket edge when
+    # static); packed: the row's tokens)
+    query_fill: float | None  # mean drafter query tokens / block budget; None without a block budget
+    bound_tokens: float | None  # share of the batches the token budget closed (the next sample would pass it)
+    bound_blocks: float | None  # share the block budget closed (a batch both would close counts in both)
+
+
+def budget_use(sampler: EpochBatchSampler, epoch: int = 0) -> BudgetUse:
+    """`BudgetUse` of `sampler`'s plan of `epoch`; SamplerError for a sampler that fills by no budget. Static
+    bucketed batches (fixed `batch_sizes`) are counted padded to their bucket's upper edge, as they are collated."""
+    budget = sampler.batch_budget
+    if budget is None:
+        raise SamplerError(f"{type(sampler).__name__} fills its batches by no budget")
+    plan = sampler.epoch_plan(epoch)
+    idx, off = plan.csr()
+    x = sampler.lengths[idx]
+    n = np.diff(off)  # (B,) samples per batch
+    if budget.packed:
+        tokens = _per_batch(x, off, np.add).astype(np.float64)  # (B,)
+    else:
+        longest = _per_batch(x, off, np.maximum)  # (B,)
+        edges = getattr(sampler, "edges", None)
+        if getattr(sampler, "batch_sizes", None) is not None and edges is not None:  # static: rows to the edge
+            longest = np.asarray(edges)[bucket_of(longest, edges)]
+        tokens = n * budget.tokens.cost(longest)
+    queries = None if budget.blocks is None or sampler.queries is None else \
+        _per_batch(sampler.queries[idx], off, np.add) / budget.blocks.queries
+    bound = plan.served_bound()
+    return BudgetUse(len(n), float(np.mean(tokens / budget.tokens.tokens)),
+                     None if queries is None else float(np.mean(queries)),
+                     None if bound is None else float(np.mean((bound & Bound.TOKENS) > 0)),
+                     None if bound is None or budget.blocks is None else float(np.mean((bound & Bound.BLOCKS) > 0)))

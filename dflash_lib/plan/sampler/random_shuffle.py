@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_lib.plan.sampler.base import EpochPlan, PaddedBudgetSampler, shard_in_order
-from dflash_lib.plan.sampler.budget import greedy_fill
 
 
 class RandomShuffleSampler(PaddedBudgetSampler):
@@ -15,6 +14,5 @@ class RandomShuffleSampler(PaddedBudgetSampler):
 
     def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
         order = rng.permutation(len(self.lengths))
-        q = None if self.queries is None else self.queries[order]
-        return shard_in_order(order, greedy_fill(self.lengths[order], self.capacity, q, self.block_budget),
-                              self.world_size)
+        offsets, bound = self._fill(order)
+        return shard_in_order(order, offsets, self.world_size, bound=bound)

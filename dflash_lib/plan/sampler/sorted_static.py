@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from dflash_lib.plan.sampler.base import EpochPlan, PaddedBudgetSampler, shard_in_order
-from dflash_lib.plan.sampler.budget import greedy_fill
 
 
 class SortedStaticSampler(PaddedBudgetSampler):
@@ -20,9 +19,8 @@ class SortedStaticSampler(PaddedBudgetSampler):
         """Arguments as PaddedBudgetSampler's (rank, world_size, q, queries, block_budget)."""
         super().__init__(lengths, token_budget, seed, **kwargs)
         self._order = np.argsort(self.lengths, kind="stable")  # (N,) frozen once
-        self._offsets = greedy_fill(self.lengths[self._order], self.capacity,
-                                    None if self.queries is None else self.queries[self._order], self.block_budget)
+        self._offsets, self._bound = self._fill(self._order)  # (B + 1,), (B,)
 
     def _plan(self, epoch: int, rng: np.random.Generator) -> EpochPlan:
         return shard_in_order(self._order, self._offsets, self.world_size,
-                              rng.permutation(len(self._offsets) - 1))
+                              rng.permutation(len(self._offsets) - 1), self._bound)
