@@ -150,19 +150,23 @@ def test_dense_mask_element_by_element():
     batch = collate_packed(docs, 0, row_len=11)
     cfg_anchors = dict(num_anchors=9, block_size=2, gamma=1.0, mask_id=99)
     from dflash_lib.models.anchors import sample_anchors
-    layout = build_layout(batch, sample_anchors(batch, generator=torch.Generator().manual_seed(0), **cfg_anchors))
-    m = dense_mask(layout)
-    C, Q = 11, layout.num_queries
-    assert m.shape == (Q, C + Q)
+    anchors = sample_anchors(batch, generator=torch.Generator().manual_seed(0), **cfg_anchors)
     doc, pos = batch.doc_ids[0], batch.position_ids[0]
-    for q in range(Q):
-        i = q // 2
-        for key in range(C + Q):
-            if key < C:  # context: same document, position STRICTLY before the anchor; padding never
-                want = int(doc[key]) == int(layout.block_doc[i]) and int(pos[key]) < int(layout.anchor_pos[i])
-            else:  # its own block, both directions
-                want = (key - C) // 2 == i
-            assert bool(m[q, key]) == want, (q, key)
+    for every_slot, C in ((False, 9), (True, 11)):  # the 9 real tokens, or all 11 slots (static shapes)
+        layout = build_layout(batch, anchors, every_slot=every_slot)
+        m = dense_mask(layout)
+        Q = layout.num_queries
+        assert m.shape == (Q, C + Q) and layout.num_context == C
+        slot = list(range(C)) if layout.ctx_index is None else layout.ctx_index.tolist()
+        for q in range(Q):
+            i = q // 2
+            for key in range(C + Q):
+                if key < C:  # context: same document, position STRICTLY before the anchor; padding never
+                    s = slot[key]
+                    want = int(doc[s]) == int(layout.block_doc[i]) and int(pos[s]) < int(layout.anchor_pos[i])
+                else:  # its own block, both directions
+                    want = (key - C) // 2 == i
+                assert bool(m[q, key]) == want, (every_slot, q, key)
 
 
 def test_attention_uses_grouped_kv_heads_without_copies(target, drafter):

@@ -42,7 +42,8 @@ def test_cpu_items_carry_no_event_and_waiting_is_a_no_op():
     c = _collated(drafter, 0)
     item = work(c)
     assert item.ready is None
-    torch.testing.assert_close(item.features, target.features(c.batch), rtol=0, atol=0)
+    torch.testing.assert_close(item.features, target.context_features(c.batch), rtol=0, atol=0)
+    assert item.features.shape[0] == c.batch.real_tokens == c.layout.num_context  # no padding slot
     item.wait_ready()  # must not touch torch.cuda on a CPU-only build
     assert item.ready is None
 
@@ -105,7 +106,7 @@ def fake_cuda(monkeypatch):
 def test_worker_records_after_the_features_and_the_step_waits_before_use(fake_cuda):
     log = fake_cuda.calls
     target, drafter = _models()
-    real_features, real_loss = target.features, drafter.loss
+    real_features, real_loss = target.context_features, drafter.loss
 
     def features(batch, segments=None):
         log.append(("features",))
@@ -115,7 +116,7 @@ def test_worker_records_after_the_features_and_the_step_waits_before_use(fake_cu
         log.append(("loss",))
         return real_loss(*a, **k)
 
-    target.features = features  # instance attributes: the wrapped originals still run
+    target.context_features = features  # instance attributes: the wrapped originals still run
     drafter.loss = loss
     (work,) = make_target_workers([target], 1, torch.device("cpu"), streams=True)
     items = [work(_collated(drafter, s)) for s in (0, 1)]

@@ -115,7 +115,8 @@ def hand_layout(labels: np.ndarray, scored_mask: np.ndarray) -> DraftLayout:
     w = torch.ones(len(scored))
     z = torch.zeros(n, dtype=torch.long)
     return DraftLayout(block_ids=torch.zeros(n, B, dtype=torch.long), block_pos=torch.zeros(n, B, dtype=torch.long),
-                       block_doc=z, anchor_pos=z, ctx_doc=z, ctx_pos=z, scored=torch.from_numpy(scored),
+                       block_doc=z, anchor_pos=z, ctx_index=None, ctx_doc=z, ctx_pos=z,
+                       scored=torch.from_numpy(scored),
                        labels=torch.from_numpy(labels.reshape(-1)[scored]), weights=w,
                        scored_k=torch.from_numpy(scored % B), groups=None, block_size=B, noise=1.0,
                        weight_sum=float(len(scored)))

@@ -1,7 +1,8 @@
 """The drafter's attention backends: block queries over [document context ; own block], by the docs/dflash.md rules.
 
 Every backend takes, for one micro-batch in the flat layout of `layout.py`:
-    q (1, h, Q, d) block queries; kc, vc (1, kv, C, d) context keys/values of the C = R*T batch slots;
+    q (1, h, Q, d) block queries; kc, vc (1, kv, C, d) context keys/values of the layout's C context entries
+    (the batch's real tokens; all R*T slots for an every-slot layout);
     kb, vb (1, kv, Q, d) block keys/values; grouped-query heads are shared (enable_gqa), never copied,
 and returns (1, h, Q, d). A query of block i sees context slots of its document with position < anchor_i and
 all of block i.
@@ -97,7 +98,7 @@ def blocks_attend(layout: DraftLayout) -> Attend:
 
 
 def flex_block_mask(layout: DraftLayout, compile_mask: bool):
-    """FlexAttention BlockMask of the micro-batch over keys [C context slots ; Q block queries]."""
+    """FlexAttention BlockMask of the micro-batch over keys [C context entries ; Q block queries]."""
     from torch.nn.attention.flex_attention import create_block_mask  # only the flex backend needs it (heavy)
 
     B, n, Q = layout.block_size, layout.num_blocks, layout.num_queries

@@ -196,7 +196,8 @@ class DFlashDrafter(nn.Module):
 
     def layout(self, batch: Batch, anchors: Anchors) -> DraftLayout:
         """Host-side layout of a host batch and its anchors for this drafter's attention backend."""
-        return build_layout(batch.to("cpu"), anchors.to("cpu"), self.attention_backend())
+        return build_layout(batch.to("cpu"), anchors.to("cpu"), self.attention_backend(),
+                            every_slot=not self.target.gather)  # the context the target's features cover
 
     @staticmethod
     def weight_sum(work: Anchors | DraftLayout) -> float:
@@ -208,16 +209,32 @@ class DFlashDrafter(nn.Module):
             return work
         return self.layout(batch, work).to(self.fc.weight.device)  # convenience for tests: syncs
 
+    @staticmethod
+    def context_features(features: torch.Tensor, layout: DraftLayout) -> torch.Tensor:
+        """The layout's C context entries of `features`: (C, F*H) as given (`TargetModel.context_features`, already
+        in the layout's order), or the (R, T, F*H) slots of `TargetModel.features` with the context's slots
+        gathered (an index on the device: no sync). ValueError when the count differs from the layout's."""
+        if features.dim() == 3:
+            features = features.reshape(-1, features.shape[-1])  # (R*T, F*H)
+            if layout.ctx_index is not None:
+                features = features[layout.ctx_index]  # (C, F*H): the real tokens only
+        if features.shape[0] != layout.num_context:
+            raise ValueError(f"drafter: {features.shape[0]} context features for a layout of {layout.num_context} "
+                             "context entries (a target with gather off needs a layout with every_slot)")
+        return features
+
     def forward_hidden(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout) -> torch.Tensor:
         """Training forward of all real blocks of a padded or packed batch.
 
-        features (R, T, F*H) from `TargetModel.features(batch)`; `work` the device layout (or anchors, laid out
-        here) -> final-normed states (n*B, H) of the layout's n blocks, in layout order. Runs tensor ops only.
+        features (C, F*H) from `TargetModel.context_features(batch)` (the trainer's: no padding slot), or
+        (R, T, F*H) from `TargetModel.features(batch)`; `work` the device layout (or anchors, laid out here) ->
+        final-normed states (n*B, H) of the layout's n blocks, in layout order. Runs tensor ops only; fuses and
+        projects the layout's C context entries only (the real tokens unless the layout keeps every slot).
         """
         layout = self._as_layout(batch, work)
         if layout.num_blocks == 0:
             return torch.zeros(0, self.cfg.hidden_size, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-        ctx = self.fuse(features.reshape(-1, features.shape[-1]))  # (R*T, H)
+        ctx = self.fuse(self.context_features(features, layout))  # (C, H)
         attend = make_attend(layout, self.attention_backend())
         return self._layers(layout.block_ids.reshape(-1), layout.block_pos.reshape(-1), ctx, layout.ctx_pos,
                             attend, self.checkpointing)

@@ -6,7 +6,10 @@ only: every shape, offset and index it needs is already here, so it makes no dev
 unchanged under `FakeTensorMode` (the dry run).
 
 Flat layout, the same for padded and packed batches (no padding block, no padding to the longest document):
-- context: the R*T slots of the batch, row-major (`ctx_doc`, `ctx_pos`); padding slots have doc -1;
+- context: the C real tokens of the batch, row-major (`ctx_index` into the R*T slots, `ctx_doc`, `ctx_pos`), so
+  every document is contiguous and no padding slot is fused, projected or attended: the order of the target's
+  gather (`masks.real_tokens`), whose flat features the drafter takes as they are. `every_slot` (the
+  `static_shapes` setting: fixed shapes) keeps all R*T slots instead, padding slots with doc -1 (C = R*T);
 - blocks: the n real blocks of the batch in document order, then anchor order; query i*B + k is position k of
   block i, at document-local position anchor_i + k;
 - scored: the m positions with a loss weight > 0, as flat indices into the n*B queries.
@@ -36,8 +39,9 @@ RUN_COST_PAIRS = 65536  # fixed cost of one more attention call (launch, concat,
 class BlockGroups:
     """Runs of consecutive blocks of one document (host ints) for the `blocks` backend.
 
-    Run g covers blocks first[g] .. first[g] + size[g] - 1 and the context slots ctx_start[g] ..
-    ctx_start[g] + ctx_len[g] - 1 (its document's first slot up to the largest anchor of the run); its mask
+    Run g covers blocks first[g] .. first[g] + size[g] - 1 and the context entries ctx_start[g] ..
+    ctx_start[g] + ctx_len[g] - 1 (its document's first context entry up to the largest anchor of the run, in the
+    layout's context coordinates); its mask
     (size*B, ctx_len + size*B) is mask[offset[g]: offset[g + 1]] reshaped (True = attend).
     """
 
@@ -61,8 +65,9 @@ class DraftLayout:
     block_pos: torch.Tensor  # (n, B) int64: document-local position of every query, anchor_i + k
     block_doc: torch.Tensor  # (n,) int64: batch document id of each block
     anchor_pos: torch.Tensor  # (n,) int64: document-local anchor position
-    ctx_doc: torch.Tensor  # (R*T,) int64: document id of each context slot, -1 on padding
-    ctx_pos: torch.Tensor  # (R*T,) int64: document-local position of each context slot
+    ctx_index: torch.Tensor | None  # (C,) int64: row-major slot r*T + t of each context entry; None = all R*T
+    ctx_doc: torch.Tensor  # (C,) int64: document id of each context entry (-1 on padding, every-slot context only)
+    ctx_pos: torch.Tensor  # (C,) int64: document-local position of each context entry
     scored: torch.Tensor  # (m,) int64: flat query index i*B + k of each scored position
     labels: torch.Tensor  # (m,) int64: the token at anchor + k
     weights: torch.Tensor  # (m,) float32: loss weight (decay x label valid x masked)
@@ -80,6 +85,11 @@ class DraftLayout:
     def num_queries(self) -> int:
         """Drafter query tokens n * B."""
         return int(self.block_ids.numel())
+
+    @property
+    def num_context(self) -> int:
+        """Context entries C: the batch's real tokens, or all R*T slots (every-slot context)."""
+        return int(self.ctx_doc.shape[0])
 
     @property
     def num_scored(self) -> int:
@@ -102,7 +112,7 @@ def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.nd
                  max_group: int = 0) -> BlockGroups:
     """Cut the blocks (sorted by document, then anchor) into runs for the `blocks` backend.
 
-    anchor_pos, block_doc: (n,); doc_start: (D,) flat slot of each document's first token. A run of G blocks
+    anchor_pos, block_doc: (n,); doc_start: (D,) context entry of each document's first token. A run of G blocks
     computes, per query, about G*(B + s/2) keys beyond what it may see (its own run's blocks, and the gap to the
     run's last anchor; s = mean anchor spacing), and each run costs a call (RUN_COST_PAIRS). Per document:
       G = min(sqrt(RUN_COST_PAIRS / (B * (B + s/2))),        the run length that minimises extra work + calls,
@@ -143,9 +153,11 @@ def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.nd
     return BlockGroups(tuple(firsts), tuple(sizes), tuple(starts), tuple(lens), tuple(offsets), mask)
 
 
-def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_group: int = 0) -> DraftLayout:
+def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_group: int = 0,
+                 every_slot: bool = False) -> DraftLayout:
     """The host-side layout of `batch` (host tensors) and its `anchors`; `attention` is the backend that will run
-    (the `blocks` backend needs `groups`, the others do not)."""
+    (the `blocks` backend needs `groups`, the others do not). The context is the batch's real tokens, or with
+    `every_slot` (static shapes: the target ran every slot too) all R*T slots."""
     B = anchors.block_size
     doc_ids = batch.doc_ids.cpu()
     R, T = doc_ids.shape
@@ -159,21 +171,29 @@ def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_
     labels = anchors.labels.cpu().reshape(-1, B).numpy()[take].reshape(-1)  # (n*B,)
     weights = anchors.weights.cpu().reshape(-1, B).numpy()[take].reshape(-1)  # (n*B,)
     scored = np.flatnonzero(weights > 0)  # (m,)
-    flat_doc = doc_ids.reshape(-1).numpy()
+    flat_doc = doc_ids.reshape(-1).numpy()  # (R*T,)
+    ctx_pos = batch.position_ids.cpu().reshape(-1).numpy()  # (R*T,)
+    real = np.flatnonzero(flat_doc >= 0)  # (C,) the slots the target gathers (`masks.real_tokens`)
+    ctx_index = None
+    if not every_slot and real.size < flat_doc.size:
+        ctx_index, ctx_doc, ctx_pos = real, flat_doc[real], ctx_pos[real]
+    else:  # every slot: nothing left out (no padding, or fixed shapes asked for)
+        ctx_doc = flat_doc
     groups = None
     if attention == "blocks":
-        D = int(flat_doc.max()) + 1 if flat_doc.size and flat_doc.max() >= 0 else 0
+        D = int(ctx_doc.max()) + 1 if ctx_doc.size and ctx_doc.max() >= 0 else 0
         doc_start = np.full(D, -1, dtype=np.int64)
-        real = np.flatnonzero(flat_doc >= 0)
-        first = np.unique(flat_doc[real], return_index=True)
-        doc_start[first[0]] = real[first[1]]
+        present = np.flatnonzero(ctx_doc >= 0)
+        first = np.unique(ctx_doc[present], return_index=True)
+        doc_start[first[0]] = present[first[1]]  # in context coordinates
         groups = block_groups(pos, doc, doc_start, B, max_group)
     w = torch.from_numpy(np.ascontiguousarray(weights[scored], dtype=np.float32))
     return DraftLayout(
         block_ids=torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
         block_pos=torch.from_numpy((pos[:, None] + np.arange(B)[None, :]).astype(np.int64)),
         block_doc=torch.from_numpy(doc.astype(np.int64)), anchor_pos=torch.from_numpy(pos.astype(np.int64)),
-        ctx_doc=doc_ids.reshape(-1).clone(), ctx_pos=batch.position_ids.cpu().reshape(-1).clone(),
+        ctx_index=None if ctx_index is None else torch.from_numpy(ctx_index.astype(np.int64)),
+        ctx_doc=torch.from_numpy(ctx_doc.astype(np.int64)), ctx_pos=torch.from_numpy(ctx_pos.astype(np.int64)),
         scored=torch.from_numpy(scored.astype(np.int64)),
         labels=torch.from_numpy(labels[scored].astype(np.int64)), weights=w,
         scored_k=torch.from_numpy((scored % B).astype(np.int64)), groups=groups, block_size=B,
@@ -183,11 +203,11 @@ def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_
 
 def attention_work(layout: DraftLayout, backend: str) -> dict[str, float]:
     """Query-key pairs per head: what the mask allows (`allowed`) and what `backend` computes (`computed`).
-    allowed = sum over blocks of B * (anchor + B); dense computes n*B x (R*T + n*B); blocks sums its runs."""
+    allowed = sum over blocks of B * (anchor + B); dense computes n*B x (C + n*B); blocks sums its runs."""
     B, n = layout.block_size, layout.num_blocks
     allowed = float(B * (layout.anchor_pos.double() + B).sum())
     if backend == "dense":
-        computed = float(n * B) * float(layout.ctx_doc.numel() + n * B)
+        computed = float(n * B) * float(layout.num_context + n * B)
     elif backend == "blocks":
         g = layout.groups
         if g is None:

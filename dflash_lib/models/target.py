@@ -5,7 +5,8 @@
 the drafter needs and never applies the LM head to every position. It runs the REAL tokens only: the non-padding
 slots of the batch are gathered into one sequence whose segments are the documents (`masks.real_tokens`, on the
 host), attended with flash-attn's varlen kernel on CUDA, else with one causal SDPA call per document
-(`sdpa_varlen_attention`), and the feature layers are scattered back into the (R, T, F*H) slots, zeros on
+(`sdpa_varlen_attention`). The trainer hands the drafter those flat real-token features as they are
+(`context_features`, the drafter's context); `features` scatters them back into the (R, T, F*H) slots, zeros on
 padding. So a batch costs the target what its documents cost alone, whatever its padding: linear layers per real
 token, attention the sum over documents of len^2, never R * T^2 (a packed row against a block-diagonal
 mask: LOG.md, 2026-11-29, second session).
@@ -304,10 +305,11 @@ class TargetModel(torch.nn.Module):
         return dict(dflash_segments=real.segments)
 
     def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, real: RealTokens,
-                    upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    upto: int, flat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the first `upto` decoder layers on the sequence `real` names (the gathered real tokens, or every
-        slot) of input_ids, position_ids (R, T) -> (features (R, T, F*H) of the feature layers among them, in the
-        model's dtype, zeros on the padding slots not run; the last layer's output (N, H) over the sequence run).
+        slot) of input_ids, position_ids (R, T) -> (features of the feature layers among them, in the model's
+        dtype: (R, T, F*H) with zeros on the padding slots not run, or with `flat` (N, F*H) over the sequence run
+        only; the last layer's output (N, H) over the sequence run; N = R*T when every slot runs).
         Each feature layer's output is scattered into its slice of the feature tensor as it is produced, so no
         other layer's output outlives the next layer: at most the features, one layer's output and that layer's
         temporaries are alive at once."""
@@ -318,19 +320,20 @@ class TargetModel(torch.nn.Module):
             ids, pos = ids[:, index], pos[:, index]  # (1, N)
         h = self.embed_tokens(ids)  # (1, N, H)
         H = h.shape[-1]
-        # Gathered: the padding slots are never written, so they start at zero; else every slot is written.
-        feats = (h.new_empty if index is None else h.new_zeros)(R * T, self.num_features * H)  # (R*T, F*H)
+        scatter = index is not None and not flat  # back into the slots: the padding slots are never written
+        feats = (h.new_zeros(R * T, self.num_features * H) if scatter
+                 else h.new_empty(h.shape[1], self.num_features * H))  # (R*T or N, F*H)
         rope = self.base.rotary_emb(h, pos)  # cos, sin: (1, N, head_dim)
         extra = self._varlen_kwargs(real)  # the documents as segments: no mask is ever built
         for i, layer in enumerate(self.base.layers[:upto]):
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, **extra)
             for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
                 if layer_id == i:
-                    if index is None:
-                        feats[:, f * H:(f + 1) * H] = h[0]
-                    else:
+                    if scatter:
                         feats[index, f * H:(f + 1) * H] = h[0]
-        return feats.view(R, T, -1), h[0]
+                    else:
+                        feats[:, f * H:(f + 1) * H] = h[0]
+        return (feats if flat else feats.view(R, T, -1)), h[0]
 
     @torch.no_grad()
     def features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
@@ -343,6 +346,17 @@ class TargetModel(torch.nn.Module):
         b = batch.to(self.device)
         feats, _ = self._run_layers(b.input_ids, b.position_ids, real, max(self.layer_ids) + 1)
         return feats.masked_fill_((b.doc_ids < 0).unsqueeze(-1), 0.0) if real.runs_padding else feats
+
+    @torch.no_grad()
+    def context_features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
+        """The drafter's context: (C, num_features * H) in the model's dtype, the features of the sequence the
+        layers ran, never scattered into the (R, T) slots: the real tokens in row-major order (C = N, the order of
+        `DraftLayout.ctx_index`), or every slot when nothing is left out (no padding, or `gather` off: C = R*T,
+        zero on padding). `segments`: as in `features`."""
+        real = self.segments(batch.doc_ids) if segments is None else segments
+        b = batch.to(self.device)
+        feats, _ = self._run_layers(b.input_ids, b.position_ids, real, max(self.layer_ids) + 1, flat=True)
+        return feats.masked_fill_((b.doc_ids.reshape(-1) < 0).unsqueeze(-1), 0.0) if real.runs_padding else feats
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, logits_from: int = 0) -> TargetStep:

@@ -319,7 +319,7 @@ def _attention_flops(counter: FlopCounterMode) -> int:
 
 def flex_tiles(layout: Any, tile: int = FLEX_TILE) -> int:
     """(query tile, key tile) pairs of 128 x 128 that FlexAttention's block mask keeps for this layout: a tile is
-    computed when one of its queries may see one of its keys. Keys are [the R*T context slots ; the n*B block
+    computed when one of its queries may see one of its keys. Keys are [the C context entries ; the n*B block
     queries] (attention.flex_block_mask). Host numpy on the host layout."""
     B, n = layout.block_size, layout.num_blocks
     ctx_doc = layout.ctx_doc.numpy()
@@ -327,7 +327,7 @@ def flex_tiles(layout: Any, tile: int = FLEX_TILE) -> int:
     real = np.flatnonzero(ctx_doc >= 0)
     first = np.full(int(ctx_doc.max()) + 1 if real.size else 0, -1, dtype=np.int64)
     docs, at = np.unique(ctx_doc[real], return_index=True)
-    first[docs] = real[at]  # flat slot of each document's first token
+    first[docs] = real[at]  # context entry of each document's first token
     doc, anchor = layout.block_doc.numpy(), layout.anchor_pos.numpy()
     lo = first[doc]  # (n,) the visible context of block i: [lo, lo + anchor) ...
     hi = lo + anchor
@@ -444,7 +444,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures
     def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
         def forward():
             with phase("target"):
-                feats = target.features(dev_batch, segments)  # (R, T, F*H)
+                feats = target.context_features(dev_batch, segments)  # (C, F*H)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
                 return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum)
 

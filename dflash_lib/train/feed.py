@@ -86,7 +86,8 @@ class Item:
     epoch: int  # sampler epoch it came from
     batch: Batch | None  # host copy (pinned on CUDA): anchors are sampled from it without a device sync
     device_batch: Batch | None  # the same batch on the training device
-    features: torch.Tensor | None  # (R, T, num_features * H) target features on the training device
+    features: torch.Tensor | None  # (C, num_features * H) the drafter's context features on the training device:
+    # the batch's real tokens in row-major order (`TargetModel.context_features`), no padding slot
     step: int = 0  # sampler step within the epoch (see Work)
     shard: int = 0  # rank whose batch this is
     last_shard: bool = True  # completes its sampler step
@@ -282,7 +283,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                         on.enter_context(torch.cuda.stream(hand_over))
                 segments = target.segments(c.batch.doc_ids)  # from the host doc_ids: no device read
                 dev_batch = c.batch.to(target.device, non_blocking=True)
-                feats = target.features(dev_batch, segments)  # (R, T, F*H)
+                feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
                 if target.device != main_device:
                     dev_batch = c.batch.to(main_device, non_blocking=True)
                     feats = feats.to(main_device, non_blocking=True)

@@ -139,7 +139,7 @@ def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> di
             for batch, layout in zip(eval_set.batches, eval_set.layouts):
                 if layout.weight_sum == 0:
                     continue
-                features = target.features(batch)  # (R, T, F*H); from the HOST batch: no device read
+                features = target.context_features(batch)  # (C, F*H); from the HOST batch: no device read
                 dev_batch = batch.to(device)
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                     out = drafter.loss(dev_batch, features, layout.to(device))

@@ -131,7 +131,7 @@ def filler_item(drafter: Any, target: TargetModel, device: torch.device) -> Item
     layout = replace(layout, weights=torch.zeros_like(layout.weights), weight_sum=0.0)
     dev_batch = batch.to(device)
     with torch.no_grad():
-        features = target.features(dev_batch, target.segments(batch.doc_ids))
+        features = target.context_features(dev_batch, target.segments(batch.doc_ids))
     return Item(0, batch, dev_batch, features, layout=layout, device_layout=layout.to(device))
 
 
