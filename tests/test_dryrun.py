@@ -100,8 +100,9 @@ def test_flex_attention_flops_are_those_of_the_kept_tiles():
 
 
 def test_a_fake_step_runs_the_target_on_the_real_tokens_of_a_padded_batch():
-    """The dry run hands the target its gather plan as fake tensors: a padded batch's target FLOPs are those of its
-    documents in one row without padding."""
+    """The dry run hands the target its gather plan as fake tensors and the drafter the real tokens as its context:
+    a padded batch's FLOPs (target, drafter layers, attention, head) are those of its documents in one row without
+    padding."""
     from dflash_lib.data.batch import collate_packed, collate_padded
 
     cfg = _tiny(target_layers=2, num_features=1, drafter_layers=1)
@@ -113,6 +114,7 @@ def test_a_fake_step_runs_the_target_on_the_real_tokens_of_a_padded_batch():
     fake = dryrun.build_step_models(cfg, hf, settings, fake=True)
     figures = {name: dryrun.measure_step(fake, b) for name, b in (("padded", padded), ("unpadded", unpadded))}
     assert figures["padded"].flops["target_forward"] == figures["unpadded"].flops["target_forward"] > 0
+    assert figures["padded"].flops == figures["unpadded"].flops
 
 
 def test_required_memory_is_peak_with_fragmentation_plus_kernel_allowance_plus_reserve():

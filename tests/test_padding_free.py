@@ -1,5 +1,7 @@
 """No compute on padding: the target runs a batch's real tokens only (features and losses equal to the slot-by-slot
-path it replaced, FLOPs proportional to real tokens), and packed rows are as long as their documents."""
+path it replaced, FLOPs proportional to real tokens), the drafter's context is those real tokens (hidden states,
+losses and gradients equal to its every-slot path, FLOPs those of the documents alone), and packed rows are as long
+as their documents."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded, packed_row_len
 from dflash_lib.models import real_tokens, segment_cu_seqlens
 from dflash_lib.models.attention import sdpa_flop_mapping
+from dflash_lib.models.layout import build_layout
 from dflash_lib.plan.sampler import packing_efficiency
 from dflash_lib.train.feed import Work, make_collate
 from test_step_syncs import SyncCounter
@@ -141,6 +144,105 @@ def test_target_flops_are_those_of_the_real_tokens_not_the_slots(target):
             assert _flops(lambda: target.features(batch)) == pytest.approx(reference, rel=0.02)
         finally:
             target.gather = True
+
+
+def _drafter_run(drafter, batch, feats, layout, backend, grad=True):
+    """(hidden states (n*B, H), loss, {parameter: gradient}) of one drafter forward (+ backward) on `backend`."""
+    drafter.attention = backend
+    drafter.zero_grad(set_to_none=True)
+    try:
+        with torch.no_grad():
+            hidden = drafter.forward_hidden(batch, feats, layout)
+        if not grad:
+            return hidden, None, {}
+        out = drafter.loss(batch, feats, layout)
+        out.loss.backward()
+        return hidden, out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                           if p.grad is not None}
+    finally:
+        drafter.attention = "blocks"
+        drafter.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("backend", ["dense", "blocks", "flex"])
+@pytest.mark.parametrize("name", sorted(BATCHES))
+def test_the_drafter_on_the_real_tokens_equals_its_every_slot_path(target, drafter, name, backend):
+    """The real-token context (the target's flat features, or its (R, T) slots gathered by the drafter) against the
+    every-slot context the drafter ran before (kept as the `static_shapes` path): hidden states, loss and gradients
+    within 1e-6 in fp32 (flex: the forward, which is all it runs on CPU)."""
+    batch = BATCHES[name]()
+    anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(0))
+    real, every = build_layout(batch, anchors, backend), build_layout(batch, anchors, backend, every_slot=True)
+    assert real.num_context == batch.real_tokens < every.num_context == batch.padded_tokens
+    assert real.ctx_index.tolist() == torch.nonzero(batch.doc_ids.reshape(-1) >= 0).flatten().tolist()
+    assert real.ctx_doc.min() >= 0 and every.ctx_index is None
+    flat, slots = target.context_features(batch), target.features(batch)  # (C, F*H), (R, T, F*H)
+    assert flat.shape == (batch.real_tokens, slots.shape[-1])
+    grad = backend != "flex"
+    want_h, want_loss, want_g = _drafter_run(drafter, batch, slots, every, backend, grad)
+    assert want_h.shape == (real.num_queries, drafter.cfg.hidden_size)
+    for feats in (flat, slots):
+        h, loss, g = _drafter_run(drafter, batch, feats, real, backend, grad)
+        torch.testing.assert_close(h, want_h, atol=1e-6, rtol=0)
+        if grad:
+            assert abs(float(loss) - float(want_loss)) <= 1e-6
+            assert g.keys() == want_g.keys() and "fc.weight" in g
+            for n in g:
+                torch.testing.assert_close(g[n], want_g[n], atol=1e-6, rtol=0, msg=n)
+    with pytest.raises(ValueError, match="context features for a layout of"):  # flat features, every-slot layout
+        drafter.forward_hidden(batch, flat, every)
+
+
+def test_static_shapes_keep_the_every_slot_context(target, drafter):
+    """A target with gather off (`static_shapes`) runs and hands over every slot; the drafter's layout follows it
+    (every slot, padding slots of doc -1) and its loss equals the real-token path's."""
+    batch = BATCHES["mixed"]()
+    anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(0))
+    target.gather = False
+    try:
+        layout, feats = drafter.layout(batch, anchors), target.context_features(batch)  # (R*T, F*H)
+    finally:
+        target.gather = True
+    assert layout.ctx_index is None and layout.num_context == feats.shape[0] == batch.padded_tokens
+    assert int((layout.ctx_doc < 0).sum()) == batch.padded_tokens - batch.real_tokens
+    assert feats[batch.doc_ids.reshape(-1) < 0].abs().max() == 0
+    real = drafter.layout(batch, anchors)
+    assert real.num_context == batch.real_tokens
+    with torch.no_grad():
+        static, gathered = drafter.loss(batch, feats, layout), drafter.loss(batch, target.context_features(batch), real)
+    assert abs(float(static.loss) - float(gathered.loss)) <= 1e-6
+
+
+def test_drafter_flops_are_those_of_the_real_tokens_not_the_slots(target, drafter):
+    """Counted with FlopCounterMode over a training forward + backward: the same four documents cost the drafter the
+    same FLOPs padded (4 x 30 slots), packed into a padded row (80 slots) or alone in one row (58 slots); the
+    every-slot context pays its padding in the fuse and the K/V projections, in proportion to the padding slots."""
+    docs = _docs([30, 7, 19, 2])
+    batches = dict(padded=collate_padded(docs, 0), packed=collate_packed(docs, 0, row_len=80),
+                   alone=collate_packed(docs, 0, row_len=58))
+    assert [b.padded_tokens for b in batches.values()] == [120, 80, 58]
+
+    def counts(batch, every_slot):
+        layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks",
+                              every_slot=every_slot)
+        feats = target.features(batch)
+        with FlopCounterMode(display=False, custom_mapping=sdpa_flop_mapping()) as counter:
+            drafter.loss(batch, feats, layout).loss.backward()
+        drafter.zero_grad(set_to_none=True)
+        kv = sum(sum(v.values()) for k, v in counter.get_flop_counts().items()
+                 if k.endswith(("self_attn.k_proj", "self_attn.v_proj")))
+        with FlopCounterMode(display=False) as fuse:
+            drafter.fuse(drafter.context_features(feats, layout))
+        return counter.get_total_flops(), kv, fuse.get_total_flops(), layout.num_blocks
+
+    real = {k: counts(b, False) for k, b in batches.items()}
+    every = {k: counts(b, True) for k, b in batches.items()}
+    F_H, H = target.num_features * target.hidden_size, target.hidden_size
+    assert real["alone"][3] > 0 and real["padded"] == real["packed"] == real["alone"] == every["alone"]
+    assert real["padded"][2] == 2 * 58 * F_H * H  # the fuse runs the 58 real tokens
+    for part in (0, 1, 2):  # the every-slot excess, total, K/V and fuse, grows with the padding slots
+        extra = {k: every[k][part] - real["alone"][part] for k in ("padded", "packed")}
+        assert extra["packed"] > 0 and extra["padded"] * (80 - 58) == extra["packed"] * (120 - 58)
 
 
 def test_packed_rows_are_their_tokens_rounded_up_unless_static():
