@@ -164,7 +164,7 @@ def section_parity(device: torch.device, quick: bool) -> dict[str, Any]:
                 anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(7))
                 layout = drafter.layout(batch, anchors).to(device)
                 dev_batch = batch.to(device)
-                feats = target.features(dev_batch, target.segments(batch.doc_ids))
+                feats = target.context_features(dev_batch, target.segments(batch.doc_ids))  # as the trainer
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     hidden = drafter.forward_hidden(dev_batch, feats, layout)
                     loss = drafter.loss(dev_batch, feats, layout).loss
@@ -213,7 +213,7 @@ def section_fsdp(device: torch.device) -> dict[str, Any]:
         layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(m)))
         dev = batch.to(device)
         with torch.no_grad():
-            feats = target.features(dev, target.segments(batch.doc_ids))
+            feats = target.context_features(dev, target.segments(batch.doc_ids))  # (C, F*H), as the trainer
         items.append(Item(0, batch, dev, feats, layout=layout, device_layout=layout.to(device)))
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))

@@ -83,7 +83,7 @@ def step_seconds(target, drafter, batches: list[Batch], steps: int) -> tuple[flo
     times, target_share = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        feats = [target.features(b) for b in batches]
+        feats = [target.context_features(b) for b in batches]  # (C, F*H): the trainer's real-token context
         t1 = time.perf_counter()
         layouts = [drafter.layout(b, drafter.sample_anchors(b, gen)) for b in batches]  # the feed stage's work
         total_w = sum(lay.weight_sum for lay in layouts)

@@ -88,7 +88,8 @@ class SamplerConfig:
     block_budget: int = 0  # drafter query tokens (anchors x block_size) per micro-batch; 0 = derived (see sampler)
     pack_window: int = 64  # packed: open rows the best-fit packer chooses among (larger = tighter, less random)
     pack_multiple: int = 64  # packed: a row holds its tokens rounded up to a multiple of this, at most token_budget:
-    # under 64 padding slots a row (the drafter's context pays them), at most token_budget / 64 row shapes
+    # under 64 padding slots a row (neither model computes them: a shape for the kernels), at most
+    # token_budget / 64 row shapes
     static_shapes: bool = False  # fixed shapes, paying for their padding again (the target runs every slot, the
     # drafter's context too). packed: every row token_budget slots; bucketed: budget // edge rows per batch, every
     # row padded to its bucket's upper edge (k fixed shapes, as CUDA graphs / torch.compile want; what the "edge"
