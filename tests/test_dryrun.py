@@ -115,6 +115,8 @@ def test_a_fake_step_runs_the_target_on_the_real_tokens_of_a_padded_batch():
     figures = {name: dryrun.measure_step(fake, b) for name, b in (("padded", padded), ("unpadded", unpadded))}
     assert figures["padded"].flops["target_forward"] == figures["unpadded"].flops["target_forward"] > 0
     assert figures["padded"].flops == figures["unpadded"].flops
+    # no padded feature tensor either: the step's activations are those of the documents alone
+    assert figures["padded"].memory["activations"] == figures["unpadded"].memory["activations"] > 0
 
 
 def test_required_memory_is_peak_with_fragmentation_plus_kernel_allowance_plus_reserve():
