@@ -83,7 +83,8 @@ def main() -> None:
           f"fp32, torch threads {torch.get_num_threads()}; {len(docs)} documents, {padded.real_tokens} real tokens "
           f"in {padded.padded_tokens} slots: real-token share {share:.3f}; features of the two paths differ by "
           f"{diff:.1e} at most")
-    cases = {"real tokens": (real_path, padded), "every slot": (slot_path, padded), "documents alone": (real_path, alone)}
+    cases = {"real tokens": (real_path, padded), "every slot": (slot_path, padded),
+             "documents alone": (real_path, alone)}
     names = list(cases)
     for name in names:  # warm-up
         forward_s(*cases[name])
