@@ -290,14 +290,14 @@ class ReportedStore(list):
 
 def test_loop_says_what_the_data_skipped_first_and_keeps_it_in_the_summary(tmp_path, data, capsys):
     store, lengths = data
-    summary, _, _ = run_loop(tmp_path, (ReportedStore(store), lengths))
+    summary, _, _ = run_loop(tmp_path, (ReportedStore(store), lengths), steps=1)  # the report precedes every step
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("data: 40 records read, 32 kept; skipped: no_assistant_within_max_len 6 (line 3, line 9, "
                         "...), invalid_json 2 (line 12, ...)")
     assert summary.data_records == ReportedStore.report.counts()
     assert json.loads((tmp_path / "summary.json").read_text())["data_records"]["skipped"] == {
         "no_assistant_within_max_len": 6, "invalid_json": 2}
-    assert run_loop(tmp_path / "plain", data)[0].data_records is None  # a store without a report
+    assert run_loop(tmp_path / "plain", data, steps=1)[0].data_records is None  # a store without a report
 
 
 def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_path, data, capsys):
