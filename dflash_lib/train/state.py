@@ -74,7 +74,8 @@ class Progress:
     loss_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' global losses (nats)
     acc_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' top-1 accuracies
     budget_means: dict[str, RunningMean] = field(default_factory=lambda: {k: RunningMean() for k in BUDGET_FIGURES})
-    # BUDGET_FIGURES -> mean of the steps' figures on rank 0 (a step without one, e.g. no budget, is left out)
+    # BUDGET_FIGURES -> mean of this rank's step figures (the summary is rank 0's; a step without one, e.g. no
+    # budget, is left out)
     last: StepMetrics | None = None  # the latest step's metrics (None before the first step)
     resumed_from: int = 0  # the step this invocation resumed from (0: it started the run)
 
