@@ -50,7 +50,7 @@ from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
-from dflash_lib.train.metrics import load_metrics
+from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
 from dflash_lib.train.resume import export_source
 
 RUN_SUMMARY_KEYS = ("tau_trained", "tau_untrained", "tau_by_step", "speedup", "loss_first", "loss_last",
@@ -123,6 +123,12 @@ class RunEvaluation(JsonRecord):
     final: DecodeReport  # the final drafter (drafter/), decoded in full
     by_step: list[DrafterMeasurement]  # every drafter measured, step order
     steps: int  # optimizer steps of the run (its summary.json)
+    # How full the run's batches were in each budget, from its summary.json (`RunSummary`: means over its steps);
+    # None where the run had no such figure:
+    token_fill: float | None  # token cost / token budget (padding counted, as the budget counts it)
+    query_fill: float | None  # drafter query tokens / block budget
+    bound_tokens: float | None  # share of the batches the token budget closed
+    bound_blocks: float | None  # share of the batches the block budget closed
     run: str  # the run folder given (a notebook-04 run or a trainer run folder)
     train_dir: str  # the trainer run folder in it
     prompts: int  # held-out prompts decoded by every drafter
@@ -464,9 +470,10 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
         raise ConfigError(f"run {train_dir}: no summary.json, so the run did not finish (its drafter/ is written at "
                           f"the end; rerun the training to resume it)")
     try:
-        final_step = RunSummary.from_json(train_dir / "summary.json").steps
+        trained = RunSummary.from_json(train_dir / "summary.json")
     except ValueError as e:  # written by a trainer of another version
         raise ConfigError(str(e)) from None
+    final_step = trained.steps
     with decode_threads(setup):
         _warm(setup, final_model)
         baseline = _baseline(setup)
@@ -500,7 +507,8 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
     report = RunEvaluation(
         tau_trained=final.tau, tau_untrained=by_step[0].tau, tau_by_step={str(r.step): r.tau for r in by_step},
         speedup=final.speedup, **losses, export=export, export_files=export_files, export_config=export_config,
-        final=final, by_step=by_step, steps=final_step, run=str(Path(run)), train_dir=str(train_dir),
+        final=final, by_step=by_step, steps=final_step, **{k: getattr(trained, k) for k in BUDGET_FIGURES},
+        run=str(Path(run)), train_dir=str(train_dir),
         prompts=final.prompts, max_new_tokens=final.max_new_tokens, min_new_tokens=final.min_new_tokens,
         block_size=final.block_size, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
     say(summary(final))
@@ -515,7 +523,7 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
     extra = {k: final[k] for k in ("histogram", "per_position", "target_calls_per_token", "tokens_per_s",
                                    "baseline_tokens_per_s", "outputs_equal_baseline", "cycles")}
     keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens",
-            "min_new_tokens", "block_size",
+            "min_new_tokens", "block_size", *BUDGET_FIGURES,
             "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
     return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
             "target": final["target"], "device": final["device"]}

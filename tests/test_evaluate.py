@@ -362,7 +362,7 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     from dflash_lib.evaluate import (RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, loss_figures, prepare,
                                      run_summary)
     from dflash_lib.models.export import read_doc
-    from dflash_lib.train.metrics import load_metrics
+    from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
 
     run_dir, config = smoke_run
     notebook_run = tmp_path / "nb04"
@@ -390,6 +390,9 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     assert read_doc(report.export)["torch_dtype"] == "bfloat16" == report.export_config["torch_dtype"]
     summary = run_summary(report)
     assert set(RUN_SUMMARY_KEYS) <= set(summary) and json.loads(json.dumps(summary)) == summary
+    trained = json.loads((run_dir / "summary.json").read_text())  # the run's batch fill, as its trainer summed it up
+    assert {k: summary[k] for k in BUDGET_FIGURES} == {k: trained[k] for k in BUDGET_FIGURES}
+    assert 0 < summary["token_fill"] <= 1 and 0 < summary["query_fill"] <= 1
 
 
 def test_loss_figures_average_the_ends_and_take_the_heldout_rows():

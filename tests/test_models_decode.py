@@ -71,7 +71,7 @@ class _OracleDrafter:
 
 def test_acceptance_counts_the_matching_prefix_plus_bonus(target):
     prompt = random_prompts(1, seed=5)[0]
-    reference = prompt + target.greedy(prompt, 3 * NEW)
+    reference = prompt + target.greedy(prompt, NEW + B)  # the last cycle's block ends within B tokens past NEW
     oracle = _OracleDrafter(reference)
     res = acceptance_length(target, oracle, [prompt], NEW)
     want = [min(c % B, B - 1) + 1 for c in range(res.cycles)]

@@ -157,7 +157,8 @@ def evaluation_entry() -> dict:
     """What notebook 05's summary.json hands the demo (demo_evaluation keeps these keys)."""
     return dict(loss_first=11.9, loss_last=4.25, loss_window=5, heldout_loss_last=4.5, tau_untrained=1.0,
                 tau_trained=2.375, tau_by_step={"0": 1.0, "20": 1.75, "40": 2.125, "60": 2.375}, speedup=1.42,
-                tokens_per_s=71.0, baseline_tokens_per_s=50.0, prompts=8, max_new_tokens=64, steps=60)
+                tokens_per_s=71.0, baseline_tokens_per_s=50.0, prompts=8, max_new_tokens=64, steps=60,
+                token_fill=0.6875, query_fill=0.994, bound_tokens=0.0125, bound_blocks=0.9875)
 
 
 def test_demo_evaluation_keeps_the_figures_the_report_shows():
@@ -177,6 +178,14 @@ def test_report_shows_the_evaluation_loss_tau_and_speedup(demo_tree):
                                                                   "held-out prompts, up to 64 new tokens each")
     assert rows["tau by training step"] == "0: 1.000, 20: 1.750, 40: 2.125, 60: 2.375"
     assert rows["speedup vs plain greedy decoding (wall clock)"] == "1.42x (71.0 vs 50.0 tokens/s)"
+    assert rows["batch fill of the training run (means over its steps)"] == (
+        "0.69 of the token budget, 0.99 of the block budget (drafter queries); closed 0.01 by the token budget, "
+        "0.99 by the block budget")
+    no_blocks = {**evaluation_entry(), "query_fill": None, "bound_blocks": None}  # a run without a block budget
+    partial = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [],
+                                evaluation=no_blocks).read_text()
+    assert ("<tr><th>batch fill of the training run (means over its steps)</th><td>0.69 of the token budget; closed "
+            "0.01 by the token budget</td></tr>") in partial
     assert page.index("<h2>Summary</h2>") < page.index("<h2>Evaluation: what training bought</h2>") < page.index(
         "<h2>Runs</h2>")
     plain = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), []).read_text()
@@ -190,6 +199,7 @@ def test_report_shows_the_evaluation_loss_tau_and_speedup(demo_tree):
     (lambda e: e.update(speedup=0.0), r"evaluation\['speedup'\] must be > 0"),
     (lambda e: e.update(tau_by_step={"20": 1.5}), r"untrained drafter at '0'"),
     (lambda e: e["tau_by_step"].update({"40": None}), r"evaluation\['tau_by_step'\]\['40'\] must be a finite"),
+    (lambda e: e.update(token_fill="full"), r"evaluation\['token_fill'\] must be a finite number"),
 ])
 def test_a_wrong_evaluation_is_refused_by_name(tmp_path, edit, message):
     entry = evaluation_entry()

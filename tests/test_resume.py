@@ -18,6 +18,7 @@ from dflash_lib.__main__ import main
 from dflash_lib.config import FLAT_FIELDS, ConfigError, from_params, preset
 from dflash_lib.train.checkpoint import CheckpointError, CheckpointMismatchError, list_checkpoints
 from dflash_lib.train.loop import train
+from dflash_lib.train.metrics import BUDGET_FIGURES
 from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, RUN_OUTPUTS, config_differences, prepare_run_dir,
                                      resume_config_hash, truncate_metrics)
 
@@ -72,6 +73,8 @@ def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     assert second.real_tokens == sum(r["real_tokens"] for r in ref_rows)  # run totals carried over
     assert second.skipped_samples == json.loads((ref_dir / "summary.json").read_text())["skipped_samples"]
     assert second.mean_loss == pytest.approx(np.mean([r["loss"] for r in ref_rows]), abs=1e-6)
+    for key in BUDGET_FIGURES:  # the batches' fill over the whole run, not this invocation's steps only
+        assert getattr(second, key) == pytest.approx(np.mean([r[key] for r in ref_rows]), abs=1e-12), key
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt-00000008"]  # keep_checkpoints=1
     got, want = weights(tmp_path), weights(ref_dir)
     assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)

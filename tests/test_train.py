@@ -22,7 +22,7 @@ from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
 from dflash_lib.train.loop import RunSummary, run_training
-from dflash_lib.train.metrics import StepMetrics, format_duration
+from dflash_lib.train.metrics import BUDGET_FIGURES, StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard
@@ -255,8 +255,8 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation) and
     # the budget figures (a list of batches fills by no budget)
     heldout = {"heldout_step", *(f.name for f in fields(StepMetrics) if f.name.startswith("heldout_"))}
-    budget = {"token_fill", "query_fill", "bound_tokens", "bound_blocks"}
-    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout - budget for r in rows)
+    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout - set(BUDGET_FIGURES) for r in rows)
+    assert all(getattr(summary, k) is None for k in BUDGET_FIGURES)  # no step had them
     assert all(StepMetrics.from_json(r).to_json() == r for r in rows)
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert set(doc) == {f.name for f in fields(RunSummary)} - heldout
@@ -290,14 +290,14 @@ class ReportedStore(list):
 
 def test_loop_says_what_the_data_skipped_first_and_keeps_it_in_the_summary(tmp_path, data, capsys):
     store, lengths = data
-    summary, _, _ = run_loop(tmp_path, (ReportedStore(store), lengths))
+    summary, _, _ = run_loop(tmp_path, (ReportedStore(store), lengths), steps=1)  # the report precedes every step
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("data: 40 records read, 32 kept; skipped: no_assistant_within_max_len 6 (line 3, line 9, "
                         "...), invalid_json 2 (line 12, ...)")
     assert summary.data_records == ReportedStore.report.counts()
     assert json.loads((tmp_path / "summary.json").read_text())["data_records"]["skipped"] == {
         "no_assistant_within_max_len": 6, "invalid_json": 2}
-    assert run_loop(tmp_path / "plain", data)[0].data_records is None  # a store without a report
+    assert run_loop(tmp_path / "plain", data, steps=1)[0].data_records is None  # a store without a report
 
 
 def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_path, data, capsys):
@@ -421,6 +421,8 @@ def test_command_line_trains_every_strategy(tmp_path, strategy, static):
         assert r["query_fill"] == pytest.approx(r["blocks"] * smoke.model.block_size / blocks)
         assert r["bound_tokens"] in (0.0, 1.0) and r["bound_blocks"] in (0.0, 1.0)
         assert r["bound_tokens"] or r["bound_blocks"] or r["token_fill"] < 1 and r["query_fill"] < 1
+    for key in BUDGET_FIGURES:  # the run's figures: the means of its rows
+        assert summary[key] == pytest.approx(np.mean([r[key] for r in rows]), abs=1e-12), key
     if strategy == "packed":  # one row per step, as long as its tokens rounded up to 64 (static: the budget)
         budget = smoke.sampler.token_budget
         assert all(r["bucket"] == -1 and r["rows"] == 1 for r in rows)

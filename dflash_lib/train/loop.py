@@ -168,6 +168,13 @@ class RunSummary(JsonRecord):
     mean_acc: float | None  # mean of the steps' accuracies
     final_eal: float | None  # the last step's expected acceptance length (tokens, the marginal-product estimate)
     bad_steps: int  # steps whose loss was not finite (update skipped)
+    # How full the batches were in each budget over the whole run: the means of rank 0's metrics rows (`StepMetrics`
+    # fields of the same names); None when no step had the figure (no budget, no block budget, a plan that did not
+    # say which budget closed its batches):
+    token_fill: float | None  # token cost / token budget (padding counted, as the budget counts it)
+    query_fill: float | None  # drafter query tokens / block budget
+    bound_tokens: float | None  # share of the micro-batches the token budget closed
+    bound_blocks: float | None  # share of the micro-batches the block budget closed (a batch both closed: in both)
     skipped_samples: dict[str, int]  # reason -> samples left out by validation, every rank
     skipped_sample_examples: dict[str, list[str]]  # reason -> the first such samples' store indices (as text)
     data_records: dict[str, Any] | None  # the token store's records read, kept and skipped by reason with their
@@ -350,6 +357,9 @@ class Trainer:
         end = min(p.total_steps, tc.stop_at_step) if tc.stop_at_step > 0 else p.total_steps  # this invocation's
         p.loss_mean.add(res.loss)
         p.acc_mean.add(res.acc)
+        fill = budget_fill(items, getattr(self.parts.sampler, "batch_budget", None))
+        for k, value in fill.items():
+            p.budget_means[k].add(value)
         live = [it.batch for it in items if it.batch is not None]
         return StepMetrics(
             step=p.step, epoch=items[-1].epoch, loss=res.loss, acc=res.acc, lr=lr, noise=noise,
@@ -365,7 +375,7 @@ class Trainer:
             blocks=res.blocks, head_rows=res.head_rows,
             bad_steps=self.guard.total, skipped_samples=p.skipped_samples, skipped_tokens=int(skipped_tokens),
             **(batch_shape(live) if live else {}),
-            **budget_fill(items, getattr(self.parts.sampler, "batch_budget", None)),
+            **fill,
         )
 
     def _report_faults(self, items: list[Item], say: Callable[[str], None]) -> None:
@@ -484,6 +494,7 @@ class Trainer:
             final_loss=last.loss if last is not None else None, mean_loss=p.loss_mean.mean,
             final_acc=last.acc if last is not None else None, mean_acc=p.acc_mean.mean,
             final_eal=last.eal if last is not None else None, bad_steps=self.guard.total,
+            **{k: m.mean for k, m in p.budget_means.items()},
             skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
             data_records=data.counts() if data is not None else None,
             steady=steady, steady_start_step=m.detector.start_step,

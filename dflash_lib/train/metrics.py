@@ -93,6 +93,9 @@ class StepMetrics(JsonRecord):
     heldout_s: float | None = omitted()  # seconds the evaluation took
 
 
+BUDGET_FIGURES = ("token_fill", "query_fill", "bound_tokens", "bound_blocks")  # StepMetrics' budget figures, whose
+# run means the summary keeps (`RunSummary`)
+
 LOG_LINE_KEYS = ("step", "loss", "acc", "lr", "noise", "ktok_s", "data_wait_pct", "bucket", "eta_s", "steady",
                  "q_pre", "q_hs")
 

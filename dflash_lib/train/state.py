@@ -31,7 +31,7 @@ import torch
 
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints
 from dflash_lib.train.feed import ArrayLike, validate_sample
-from dflash_lib.train.metrics import StepMetrics, ThroughputMeter
+from dflash_lib.train.metrics import BUDGET_FIGURES, StepMetrics, ThroughputMeter
 
 TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
 
@@ -73,6 +73,9 @@ class Progress:
     # they advance `position` and `batches_done`, not `step`
     loss_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' global losses (nats)
     acc_mean: RunningMean = field(default_factory=RunningMean)  # of the steps' top-1 accuracies
+    budget_means: dict[str, RunningMean] = field(default_factory=lambda: {k: RunningMean() for k in BUDGET_FIGURES})
+    # BUDGET_FIGURES -> mean of this rank's step figures (the summary is rank 0's; a step without one, e.g. no
+    # budget, is left out)
     last: StepMetrics | None = None  # the latest step's metrics (None before the first step)
     resumed_from: int = 0  # the step this invocation resumed from (0: it started the run)
 
@@ -90,7 +93,8 @@ class Progress:
             "tokens": {"steps": meter.steps, "real": meter.real_tokens, "padded": meter.padded_tokens,
                        "skipped_samples": self.skipped_samples},
             "means": {"loss": [self.loss_mean.total, self.loss_mean.count],
-                      "acc": [self.acc_mean.total, self.acc_mean.count]},
+                      "acc": [self.acc_mean.total, self.acc_mean.count],
+                      **{k: [m.total, m.count] for k, m in self.budget_means.items()}},
             "last": self.last.to_json() if self.last is not None else {},  # its metrics.jsonl row
         }
         sampler_state = getattr(sampler, "state_dict", None)
@@ -121,6 +125,8 @@ class Progress:
             int(state["tokens"][k]) for k in ("steps", "real", "padded", "skipped_samples"))
         self.loss_mean = RunningMean(*state["means"]["loss"])
         self.acc_mean = RunningMean(*state["means"]["acc"])
+        # absent from checkpoints written before the summary kept them: the means then cover this invocation only
+        self.budget_means = {k: RunningMean(*state["means"].get(k, (0.0, 0))) for k in BUDGET_FIGURES}
         try:
             self.last = StepMetrics.from_json(state["last"]) if state["last"] else None
         except ValueError as e:  # a row of another trainer version

@@ -23,13 +23,16 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from dflash_lib.train.metrics import BUDGET_FIGURES
+
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # every demo measures these four
 SUMMARY_KEYS = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")
 _FRACTION_KEYS = ("predicted_efficiency", "realized_efficiency", "co_batch_recurrence")  # each within [0, 1]
 _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from ktok_s / sorted ktok_s (rounding)
 EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
 EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
-                    "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export")  # kept when notebook 05 has them
+                    "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export",
+                    *BUDGET_FIGURES)  # kept when notebook 05 has them (BUDGET_FIGURES: the trained run's batch fill)
 _FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
 
 FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
@@ -128,6 +131,9 @@ def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
             raise DemoReportError(f"evaluation['tau_by_step'] must map steps to tau with the untrained drafter at "
                                   f"'0', got {by_step!r}")
         out["tau_by_step"] = {str(k): _finite(f"evaluation['tau_by_step'][{k!r}]", v) for k, v in by_step.items()}
+    for key in BUDGET_FIGURES:  # None: the run had no such figure
+        if out.get(key) is not None:
+            out[key] = _finite(f"evaluation[{key!r}]", out[key])
     return out
 
 
@@ -248,8 +254,23 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
     if "tokens_per_s" in ev and "baseline_tokens_per_s" in ev:
         speed += f" ({ev['tokens_per_s']:.1f} vs {ev['baseline_tokens_per_s']:.1f} tokens/s)"
     rows.append(("speedup vs plain greedy decoding (wall clock)", speed))
+    fill = _fill_text(ev)
+    if fill:
+        rows.append(("batch fill of the training run (means over its steps)", fill))
     body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     return f'<table class="summary evaluation"><tbody>{body}</tbody></table>'
+
+
+def _fill_text(ev: Mapping[str, Any]) -> str:
+    """The trained run's BUDGET_FIGURES in words, those it has: how full its batches were in each budget and the
+    share of them each budget closed; "" with none."""
+    parts = [f"{ev[key]:.2f} {what}" for key, what in (("token_fill", "of the token budget"),
+                                                        ("query_fill", "of the block budget (drafter queries)"))
+             if ev.get(key) is not None]
+    closed = [f"{ev[key]:.2f} by the {what}" for key, what in (("bound_tokens", "token budget"),
+                                                                ("bound_blocks", "block budget"))
+              if ev.get(key) is not None]
+    return ", ".join(parts) + ("; closed " + ", ".join(closed) if closed else "")
 
 
 def _fmt(column: str, value: Any) -> str:
