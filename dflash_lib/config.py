@@ -121,7 +121,8 @@ class ModelConfig:
     target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the docs/dflash.md rule
     attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
     drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
-    drafter_checkpointing: str = "auto"  # activation checkpointing per drafter layer: "auto" (on for CUDA) | "true" | "false"
+    drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
+    # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
     init_from: str = ""  # a saved or exported drafter folder to start from instead of random weights ("" = random)
 
     def __post_init__(self) -> None:
@@ -131,12 +132,25 @@ class ModelConfig:
                  non_negative=("ce_chunk_blocks", "gamma"))
         _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
         _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
-        _choice("drafter_checkpointing", self.drafter_checkpointing, ("auto", "true", "false"))
+        checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+
+
+def checkpointed_layers(setting: str, drafter_layers: int, device_type: str) -> int:
+    """`drafter_checkpointing` resolved to the number of drafter layers recomputed in the backward (the first
+    ones): "auto" = all on a CUDA device (memory is the limit there), none elsewhere; "true" = all; "false" = 0;
+    a decimal k in 0..drafter_layers = k. ConfigError naming the parameter and the allowed range otherwise."""
+    if setting in ("auto", "true", "false"):
+        return drafter_layers if setting == "true" or (setting == "auto" and device_type == "cuda") else 0
+    text = str(setting).strip()
+    if not (isinstance(setting, str) and text.isdigit() and int(text) <= drafter_layers):
+        raise ConfigError(f"drafter_checkpointing must be auto, true, false or a layer count in 0..{drafter_layers} "
+                          f"(drafter_layers), got {setting!r}")
+    return int(text)
 
 
 @dataclass
