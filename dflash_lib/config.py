@@ -529,9 +529,40 @@ PRESETS: dict[str, Callable[[], Config]] = {"smoke": smoke, "demo": demo, "defau
 
 
 def preset(name: str) -> Config:
+    """The Config of a named preset, or of a preset file (a path ending in .json, `read_preset_file`)."""
+    if name.endswith(".json"):
+        base, params = read_preset_file(name)
+        return from_params(params, PRESETS[base]())
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}, or a preset file (.json)")
     return PRESETS[name]()
+
+
+def preset_file(base: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON object of a preset file: {"preset": a named preset, "params": flat overrides, typed}. `params`
+    values may be command-line text (coerced here); ConfigError for an unknown preset or parameter."""
+    if base not in PRESETS:
+        raise ConfigError(f"a preset file's preset must be a named preset {sorted(PRESETS)}, got {base!r}")
+    return {"preset": base, "params": {k: coerce(k, v) for k, v in params.items()}}
+
+
+def read_preset_file(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """(named preset, flat overrides) of a preset file (`preset_file`, e.g. the plan command's preset.json);
+    ConfigError naming the file for a missing file, bad JSON, other keys or an unknown preset."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"preset file {str(path)!r}: no such file")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"preset file {str(path)!r}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or set(doc) != {"preset", "params"} or not isinstance(doc["params"], dict):
+        raise ConfigError(f"preset file {str(path)!r}: want an object {{\"preset\": NAME, \"params\": {{...}}}}")
+    try:
+        checked = preset_file(str(doc["preset"]), doc["params"])
+    except ConfigError as e:
+        raise ConfigError(f"preset file {str(path)!r}: {e}") from None
+    return checked["preset"], checked["params"]
 
 
 def qwen3_8b() -> Config:

@@ -423,8 +423,9 @@ def _to_mode(obj: Any, mode: FakeTensorMode | None) -> Any:
     return obj
 
 
-def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures:
-    """Run and measure one training step on host batch `batch` (anchors drawn with `seed`)."""
+def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: bool = True) -> StepFigures:
+    """Run and measure one training step on host batch `batch` (anchors drawn with `seed`); `count_flops` False
+    measures memory only (one pass; the figures' FLOPs are then zeros)."""
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
     layout = build_layout(batch, anchors, s.attention)
@@ -467,6 +468,9 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures
     seconds = time.perf_counter() - t0
     (snap,) = tracker.get_tracker_snapshot("peak").values()
     memory = {_CATEGORIES[str(getattr(k, "value", k))]: int(v) for k, v in snap.items() if k != "Total"}
+    if not count_flops:
+        zero = dict.fromkeys(("target_forward", "drafter_layers", "drafter_attention", "head_ce"), 0)
+        return StepFigures(int(snap["Total"]), memory, zero, allowance, pairs, seconds)
 
     tally = _FlopTally(drafter.cfg.vocab_size)
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
