@@ -10,14 +10,14 @@ drafter layers (the first ones).
 Projection (`FlopModel`): every batch of the candidate's epoch-0 plan for the config's strategy (the real
 sampler, bucket edges recomputed for the candidate's budgets, sharded for the world size) is priced by FLOPs at
 the stated MFU of the H200's peak, with per-unit coefficients derived from the fake FLOP counts of the base's
-dry run: the target per real token, the drafter's layers per context slot and per query (least squares over the
+dry run: the target per real token and per squared document token (its attention; least squares over the worst
+batches), the drafter's layers per context slot and per query (least squares over the
 worst batches), its attention per query x context token, the LM head + CE per query, and the recomputation of
 a checkpointed layer as the measured difference between one batch counted with every layer checkpointed and
 with none. A sampler step costs its slowest rank's batch; an optimizer step adds the fused AdamW's and the
 gradient norm's memory traffic (`OPTIMIZER_BYTES_PER_PARAMETER` x the drafter's parameters at `HBM_TB_S`).
 What the projection ignores: MFU does not depend on the batch's size or shape (small batches run below it, so
-the ladder's low end is flattered), the target's attention is priced per token (its quadratic term is
-folded into the per-token coefficient at the worst batches' lengths), anchors are priced at the end of their
+the ladder's low end is flattered), anchors are priced at the end of their
 documents (as the dry run's worst batches; real anchors see shorter contexts: an upper bound), the host
 pipeline, data loading and communication are free. With FLOPs as the price, the micro-batch's size barely
 matters: nearly all of a candidate's gain is the recomputation its unchecked layers save.
@@ -131,11 +131,13 @@ def with_candidate(config: Config, c: Candidate, accum_tokens: int | None = None
 @dataclass
 class FlopModel(JsonRecord):
     """FLOPs of one micro-batch (module docstring), coefficients from the base's dry run:
-    F = target x real + (slot x slots + query x queries) x (1 + k x recompute_layers)
+    F = target x real + target_square x (sum of squared document lengths)
+        + (slot x slots + query x queries) x (1 + k x recompute_layers)
         + attention x (query-context tokens) x (1 + k x recompute_attention) + head x queries,
     k = checkpointed layers."""
 
     target: float  # target forward FLOPs per real token
+    target_square: float  # target forward FLOPs per squared document token (its attention), per document
     slot: float  # drafter layers' FLOPs per context slot (fc and the context's keys and values), none checkpointed
     query: float  # drafter layers' FLOPs per query token, none checkpointed
     attention: float  # drafter attention FLOPs per (query x context token of its document), none checkpointed
@@ -147,7 +149,7 @@ class FlopModel(JsonRecord):
 
     def flops(self, work: "EpochWork", k: int) -> np.ndarray:
         """(S, W) FLOPs of every batch of `work` with k checkpointed layers."""
-        return (self.target * work.real + (self.slot * work.slots + self.query * work.queries)
+        return (self.target * work.real + self.target_square * work.squares + (self.slot * work.slots + self.query * work.queries)
                 * (1 + k * self.recompute_layers) + self.attention * work.context * (1 + k * self.recompute_attention)
                 + self.head * work.queries)
 
@@ -155,6 +157,10 @@ class FlopModel(JsonRecord):
 def _context(w: dryrun.WorstBatch) -> int:
     """Query x context tokens of a worst batch: each document's queries see (about) the whole document."""
     return sum(a * w.block_size * n for a, n in zip(w.anchors, w.lengths))
+
+
+def _squares(w: dryrun.WorstBatch) -> int:
+    return sum(n * n for n in w.lengths)
 
 
 def _slots(w: dryrun.WorstBatch) -> int:
@@ -173,6 +179,9 @@ def flop_model(results: Sequence[dryrun.BatchResult], checkpointed: int, none: d
     W = [r.worst for r in results]
     F = [r.figures.flops for r in results]
     real = np.array([sum(w.lengths) for w in W], dtype=float)
+    T = np.stack([real, np.array([_squares(w) for w in W], dtype=float)], axis=1)  # (n, 2) tokens, squares
+    (target, target_square), *_ = np.linalg.lstsq(T, np.array([f["target_forward"] for f in F], dtype=float),
+                                                  rcond=None)
     queries = np.array([w.drafter_queries for w in W], dtype=float)
     context = np.array([_context(w) for w in W], dtype=float)
     layers_flops = np.array([f["drafter_layers"] for f in F], dtype=float) / (1 + checkpointed * rl)
@@ -180,7 +189,7 @@ def flop_model(results: Sequence[dryrun.BatchResult], checkpointed: int, none: d
     (slot, query), *_ = np.linalg.lstsq(X, layers_flops, rcond=None)
     attn = sum(f["drafter_attention"] for f in F) / (1 + checkpointed * ra) / max(1.0, context.sum())
     opt_s = OPTIMIZER_BYTES_PER_PARAMETER * parameters / (HBM_TB_S * 1e12)
-    return FlopModel(target=sum(f["target_forward"] for f in F) / real.sum(), slot=float(slot), query=float(query),
+    return FlopModel(target=float(target), target_square=float(target_square), slot=float(slot), query=float(query),
                      attention=float(attn), head=sum(f["head_ce"] for f in F) / queries.sum(), recompute_layers=rl,
                      recompute_attention=ra, optimizer_s=opt_s, parameters=int(parameters))
 
@@ -190,6 +199,7 @@ class EpochWork:
     """What every batch of one epoch plan holds: (S, W) arrays, sampler step x rank (0 where a rank has none)."""
 
     real: np.ndarray  # real tokens
+    squares: np.ndarray  # sum of the squared lengths of its documents (tokens^2): the target's attention
     slots: np.ndarray  # token slots the drafter's context holds (padded: rows x longest; packed: the row)
     queries: np.ndarray  # drafter query tokens
     context: np.ndarray  # query x context tokens (each query's document length)
@@ -204,12 +214,13 @@ def epoch_work(config: Config, lengths: np.ndarray, queries: np.ndarray, store_k
     edges = bucket_edges(config, lengths, store_key, queries) if sc.strategy == "bucketed" else []
     plan = build_sampler(config, lengths, 0, world_size, edges, queries).epoch_plan(0)
     S, W = plan.steps.shape
-    out = {k: np.zeros(S * W) for k in ("real", "slots", "queries", "context")}
+    out = {k: np.zeros(S * W) for k in ("real", "squares", "slots", "queries", "context")}
     order, offsets = plan.csr()
     for b, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
         ids = order[lo:hi]
         n, q = lengths[ids].astype(np.int64), queries[ids].astype(np.int64)
-        out["real"][b], out["queries"][b], out["context"][b] = n.sum(), q.sum(), (q * n).sum()
+        out["real"][b], out["squares"][b], out["queries"][b], out["context"][b] = n.sum(), (n * n).sum(), q.sum(), \
+            (q * n).sum()
         if sc.strategy == "packed":
             m = sc.pack_multiple
             out["slots"][b] = sc.token_budget if sc.static_shapes or not m else min(sc.token_budget,
@@ -217,6 +228,20 @@ def epoch_work(config: Config, lengths: np.ndarray, queries: np.ndarray, store_k
         else:
             out["slots"][b] = len(n) * int(n.max())
     return EpochWork(**{k: v.reshape(S, W) for k, v in out.items()}, edges=list(edges))
+
+
+def work_of(config: Config, lengths: np.ndarray, queries: np.ndarray, store_key: str | None,
+            world_size: int) -> Callable[[Candidate], EpochWork]:
+    """`epoch_work` of a candidate's settings, computed once per (token budget, block budget)."""
+    works: dict[tuple[int, int], EpochWork] = {}
+
+    def work(c: Candidate) -> EpochWork:
+        if (c.token_budget, c.block_budget) not in works:
+            works[c.token_budget, c.block_budget] = epoch_work(with_candidate(config, c), lengths, queries,
+                                                               store_key, world_size)
+        return works[c.token_budget, c.block_budget]
+
+    return work
 
 
 def optimizer_steps(step_tokens: np.ndarray, accum_tokens: int, world_size: int) -> int:
@@ -242,6 +267,24 @@ class Projection:
     ktok_s: float  # real tokens per second on all GPUs (thousands)
     tokens_per_step: float  # mean real tokens per optimizer step, all ranks
     accum_tokens: int  # the accum_tokens the candidate runs with
+
+
+def step_accum(config: Config, c: Candidate, base_batch_tokens: float) -> int:
+    """accum_tokens candidate `c` runs with (module docstring): the base's when it has one or when `c`'s token
+    budget is at least the base's; else the base micro-batch's mean real tokens `base_batch_tokens`."""
+    if config.train.accum_tokens > 0 or c.token_budget >= config.sampler.token_budget:
+        return config.train.accum_tokens
+    return int(round(base_batch_tokens))
+
+
+def projections(config: Config, model: FlopModel, work: Callable[[Candidate], "EpochWork"], world_size: int,
+                mfu: float, peak_tflops: float, ladder: Sequence[float] = TOKEN_LADDER,
+                fractions: Sequence[float] = BLOCK_FRACTIONS) -> dict[Candidate, "Projection"]:
+    """Every candidate of `config`'s ladder projected (`work(c)`: its epoch plan's batches)."""
+    base = work(base_candidate(config)).real
+    base_tokens = float(base.sum() / max(1, np.count_nonzero(base)))  # real tokens per micro-batch
+    return {c: project(model, work(c), c.checkpointed, step_accum(config, c, base_tokens), world_size, mfu,
+                       peak_tflops) for c in candidates(config, ladder, fractions)}
 
 
 def project(model: FlopModel, work: EpochWork, k: int, accum_tokens: int, world_size: int, mfu: float,
@@ -303,8 +346,8 @@ class PlanReport(JsonRecord):
     seconds: float  # wall time of the plan on this machine (seconds)
 
 
-IGNORES = ("MFU independent of batch size and shape; the target's attention priced per token; anchors at the "
-           "end of their documents (an upper bound); host pipeline, data loading and communication free")
+IGNORES = ("MFU independent of batch size and shape; anchors at the end of their documents (an upper bound); "
+           "host pipeline, data loading and communication free")
 
 
 def _record(c: Candidate, p: Projection, base: Projection, decided: str, fits: bool,
@@ -338,14 +381,7 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
         return dryrun.worst_batches(with_candidate(config, c), edges, c.block_budget)
 
     # 1. today's defaults, in full: the memory-worst batch kind and the FLOP counts the projection is made of
-    works: dict[tuple[int, int], EpochWork] = {}
-
-    def work(c: Candidate) -> EpochWork:
-        if (c.token_budget, c.block_budget) not in works:
-            works[c.token_budget, c.block_budget] = epoch_work(with_candidate(config, c), lengths, queries, key,
-                                                               world_size)
-        return works[c.token_budget, c.block_budget]
-
+    work = work_of(config, lengths, queries, key, world_size)
     say(f"today's defaults: token_budget {base.token_budget}, block_budget {base.block_budget}, "
         f"{base.checkpointed}/{L} layers checkpointed: the full dry run")
     base_results = dryrun.measure_batches(config, worst_of(base, work(base).edges), settings, device_gib, mfu,
@@ -378,15 +414,8 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
     model = flop_model(base_results, base.checkpointed, figs[0], figs[L], L, parameters)
 
     # 2. the projection of every candidate; the optimizer step kept (module docstring)
-    base_accum = config.train.accum_tokens
-    base_tokens = float(work(base).real.sum() / max(1, np.count_nonzero(work(base).real)))  # per micro-batch
-    def accum(c: Candidate) -> int:
-        if base_accum > 0 or c.token_budget >= base.token_budget:
-            return base_accum
-        return int(round(base_tokens))
-
-    cands = candidates(config, ladder, fractions)
-    proj = {c: project(model, work(c), c.checkpointed, accum(c), world_size, mfu, peak_tflops) for c in cands}
+    proj = projections(config, model, work, world_size, mfu, peak_tflops, ladder, fractions)
+    cands = sorted(proj)
     p0 = proj[base]
     base_fits = all(r.fits for r in base_results)
     rows = [_record(base, p0, p0, "defaults", base_fits, base_results)]
