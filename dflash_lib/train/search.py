@@ -61,6 +61,7 @@ from dflash_lib.train.build import bucket_edges, build_sampler
 GIB = dryrun.GIB
 TOKEN_LADDER = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidate token budgets, multiples of the base's
 BLOCK_FRACTIONS = (1.0, 0.5, 0.25)  # candidate block budgets, fractions of each token budget's derived one
+SHORT_LADDER, SHORT_FRACTIONS = (1.0, 2.0), (1.0,)  # a quick plan (notebook 02 on tiny models)
 TOKEN_MULTIPLE = 64  # token budgets are rounded to a multiple of this (kernel shapes)
 HBM_TB_S = 4.8  # H200 HBM3e bandwidth (TB/s), for the optimizer step's memory traffic
 OPTIMIZER_BYTES_PER_PARAMETER = 32  # fused AdamW reads fp32 parameter, gradient and 2 moments (16 B) and writes
@@ -327,8 +328,8 @@ class CandidateRecord(JsonRecord):
 class PlanReport(JsonRecord):
     """The plan of a configuration (`plan`): plan.json and the JSON line of `python -m dflash_lib plan`."""
 
-    preset: str  # the preset planned from (a name, or a preset file's path)
-    base_params: dict[str, Any]  # the -p overrides given on top of it
+    preset: str  # the named preset planned from (a preset file: its preset)
+    base_params: dict[str, Any]  # the overrides on top of it (a preset file's, then -p)
     device_gib: float  # device memory planned for (GiB)
     world_size: int  # GPUs the projection is for (data parallel, each holding one micro-batch per step)
     mfu: float  # model FLOPs utilisation assumed, a fraction of peak_tflops
@@ -366,8 +367,13 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
          peak_tflops: float = dryrun.H200_BF16_TFLOPS, reserve: dryrun.Reserve = dryrun.Reserve(),
          ladder: Sequence[float] = TOKEN_LADDER, fractions: Sequence[float] = BLOCK_FRACTIONS, preset: str = "",
          base_params: dict[str, Any] | None = None, say: Callable[[str], None] = lambda line: None) -> PlanReport:
-    """The fastest candidate of `config`'s ladder that fits `device_gib` (module docstring). Raises
-    NothingFitsError when none does."""
+    """The fastest candidate of `config`'s ladder that fits `device_gib` (module docstring). `config` is named
+    preset `preset` overlaid by `base_params` (the report and the preset file say so); "" and None: the
+    defaults overlaid by every field `config` changes. Raises NothingFitsError when none does."""
+    if not preset:
+        defaults = Config().to_params()
+        preset, base_params = "default", {k: v for k, v in config.to_params().items()
+                                          if v != defaults[k] and k != "out_dir"}  # (a run's folder: not carried)
     t0 = time.perf_counter()
     mc, L = config.model, config.model.drafter_layers
     store = build_token_store_from_config(config.data, progress=False)
@@ -497,13 +503,14 @@ def format_plan(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
-def write_plan(report: PlanReport, out: Path, base_preset: str) -> tuple[Path, Path]:
+def write_plan(report: PlanReport, out: Path) -> tuple[Path, Path]:
     """plan.json (the report) and preset.json (`config.preset_file`: `--preset FILE` anywhere a preset name
-    goes) in `out`; the preset file's params are the base's overrides and the chosen ones."""
+    goes) in folder `out`; the preset file is the report's preset, its overrides and the chosen settings."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "plan.json", report.to_json())
     path = out / "preset.json"
-    path.write_text(json.dumps(preset_file(base_preset, {**report.base_params, **report.params}), indent=1) + "\n")
+    path.write_text(json.dumps(preset_file(report.preset, {**report.base_params, **report.params}), indent=1)
+                    + "\n")
     return out / "plan.json", path
 
 
@@ -519,13 +526,13 @@ def run_cli(args: Any, params: dict[str, str]) -> int:
     base_params = preset_file(base, {**given, **params})["params"]  # typed
     say = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        report = plan(config, args.device_gib, args.world_size, args.mfu, preset=args.preset,
-                      base_params=base_params, say=say)
+        report = plan(config, args.device_gib, args.world_size, args.mfu, preset=base, base_params=base_params,
+                      say=say)
     except NothingFitsError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     print(format_plan(report), flush=True)
-    for path in write_plan(report, Path(args.out) if args.out else new_run_dir("plan"), base):
+    for path in write_plan(report, Path(args.out) if args.out else new_run_dir("plan")):
         print(path, flush=True)
     print(json.dumps(report.to_json()), flush=True)
     return 0
