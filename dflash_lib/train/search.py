@@ -25,7 +25,7 @@ matters: nearly all of a candidate's gain is the recomputation its unchecked lay
 Fit: memory is monotone (more tokens, more queries, fewer checkpointed layers never need less), so
 `Candidate.needs_at_least` orders them. The base is dry-run in full first (every bucket's worst batch and the
 packed row) to find its memory-worst batch kind; then the candidates are walked from the fastest projected
-down: one that needs at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of
+down (`walk_key`: projections within `TIE` of each other are a tie, the larger micro-batch first): one that needs at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of
 that batch kind, and the first that fits is proven by the full dry run (`dryrun.measure_batches`); a batch that
 does not fit rejects it and the walk goes on.
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ GIB = dryrun.GIB
 TOKEN_LADDER = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidate token budgets, multiples of the base's
 BLOCK_FRACTIONS = (1.0, 0.5, 0.25)  # candidate block budgets, fractions of each token budget's derived one
 SHORT_LADDER, SHORT_FRACTIONS = (1.0, 2.0), (1.0,)  # a quick plan (notebook 02 on tiny models)
+TIE = 0.01  # projections closer than this (relative) are one tier: the FLOP model cannot tell them apart (its
+# error on batches it was not fitted to is about 2 %, tests/test_plan_search.py)
 TOKEN_MULTIPLE = 64  # token budgets are rounded to a multiple of this (kernel shapes)
 HBM_TB_S = 4.8  # H200 HBM3e bandwidth (TB/s), for the optimizer step's memory traffic
 OPTIMIZER_BYTES_PER_PARAMETER = 32  # fused AdamW reads fp32 parameter, gradient and 2 moments (16 B) and writes
@@ -300,6 +303,13 @@ def project(model: FlopModel, work: EpochWork, k: int, accum_tokens: int, world_
                       total / max(1, opt_steps), int(accum_tokens))
 
 
+def walk_key(c: Candidate, p: Projection) -> tuple:
+    """The walk's order: projected throughput in tiers of TIE (fastest first), within a tier the larger
+    micro-batch (more tokens, more queries: real kernels run closer to the stated MFU on larger batches, which
+    the FLOP model does not price), then fewer checkpointed layers."""
+    return -math.floor(math.log(p.ktok_s) / math.log1p(TIE)), -c.token_budget, -c.block_budget, c.checkpointed
+
+
 # -- the search --------------------------------------------------------------------------------------------------
 
 
@@ -359,7 +369,7 @@ def _record(c: Candidate, p: Projection, base: Projection, decided: str, fits: b
         docs=worst.worst.docs if worst else None,
         peak_gib=round(worst.figures.peak_bytes / GIB, 2) if worst else None,
         need_gib=round(worst.required_bytes / GIB, 2) if worst else None, fits=fits, step_s=float(f"{p.step_s:.4g}"),
-        ktok_s_gpu=round(p.ktok_s_gpu, 2), ktok_s=round(p.ktok_s, 2), speedup=round(p.ktok_s / base.ktok_s, 4),
+        ktok_s_gpu=p.ktok_s_gpu, ktok_s=p.ktok_s, speedup=round(p.ktok_s / base.ktok_s, 4),
         tokens_per_step=round(p.tokens_per_step, 1), accum_tokens=p.accum_tokens, decided=decided)
 
 
@@ -429,7 +439,7 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
     # 3. the walk, fastest first
     misfits = [] if base_fits else [base]
     chosen = None
-    for c in sorted(cands, key=lambda c: (-proj[c].ktok_s, c)):
+    for c in sorted(cands, key=lambda c: walk_key(c, proj[c])):
         if c == base:  # dry-run in full already
             if base_fits:
                 chosen = dataclasses.replace(rows[0], decided="proven")
