@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("notebook", help="path, or a name under notebooks/: " + (", ".join(names) or "(none found)"))
     run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default, qwen3-8b; "
-                     "default: the notebook's own, demo); -p sets any config field")
+                     "default: the notebook's own, demo) or a preset file (.json); -p sets any config field")
     run.add_argument("--tag", default="", help="suffix for the run folder name")
 
     tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation); "
                         "resumes from the run folder's newest checkpoint of the same config")
-    tr.add_argument("--preset", default="default")
+    tr.add_argument("--preset", default="default", help="a named preset or a preset file (.json, e.g. plan's)")
     tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
     tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     tr.add_argument("--tag", default="")

@@ -101,13 +101,13 @@ class Candidate:
 def candidates(config: Config, ladder: Sequence[float] = TOKEN_LADDER,
                fractions: Sequence[float] = BLOCK_FRACTIONS) -> list[Candidate]:
     """Every candidate of `config`'s ladder (module docstring), sorted; `config`'s own settings among them."""
-    sc, mc, L = config.sampler, config.model, config.data.max_len
+    sc, mc, max_len = config.sampler, config.model, config.data.max_len
     q = SampleCost(config.buckets.cost, config.buckets.q).q
-    one_doc = min(mc.num_anchors, max(1, L - 1)) * mc.block_size  # queries of the costliest document
+    one_doc = min(mc.num_anchors, max(1, max_len - 1)) * mc.block_size  # queries of the costliest document
     out = {base_candidate(config)}
     for x in ladder:
-        tokens = max(L, int(round(sc.token_budget * x / TOKEN_MULTIPLE)) * TOKEN_MULTIPLE)
-        derived = derived_block_budget(tokens, L, mc.num_anchors, mc.block_size,
+        tokens = max(max_len, int(round(sc.token_budget * x / TOKEN_MULTIPLE)) * TOKEN_MULTIPLE)
+        derived = derived_block_budget(tokens, max_len, mc.num_anchors, mc.block_size,
                                        None if sc.strategy == "packed" else q)
         for f in fractions:
             blocks = int(derived * f)
