@@ -33,7 +33,8 @@ def test_k_checkpointed_layers_give_the_loss_and_gradients_of_none_and_all():
         layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(3)))
         out = drafter.loss(batch, feats, layout)
         out.loss.backward()
-        results[k] = (float(out.loss.detach()), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        results[k] = (float(out.loss.detach()), grads)
     loss0, grads0 = results[0]
     assert len(grads0) > 0
     for k, (loss, grads) in results.items():

@@ -5,6 +5,8 @@ Device sizes come from measured peaks, so the constraints bind at any tiny shape
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -13,6 +15,8 @@ import pytest
 
 from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError, from_params, preset, read_preset_file
+from dflash_lib.data import build_token_store_from_config
+from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.lab.runs import notebook_config, resolve_params
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import REPO_ROOT, load_config
@@ -42,9 +46,6 @@ def _base_need_gib(config) -> float:
 
 
 def _corpus(config):
-    from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.data.stats import store_drafter_queries
-
     store = build_token_store_from_config(config.data, progress=False)
     lengths = np.asarray(store.lengths)
     return lengths, store_drafter_queries(store, config.model.num_anchors, config.model.block_size), store.meta["key"]
@@ -60,9 +61,6 @@ def planned(tmp_path_factory):
     real = search.plan
     search.plan = lambda *a, **kw: real(*a, ladder=LADDER, fractions=FRACTIONS, **kw)
     try:
-        import contextlib
-        import io
-
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             code = main(["plan", "--preset", "smoke", *BASE, "--device-gib", repr(device), "--out", str(out)])
@@ -102,7 +100,8 @@ def test_the_chosen_candidate_proven_again_and_priced_at_its_counted_flops(plann
     assert max(r.required_bytes for r in results) / dryrun.GIB == pytest.approx(chosen.need_gib, abs=0.01)
     # the projection prices these batches (other budgets and layer counts than the base's) at their counted FLOPs
     work = search.EpochWork(*(np.array([[f(w)] for w in worst], dtype=float) for f in (
-        lambda w: sum(w.lengths), search._squares, search._slots, lambda w: w.drafter_queries, search._context)), edges=[])
+        lambda w: sum(w.lengths), search._squares, search._slots, lambda w: w.drafter_queries, search._context)),
+        edges=[])
     counted = np.array([[r.figures.flops_total] for r in results], dtype=float)
     np.testing.assert_allclose(report.flop_model.flops(work, c.checkpointed), counted, rtol=0.02)
 

@@ -25,14 +25,15 @@ matters: nearly all of a candidate's gain is the recomputation its unchecked lay
 Fit: memory is monotone (more tokens, more queries, fewer checkpointed layers never need less), so
 `Candidate.needs_at_least` orders them. The base is dry-run in full first (every bucket's worst batch and the
 packed row) to find its memory-worst batch kind; then the candidates are walked from the fastest projected
-down (`walk_key`: projections within `TIE` of each other are a tie, the larger micro-batch first): one that needs at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of
-that batch kind, and the first that fits is proven by the full dry run (`dryrun.measure_batches`); a batch that
-does not fit rejects it and the walk goes on.
+down (`walk_key`: projections within `TIE` of each other are a tie, the larger micro-batch first): one that needs
+at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of that batch kind, and the
+first that fits is proven by the full dry run (`dryrun.measure_batches`); a batch that does not fit rejects it and
+the walk goes on.
 
 The optimizer step does not change silently: a base with `accum_tokens` keeps it; a base without one (one
-micro-batch per step) gives candidates with a smaller token budget `accum_tokens` = the base micro-batch's mean
-real tokens, so their steps hold at least as many. A larger micro-batch makes a larger step: every row says its
-real tokens per optimizer step, and the report says the chosen one's change plainly (`PlanReport.step_change`).
+micro-batch per step) gives candidates with a smaller token budget `accum_tokens` = the base micro-batch's mean real
+tokens, so their steps hold at least as many. A larger micro-batch makes a larger step: every row says its real
+tokens per optimizer step, and the report says the chosen one's change plainly (`PlanReport.step_change`).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class FlopModel(JsonRecord):
 
     def flops(self, work: "EpochWork", k: int) -> np.ndarray:
         """(S, W) FLOPs of every batch of `work` with k checkpointed layers."""
-        return (self.target * work.real + self.target_square * work.squares + (self.slot * work.slots + self.query * work.queries)
+        return (self.target * work.real + self.target_square * work.squares
+                + (self.slot * work.slots + self.query * work.queries)
                 * (1 + k * self.recompute_layers) + self.attention * work.context * (1 + k * self.recompute_attention)
                 + self.head * work.queries)
 
