@@ -189,26 +189,30 @@ def test_bad_plan_arguments_exit_2(capsys, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 8 candidates' full dry runs, memory only: minutes on a loaded 2-core machine
 def test_pruning_never_skips_a_candidate_that_fits():
-    """Brute force on the short ladder: every candidate's full dry run. The plan's choice is the fastest that
-    fits, and every candidate it refused (measured, pruned, rejected) does not fit."""
-    config = _config()
+    """Brute force on a small grid (1 bucket, 1 drafter layer: 2 token budgets x 2 block budgets x 2 layer
+    counts): every candidate's full dry run. The plan's choice is the first that fits in the walk's order, and
+    every candidate it refused (measured, pruned, rejected) does not fit."""
+    config = load_config({"k": 1, "drafter_layers": 1, "token_budget": 1024}, "smoke")
     device = _base_need_gib(config)
     lengths, queries, key = _corpus(config)
     report = search.plan(config, device, ladder=LADDER, fractions=FRACTIONS)
     fits = {}
     for c in search.candidates(config, LADDER, FRACTIONS):
         cfg = search.with_candidate(config, c)
-        worst = dryrun.worst_batches(cfg, bucket_edges(cfg, lengths, key, queries), c.block_budget)
-        fits[c] = all(r.fits for r in dryrun.measure_batches(cfg, worst, dryrun.for_cuda(cfg), device))
+        models = dryrun.build_step_models(cfg, target_hf_config(cfg.model), dryrun.for_cuda(cfg), True)
+        assert models.settings.checkpointing == c.checkpointed
+        needs = [dryrun.Reserve().required_bytes(f.peak_bytes, f.kernel_allowance) for f in (
+            dryrun.measure_step(models, dryrun.host_batch(w, models.drafter.cfg.vocab_size, cfg.model.mask_id),
+                                count_flops=False)
+            for w in dryrun.worst_batches(cfg, bucket_edges(cfg, lengths, key, queries), c.block_budget))]
+        fits[c] = max(needs) <= device * dryrun.GIB
+    assert len(fits) == 8 and sum(fits.values()) > 1 and not all(fits.values())
     refused = [search.Candidate(r.token_budget, r.block_budget, r.checkpointed) for r in report.rows[1:-1]]
     assert refused and not any(fits[c] for c in refused)
     chosen = search.Candidate(report.chosen.token_budget, report.chosen.block_budget, report.chosen.checkpointed)
-    assert fits[chosen]
-    # no candidate that fits is faster than the chosen one (the projections the plan walked by)
     work = search.work_of(config, lengths, queries, key, 1)
-    speed = {c: p for c, p in search.projections(config, report.flop_model, work, 1, report.mfu,
-                                                         report.peak_tflops, LADDER, FRACTIONS).items()}
-    first = min((c for c in fits if fits[c]), key=lambda c: search.walk_key(c, speed[c]))
-    assert first == chosen  # the first that fits in the walk's order: the fastest, ties to the larger batch
-    assert sum(fits.values()) > 1 and not all(fits.values())
+    proj = search.projections(config, report.flop_model, work, 1, report.mfu, report.peak_tflops, LADDER, FRACTIONS)
+    first = min((c for c in fits if fits[c]), key=lambda c: search.walk_key(c, proj[c]))
+    assert first == chosen  # the first that fits in the walk's order: the fastest tier, ties to the larger batch
