@@ -477,10 +477,11 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
     params = {**Candidate(chosen.token_budget, chosen.block_budget, chosen.checkpointed).params(),
               "accum_tokens": chosen.accum_tokens}
     ratio = chosen.tokens_per_step / rows[0].tokens_per_step
-    step_change = (f"an optimizer step holds {chosen.tokens_per_step:,.0f} real tokens, {ratio:.2f}x today's "
-                   f"{rows[0].tokens_per_step:,.0f}" + ("" if abs(ratio - 1) <= 0.1 else
-                                                        ": the global batch changes, scale the learning rate"
-                                                        " or set accum_tokens to keep it"))
+    step_change = (f"an optimizer step holds {chosen.tokens_per_step:,.0f} real tokens on average, {ratio:.2f}x "
+                   f"today's {rows[0].tokens_per_step:,.0f}" + (
+                       f" (accum_tokens {chosen.accum_tokens}: a step closes at the first micro-batch that reaches "
+                       f"it)" if chosen.accum_tokens else "") + (
+                       "" if abs(ratio - 1) <= 0.1 else ": the global batch changes, scale the learning rate to it"))
     recompute = float((model.flops(work(base), base.checkpointed) - model.flops(work(base), 0)).sum()
                       / model.flops(work(base), base.checkpointed).sum())
     return PlanReport(
