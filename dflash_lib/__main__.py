@@ -1,5 +1,6 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
-evaluate, export, regenerate, dryrun, params (see README).
+evaluate, export, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file does too
+(`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
 
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
 `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
@@ -141,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("notebook", help="path, or a name under notebooks/: " + (", ".join(names) or "(none found)"))
     run.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     run.add_argument("--preset", default="", help="start from a named preset (smoke, demo, default, qwen3-8b; "
-                     "default: the notebook's own, demo); -p sets any config field")
+                     "default: the notebook's own, demo) or a preset file (.json); -p sets any config field")
     run.add_argument("--tag", default="", help="suffix for the run folder name")
 
     tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation); "
                         "resumes from the run folder's newest checkpoint of the same config")
-    tr.add_argument("--preset", default="default")
+    tr.add_argument("--preset", default="default", help="a named preset or a preset file (.json, e.g. plan's)")
     tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
     tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     tr.add_argument("--tag", default="")
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dry = sub.add_parser("dryrun", help="one training step of a preset at its real shapes in fake mode: peak memory "
                          "and FLOPs of every bucket's worst batch; exit 1 when one does not fit --device-gib")
-    dry.add_argument("--preset", default="qwen3-8b", help="a named preset (default qwen3-8b)")
+    dry.add_argument("--preset", default="qwen3-8b", help="a named preset or a preset file (default qwen3-8b)")
     dry.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     dry.add_argument("--device-gib", type=float, default=80.0, help="device memory in GiB (H100 80, H200 141)")
     dry.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
@@ -203,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
                      help="allocator overhead, a fraction of the measured peak (default dryrun.Reserve's)")
     dry.add_argument("--compare", action="store_true",
                      help="also run the other drafter attention backends (dense, blocks, flex)")
+
+    pl = sub.add_parser("plan", help="the fastest token budget, block budget and checkpointed drafter layers that "
+                        "fit --device-gib, proven by the dry run; writes plan.json and a preset file; exit 1 when "
+                        "nothing fits")
+    pl.add_argument("--preset", default="qwen3-8b", help="a named preset or a preset file (default qwen3-8b)")
+    pl.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
+    pl.add_argument("--device-gib", type=float, default=80.0, help="device memory in GiB (H100 80, H200 141)")
+    pl.add_argument("--world-size", type=int, default=1, help="GPUs the throughput is projected for")
+    pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
+    pl.add_argument("--out", default="", help="folder for plan.json and preset.json (default: a new runs/<id>_plan/)")
 
     par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
     par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
@@ -243,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             from dflash_lib.train.dryrun import run_cli
 
             return run_cli(args, _params(args.param))
+        elif args.cmd == "plan":
+            from dflash_lib.train.search import run_cli as plan
+
+            return plan(args, _params(args.param))
         elif args.cmd == "params":
             print(params_table(args.section))
     except Exception as e:

@@ -65,11 +65,12 @@ class BucketConfig:
     cost_from: str = ""  # a notebook-03 run folder (cost_model.json): optimize under its fitted quadratic cost
     bucket_grid: int = 64  # batch_max: candidate edge positions; exact when the distinct lengths are fewer
     k_distance: float = 0.02  # choose k: the smallest k whose predicted efficiency is within this of packing
+    device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and the plan (`train.search`) are for
 
     def __post_init__(self) -> None:
         _choice("objective", self.objective, ("edge", "batch_max"))
         _choice("cost", self.cost, ("linear", "quadratic"))
-        _bounded(self, positive=("k", "k_min", "multiple", "bucket_grid"))
+        _bounded(self, positive=("k", "k_min", "multiple", "bucket_grid", "device_gib"))
         if not 0.0 <= self.k_distance < 1.0:
             raise ConfigError(f"k_distance must be in [0, 1), got {self.k_distance}")
         if self.k_max < self.k_min:
@@ -122,7 +123,8 @@ class ModelConfig:
     target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the docs/dflash.md rule
     attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
     drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
-    drafter_checkpointing: str = "auto"  # activation checkpointing per drafter layer: "auto" (on for CUDA) | "true" | "false"
+    drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
+    # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
     init_from: str = ""  # a saved or exported drafter folder to start from instead of random weights ("" = random)
 
     def __post_init__(self) -> None:
@@ -132,12 +134,25 @@ class ModelConfig:
                  non_negative=("ce_chunk_blocks", "gamma"))
         _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
         _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
-        _choice("drafter_checkpointing", self.drafter_checkpointing, ("auto", "true", "false"))
+        checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+
+
+def checkpointed_layers(setting: str, drafter_layers: int, device_type: str) -> int:
+    """`drafter_checkpointing` resolved to the number of drafter layers recomputed in the backward (the first
+    ones): "auto" = all on a CUDA device (memory is the limit there), none elsewhere; "true" = all; "false" = 0;
+    a decimal k in 0..drafter_layers = k. ConfigError naming the parameter and the allowed range otherwise."""
+    if setting in ("auto", "true", "false"):
+        return drafter_layers if setting == "true" or (setting == "auto" and device_type == "cuda") else 0
+    text = str(setting).strip()
+    if not (isinstance(setting, str) and text.isdigit() and int(text) <= drafter_layers):
+        raise ConfigError(f"drafter_checkpointing must be auto, true, false or a layer count in 0..{drafter_layers} "
+                          f"(drafter_layers), got {setting!r}")
+    return int(text)
 
 
 @dataclass
@@ -516,9 +531,40 @@ PRESETS: dict[str, Callable[[], Config]] = {"smoke": smoke, "demo": demo, "defau
 
 
 def preset(name: str) -> Config:
+    """The Config of a named preset, or of a preset file (a path ending in .json, `read_preset_file`)."""
+    if name.endswith(".json"):
+        base, params = read_preset_file(name)
+        return from_params(params, PRESETS[base]())
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}, or a preset file (.json)")
     return PRESETS[name]()
+
+
+def preset_file(base: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON object of a preset file: {"preset": a named preset, "params": flat overrides, typed}. `params`
+    values may be command-line text (coerced here); ConfigError for an unknown preset or parameter."""
+    if base not in PRESETS:
+        raise ConfigError(f"a preset file's preset must be a named preset {sorted(PRESETS)}, got {base!r}")
+    return {"preset": base, "params": {k: coerce(k, v) for k, v in params.items()}}
+
+
+def read_preset_file(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """(named preset, flat overrides) of a preset file (`preset_file`, e.g. the plan command's preset.json);
+    ConfigError naming the file for a missing file, bad JSON, other keys or an unknown preset."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"preset file {str(path)!r}: no such file")
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"preset file {str(path)!r}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or set(doc) != {"preset", "params"} or not isinstance(doc["params"], dict):
+        raise ConfigError(f"preset file {str(path)!r}: want an object {{\"preset\": NAME, \"params\": {{...}}}}")
+    try:
+        checked = preset_file(str(doc["preset"]), doc["params"])
+    except ConfigError as e:
+        raise ConfigError(f"preset file {str(path)!r}: {e}") from None
+    return checked["preset"], checked["params"]
 
 
 def qwen3_8b() -> Config:

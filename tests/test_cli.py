@@ -155,7 +155,7 @@ def test_bad_settings_and_a_folder_as_corpus_are_one_line_before_any_run_folder(
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("command", ["train", "dryrun"])
+@pytest.mark.parametrize("command", ["train", "dryrun", "plan"])
 def test_a_parameter_given_twice_is_one_line_before_any_work(command, tmp_path, capsys):
     """Every subcommand reads its -p pairs through the one parser."""
     run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []

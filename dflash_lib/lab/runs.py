@@ -94,7 +94,8 @@ def resolve_params(notebook: Path, params: dict[str, Any], preset_name: str = ""
     defaults = {k: coerce(k, v) for k, v in declared.items() if k != PRESET}
     if builds_config(declared):
         from_params({**defaults, **chosen}, base)  # the config the notebook will build: cross-field checks
-        chosen[PRESET] = preset_name
+        # a preset file by its absolute path: the kernel runs in another folder
+        chosen[PRESET] = str(Path(preset_name).resolve()) if preset_name.endswith(".json") else preset_name
     else:
         from_params({**defaults, **chosen})
     return chosen

@@ -128,7 +128,7 @@ class DFlashDrafter(nn.Module):
     """Block drafter. The target is referenced, not owned: its weights are neither parameters nor saved here."""
 
     def __init__(self, cfg: DrafterConfig, target: TargetModel, attention: str = "auto",
-                 checkpointing: bool = False):
+                 checkpointing: bool | int = False):
         super().__init__()
         if cfg.hidden_size != target.hidden_size:
             raise ConfigError(f"drafter hidden_size {cfg.hidden_size} differs from the target's {target.hidden_size}")
@@ -141,7 +141,11 @@ class DFlashDrafter(nn.Module):
                               f"feature layers {target.layer_ids}")
         self.cfg = cfg
         self.attention = attention  # drafter attention backend: auto | flex | blocks | dense (attention.py)
-        self.checkpointing = checkpointing  # recompute each layer in the backward (activation checkpointing)
+        if isinstance(checkpointing, bool):  # True: every layer (a bool is an int: check it first)
+            checkpointing = cfg.num_layers if checkpointing else 0
+        if not 0 <= checkpointing <= cfg.num_layers:
+            raise ConfigError(f"checkpointing must be a layer count in 0..{cfg.num_layers}, got {checkpointing}")
+        self.checkpointing = int(checkpointing)  # the first k layers are recomputed in the backward
         resolve_attention(attention, target.device)  # refuse an unknown backend now
         object.__setattr__(self, "target", target)  # plain attribute: keeps the target out of parameters()
         H = cfg.hidden_size
@@ -171,14 +175,15 @@ class DFlashDrafter(nn.Module):
         return self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
 
     def _layers(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-                attend: Attend, checkpointing: bool = False) -> torch.Tensor:
-        """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states."""
+                attend: Attend, checkpointing: int = 0) -> torch.Tensor:
+        """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states; the first
+        `checkpointing` layers are recomputed in the backward."""
         dtype = self.fc.weight.dtype
         x = self.target.embed_tokens(block_ids).to(dtype)  # (Q, H)
         rope_q = self.rotary(block_pos, dtype)  # (Q, d) each
         rope_ctx = self.rotary(ctx_pos, dtype)  # (C, d) each
-        for layer in self.layers:
-            if checkpointing and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers):
+            if i < checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_ctx, attend, use_reentrant=False)
             else:
                 x = layer(x, ctx, rope_q, rope_ctx, attend)

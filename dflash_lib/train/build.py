@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dflash_lib.config import Config, ConfigError, target_tokenizer
+from dflash_lib.config import Config, ConfigError, checkpointed_layers, target_tokenizer
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.data.stats import store_drafter_queries
@@ -186,9 +186,10 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     return samplers.PackedSampler(lengths, sc.token_budget, window=sc.pack_window, **common)
 
 
-def drafter_checkpointing(setting: str, device: torch.device) -> bool:
-    """`drafter_checkpointing` resolved: "auto" = on for CUDA (memory is the limit there), off on CPU."""
-    return setting == "true" or (setting == "auto" and torch.device(device).type == "cuda")
+def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: int) -> int:
+    """`drafter_checkpointing` resolved for `device` to the number of drafter layers recomputed in the backward
+    (`config.checkpointed_layers`: "auto" = all on CUDA, none on CPU)."""
+    return checkpointed_layers(setting, drafter_layers, torch.device(device).type)
 
 
 def build_parts(config: Config, device: torch.device, data_shards: int = 0,
@@ -218,7 +219,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     torch.manual_seed(config.train.seed)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,
-                            checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device))
+                            checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device,
+                                                                        config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
     return TrainingParts(data.store, data.lengths, sampler, targets, drafter, data.pad_id,

@@ -93,7 +93,7 @@ class StepSettings:
     """How the trainer runs one step on the emulated device (`for_cuda`)."""
 
     attention: str  # drafter attention backend: dense | blocks | flex
-    checkpointing: bool  # activation checkpointing per drafter layer
+    checkpointing: int  # drafter layers recomputed in the backward (the first ones; activation checkpointing)
     target_dtype: torch.dtype = torch.bfloat16  # the frozen target's weights and features
     autocast: bool = True  # drafter under bf16 autocast over fp32 master weights
 
@@ -102,7 +102,7 @@ def for_cuda(config: Config) -> StepSettings:
     """What `build.build_parts` resolves on a CUDA device: `auto` attention and checkpointing, bf16 target."""
     mc = config.model
     return StepSettings(resolve_attention(mc.drafter_attention, "cuda"),
-                        drafter_checkpointing(mc.drafter_checkpointing, torch.device("cuda")))
+                        drafter_checkpointing(mc.drafter_checkpointing, torch.device("cuda"), mc.drafter_layers))
 
 
 @dataclass(frozen=True)
@@ -423,8 +423,9 @@ def _to_mode(obj: Any, mode: FakeTensorMode | None) -> Any:
     return obj
 
 
-def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures:
-    """Run and measure one training step on host batch `batch` (anchors drawn with `seed`)."""
+def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: bool = True) -> StepFigures:
+    """Run and measure one training step on host batch `batch` (anchors drawn with `seed`); `count_flops` False
+    measures memory only (one pass; the figures' FLOPs are then zeros)."""
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
     layout = build_layout(batch, anchors, s.attention)
@@ -467,6 +468,9 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0) -> StepFigures
     seconds = time.perf_counter() - t0
     (snap,) = tracker.get_tracker_snapshot("peak").values()
     memory = {_CATEGORIES[str(getattr(k, "value", k))]: int(v) for k, v in snap.items() if k != "Total"}
+    if not count_flops:
+        zero = dict.fromkeys(("target_forward", "drafter_layers", "drafter_attention", "head_ce"), 0)
+        return StepFigures(int(snap["Total"]), memory, zero, allowance, pairs, seconds)
 
     tally = _FlopTally(drafter.cfg.vocab_size)
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
@@ -634,7 +638,7 @@ class DryRunReport(JsonRecord):
     device_gib: float  # memory of the device judged against (GiB)
     fits: bool  # every batch (buckets and packed) fits it
     attention: str  # drafter attention backend measured: dense | blocks | flex
-    checkpointing: bool  # activation checkpointing per drafter layer
+    checkpointing: int  # drafter layers recomputed in the backward (the first ones; activation checkpointing)
     target: str  # the target: a preset's shapes, "tiny" or a model folder
     target_layers: int  # the target's decoder layers
     hidden_size: int  # the target's hidden size
@@ -671,7 +675,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     block_budget = resolve_block_budget(config.sampler, config.buckets, mc, config.data.max_len)
     say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
         f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "
-        f"checkpointing {settings.checkpointing}")
+        f"checkpointed layers {settings.checkpointing}/{mc.drafter_layers}")
     results = measure_batches(config, worst_batches(config, edges, block_budget), settings, device_gib, mfu,
                               peak_tflops, reserve, say=say)
     buckets, packed = results[:-1], results[-1]
@@ -707,8 +711,8 @@ def format_report(report: DryRunReport) -> str:
     r = report
     head = (f"dry run: target {r.target} ({r.target_layers} layers, hidden {r.hidden_size}), drafter "
             f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}"
-            f"\n  attention {r.attention}, checkpointing {r.checkpointing}, token_budget {r.token_budget}, "
-            f"block_budget {r.block_budget}; device {r.device_gib:g} GiB")
+            f"\n  attention {r.attention}, checkpointed layers {r.checkpointing}/{r.drafter_layers}, token_budget "
+            f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB")
     cols = ("batch", "edge", "docs", "tgt tok", "queries", "peak", "need", "fits", "TFLOP", "tgt/layers/attn/head",
             "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
     rows = []
