@@ -154,7 +154,7 @@ class FlopModel(JsonRecord):
 
     def flops(self, work: "EpochWork", k: int) -> np.ndarray:
         """(S, W) FLOPs of every batch of `work` with k checkpointed layers."""
-        return (self.target * work.real + self.target_square * work.squares
+        return (self.target * work.slots + self.target_square * work.squares
                 + (self.slot * work.slots + self.query * work.queries)
                 * (1 + k * self.recompute_layers) + self.attention * work.context * (1 + k * self.recompute_attention)
                 + self.head * work.queries)
@@ -170,7 +170,9 @@ def _squares(w: dryrun.WorstBatch) -> int:
 
 
 def _slots(w: dryrun.WorstBatch) -> int:
-    return w.row_len if w.row_len else w.docs * max(w.lengths)
+    """Context slots the drafter runs for a worst batch: its real tokens (the dry run lays out the real-token
+    context, `models.layout.build_layout`)."""
+    return sum(w.lengths)
 
 
 def flop_model(results: Sequence[dryrun.BatchResult], checkpointed: int, none: dryrun.StepFigures,
@@ -206,7 +208,8 @@ class EpochWork:
 
     real: np.ndarray  # real tokens
     squares: np.ndarray  # sum of the squared lengths of its documents (tokens^2): the target's attention
-    slots: np.ndarray  # token slots the drafter's context holds (padded: rows x longest; packed: the row)
+    slots: np.ndarray  # token slots the target and the drafter's context run: the real tokens (static_shapes:
+    # every slot, rows x longest or the whole row)
     queries: np.ndarray  # drafter query tokens
     context: np.ndarray  # query x context tokens (each query's document length)
     edges: list[int]  # the bucket edges the plan was made with ([] = another strategy)
@@ -227,10 +230,10 @@ def epoch_work(config: Config, lengths: np.ndarray, queries: np.ndarray, store_k
         n, q = lengths[ids].astype(np.int64), queries[ids].astype(np.int64)
         out["real"][b], out["squares"][b], out["queries"][b], out["context"][b] = n.sum(), (n * n).sum(), q.sum(), \
             (q * n).sum()
-        if sc.strategy == "packed":
-            m = sc.pack_multiple
-            out["slots"][b] = sc.token_budget if sc.static_shapes or not m else min(sc.token_budget,
-                                                                                    -(-int(n.sum()) // m) * m)
+        if not sc.static_shapes:  # the drafter's context is the real tokens (`models.layout.build_layout`)
+            out["slots"][b] = n.sum()
+        elif sc.strategy == "packed":  # static shapes: every slot, rows of exactly token_budget
+            out["slots"][b] = sc.token_budget
         else:
             out["slots"][b] = len(n) * int(n.max())
     return EpochWork(**{k: v.reshape(S, W) for k, v in out.items()}, edges=list(edges))
