@@ -81,7 +81,8 @@ def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(pla
     assert faster and all(not r.fits and r.decided in ("measured", "pruned", "rejected") for r in faster)
     # the walk went fastest first, in tiers of TIE
     keys = [search.walk_key(search.Candidate(r.token_budget, r.block_budget, r.checkpointed),
-                            search.Projection(1.0, r.step_s, r.ktok_s_gpu, r.ktok_s, r.tokens_per_step, 0))
+                            search.Projection(1.0, r.step_s, r.ktok_s_gpu, r.ktok_s, r.tokens_per_step, 0),
+                            report.rows[0].tokens_per_step)
             for r in report.rows[1:]]
     assert keys == sorted(keys)
 
@@ -163,6 +164,19 @@ def test_candidates_span_the_ladder_and_needs_at_least_orders_memory():
     assert not search.Candidate(2048, 32, 0).needs_at_least(b)
 
 
+def test_the_walk_breaks_a_tie_by_the_optimizer_step_kept_then_the_larger_micro_batch():
+    base_step = 8000.0
+    small, big, bigger = (search.Candidate(t, 2 * t, 0) for t in (4096, 8192, 16384))
+    P = lambda ktok_s, step_tokens: search.Projection(1.0, 1.0, ktok_s, ktok_s, step_tokens, 0)  # noqa: E731
+    order = sorted([(bigger, P(7.00, 16000.0)), (small, P(7.02, 8192.0)), (big, P(7.01, 8000.0))],
+                   key=lambda cp: search.walk_key(*cp, base_step))
+    assert [c for c, _ in order] == [big, small, bigger]  # one tier: the step kept first, then the closest
+    faster = search.walk_key(bigger, P(7.5, 16000.0), base_step)  # a faster tier beats any step kept
+    assert faster < search.walk_key(big, P(7.01, 8000.0), base_step)
+    same = [search.walk_key(c, P(7.0, 8000.0), base_step) for c in (small, bigger)]
+    assert same[1] < same[0]  # the same step: the larger micro-batch first
+
+
 def test_a_device_nothing_fits_names_the_smallest_candidates_need(capsys, monkeypatch):
     device = dryrun.Reserve().reserve_gib  # the reserve alone: no step fits in it
     real = search.plan
@@ -214,5 +228,6 @@ def test_pruning_never_skips_a_candidate_that_fits():
     chosen = search.Candidate(report.chosen.token_budget, report.chosen.block_budget, report.chosen.checkpointed)
     work = search.work_of(config, lengths, queries, key, 1)
     proj = search.projections(config, report.flop_model, work, 1, report.mfu, report.peak_tflops, LADDER, FRACTIONS)
-    first = min((c for c in fits if fits[c]), key=lambda c: search.walk_key(c, proj[c]))
-    assert first == chosen  # the first that fits in the walk's order: the fastest tier, ties to the larger batch
+    base = proj[search.base_candidate(config)]
+    first = min((c for c in fits if fits[c]), key=lambda c: search.walk_key(c, proj[c], base.tokens_per_step))
+    assert first == chosen  # the first that fits in the walk's order: the fastest tier, ties to the step kept

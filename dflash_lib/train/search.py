@@ -25,7 +25,8 @@ matters: nearly all of a candidate's gain is the recomputation its unchecked lay
 Fit: memory is monotone (more tokens, more queries, fewer checkpointed layers never need less), so
 `Candidate.needs_at_least` orders them. The base is dry-run in full first (every bucket's worst batch and the
 packed row) to find its memory-worst batch kind; then the candidates are walked from the fastest projected
-down (`walk_key`: projections within `TIE` of each other are a tie, the larger micro-batch first): one that needs
+down (`walk_key`: projections within `TIE` of each other are a tie, broken by the optimizer step closest to
+today's, then the larger micro-batch): one that needs
 at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of that batch kind, and the
 first that fits is proven by the full dry run (`dryrun.measure_batches`); a batch that does not fit rejects it and
 the walk goes on.
@@ -308,11 +309,15 @@ def project(model: FlopModel, work: EpochWork, k: int, accum_tokens: int, world_
                       total / max(1, opt_steps), int(accum_tokens))
 
 
-def walk_key(c: Candidate, p: Projection) -> tuple:
-    """The walk's order: projected throughput in tiers of TIE (fastest first), within a tier the larger
-    micro-batch (more tokens, more queries: real kernels run closer to the stated MFU on larger batches, which
-    the FLOP model does not price), then fewer checkpointed layers."""
-    return -math.floor(math.log(p.ktok_s) / math.log1p(TIE)), -c.token_budget, -c.block_budget, c.checkpointed
+def walk_key(c: Candidate, p: Projection, base_step_tokens: float) -> tuple:
+    """The walk's order: projected throughput in tiers of TIE (fastest first); within a tier the candidate whose
+    optimizer step stays closest to today's `base_step_tokens` (real tokens per optimizer step: the plan should
+    change the speed, not the optimization), then the larger micro-batch (more tokens, more queries: real kernels
+    run closer to the stated MFU on larger batches, which the FLOP model does not price), then fewer checkpointed
+    layers."""
+    change = abs(math.log(max(p.tokens_per_step, 1.0) / max(base_step_tokens, 1.0)))
+    return (-math.floor(math.log(p.ktok_s) / math.log1p(TIE)), round(change, 3), -c.token_budget, -c.block_budget,
+            c.checkpointed)
 
 
 # -- the search --------------------------------------------------------------------------------------------------
@@ -444,7 +449,7 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
     # 3. the walk, fastest first
     misfits = [] if base_fits else [base]
     chosen = None
-    for c in sorted(cands, key=lambda c: walk_key(c, proj[c])):
+    for c in sorted(cands, key=lambda c: walk_key(c, proj[c], p0.tokens_per_step)):
         if c == base:  # dry-run in full already
             if base_fits:
                 chosen = dataclasses.replace(rows[0], decided="proven")
