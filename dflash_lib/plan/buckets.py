@@ -21,8 +21,8 @@ Units and conventions (see docs/batching.md):
   each budget: its padded cost plus its drafter queries Q_k at T / B token-budget units each (a batch full in
   queries costs what a batch full in tokens costs). The queries are the same whatever the edges; what the edges
   change is the padding, which "edge" (static shapes) pays as computed slots, and "batch_max" as room in the
-  token budget, whose fill sets the steps where tokens bind, and as the drafter's context and the features, which
-  hold every slot (the target computes real tokens only). Pricing a bucket by max(padded cost, queries), the
+  token budget, whose fill sets the steps where tokens bind (the target and the drafter's context compute the
+  real tokens only). Pricing a bucket by max(padded cost, queries), the
   batches it needs, was tried and chose worse edges: LOG.md, 2026-12-02.
 
 Exactness: "edge" is solved by dynamic programming with divide-and-conquer (the cost obeys the quadrangle

@@ -69,7 +69,7 @@ class BatchShape:
     attention: float  # sum over attention blocks of len^2, in tokens^2
     blocks: int = field(default=0, kw_only=True)  # anchor blocks the drafter scores in the step (0 = unknown)
     padded_kernel: bool = field(default=False, kw_only=True)  # its kernels compute every slot (static shapes);
-    # False: the real tokens only, padding rides along unpaid
+    # False: the real tokens only (the target and the drafter's context), padding costs nothing
 
     @property
     def padded_tokens(self) -> int:
