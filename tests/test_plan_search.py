@@ -78,13 +78,16 @@ def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(pla
     assert chosen.decided == "proven" and chosen.fits and chosen.need_gib <= device
     assert chosen == report.rows[-1] and chosen.speedup >= 1.0
     faster = [r for r in report.rows[1:-1] if r.speedup > chosen.speedup]
-    assert faster and all(not r.fits and r.decided in ("measured", "pruned", "rejected") for r in faster)
-    # the walk went fastest first, in tiers of TIE
-    keys = [search.walk_key(search.Candidate(r.token_budget, r.block_budget, r.checkpointed),
-                            search.Projection(1.0, r.step_s, r.ktok_s_gpu, r.ktok_s, r.tokens_per_step, 0),
-                            report.rows[0].tokens_per_step)
-            for r in report.rows[1:]]
-    assert keys == sorted(keys)
+    assert faster and all(r.decided in ("measured", "pruned", "rejected") and not r.fits
+                          or r.decided == "fits" and r.speedup * (1 - search.TIE) <= chosen.speedup + 1e-3
+                          for r in faster)  # slower than a misfit, or as fast within the FLOP model's resolution
+    # the walk went fastest first; among the fits as fast, the choice is the preferred one
+    walked = [r.speedup for r in report.rows[1:] if r.decided in ("measured", "pruned")]
+    assert walked == sorted(walked, reverse=True)
+    pref = lambda r: search.preference(  # noqa: E731
+        search.Candidate(r.token_budget, r.block_budget, r.checkpointed),
+        search.Projection(1.0, r.step_s, r.ktok_s_gpu, r.ktok_s, r.tokens_per_step, 0), report.rows[0].tokens_per_step)
+    assert all(pref(chosen) <= pref(r) for r in report.rows if r.decided == "fits")
 
 
 @pytest.mark.slow
@@ -118,7 +121,7 @@ def test_the_report_line_files_and_the_table(planned):
     assert dash_p.split() == [x for k, v in report.params.items() for x in ("-p", k, str(v))]
     assert 0 < report.recompute_share < 1 and report.worst_kind in {"packed", "bucket 0", "bucket 1"}
     assert len([line for line in lines if line.rstrip().endswith(("defaults", "measured", "pruned", "proven",
-                                                                  "rejected"))]) == len(report.rows)
+                                                                  "rejected", "fits"))]) == len(report.rows)
 
 
 def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned):
@@ -164,17 +167,16 @@ def test_candidates_span_the_ladder_and_needs_at_least_orders_memory():
     assert not search.Candidate(2048, 32, 0).needs_at_least(b)
 
 
-def test_the_walk_breaks_a_tie_by_the_optimizer_step_kept_then_the_larger_micro_batch():
+def test_as_fast_candidates_prefer_the_optimizer_step_kept_then_the_larger_micro_batch():
     base_step = 8000.0
     small, big, bigger = (search.Candidate(t, 2 * t, 0) for t in (4096, 8192, 16384))
-    P = lambda ktok_s, step_tokens: search.Projection(1.0, 1.0, ktok_s, ktok_s, step_tokens, 0)  # noqa: E731
-    order = sorted([(bigger, P(7.00, 16000.0)), (small, P(7.02, 8192.0)), (big, P(7.01, 8000.0))],
-                   key=lambda cp: search.walk_key(*cp, base_step))
-    assert [c for c, _ in order] == [big, small, bigger]  # one tier: the step kept first, then the closest
-    faster = search.walk_key(bigger, P(7.5, 16000.0), base_step)  # a faster tier beats any step kept
-    assert faster < search.walk_key(big, P(7.01, 8000.0), base_step)
-    same = [search.walk_key(c, P(7.0, 8000.0), base_step) for c in (small, bigger)]
-    assert same[1] < same[0]  # the same step: the larger micro-batch first
+    P = lambda step_tokens: search.Projection(1.0, 1.0, 7.0, 7.0, step_tokens, 0)  # noqa: E731
+    order = sorted([(bigger, P(16000.0)), (small, P(8000.0)), (big, P(9600.0))],
+                   key=lambda cp: search.preference(*cp, base_step))
+    # 9,600 tokens is within STEP_TIE of 8,000: kept, so the larger micro-batch first; 16,000 changes the step
+    assert [c for c, _ in order] == [big, small, bigger]
+    assert search.preference(small, P(8000.0), base_step) < search.preference(
+        search.Candidate(4096, 8192, 1), P(8000.0), base_step)  # then fewer checkpointed layers
 
 
 def test_a_device_nothing_fits_names_the_smallest_candidates_need(capsys, monkeypatch):
@@ -223,11 +225,13 @@ def test_pruning_never_skips_a_candidate_that_fits():
             for w in dryrun.worst_batches(cfg, bucket_edges(cfg, lengths, key, queries), c.block_budget))]
         fits[c] = max(needs) <= device * dryrun.GIB
     assert len(fits) == 8 and sum(fits.values()) > 1 and not all(fits.values())
-    refused = [search.Candidate(r.token_budget, r.block_budget, r.checkpointed) for r in report.rows[1:-1]]
+    refused = [search.Candidate(r.token_budget, r.block_budget, r.checkpointed) for r in report.rows[1:-1]
+               if r.decided != "fits"]
     assert refused and not any(fits[c] for c in refused)
     chosen = search.Candidate(report.chosen.token_budget, report.chosen.block_budget, report.chosen.checkpointed)
     work = search.work_of(config, lengths, queries, key, 1)
     proj = search.projections(config, report.flop_model, work, 1, report.mfu, report.peak_tflops, LADDER, FRACTIONS)
     base = proj[search.base_candidate(config)]
-    first = min((c for c in fits if fits[c]), key=lambda c: search.walk_key(c, proj[c], base.tokens_per_step))
-    assert first == chosen  # the first that fits in the walk's order: the fastest tier, ties to the step kept
+    fastest = max(proj[c].ktok_s for c in fits if fits[c])
+    pool = [c for c in fits if fits[c] and proj[c].ktok_s >= fastest * (1 - search.TIE)]
+    assert chosen == min(pool, key=lambda c: search.preference(c, proj[c], base.tokens_per_step))

@@ -25,11 +25,11 @@ matters: nearly all of a candidate's gain is the recomputation its unchecked lay
 Fit: memory is monotone (more tokens, more queries, fewer checkpointed layers never need less), so
 `Candidate.needs_at_least` orders them. The base is dry-run in full first (every bucket's worst batch and the
 packed row) to find its memory-worst batch kind; then the candidates are walked from the fastest projected
-down (`walk_key`: projections within `TIE` of each other are a tie, broken by the optimizer step closest to
-today's, then the larger micro-batch): one that needs
-at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of that batch kind, and the
-first that fits is proven by the full dry run (`dryrun.measure_batches`); a batch that does not fit rejects it and
-the walk goes on.
+down: one that needs at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of
+that batch kind. Once one fits, every candidate projected within `TIE` of it is checked the same way (the FLOP
+model cannot tell them apart), and those that fit are proven by the full dry run (`dryrun.measure_batches`) in
+the order of `preference` (the optimizer step kept, then the larger micro-batch); the first proven is chosen, a
+batch that does not fit rejects its candidate and the walk goes on.
 
 The optimizer step does not change silently: a base with `accum_tokens` keeps it; a base without one (one
 micro-batch per step) gives candidates with a smaller token budget `accum_tokens` = the base micro-batch's mean real
@@ -67,6 +67,8 @@ BLOCK_FRACTIONS = (1.0, 0.5, 0.25)  # candidate block budgets, fractions of each
 SHORT_LADDER, SHORT_FRACTIONS = (1.0, 2.0), (1.0,)  # a quick plan (notebook 02 on tiny models)
 TIE = 0.01  # projections closer than this (relative) are one tier: the FLOP model cannot tell them apart (its
 # error on batches it was not fitted to is about 2 %, tests/test_plan_search.py)
+STEP_TIE = 0.25  # optimizer steps within 25 % of today's real tokens count as kept (accum_tokens closes a step at
+# the first micro-batch that reaches it, so a step overshoots by up to one micro-batch anyway)
 TOKEN_MULTIPLE = 64  # token budgets are rounded to a multiple of this (kernel shapes)
 HBM_TB_S = 4.8  # H200 HBM3e bandwidth (TB/s), for the optimizer step's memory traffic
 OPTIMIZER_BYTES_PER_PARAMETER = 32  # fused AdamW reads fp32 parameter, gradient and 2 moments (16 B) and writes
@@ -309,15 +311,14 @@ def project(model: FlopModel, work: EpochWork, k: int, accum_tokens: int, world_
                       total / max(1, opt_steps), int(accum_tokens))
 
 
-def walk_key(c: Candidate, p: Projection, base_step_tokens: float) -> tuple:
-    """The walk's order: projected throughput in tiers of TIE (fastest first); within a tier the candidate whose
-    optimizer step stays closest to today's `base_step_tokens` (real tokens per optimizer step: the plan should
-    change the speed, not the optimization), then the larger micro-batch (more tokens, more queries: real kernels
-    run closer to the stated MFU on larger batches, which the FLOP model does not price), then fewer checkpointed
-    layers."""
+def preference(c: Candidate, p: Projection, base_step_tokens: float) -> tuple:
+    """Among candidates whose projections are within TIE of each other (the FLOP model cannot tell them apart):
+    first the optimizer step closest to today's `base_step_tokens` (real tokens per optimizer step, in tiers of
+    STEP_TIE: the plan should change the speed, not the optimization), then the larger micro-batch (more tokens,
+    more queries: real kernels run closer to the stated MFU on larger batches, which the FLOP model does not
+    price), then fewer checkpointed layers."""
     change = abs(math.log(max(p.tokens_per_step, 1.0) / max(base_step_tokens, 1.0)))
-    return (-math.floor(math.log(p.ktok_s) / math.log1p(TIE)), round(change, 3), -c.token_budget, -c.block_budget,
-            c.checkpointed)
+    return math.floor(change / math.log1p(STEP_TIE)), -c.token_budget, -c.block_budget, c.checkpointed
 
 
 # -- the search --------------------------------------------------------------------------------------------------
@@ -341,7 +342,8 @@ class CandidateRecord(JsonRecord):
     tokens_per_step: float  # mean real tokens per optimizer step, all ranks
     accum_tokens: int  # accum_tokens the candidate runs with
     decided: str  # defaults (the base, dry-run in full) | measured (one memory step) | pruned (needs at least
-    # what a misfit needed) | proven (the full dry run fits) | rejected (a batch of the full dry run does not fit)
+    # what a misfit needed) | proven (the full dry run fits) | rejected (a batch of the full dry run does not fit) |
+    # fits (one memory step fits, projected within TIE of the choice, not preferred: `preference`)
 
 
 @dataclass
@@ -446,35 +448,55 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
     base_fits = all(r.fits for r in base_results)
     rows = [_record(base, p0, p0, "defaults", base_fits, base_results)]
 
-    # 3. the walk, fastest first
+    # 3. the walk, fastest first: one fake step per candidate until one fits; then every candidate within TIE of
+    # that one is checked too, and those that fit are proven by the full dry run in order of `preference`
     misfits = [] if base_fits else [base]
-    chosen = None
-    for c in sorted(cands, key=lambda c: walk_key(c, proj[c], p0.tokens_per_step)):
-        if c == base:  # dry-run in full already
-            if base_fits:
-                chosen = dataclasses.replace(rows[0], decided="proven")
-                rows.append(chosen)
-                break
-            continue
+    order = sorted(cands, key=lambda c: (-proj[c].ktok_s, preference(c, proj[c], p0.tokens_per_step)))
+    chosen, i, passed = None, 0, {}
+
+    def one_step(c: Candidate) -> bool | None:
+        """Whether c fits on one step of the memory-worst batch kind (None: pruned); its row appended unless it
+        fits (`passed` keeps that step: the proof, or the row of a fit not chosen, comes later)."""
+        if c == base:
+            if not base_fits:
+                rows.append(_record(c, proj[c], p0, "measured", False, base_results))
+            return base_fits
         if any(c.needs_at_least(m) for m in misfits):
             rows.append(_record(c, proj[c], p0, "pruned", False))
-            continue
-        worst = worst_of(c, work(c).edges)
-        one = step(c, worst[kind], False)
+            return None
+        one = step(c, worst_of(c, work(c).edges)[kind], False)
         say(f"  {c}: {kind_name} {one.worst.docs} docs -> need {one.required_bytes / GIB:.1f} GiB")
         if not one.fits:
             misfits.append(c)
             rows.append(_record(c, proj[c], p0, "measured", False, [one]))
-            continue
-        say(f"  {c}: the full dry run")
-        full = dryrun.measure_batches(with_candidate(config, c), worst, dataclasses.replace(
-            settings, checkpointing=c.checkpointed), device_gib, mfu, peak_tflops, reserve, say=say)
-        fits = all(r.fits for r in full)
-        rows.append(_record(c, proj[c], p0, "proven" if fits else "rejected", fits, full))
-        if fits:
-            chosen = rows[-1]
-            break
-        misfits.append(c)
+        else:
+            passed[c] = one
+        return one.fits
+
+    while chosen is None and i < len(order):
+        pool: list[Candidate] = []
+        while i < len(order) and not (pool and proj[order[i]].ktok_s < proj[pool[0]].ktok_s * (1 - TIE)):
+            c, i = order[i], i + 1
+            if one_step(c):
+                pool.append(c)
+        for c in sorted(pool, key=lambda c: preference(c, proj[c], p0.tokens_per_step)):
+            if c == base:  # dry-run in full already
+                chosen = dataclasses.replace(rows[0], decided="proven")
+                rows.append(chosen)
+                break
+            say(f"  {c}: the full dry run")
+            full = dryrun.measure_batches(with_candidate(config, c), worst_of(c, work(c).edges), dataclasses.replace(
+                settings, checkpointing=c.checkpointed), device_gib, mfu, peak_tflops, reserve, say=say)
+            fits = all(r.fits for r in full)
+            rows.append(_record(c, proj[c], p0, "proven" if fits else "rejected", fits, full))
+            if fits:
+                chosen = rows[-1]
+                break
+            misfits.append(c)
+        tried = {(r.token_budget, r.block_budget, r.checkpointed) for r in rows[1:]}
+        for c in pool:  # fits one step, as fast, not preferred: its row goes before the choice
+            if (c.token_budget, c.block_budget, c.checkpointed) not in tried and c != base:
+                rows.insert(len(rows) - (chosen is not None), _record(c, proj[c], p0, "fits", True, [passed[c]]))
     if chosen is None:
         smallest = min(cands, key=lambda c: (c.token_budget, c.block_budget, -c.checkpointed))
         need = max((r.need_gib or 0.0) for r in rows if (r.token_budget, r.block_budget, r.checkpointed) ==
