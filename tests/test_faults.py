@@ -170,7 +170,7 @@ import sys
 from dflash_lib.__main__ import main
 from dflash_lib.models import TargetModel
 
-original, calls = TargetModel.features, []
+original, calls = TargetModel.context_features, []
 
 def failing(self, batch, *args, **kwargs):
     calls.append(1)
@@ -178,7 +178,7 @@ def failing(self, batch, *args, **kwargs):
         raise RuntimeError("injected fault in the target forward")
     return original(self, batch, *args, **kwargs)
 
-TargetModel.features = failing
+TargetModel.context_features = failing
 sys.exit(main(sys.argv[1:]))
 """
 

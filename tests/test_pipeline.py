@@ -310,9 +310,9 @@ def test_target_worker_threads_are_set_per_thread_and_leave_the_caller_alone():
         def segments(self, host_doc_ids):
             return {}
 
-        def features(self, batch, segments=None):
+        def context_features(self, batch, segments=None):  # the feed's call: (C, F*H) of the real tokens
             seen.append(torch.get_num_threads())
-            return torch.zeros(batch.input_ids.shape + (4,))
+            return torch.zeros(int((batch.doc_ids >= 0).sum()), 4)
 
     batch = collate_padded([(np.arange(5), np.ones(5, bool))], pad_id=0)
     before = torch.get_num_threads()
