@@ -45,6 +45,7 @@ def test_k_checkpointed_layers_give_the_loss_and_gradients_of_none_and_all():
     assert DFlashDrafter(cfg, target, checkpointing=False).checkpointing == 0
 
 
+@pytest.mark.slow  # one fake step per layer count (~15 s)
 def test_the_dry_run_peak_falls_with_every_checkpointed_layer():
     cfg = from_params(dict(hidden_size=64, target_layers=4, num_features=2, drafter_layers=LAYERS, block_size=4,
                            num_anchors=16, token_budget=512, max_len=128, mask_id=VOCAB - 1))

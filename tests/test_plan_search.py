@@ -70,6 +70,7 @@ def planned(tmp_path_factory):
     return config, device, out, code, lines, search.PlanReport.from_json(json.loads(lines[-1]))
 
 
+@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
 def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(planned):
     config, device, out, code, lines, report = planned
     assert code == 0 and report.device_gib == device
@@ -110,6 +111,7 @@ def test_the_chosen_candidate_proven_again_and_priced_at_its_counted_flops(plann
     np.testing.assert_allclose(report.flop_model.flops(work, c.checkpointed), counted, rtol=0.02)
 
 
+@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
 def test_the_report_line_files_and_the_table(planned):
     config, device, out, code, lines, report = planned
     assert search.PlanReport.from_json(out / "plan.json").to_json() == report.to_json()
@@ -124,6 +126,7 @@ def test_the_report_line_files_and_the_table(planned):
                                                                   "rejected", "fits"))]) == len(report.rows)
 
 
+@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
 def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned):
     config, device, out, code, lines, report = planned
     path = out / "preset.json"
@@ -140,6 +143,7 @@ def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned)
             assert injected[key] == report.params[key]
 
 
+@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
 def test_accum_tokens_keeps_the_optimizer_step_of_smaller_micro_batches(planned):
     config, device, out, code, lines, report = planned
     assert all(r.accum_tokens == 0 for r in report.rows)  # the ladder has no smaller token budget than the base's
