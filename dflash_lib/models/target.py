@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflash_lib.config import ConfigError
@@ -110,6 +111,9 @@ def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig
                           f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
     hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
     if cfg.target != "tiny":
+        if type(hf_cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ConfigError(f"target {cfg.target!r}: model_type {hf_cfg.model_type!r} has no causal LM in "
+                              f"transformers {transformers.__version__} (not a decoder-only language model)")
         weight_files(cfg.target)
     return hf_cfg
 
@@ -165,34 +169,101 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
     return requested
 
 
-SDPA_VARLEN = "per_document_sdpa"  # sdpa_varlen_attention registered with transformers (a name with "flash" in it
-# would be taken for a flash-attn kernel to download)
+SDPA_VARLEN = "per_document_attention"  # sdpa_varlen_attention registered with transformers (a name with "flash"
+# in it would be taken for a flash-attn kernel to download, one with "sdpa" for the model's own SDPA support)
 IMPLEMENTATION = {"sdpa": SDPA_VARLEN, "flash": "flash_attention_2"}  # backend -> HF attn_implementation
+LAYER_KINDS = ("full_attention", "sliding_attention")  # the `config.layer_types` our attention runs exactly
+REFUSED_KWARGS = ("softcap",)  # settings an attention module may pass that our attention does not implement
+SCORE_BUDGET = 1 << 24  # attention scores one windowed or sink chunk materialises at most (elements)
 
 
 def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          dflash_segments: Sequence[tuple[int, int]] | None = None, **kwargs
-                          ) -> tuple[torch.Tensor, None]:
-    """A Hugging Face attention function: causal SDPA over each [start, end) segment of one flattened sequence.
+                          dflash_segments: Sequence[tuple[int, int]] | None = None, sliding_window: int | None = None,
+                          s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """A Hugging Face attention function: causal attention over each [start, end) segment of one flattened sequence.
 
     query (1, Hq, N, D), key and value (1, Hkv, N, D) (grouped-query heads are shared, not copied) ->
-    ((1, N, Hq, D), None). Slots outside every segment (padding) get zeros. Called without `dflash_segments`
-    (the wrapped model used directly, e.g. `generate`) it is plain HF SDPA.
+    ((1, N, Hq, D), None). Slots outside every segment (padding) get zeros. The attention module passes its own
+    `sliding_window` w (a query at i sees the keys j of its document with i - w < j <= i: transformers'
+    `sliding_window_overlay`) and `s_aux` (gpt-oss' attention sinks: one logit per head, (Hq,), added to the
+    softmax denominator only). Called without `dflash_segments` (the wrapped model used directly, e.g.
+    `generate`) it attends under the mask transformers built (`sdpa_mask` is registered for this implementation).
+    A setting in REFUSED_KWARGS (e.g. gemma's `softcap`) is refused rather than silently ignored.
     """
+    refused = {k: kwargs[k] for k in REFUSED_KWARGS if kwargs.get(k) is not None}
+    if refused:
+        raise ConfigError(f"target {type(module).__name__}: attention with {refused} is not implemented by our "
+                          "per-document attention")
     if dflash_segments is None:
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                               dropout=dropout, **kwargs)
+        if s_aux is None:
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                                   dropout=dropout, **kwargs)
+        return attention_with_sinks(query, key, value, attention_mask, scaling, s_aux).transpose(1, 2), None
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, N, Hq, D)
-    gqa = query.shape[1] != key.shape[1]
     for s, e in dflash_segments:
-        o = F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                                           scale=scaling, enable_gqa=gqa)  # (1, Hq, e - s, D)
+        o = document_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, sliding_window,
+                               s_aux)  # (1, Hq, e - s, D)
         out[:, s:e] = o.transpose(1, 2)
     return out, None
 
 
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                       sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention within ONE document: query (1, Hq, L, D), key and value (1, Hkv, L, D) -> (1, Hq, L, D).
+
+    `sliding_window` w: a query at i sees keys i - w < j <= i. `sinks` (Hq,): a per-head logit in the softmax
+    denominator. Full causal attention is one SDPA call; a window that bites, or sinks, run in query chunks over
+    only the keys the chunk can see, so at most SCORE_BUDGET scores exist at once (never L x L for a long
+    document with a short window)."""
+    L, Hq = query.shape[2], query.shape[1]
+    gqa = Hq != key.shape[1]
+    window = sliding_window if sliding_window is not None and sliding_window < L else None
+    if window is None and sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    span = L if window is None else min(L, 2 * window)  # keys one chunk sees: its own plus the window before it
+    chunk = max(1, min(L if window is None else window, SCORE_BUDGET // (Hq * span)))
+    out = torch.empty_like(query)  # (1, Hq, L, D)
+    for a in range(0, L, chunk):
+        b = min(L, a + chunk)
+        lo = 0 if window is None else max(0, a - window + 1)  # the first key any query of the chunk sees
+        i = torch.arange(a, b, device=query.device)[:, None]  # (b - a, 1) query positions
+        j = torch.arange(lo, b, device=query.device)[None, :]  # (1, b - lo) key positions
+        allowed = (j <= i) if window is None else (j <= i) & (i - j < window)  # (b - a, b - lo)
+        q, k, v = query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b]
+        if sinks is None:
+            out[:, :, a:b] = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
+                                                            enable_gqa=gqa)
+        else:
+            out[:, :, a:b] = attention_with_sinks(q, k, v, allowed, scaling, sinks)
+    return out
+
+
+def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scaling: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with one sink logit per head (gpt-oss' eager attention, computed the same way):
+    query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D), `mask` True where a key is seen (broadcast to
+    (B, Hq, Lq, Lk)), an additive float mask, or None (causal, the queries being the last Lq positions),
+    sinks (Hq,) -> (B, Hq, Lq, D). The sink takes its share of the softmax and contributes no value."""
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    scale = D ** -0.5 if scaling is None else scaling
+    q = query.reshape(B, Hkv, Hq // Hkv, Lq, D)  # query heads grouped by the KV head they share
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, key).reshape(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
+    if mask is None:
+        rows = torch.arange(Lk - Lq, Lk, device=query.device)[:, None]  # (Lq, 1) absolute query positions
+        mask = torch.arange(Lk, device=query.device)[None, :] <= rows  # (Lq, Lk)
+    scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+              else scores + mask)
+    logits = torch.cat([scores, sinks.to(scores.dtype).reshape(1, Hq, 1, 1).expand(B, Hq, Lq, 1)], dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)  # as gpt-oss does: no overflow in bf16
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(value.dtype)  # the sink's column dropped
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.reshape(B, Hkv, Hq // Hkv, Lq, Lk), value)
+    return out.reshape(B, Hq, Lq, D)
+
+
 ALL_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, sdpa_varlen_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, sdpa_mask)  # the mask of a direct call: SDPA's
 
 
 @dataclass
@@ -220,10 +291,16 @@ class TargetModel(torch.nn.Module):
         if base is None or not all(hasattr(base, n) for n in needed):
             raise ConfigError(f"target {type(model).__name__}: expected a decoder base model with {needed}")
         cfg = model.config
-        kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if kinds != {"full_attention"}:
-            raise ConfigError(f"target {type(model).__name__}: layer types {sorted(kinds)} are not supported "
-                              "(only full attention; sliding windows would need their own mask)")
+        unrun = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]) - set(LAYER_KINDS))
+        if unrun:
+            raise ConfigError(f"target {type(model).__name__}: layer types {unrun} are not run by our per-document "
+                              f"attention (it runs {list(LAYER_KINDS)})")
+        if getattr(cfg, "attention_chunk_size", None):
+            raise ConfigError(f"target {type(model).__name__}: chunked attention (attention_chunk_size "
+                              f"{cfg.attention_chunk_size}) is not run by our per-document attention")
+        if backend == "flash" and any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+            raise ConfigError(f"target {type(model).__name__}: attention sinks are not run by flash-attn 2's varlen "
+                              "kernel (transformers would drop them); use attn_backend 'sdpa'")
         self.num_layers = len(base.layers)
         layer_ids = [int(i) for i in layer_ids]
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
@@ -249,7 +326,7 @@ class TargetModel(torch.nn.Module):
                           dtype: torch.dtype = torch.float32, seed: int = 0, gather: bool = True) -> "TargetModel":
         """cfg.target == "tiny": a random tiny Qwen3 (cfg.target_layers, cfg.hidden_size, real Qwen3 vocab)
         seeded by `seed`; otherwise a LOCAL Hugging Face model directory (nothing is downloaded), loaded straight
-        onto `device` in `dtype` (`load_local`). A named shape (e.g. "qwen3-8b") has no weights to train with.
+        onto `device` in `dtype` (`load_pretrained`). A named shape (e.g. "qwen3-8b") has no weights to train with.
         `gather`: see the class docstring (False for `sampler.static_shapes`)."""
         backend = resolve_backend(cfg.attn_backend, device)
         if cfg.target == "tiny":
@@ -257,7 +334,7 @@ class TargetModel(torch.nn.Module):
             return cls.from_hf_config(hf_cfg, cfg.num_features, cfg.target_layer_ids or None, device, dtype, seed,
                                       backend, gather)
         hf_cfg = trainable_target_config(cfg)
-        model = load_local(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
+        model = load_pretrained(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
         ids = cfg.target_layer_ids or feature_layer_ids(model.config.num_hidden_layers, cfg.num_features)
         return cls(model, ids, backend, gather)
 
@@ -327,6 +404,7 @@ class TargetModel(torch.nn.Module):
         extra = self._varlen_kwargs(real)  # the documents as segments: no mask is ever built
         for i, layer in enumerate(self.base.layers[:upto]):
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, **extra)
+            h = h[0] if isinstance(h, tuple) else h  # transformers 4 layers return (hidden, router logits, ...)
             for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
                 if layer_id == i:
                     if scatter:
@@ -388,37 +466,29 @@ class TargetModel(torch.nn.Module):
                     num_hidden_layers=self.num_layers, hidden_size=self.hidden_size, vocab_size=self.vocab_size)
 
 
-def load_local(directory: str | Path, hf_cfg: transformers.PretrainedConfig, device: torch.device | str,
-               dtype: torch.dtype, attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
-    """A local Hugging Face causal LM built ON `device` in `dtype` and filled from its safetensors files, one
-    tensor at a time read straight to `device`: no full copy of the model ever sits in host memory (what
-    `from_pretrained(device_map=...)` does, without needing `accelerate`). Refuses pickled (.bin) checkpoints,
-    and names missing and unknown weights."""
+def load_pretrained(directory: str | Path, hf_cfg: transformers.PretrainedConfig, device: torch.device | str,
+                    dtype: torch.dtype, attn_implementation: str = "sdpa") -> transformers.PreTrainedModel:
+    """The local Hugging Face causal LM in `directory` (config `hf_cfg`) as transformers loads it
+    (`from_pretrained`: sharded safetensors, its key conversions such as fused MoE experts, tied weights), in
+    `dtype` on `device`. Nothing is downloaded and only safetensors are read. With `accelerate` installed the
+    tensors go straight to `device` (`device_map`); without it transformers 5 refuses a device_map but reads the
+    tensors as memory maps of the safetensors files, so the move to `device` copies each from the page cache and
+    no anonymous host copy of the model is made when `dtype` is the checkpoint's (benchmarks/target_load.py).
+    ConfigError naming the folder when its weights do not match its config (missing, or of another shape);
+    weights the model does not use (e.g. a multi-token-prediction head) are ignored, as transformers does."""
     root = Path(directory)
-    files = weight_files(root)
-    from safetensors import safe_open  # only a local model folder needs it
-
-    with torch.device(device):  # built on the device: its random init is overwritten below
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,
-                                                              attn_implementation=attn_implementation)
-    slots = model.state_dict(keep_vars=True)  # name -> Parameter/buffer (tied weights under both names)
-    unfilled = {id(t): name for name, t in slots.items()}
-    unknown = []
-    with torch.no_grad():
-        for name in files:
-            with safe_open(str(root / name), framework="pt", device=str(torch.device(device))) as f:
-                for key in f.keys():
-                    if key not in slots:
-                        unknown.append(key)
-                        continue
-                    src, dst = f.get_tensor(key), slots[key]
-                    if src.shape != dst.shape:
-                        raise ConfigError(f"target {str(root)!r}: {key} has shape {tuple(src.shape)} in {name}, "
-                                          f"the config says {tuple(dst.shape)}")
-                    dst.copy_(src)
-                    unfilled.pop(id(dst), None)
-    if unknown or unfilled:
-        raise ConfigError(f"target {str(root)!r}: weights missing from the checkpoint {sorted(unfilled.values())[:5]}, "
-                          f"unknown to the model {sorted(unknown)[:5]}")
+    weight_files(root)  # pickled .bin checkpoints are never loaded
+    device_map = {"": torch.device(device)} if importlib.util.find_spec("accelerate") else None
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            root, config=hf_cfg, dtype=dtype, device_map=device_map, attn_implementation=attn_implementation,
+            local_files_only=True, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:  # what transformers raises for a folder it cannot load
+        raise ConfigError(f"target {str(root)!r}: {' '.join(str(e).split())}") from None
+    missing = sorted(info["missing_keys"])
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info["mismatched_keys"])
+    if missing or mismatched:
+        raise ConfigError(f"target {str(root)!r}: its weights do not match its config.json: missing from the "
+                          f"checkpoint {missing[:5]}, of another shape {mismatched[:5]}")
     model.config._name_or_path = str(directory)
-    return model
+    return model if device_map else model.to(device)
