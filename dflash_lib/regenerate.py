@@ -30,7 +30,6 @@ import json
 import os
 import re
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
@@ -42,7 +41,7 @@ from dflash_lib.config import Config, ConfigError
 from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
 from dflash_lib.data.tokenizers import load_tokenizer
-from dflash_lib.models.target import SDPA_VARLEN, TargetModel
+from dflash_lib.models.target import TargetModel
 
 # An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
 REFUSAL = re.compile(r"^\s*(I'm sorry|I am sorry|I apologi[sz]e|Sorry, (but )?I|I can(no|')t (help|assist|do|provide)|"
@@ -145,7 +144,7 @@ class LocalBackend:
             do_sample=False, temperature=None, top_p=None, top_k=None)
         if sample:  # the same records sample the same answers on a resumed run
             torch.manual_seed(1_000_003 * int(seed_record) + len(ids))
-        with torch.no_grad(), padded_attention(self.model):
+        with torch.no_grad():  # the per-document attention attends under transformers' padding mask
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                       min_new_tokens=cfg.min_new_tokens or None, eos_token_id=self.tok.eos_id,
                                       pad_token_id=pad, **kwargs)  # (N, W + new)
@@ -155,23 +154,6 @@ class LocalBackend:
             gen = row[:stop] if stop >= 0 else row
             answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen)))
         return answers
-
-
-@contextmanager
-def padded_attention(model: Any) -> Iterator[None]:
-    """Hugging Face's own SDPA while `model` generates from a left-padded batch. The trainer's per-document
-    attention (`target.SDPA_VARLEN`) has no mask function registered with transformers, which then builds no mask:
-    the padding would be attended and a padded row's answer would not be the one the target gives the prompt
-    alone (tested)."""
-    before = model.config._attn_implementation
-    if before != SDPA_VARLEN:
-        yield
-        return
-    model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
 
 
 def length_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

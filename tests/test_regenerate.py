@@ -453,8 +453,8 @@ def test_length_groups_sort_and_cap_padded_tokens():
 def test_a_padded_batch_answers_as_each_prompt_alone(source, reference, tmp_path):
     """Batched generation (left-padded, gen_batch 3) writes what one record per generate call writes (gen_batch 1,
     and gen_tokens 1 cutting a batch of 3 into one-prompt calls, shortest first): the padding is never attended and
-    every answer lands at its own record. (The trainer's per-document attention builds no padding mask: a padded
-    row then answered differently.)"""
+    every answer lands at its own record. (The trainer's per-document attention, called without documents, attends
+    under transformers' padding mask: without it a padded row answered differently.)"""
     out, _ = reference
     for name, kw in (("single", dict(gen_batch=1)), ("split", dict(gen_tokens=1))):
         cfg = _cfg(source, **kw)

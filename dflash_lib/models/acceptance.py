@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from dflash_lib.models.target import SDPA_VARLEN, TargetModel, TargetStep
+from dflash_lib.models.target import TargetModel, TargetStep
 
 
 @dataclass
@@ -86,12 +86,7 @@ class TargetCache:
         dev = t.device
         T, past = ids.shape[0], self.length
         pos = torch.arange(past, past + T, device=dev)  # (T,)
-        kwargs: dict[str, Any] = {self._cache_kw: self.cache}
-        if t.model.config._attn_implementation == SDPA_VARLEN:
-            # Our per-document attention has no mask function registered with transformers, which then builds
-            # none: SDPA's is_causal would align T queries to the FIRST T keys. Give the causal mask itself.
-            keys = torch.arange(past + T, device=dev)  # (past+T,)
-            kwargs["attention_mask"] = {"full_attention": (keys[None, :] <= pos[:, None])[None, None]}
+        kwargs: dict[str, Any] = {self._cache_kw: self.cache}  # transformers builds each layer kind's mask
         out = t.base(input_ids=ids.to(dev).reshape(1, T), position_ids=pos.reshape(1, T), use_cache=True,
                      output_hidden_states=features, **kwargs)
         self.length = past + T

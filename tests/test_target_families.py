@@ -1,0 +1,168 @@
+"""Targets of every supported family, each a tiny random model saved by `save_pretrained` and reloaded from its
+folder through our loader: features equal Hugging Face's own forward, documents stay apart in a packed row,
+sliding windows stay inside their document, and `train -p target DIR` runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.data.batch import collate_packed, collate_padded
+from dflash_lib.models import TargetModel
+import dflash_lib.models.target as target_module
+from dflash_lib.models.target import QWEN3_VOCAB, document_attention
+
+WINDOW = 8  # tokens: every sliding layer's window, shorter than the documents so that it bites
+SHAPE = dict(vocab_size=QWEN3_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=64)  # the real Qwen3 vocabulary: the corpus fits
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=2),  # layers 2, 3 slide
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=2),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=WINDOW),  # every layer slides
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16),
+    "gpt_oss": lambda: transformers.GptOssConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=WINDOW),  # sliding / full alternate, sinks
+}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family name, its saved folder, HF's own model loaded from it at the family's attention implementation)."""
+    name = request.param
+    directory = tmp_path_factory.mktemp(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
+        for p in model.parameters():  # a random init of 0.02 leaves the layers near identity: make them matter
+            p.data.normal_(0.0, 0.3 if p.dim() > 1 else 0.5)
+    model.save_pretrained(directory)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
+    return name, directory, reference
+
+
+def _load(directory, **fields) -> TargetModel:
+    return TargetModel.from_model_config(ModelConfig(target=str(directory), **fields), device="cpu")
+
+
+def _docs(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 1000, n), rng.random(n) < 0.7) for n in lengths]
+
+
+def test_features_equal_hf_forward_on_one_document(family):
+    name, directory, reference = family
+    target = _load(directory, num_features=3, target_layer_ids=[0, 1, 2])  # HF's last entry is final-normed
+    assert reference.config._attn_implementation == ("eager" if name == "gpt_oss" else "sdpa")
+    (doc,) = _docs([3 * WINDOW + 5])  # longer than the window: a sliding layer differs from a full one
+    feats = target.features(collate_padded([doc], pad_id=0))[0]  # (T, 3H)
+    with torch.no_grad():
+        hs = reference.model(torch.as_tensor(doc[0])[None], output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1][0] for i in range(3)], dim=-1)
+    assert want.std() > 0.1  # the layers are not near identity
+    torch.testing.assert_close(feats, want, atol=1e-5, rtol=0)
+
+
+def test_a_packed_row_equals_its_documents_alone(family):
+    _, directory, _ = family
+    target = _load(directory, num_features=2, target_layer_ids=[1, 3])
+    docs = _docs([WINDOW + 7, 5, 2 * WINDOW + 3], seed=1)  # windows would reach into the previous document
+    batch = collate_packed(docs, 0, row_len=64)
+    feats = target.features(batch)
+    assert (batch.doc_ids[0] >= 0).sum() == sum(len(t) for t, _ in docs)  # one row holds them all
+    for d, doc in enumerate(docs):
+        alone = target.features(collate_padded([doc], 0))[0]  # (L, 2H)
+        torch.testing.assert_close(feats[batch.doc_ids == d], alone, atol=1e-5, rtol=0)
+
+
+def test_the_kv_cache_decoder_equals_one_forward(family):
+    """The evaluation's `TargetCache` (transformers' own masks over its KV cache, windows and sinks included)
+    gives the logits and features of one forward over the whole sequence."""
+    from dflash_lib.models.acceptance import TargetCache
+
+    _, directory, _ = family
+    target = _load(directory, num_features=1, target_layer_ids=[2])
+    ids = torch.as_tensor(_docs([2 * WINDOW + 4], seed=2)[0][0])
+    whole = target.step(ids)
+    cache = TargetCache(target)
+    first, rest = cache.forward(ids[:WINDOW + 3]), cache.forward(ids[WINDOW + 3:])
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits]), whole.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([first.features, rest.features]), whole.features, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window,sinks", [(None, True), (3, False), (3, True), (40, True)])
+def test_document_attention_is_the_masked_softmax_it_names(window, sinks):
+    """Window w: query i sees keys i - w < j <= i; a sink adds exp(s_h) to head h's denominator; chunked so that
+    few scores exist at once (a budget of 60 forces chunks of 1 .. 3 queries here)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 13, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    s = torch.randn(4, generator=g, dtype=torch.float64) if sinks else None
+    i, j = torch.arange(13)[:, None], torch.arange(13)[None, :]
+    seen = (j <= i) & ((i - j < window) if window else True)  # (13, 13)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 8 ** 0.5  # (1, 4, 13, 13)
+    weights = scores.masked_fill(~seen, float("-inf")).exp()
+    denom = weights.sum(-1, keepdim=True) + (s.exp().view(1, 4, 1, 1) if sinks else 0)
+    want = (weights / denom) @ v.repeat_interleave(2, 1)
+    budget = target_module.SCORE_BUDGET
+    target_module.SCORE_BUDGET = 60
+    try:
+        got = document_attention(q, k, v, None, window, s)
+    finally:
+        target_module.SCORE_BUDGET = budget
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_what_our_attention_cannot_run_is_refused_in_one_line():
+    """A layer kind we do not run, chunked attention, sinks on flash-attn 2, gemma's softcap: ConfigError, one line."""
+    def model(name, **overrides):
+        return transformers.AutoModelForCausalLM.from_config(FAMILIES[name]() if not overrides else
+                                                             type(FAMILIES[name]())(**{**SHAPE, **overrides}))
+
+    cases = [(model("qwen3", layer_types=["chunked_attention"] + ["full_attention"] * 3), "sdpa",
+              r"layer types \['chunked_attention'\] are not run by our per-document attention"),
+             (model("llama", attention_chunk_size=16), "sdpa", "chunked attention .attention_chunk_size 16."),
+             (model("gpt_oss"), "flash", "attention sinks are not run by flash-attn 2")]
+    for hf_model, backend, why in cases:
+        with pytest.raises(ConfigError, match=why) as e:
+            TargetModel(hf_model, [1], backend)
+        assert "\n" not in str(e.value)
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ConfigError, match=r"attention with \{'softcap': 50.0\} is not implemented"):
+        target_module.sdpa_varlen_attention(torch.nn.Module(), q, q, q, None, dflash_segments=[(0, 3)], softcap=50.0)
+
+
+def test_weights_that_do_not_match_the_config_name_the_folder_and_keys(family, tmp_path):
+    """transformers itself only warns about missing weights: our loader refuses them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, directory, _ = family
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    weights = load_file(str(directory / "model.safetensors"))
+    weights.pop("model.norm.weight")
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"{tmp_path}.*missing from the checkpoint \['model.norm.weight'\]"):
+        _load(tmp_path, num_features=1)
+
+
+@pytest.mark.slow
+def test_train_smoke_from_the_family_folder(family, tmp_path):
+    from dflash_lib.__main__ import main
+
+    _, directory, _ = family
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
+                 "-p", "target", str(directory)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    drafter = json.loads((run_dir / "drafter" / "config.json").read_text())
+    assert summary["steps"] == 2 and summary["complete"] and np.isfinite(summary["final_loss"])
+    assert drafter["hidden_size"] == 32 and drafter["num_target_layers"] == 4
