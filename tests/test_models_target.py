@@ -199,8 +199,8 @@ def test_train_two_steps_from_a_local_target_directory(saved_target, tmp_path):
 
 def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folder(saved_target, tmp_path, capsys,
                                                                                    monkeypatch):
-    """An invalid config.json, a model_type transformers does not know, no safetensors: `error: ...` naming the
-    file, exit 2, and no run folder (the target is checked before it is made, --run-dir given or not)."""
+    """An invalid config.json, a model_type transformers does not know, one that is not a causal LM, no
+    safetensors: `error: ...` naming the file (the folder), exit 2, and no run folder (the target is checked before it is made, --run-dir given or not)."""
     import json
     import shutil
 
@@ -211,6 +211,8 @@ def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folde
     cases = {"not_json": ("{\"model_type\": \"qwen3\",", "not valid JSON"),
              "unknown_type": (json.dumps({**good, "model_type": "qwen99"}), "model_type 'qwen99' is not a model type "
                                                                             "transformers"),
+             "not_causal": (json.dumps({"model_type": "t5", "vocab_size": good["vocab_size"]}),
+                            "model_type 't5' has no causal LM in transformers"),
              "no_weights": (json.dumps(good), "no model.safetensors")}
     runs_root = tmp_path / "runs"
     monkeypatch.setattr("dflash_lib.rundir.RUNS_ROOT", runs_root)
@@ -224,5 +226,5 @@ def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folde
             assert main(["train", "--preset", "smoke", *run_dir, "-p", "target", str(folder)]) == 2
             err = capsys.readouterr().err
             assert err.startswith("error: ") and err.count("\n") == 1 and why in err, err
-            assert str(folder / "config.json") in err if name != "no_weights" else str(folder) in err
+            assert str(folder / "config.json") in err if name in ("not_json", "unknown_type") else str(folder) in err
             assert not (tmp_path / "run").exists() and not (runs_root.exists() and list(runs_root.iterdir()))

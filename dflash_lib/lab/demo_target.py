@@ -2,7 +2,7 @@
 
 A random target gives the drafter nothing to learn (its frozen LM head maps any feature to noise over 151,936 ids,
 so the drafter's loss sits at ln(151936) ~ 11.9). `ensure_demo_target(cfg)` returns a folder that is BOTH a Hugging
-Face Qwen3 model folder (`-p target DIR`, read by `target.load_local`) AND a mapped tokenizer folder
+Face Qwen3 model folder (`-p target DIR`, read by `target.load_pretrained`) AND a mapped tokenizer folder
 (`-p tokenizer DIR`, `data.tokenizers.MappedTokenizer`), built in these steps:
 
 1. the base token store of `cfg.data` (`build_token_store_from_config`), its TRAINING split only
