@@ -200,7 +200,8 @@ def test_train_two_steps_from_a_local_target_directory(saved_target, tmp_path):
 def test_a_bad_target_folder_is_one_line_naming_its_file_and_leaves_no_run_folder(saved_target, tmp_path, capsys,
                                                                                    monkeypatch):
     """An invalid config.json, a model_type transformers does not know, one that is not a causal LM, no
-    safetensors: `error: ...` naming the file (the folder), exit 2, and no run folder (the target is checked before it is made, --run-dir given or not)."""
+    safetensors: `error: ...` naming the file (the folder), exit 2, and no run folder (the target is checked
+    before it is made, --run-dir given or not)."""
     import json
     import shutil
 

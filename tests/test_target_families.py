@@ -140,7 +140,8 @@ def test_what_our_attention_cannot_run_is_refused_in_one_line():
 
 
 def test_weights_that_do_not_match_the_config_name_the_folder_and_keys(family, tmp_path):
-    """transformers itself only warns about missing weights: our loader refuses them."""
+    """transformers itself only warns about missing weights and reinitialises a weight of another shape: our
+    loader refuses both, naming the folder and the keys."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -148,10 +149,25 @@ def test_weights_that_do_not_match_the_config_name_the_folder_and_keys(family, t
     _, directory, _ = family
     shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
     weights = load_file(str(directory / "model.safetensors"))
-    weights.pop("model.norm.weight")
+    norm = weights.pop("model.norm.weight")
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=rf"{tmp_path}.*missing from the checkpoint \['model.norm.weight'\]"):
         _load(tmp_path, num_features=1)
+    save_file(weights | {"model.norm.weight": norm[:7]}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"{tmp_path}.*of another shape \['model.norm.weight'\]"):
+        _load(tmp_path, num_features=1)
+
+
+def test_a_sharded_folder_loads_the_same_target(family, tmp_path):
+    """save_pretrained's index of several safetensors files (what published checkpoints are) loads as one file does."""
+    _, directory, reference = family
+    reference.save_pretrained(tmp_path, max_shard_size="4MB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    docs = _docs([11, 6], seed=3)
+    batch = collate_padded(docs, 0)
+    want = _load(directory, num_features=1, target_layer_ids=[2]).features(batch)
+    torch.testing.assert_close(_load(tmp_path, num_features=1, target_layer_ids=[2]).features(batch), want,
+                               atol=0, rtol=0)
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 `TargetModel` wraps a Hugging Face causal LM (a base model exposing `embed_tokens`, `layers`, `norm`,
 `rotary_emb`: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and gpt-oss are tested), a local folder loaded by
-transformers itself (`load_pretrained`). It runs the decoder layers itself so that it can stop after the last layer
-the drafter needs and never applies the LM head to every position. It runs the REAL tokens only: the non-padding
+transformers itself (`load_pretrained`). It runs the decoder layers itself so that it can stop after the last
+layer the drafter needs and never applies the LM head to every position. It runs the REAL tokens only: the non-padding
 slots of the batch are gathered into one sequence whose segments are the documents (`masks.real_tokens`, on the
 host), attended with flash-attn's varlen kernel on CUDA, else with one causal SDPA call per document
 (`sdpa_varlen_attention`), each layer with its own attention module's sliding window and attention sinks.
@@ -107,7 +107,8 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
     """The target's config for training, refusing what `TargetModel.from_model_config` would refuse before
     loading a weight: a named shape (no weights), a local folder whose config.json `local_hf_config` refuses,
-    that is not a causal LM (no `AutoModelForCausalLM` class for its model_type) or that holds no safetensors. Reads config.json only: `train()` calls it before it makes a run folder."""
+    that is not a causal LM (no `AutoModelForCausalLM` class for its model_type) or that holds no safetensors.
+    Reads config.json only: `train()` calls it before it makes a run folder."""
     if cfg.target in NAMED_SHAPES:
         raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
                           f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
@@ -175,8 +176,8 @@ SDPA_VARLEN = "per_document_attention"  # sdpa_varlen_attention registered with 
 # in it would be taken for a flash-attn kernel to download, one with "sdpa" for the model's own SDPA support)
 IMPLEMENTATION = {"sdpa": SDPA_VARLEN, "flash": "flash_attention_2"}  # backend -> HF attn_implementation
 # flash-attn: transformers' own integration, which passes a layer's sliding window w to the varlen kernel as
-# window_size (w - 1, w - 1) with causal=True, i.e. the keys i - w < j <= i, as ours; flash-attn 2 has no attention sinks (transformers drops
-# them without a word), so `TargetModel` refuses a target with sinks on "flash".
+# window_size (w - 1, w - 1) with causal=True, i.e. the keys i - w < j <= i, as ours; flash-attn 2 has no
+# attention sinks (transformers drops them without a word), so `TargetModel` refuses a target with sinks there.
 LAYER_KINDS = ("full_attention", "sliding_attention")  # the `config.layer_types` our attention runs exactly
 REFUSED_KWARGS = ("softcap",)  # settings an attention module may pass that our attention does not implement
 SCORE_BUDGET = 1 << 24  # attention scores one windowed or sink chunk materialises at most (elements)
