@@ -1,7 +1,7 @@
 """What loading a local target costs: seconds and peak host RSS of `models.target.load_pretrained` (transformers'
 `from_pretrained`) vs the hand-written safetensors loader it replaced, on a ~500 M-parameter random Qwen3 folder.
 
-Run: .venv/bin/python benchmarks/target_load.py [--dir PATH] [--device cpu|cuda] [--dtype bfloat16|float32]
+Run: .venv/bin/python -P benchmarks/target_load.py [--dir PATH] [--device cpu|cuda] [--dtype bfloat16|float32]
 The folder (Qwen3-0.6B's shapes at 24 layers, the real vocabulary, tied embeddings, bf16: ~1.07 GB) is written
 once to `--dir` (default: a folder in the system temp dir) and reused. Each loader then runs in a FRESH
 subprocess, which reports: seconds to load, then reads every tensor once (on CPU a memory-mapped weight is only
@@ -106,7 +106,7 @@ def main() -> None:
     print(f"folder {args.dir} ready in {time.perf_counter() - start:.1f} s")
     rows = []
     for loader in ("from_pretrained", "load_local"):
-        out = subprocess.run([sys.executable, __file__, "--child", loader, "--dir", str(args.dir),
+        out = subprocess.run([sys.executable, "-P", __file__, "--child", loader, "--dir", str(args.dir),
                               "--device", args.device, "--dtype", args.dtype],
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
