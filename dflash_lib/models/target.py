@@ -479,7 +479,8 @@ def load_pretrained(directory: str | Path, hf_cfg: transformers.PretrainedConfig
     `dtype` on `device`. Nothing is downloaded and only safetensors are read. With `accelerate` installed the
     tensors go straight to `device` (`device_map`); without it transformers 5 refuses a device_map but reads the
     tensors as memory maps of the safetensors files, so the move to `device` copies each from the page cache and
-    no anonymous host copy of the model is made when `dtype` is the checkpoint's (benchmarks/target_load.py).
+    no anonymous host copy of the model is made when `dtype` is the checkpoint's (benchmarks/target_load.py); on
+    CPU in that dtype the weights stay those maps, so the folder must not be rewritten while the target is in use.
     ConfigError naming the folder when its weights do not match its config (missing, or of another shape);
     weights the model does not use (e.g. a multi-token-prediction head) are ignored, as transformers does."""
     root = Path(directory)
