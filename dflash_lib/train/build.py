@@ -30,6 +30,7 @@ from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.train import distributed
+from dflash_lib.train.target_shard import shard_target
 
 
 @dataclass
@@ -39,8 +40,9 @@ class TrainingParts:
     store: Any  # store[i] -> (tokens (L,), loss_mask (L,)) numpy arrays
     lengths: np.ndarray  # (N,) tokens per sample of the store
     sampler: Any  # batch sampler with set_epoch(e) and len() = steps per epoch (this rank); epoch_plan if any
-    targets: list[TargetModel]  # one replica per target device; targets[0] is on the training device
-    drafter: DFlashDrafter  # on the training device, sharing targets[0]'s embedding and LM head
+    targets: list[Any]  # one replica per target device (targets[0] on the training device), or the one
+    # `target_shard.ShardedTarget` of a sharded target: what the feature passes run on
+    drafter: DFlashDrafter  # on the training device, sharing the target's embedding and LM head (replicated)
     pad_id: int  # token id written into padding slots (never scored)
     packed: bool  # collate by packing documents into rows of at most `row_len` tokens instead of padding
     row_len: int  # longest packed row in tokens (the token budget; rows are shorter unless static shapes)
@@ -48,6 +50,7 @@ class TrainingParts:
     heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
     full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
     data_shards: int = 1  # D: batches per sampler step (the sampler's plan width), shared by the ranks
+    target_parallel: str = "replicate"  # how the target is held: "replicate" | "fsdp" (resolved, never "auto")
 
 
 @dataclass
@@ -197,7 +200,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
-    by `load_training_data` (None = open it here)."""
+    by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it) shards
+    the target's decoder layers over the ranks once the drafter is built (`target_shard.shard_target`)."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
@@ -223,6 +227,17 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                                         config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
-    return TrainingParts(data.store, data.lengths, sampler, targets, drafter, data.pad_id,
+    runs_on, line = shard_target(targets[0], config.train.target_parallel, dist.world_size,
+                                 config.train.dist_timeout_s)
+    distributed.print0(line)
+    sharded = runs_on is not targets[0]
+    if sharded and config.pipeline.target_workers != 1:
+        if config.train.target_parallel == "fsdp":
+            raise ConfigError(f"target_parallel fsdp runs one target worker per rank (its forwards are collectives, "
+                              f"in one order on every rank): pass -p target_workers 1, not "
+                              f"{config.pipeline.target_workers}")
+        distributed.print0(f"target_workers {config.pipeline.target_workers} -> 1: a sharded target's forwards are "
+                           f"collectives, run by one worker per rank")
+    return TrainingParts(data.store, data.lengths, sampler, [runs_on] if sharded else targets, drafter, data.pad_id,
                          config.sampler.strategy == "packed", config.sampler.token_budget, data.edges, data.split,
-                         data.full_store, shards)
+                         data.full_store, shards, "fsdp" if sharded else "replicate")
