@@ -152,6 +152,27 @@ def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(ref
 
 
 @pytest.mark.slow
+def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resumes_exactly(reference, tmp_path):
+    """target_parallel fsdp: the target's layers all-gathered in the feed threads on a group of their own; the
+    same trajectory and final weights as one process, and a run stopped mid-stream (its feeds leave together)
+    resumes onto it."""
+    sharded = ("-p", "target_parallel", "fsdp")
+    run_dir = tmp_path / "sharded"
+    proc = torchrun(run_dir, *sharded, params=RUN)
+    assert "target sharded over 2 ranks with FSDP2" in proc.stdout
+    assert_same_trajectory(rows(run_dir), rows(reference))
+    got, want = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, reference))
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-5)
+    resumed = tmp_path / "stopped"
+    torchrun(resumed, *sharded, "-p", "stop_at_step", "7", params=RUN)
+    assert [r["step"] for r in rows(resumed)] == list(range(1, 8))
+    assert "resuming from" in torchrun(resumed, *sharded, params=RUN).stdout
+    assert_same_trajectory(rows(resumed), rows(reference))
+
+
+@pytest.mark.slow
 def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path):
     """1 -> 2: the run's global batch is ONE data shard, so rank 1 takes none and joins every step's gradient
     reduction with a zero-weight filler; the trajectory is the one-process run's."""
