@@ -43,7 +43,7 @@ EXACT_KEYS = ("step", "epoch", "real_tokens", "padded_tokens", "skipped_tokens",
 
 
 def cli_params(params: dict) -> list[str]:
-    return [x for k, v in params.items() for x in ("-p", k, json.dumps(v))]
+    return [x for k, v in params.items() for x in ("-p", k, v if isinstance(v, str) else json.dumps(v))]
 
 
 def torchrun_cmd(run_dir: Path, *extra: str, params: dict, launch: tuple = ("--standalone", "--nproc-per-node", "2"),
@@ -297,10 +297,13 @@ def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error_within_the_tim
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
+@pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(
+        tmp_path, target_parallel):
     """A scheduler may signal one task first: the stop is agreed over all ranks at the step boundary, every rank
-    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it."""
-    params = {**PARAMS, "steps": 400}
+    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it. With a sharded target, the
+    feeds reading ahead of the stop leave their handshake together: no rank waits for an all-gather."""
+    params = {**PARAMS, "steps": 400, "target_parallel": target_parallel}
     with two_ranks_at_step_3(tmp_path, params) as (rank0, rank1, lines):
         rank1.send_signal(signal.SIGTERM)  # rank 0 gets nothing
         codes = [p.wait(timeout=120) for p in (rank0, rank1)]
