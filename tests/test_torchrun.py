@@ -155,7 +155,7 @@ def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(ref
 def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resumes_exactly(reference, tmp_path):
     """target_parallel fsdp: the target's layers all-gathered in the feed threads on a group of their own; the
     same trajectory and final weights as one process, and a run stopped mid-stream (its feeds leave together)
-    resumes onto it."""
+    resumes onto it, the drafter now under FSDP2 too (two FSDP trees, one per thread, each on its own group)."""
     sharded = ("-p", "target_parallel", "fsdp")
     run_dir = tmp_path / "sharded"
     proc = torchrun(run_dir, *sharded, params=RUN)
@@ -168,7 +168,7 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
     resumed = tmp_path / "stopped"
     torchrun(resumed, *sharded, "-p", "stop_at_step", "7", params=RUN)
     assert [r["step"] for r in rows(resumed)] == list(range(1, 8))
-    assert "resuming from" in torchrun(resumed, *sharded, params=RUN).stdout
+    assert "resuming from" in torchrun(resumed, *sharded, "-p", "parallel", "fsdp", params=RUN).stdout
     assert_same_trajectory(rows(resumed), rows(reference))
 
 

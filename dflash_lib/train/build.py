@@ -229,7 +229,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
         init_from(drafter, config.model.init_from)
     runs_on, line = shard_target(targets[0], config.train.target_parallel, dist.world_size,
                                  config.train.dist_timeout_s)
-    distributed.print0(line)
+    if dist.world_size > 1:
+        distributed.print0(line)
     sharded = runs_on is not targets[0]
     if sharded and config.pipeline.target_workers != 1:
         if config.train.target_parallel == "fsdp":
