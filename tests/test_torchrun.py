@@ -173,14 +173,17 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
 
 
 @pytest.mark.slow
-def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path):
+@pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
+def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path, target_parallel):
     """1 -> 2: the run's global batch is ONE data shard, so rank 1 takes none and joins every step's gradient
-    reduction with a zero-weight filler; the trajectory is the one-process run's."""
+    reduction with a zero-weight filler (and, with a sharded target, every sampler step's all-gathers with a
+    filler pass); the trajectory is the one-process run's."""
     one = tmp_path / "one"
     summary = train(from_params(RUN, preset("smoke")), one)
     assert (summary.world_size, summary.data_shards) == (1, 1)
     resumed = rewind(one, tmp_path / "one_to_two", 10)
-    torchrun(resumed, "-p", "async_ckpt", "true", params=RUN)  # and saved in the background, committed at the end
+    torchrun(resumed, "-p", "async_ckpt", "true", "-p", "target_parallel", target_parallel,
+             params=RUN)  # and saved in the background, committed at the end
     summary = json.loads((resumed / "summary.json").read_text())
     assert (summary["world_size"], summary["data_shards"], summary["resumed_from_step"]) == (2, 1, 10)
     assert_same_trajectory(rows(resumed), rows(one))

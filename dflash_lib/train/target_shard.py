@@ -100,8 +100,6 @@ class ShardedTarget:
     the drafter shares. Every call of `context_features` is a collective: every rank must make the same number.
     Build it on every rank at the same point (it creates two process groups)."""
 
-    sharded = True
-
     def __init__(self, target: TargetModel, timeout_s: float) -> None:
         from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs them
         from torch.distributed.fsdp import fully_shard
