@@ -1,9 +1,11 @@
-"""The target sharded over the ranks (`target_parallel`, train/target_shard.py): the setting and its auto rule,
-the feed's passes per sampler step and its stop handshake, and on 2 gloo ranks the sharded target's features
-against the replicated target's. The 20-step run and kill/resume are in test_torchrun.py."""
+"""The target sharded over the ranks (`target_parallel`, train/target_shard.py): the setting and its auto rule
+from the config's bytes, the target built on the host before it is sharded, the feed's passes per sampler step
+and its stop handshake, and on 2 gloo ranks the sharded target's features against the replicated target's, its
+shards and its load peak. The 20-step run and kill/resume are in test_torchrun.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,10 +19,13 @@ import torch
 
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.data.batch import collate_padded
+from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.train import target_shard
 from dflash_lib.train.feed import Collated, Work, make_target_workers
 from dflash_lib.train.pipeline import Pipeline, PipelineError, Stopped
-from dflash_lib.train.target_shard import per_step_passes, resolve_target_parallel, target_bytes
-from tiny_models import tiny_target
+from dflash_lib.train.target_shard import (load_sharded_target, move_outside_layers, per_step_passes, plan_target,
+                                           resolve_target_parallel, target_footprint)
+from tiny_models import HIDDEN, VOCAB, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -47,9 +52,70 @@ def test_the_auto_rule_shards_a_target_over_a_third_of_the_device(setting, weigh
         resolve_target_parallel("tp", weights, device, world)
 
 
-def test_target_bytes_counts_every_parameter_in_its_dtype():
-    target = tiny_target(4, 2)
-    assert target_bytes(target) == 4 * sum(p.numel() for p in target.parameters())  # fp32
+def _outside_layers(target) -> list[torch.nn.Parameter]:
+    inside = {id(p) for p in target.base.layers.parameters()}
+    return [p for p in target.parameters() if id(p) not in inside]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_footprint_from_the_config_alone_equals_the_built_targets_parameters(tied):
+    cfg = tiny_qwen3_config(hidden_size=HIDDEN, num_layers=4, vocab_size=VOCAB)
+    cfg.tie_word_embeddings = tied
+    target = tiny_target(4, 2) if not tied else TargetModel.from_hf_config(cfg, 2)
+    foot = target_footprint(cfg, torch.float32)
+    assert foot.weights == 4 * sum(p.numel() for p in target.parameters())  # tied weights once
+    assert foot.replicated == 4 * sum(p.numel() for p in _outside_layers(target))
+    assert foot.replicated == 4 * (VOCAB * HIDDEN * (1 if tied else 2) + HIDDEN)  # embedding (+ LM head), norm
+    layer = 4 * sum(p.numel() for p in target.base.layers[0].parameters())
+    assert (foot.largest_layer(), foot.shard_bytes(1), foot.shard_bytes(2)) == (layer, 4 * layer, 2 * layer)
+    assert foot.load_peak_bytes(2) == 3 * layer + foot.replicated
+    assert target_footprint(cfg, torch.bfloat16).weights * 2 == foot.weights
+
+
+def test_a_shard_is_padded_to_the_first_ranks_rows():
+    foot = target_shard.TargetFootprint(2, 0, 0, (((5, 3), (4, 1)), ((1, 8),)))  # rows 5, 4 and 1 over 2 ranks
+    assert foot.shard_bytes(2) == 2 * (3 * 3 + 2 * 1 + 1 * 8)
+    assert foot.largest_layer() == 2 * 19
+
+
+def test_the_plan_is_made_from_the_config_before_a_weight_is_read():
+    cfg = tiny_qwen3_config(hidden_size=HIDDEN, num_layers=4, vocab_size=VOCAB)
+    foot = target_footprint(cfg, torch.bfloat16)
+    plan = plan_target(cfg, "auto", 2, torch.bfloat16, device_bytes=3 * foot.weights - 1)  # weights > 1/3
+    assert plan.parallel == "fsdp"
+    peak = foot.load_peak_bytes(2) / 2**30
+    assert plan.line.startswith("target sharded over 2 ranks with FSDP2 (auto: ")
+    assert plan.line.endswith(f": 4 decoder layers, 1/2 of each per rank; embedding, norm and LM head replicated "
+                              f"(peak while loading ~{peak:.2f} GiB per device)")
+    assert plan_target(cfg, "auto", 2, torch.bfloat16, device_bytes=3 * foot.weights).parallel == "replicate"
+    assert plan_target(cfg, "fsdp", 1, torch.bfloat16, None).line.startswith("target replicated on every rank")
+
+
+def test_the_replicated_parts_move_to_the_device_and_the_layers_stay():
+    cfg = tiny_qwen3_config(hidden_size=HIDDEN, num_layers=4, vocab_size=VOCAB)
+    cfg.tie_word_embeddings = True
+    target = TargetModel.from_hf_config(cfg, 2)
+    move_outside_layers(target, torch.device("meta"))  # a device other than the host's, on any machine
+    assert target.device == torch.device("meta")  # its embedding's: what the drafter is built on
+    assert {p.device.type for p in _outside_layers(target)} == {"meta"}
+    assert {b.device.type for b in target.base.rotary_emb.buffers()} == {"meta"}
+    assert {p.device.type for p in target.base.layers.parameters()} == {"cpu"}  # fully_shard moves those
+    assert target.lm_head.weight is target.embed_tokens.weight  # still tied
+
+
+def test_under_fsdp_the_target_is_built_on_the_host_then_sharded_onto_the_device(monkeypatch):
+    got = {}
+
+    class Recorder:  # ShardedTarget's place: what load_sharded_target hands it
+        def __init__(self, target, timeout_s, device):
+            got.update(host=target.device, dtype=target.embed_tokens.weight.dtype, timeout=timeout_s,
+                       device=device, backend=target.backend)
+
+    monkeypatch.setattr(target_shard, "ShardedTarget", Recorder)
+    model = dataclasses.replace(preset("smoke").model, attn_backend="sdpa")
+    load_sharded_target(model, torch.device("cuda", 1), torch.bfloat16, 30.0)  # no CUDA needed: built on the host
+    assert got == dict(host=torch.device("cpu"), dtype=torch.bfloat16, timeout=30.0, device=torch.device("cuda", 1),
+                       backend="sdpa")
 
 
 def test_every_rank_runs_the_most_shards_any_rank_takes_per_sampler_step():
@@ -118,16 +184,25 @@ def test_a_peer_leaving_stops_the_feed_without_a_failure_and_a_reader_gets_an_er
 
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys, threading
+    import json, os, sys, threading, weakref
     import numpy as np, torch
     sys.path.insert(0, os.environ["TESTS_DIR"])
-    from tiny_models import tiny_target
+    from tiny_models import HIDDEN, VOCAB, tiny_target
     from dflash_lib.data.batch import collate_padded
+    from dflash_lib.models import tiny_qwen3_config
     from dflash_lib.train import distributed as D
     from dflash_lib.train.pipeline import Stopped
-    from dflash_lib.train.target_shard import ShardedTarget
+    from dflash_lib.train.target_shard import ShardedTarget, sharded_load_peak_bytes
     info = D.init_distributed(timeout_s=30.0, device="cpu")
-    plain, sharded = tiny_target(6, 2), ShardedTarget(tiny_target(6, 2), 30.0)
+    plain, host = tiny_target(6, 2), tiny_target(6, 2)
+    full = [weakref.ref(p) for p in host.base.layers.parameters()]  # the layers' whole parameters, before
+    sharded = ShardedTarget(host, 30.0, torch.device("cpu"))
+    params = list(sharded.target.base.layers.parameters())
+    inside = {id(p) for p in params}
+    bytes_of = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+    largest = max(bytes_of(layer.parameters()) for layer in plain.base.layers)
+    replicated = [p for p in sharded.target.parameters() if id(p) not in inside]
+    peak = (sum(p.to_local().numel() * p.element_size() for p in params) + largest + bytes_of(replicated))
     rng = np.random.default_rng(0)
     docs = [(rng.integers(0, 300, n), np.ones(n, np.uint8)) for n in (7, 12, 5)]
     batches = [collate_padded(docs[:2], 0), collate_padded(docs[2:], 0)]  # a padded row, and one document
@@ -153,10 +228,14 @@ SCRIPT = textwrap.dedent("""
             sharded.turn()
         except Stopped:
             stops.append(turn)
-    w = sharded.target.base.layers[0].mlp.gate_proj.weight
     out = dict(diff=max(float((got[k] - want[k]).abs().max()) for k in mine), sums=sums, stops=stops,
-               layer=type(w).__name__, local=w.to_local().numel(), full=w.numel(),
-               embed=type(sharded.target.embed_tokens.weight).__name__)
+               layers=sorted({type(p).__name__ for p in params}),
+               halves=all(2 * p.to_local().numel() == p.numel() for p in params),
+               alive=sum(r() is not None for r in full), peak=peak,
+               want_peak=sharded_load_peak_bytes(tiny_qwen3_config(hidden_size=HIDDEN, num_layers=6,
+                                                                   vocab_size=VOCAB), 2, torch.float32),
+               replicated=sorted({f"{type(p).__name__} {p.device}" for p in replicated}),
+               device=str(sharded.device))
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
     D.destroy()
@@ -175,6 +254,8 @@ def test_two_ranks_sharded_target_features_equal_the_replicated_targets(tmp_path
     for r in results:
         assert r["diff"] <= 1e-6
         assert r["sums"] == [2.0] * 20
-        assert (r["layer"], r["embed"]) == ("DTensor", "Parameter")  # layers sharded, the embedding whole
-        assert r["local"] * 2 == r["full"]
+        assert r["layers"] == ["DTensor"] and r["halves"]  # every layer parameter sharded, 1/2 of it held here
+        assert r["alive"] == 0  # no whole layer parameter outlives the sharding
+        assert (r["replicated"], r["device"]) == (["Parameter cpu"], "cpu")  # embedding, norm, LM head whole
+        assert r["peak"] == r["want_peak"]  # shards + the largest layer + the replicated parts, in bytes
     assert [r["stops"] for r in results] == [[], [2]]

@@ -30,7 +30,7 @@ from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.train import distributed
-from dflash_lib.train.target_shard import shard_target
+from dflash_lib.train.target_shard import device_memory_bytes, load_sharded_target, plan_target
 
 
 @dataclass
@@ -200,8 +200,10 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
-    by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it) shards
-    the target's decoder layers over the ranks once the drafter is built (`target_shard.shard_target`)."""
+    by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it, decided
+    from the target's config before a weight is read: `target_shard.plan_target`) builds the target on the host
+    and shards its decoder layers onto the device (`target_shard.load_sharded_target`) before the drafter is
+    built on it."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
@@ -216,10 +218,19 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                               torch.cuda.device_count()))]
     else:
         devices = [device]
+    plan = plan_target(target_hf_config(config.model), config.train.target_parallel, dist.world_size, dtype,
+                       device_memory_bytes(device))
     # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
     # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
-    targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
-                                             gather=not config.sampler.static_shapes) for d in devices]
+    gather = not config.sampler.static_shapes
+    if plan.parallel == "fsdp":
+        runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,
+                                      config.train.seed, gather)
+        targets = [runs_on.target]
+    else:
+        targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
+                                                 gather=gather) for d in devices]
+        runs_on = targets[0]
     torch.manual_seed(config.train.seed)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,
@@ -227,11 +238,9 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                                         config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
-    runs_on, line = shard_target(targets[0], config.train.target_parallel, dist.world_size,
-                                 config.train.dist_timeout_s)
     if dist.world_size > 1:
-        distributed.print0(line)
-    sharded = runs_on is not targets[0]
+        distributed.print0(plan.line)
+    sharded = plan.parallel == "fsdp"
     if sharded and config.pipeline.target_workers != 1:
         if config.train.target_parallel == "fsdp":
             raise ConfigError(f"target_parallel fsdp runs one target worker per rank (its forwards are collectives, "

@@ -7,9 +7,18 @@ layer's all-gather EXPLICITLY (`set_modules_to_forward_prefetch`), so on CUDA th
 while layer i computes. `embed_tokens`, the final norm and `lm_head` stay replicated: the drafter shares the
 embedding and the LM head and calls them on its own, outside any target forward. Their cost per rank is
 (V x H) x 2 (untied) in the target's dtype, e.g. 2 x 151936 x 4096 x 2 bytes = 2.5 GB for Qwen3-235B-A22B beside
-its 1/W share of ~470 GB of layers. The target is still LOADED whole on each rank first (the loader fills a full
-model), so a target that does not fit one device alone cannot be loaded yet: the sharding frees the room that the
-drafter, its optimizer and the activations need.
+its 1/W share of ~470 GB of layers.
+
+Loading (`load_sharded_target`): the choice is made BEFORE a weight is read (`plan_target`: the parameter count
+of the model built on the meta device from its config, times the training dtype's size). Under fsdp each rank
+builds the target on the HOST in the training dtype (a local folder is read by transformers as memory maps of its
+safetensors: the ranks of a node share the page cache; the tiny target is random), then `fully_shard` wraps the
+layers one at a time: it moves the layer's parameters to the mesh's device (`_move_states_to_device`), copies
+this rank's 1/W of each into a shard of its own (`FSDPParam._init_sharded_param`) and puts the shard in place of
+the parameter, so the full copy on the device is freed as the call returns (nothing else holds it). The device
+never holds more than the shards, one full layer and, moved last, the replicated parts
+(`sharded_load_peak_bytes`). The drafter is built after, on the target whose embedding and LM head are then on
+the device.
 
 `TargetModel` calls its layers one by one, not through a root forward. FSDP2 hooks each unit's own `forward`, so
 the layers all-gather and reshard when called directly; the root unit (`_FeatureForward`, whose subtree is the
@@ -38,27 +47,74 @@ in an order of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import threading
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import transformers
 
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.models.masks import RealTokens
-from dflash_lib.models.target import TargetModel
+from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
 from dflash_lib.train.pipeline import Stopped
 
 TARGET_PARALLEL = ("replicate", "fsdp", "auto")  # `train.target_parallel`
 AUTO_SHARE = 1 / 3  # auto shards a target whose weights exceed this share of one device's memory
 
 
-def target_bytes(target: TargetModel) -> int:
-    """Bytes of the target's parameters in their (training) dtype."""
-    return sum(p.numel() * p.element_size() for p in target.parameters())
+@dataclass(frozen=True)
+class TargetFootprint:
+    """A target's parameters in the training dtype, read from its config alone (`target_footprint`)."""
+
+    element_size: int  # bytes per element of the training dtype
+    weights: int  # bytes of every parameter (tied ones once)
+    replicated: int  # bytes of the parameters outside the decoder layers (embedding, final norm, LM head)
+    layers: tuple[tuple[tuple[int, int], ...], ...]  # per decoder layer, per parameter: (dim-0 rows, elements/row)
+
+    def shard_bytes(self, world_size: int) -> int:
+        """Bytes of one rank's shards of every decoder layer: FSDP2 splits each parameter along dim 0 into W
+        chunks and pads every rank's to the first chunk's ceil(rows / W) rows."""
+        return self.element_size * sum(-(-rows // world_size) * per_row for layer in self.layers
+                                       for rows, per_row in layer)
+
+    def largest_layer(self) -> int:
+        """Bytes of the largest decoder layer, whole."""
+        return self.element_size * max((sum(rows * per_row for rows, per_row in layer) for layer in self.layers),
+                                       default=0)
+
+    def load_peak_bytes(self, world_size: int) -> int:
+        """Bytes one device holds at most while `load_sharded_target` shards the target over `world_size` ranks:
+        every layer's shard, the full layer being wrapped and the replicated parts (an upper bound: those are
+        moved once every layer is sharded)."""
+        return self.shard_bytes(world_size) + self.largest_layer() + self.replicated
+
+
+def target_footprint(hf_cfg: transformers.PretrainedConfig, dtype: torch.dtype) -> TargetFootprint:
+    """The footprint of `hf_cfg`'s causal LM in `dtype`, from the model built on the meta device (shapes only:
+    no memory, no weight read). Buffers (the rotary tables: head_dim / 2 floats) are left out."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if base is None or not hasattr(base, "layers"):
+        raise ConfigError(f"target {type(model).__name__}: expected a decoder base model with `layers`")
+    size = torch.empty((), dtype=dtype).element_size()
+    in_layers = {id(p) for p in base.layers.parameters()}
+    layers = tuple(tuple((p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1) for p in layer.parameters())
+                   for layer in base.layers)
+    params = list(model.parameters())  # tied weights once
+    return TargetFootprint(size, size * sum(p.numel() for p in params),
+                           size * sum(p.numel() for p in params if id(p) not in in_layers), layers)
+
+
+def sharded_load_peak_bytes(hf_cfg: transformers.PretrainedConfig, world_size: int, dtype: torch.dtype) -> int:
+    """`TargetFootprint.load_peak_bytes` of `hf_cfg`'s target in `dtype` over `world_size` ranks."""
+    return target_footprint(hf_cfg, dtype).load_peak_bytes(world_size)
 
 
 def resolve_target_parallel(setting: str, weights_bytes: int, device_bytes: int | None,
@@ -81,6 +137,35 @@ def resolve_target_parallel(setting: str, weights_bytes: int, device_bytes: int 
             f"{device_bytes / 2**30:.1f} GiB")
 
 
+@dataclass(frozen=True)
+class TargetPlan:
+    """How a run holds its target, decided from the config before a weight is read (`plan_target`)."""
+
+    parallel: str  # "replicate" | "fsdp" (resolved, never "auto"); fsdp: built on the host, then sharded
+    line: str  # the log line of a multi-rank run
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of one CUDA device in bytes; None for the CPU (the auto rule then replicates)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def plan_target(hf_cfg: transformers.PretrainedConfig, setting: str, world_size: int, dtype: torch.dtype,
+                device_bytes: int | None) -> TargetPlan:
+    """`resolve_target_parallel` for the target of `hf_cfg` trained in `dtype` (its bytes from `target_footprint`:
+    no weight is loaded) and the log line (under fsdp with the device's peak while loading,
+    `TargetFootprint.load_peak_bytes`). `device_bytes`: `device_memory_bytes` of the training device."""
+    foot = target_footprint(hf_cfg, dtype)
+    choice, why = resolve_target_parallel(setting, foot.weights, device_bytes, world_size)
+    if choice == "replicate":
+        return TargetPlan(choice, f"target replicated on every rank ({why})")
+    peak = foot.load_peak_bytes(world_size) / 2**30
+    return TargetPlan(choice,
+                      f"target sharded over {world_size} ranks with FSDP2 ({why}): {len(foot.layers)} decoder "
+                      f"layers, 1/{world_size} of each per rank; embedding, norm and LM head replicated (peak while "
+                      f"loading ~{peak:.2f} GiB per device)")
+
+
 class _FeatureForward(torch.nn.Module):
     """The FSDP2 root around one feature pass: its subtree is the target's decoder layers (no parameter of its
     own), its forward runs `run()` (a closure over the pass; nothing goes through the root's input handling)."""
@@ -98,9 +183,11 @@ class ShardedTarget:
     docstring). It answers `device`, `segments` and `context_features` like the target (the feed, the filler
     item and the held-out evaluation call those); `target` is the plain model (embedding, LM head, config) that
     the drafter shares. Every call of `context_features` is a collective: every rank must make the same number.
-    Build it on every rank at the same point (it creates two process groups)."""
+    Build it on every rank at the same point (it creates two process groups). `device`: the training device (None
+    = the target's); a target built on the host is moved there, its layers as they are sharded, the replicated
+    parts after."""
 
-    def __init__(self, target: TargetModel, timeout_s: float) -> None:
+    def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs them
         from torch.distributed.fsdp import fully_shard
 
@@ -110,14 +197,16 @@ class ShardedTarget:
         self.group = dist.new_group(timeout=timeout)  # the layers' all-gathers, and nothing else
         self.control = dist.new_group(backend="gloo", timeout=timeout)  # the feed threads' stop handshake
         self.target, self.world_size = target, dist.get_world_size()
-        mesh = DeviceMesh.from_group(self.group, target.device.type)
+        device = target.device if device is None else torch.device(device)
+        mesh = DeviceMesh.from_group(self.group, device.type)
         layers = list(target.base.layers)
-        for layer in layers:
+        for layer in layers:  # the layer moved to the mesh's device, 1/W kept, the full copy freed as it returns
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         upto = max(target.layer_ids) + 1  # the feature pass's layers: the deeper ones never run in training
         for layer, following in zip(layers[:upto - 1], layers[1:upto]):
             layer.set_modules_to_forward_prefetch([following])
         self.root = fully_shard(_FeatureForward(target), mesh=mesh, reshard_after_forward=True)
+        move_outside_layers(target, device)  # after the layers: the device holds no full layer beside them
         self.lock = threading.Lock()  # one pass at a time on this rank (feed thread, held-out evaluation)
         self.left = False  # this rank's feed has left the handshake (or seen a peer leave)
         self.filler_batch = collate_padded([(np.zeros(1, np.int64), np.ones(1, np.uint8))], 0)  # 1 token
@@ -169,15 +258,34 @@ def per_step_passes(data_shards: int, world_size: int) -> int:
     return max(1, -(-data_shards // world_size))
 
 
-def shard_target(target: TargetModel, setting: str, world_size: int, timeout_s: float) -> tuple[Any, str]:
-    """(the target to run the feature passes on, the log line): `target` itself when replicated, else a
-    `ShardedTarget` over it."""
-    device = target.device
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    choice, why = resolve_target_parallel(setting, target_bytes(target), device_bytes, world_size)
-    if choice == "replicate":
-        return target, f"target replicated on every rank ({why})"
-    layers = target.num_layers
-    return (ShardedTarget(target, timeout_s),
-            f"target sharded over {world_size} ranks with FSDP2 ({why}): {layers} decoder layers, 1/{world_size} "
-            f"of each per rank; embedding, norm and LM head replicated")
+def move_outside_layers(target: TargetModel, device: torch.device) -> None:
+    """Move every parameter and buffer of `target` outside its decoder layers (embedding, final norm, LM head,
+    rotary tables) to `device`, in place in the modules: a weight tied under two names becomes one moved
+    Parameter under both, and `target.device` (its embedding's) answers `device`."""
+    inside = {id(m) for m in target.base.layers.modules()}
+    moved: dict[int, torch.nn.Parameter] = {}  # id of a host Parameter -> its copy on the device
+    for module in target.model.modules():
+        if id(module) in inside:
+            continue
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+            setattr(module, name, moved[id(p)])  # the host copy is freed once no module holds it
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))  # stays registered (persistent or not) as it was
+
+
+def load_sharded_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, timeout_s: float,
+                        seed: int = 0, gather: bool = True) -> ShardedTarget:
+    """The target of `cfg` built on the HOST in `dtype` (`TargetModel.from_model_config`; `seed` and `gather`
+    as there), then sharded onto the training `device` (`ShardedTarget`): the device never holds it whole. The
+    host model runs SDPA (flash-attn refuses a model on the CPU); the backend `cfg.attn_backend` resolves to on
+    `device` is set once the weights are there."""
+    backend = resolve_backend(cfg.attn_backend, device)  # refuses flash off CUDA, as a replicated target would
+    host = TargetModel.from_model_config(dataclasses.replace(cfg, attn_backend="sdpa"), device="cpu", dtype=dtype,
+                                         seed=seed, gather=gather)
+    sharded = ShardedTarget(host, timeout_s, device)
+    if backend != host.backend:
+        host.model.set_attn_implementation(IMPLEMENTATION[backend])
+        host.backend = backend
+    return sharded
