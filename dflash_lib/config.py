@@ -195,6 +195,8 @@ class TrainConfig:
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
     parallel: str = "ddp"  # under torchrun: "ddp" (DistributedDataParallel) | "fsdp" (FSDP2, a unit per drafter layer)
+    target_parallel: str = "auto"  # under torchrun: the frozen target "replicate" (whole on every rank) | "fsdp"
+    # (FSDP2, a unit per decoder layer: train.target_shard) | "auto" (fsdp when its weights exceed 1/3 of a GPU)
     async_ckpt: bool = False  # checkpoints staged in host memory, written in the background, committed at the next save
     eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
     eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
@@ -209,6 +211,7 @@ class TrainConfig:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("parallel", self.parallel, ("ddp", "fsdp"))
+        _choice("target_parallel", self.target_parallel, ("replicate", "fsdp", "auto"))
         if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
             raise ConfigError(f"lr must be in (0, 1], got {self.lr}")
         _bounded(self, positive=("log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),

@@ -43,7 +43,7 @@ EXACT_KEYS = ("step", "epoch", "real_tokens", "padded_tokens", "skipped_tokens",
 
 
 def cli_params(params: dict) -> list[str]:
-    return [x for k, v in params.items() for x in ("-p", k, json.dumps(v))]
+    return [x for k, v in params.items() for x in ("-p", k, v if isinstance(v, str) else json.dumps(v))]
 
 
 def torchrun_cmd(run_dir: Path, *extra: str, params: dict, launch: tuple = ("--standalone", "--nproc-per-node", "2"),
@@ -152,14 +152,38 @@ def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(ref
 
 
 @pytest.mark.slow
-def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path):
+def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resumes_exactly(reference, tmp_path):
+    """target_parallel fsdp: the target's layers all-gathered in the feed threads on a group of their own; the
+    same trajectory and final weights as one process, and a run stopped mid-stream (its feeds leave together)
+    resumes onto it, the drafter now under FSDP2 too (two FSDP trees, one per thread, each on its own group)."""
+    sharded = ("-p", "target_parallel", "fsdp")
+    run_dir = tmp_path / "sharded"
+    proc = torchrun(run_dir, *sharded, params=RUN)
+    assert "target sharded over 2 ranks with FSDP2" in proc.stdout
+    assert_same_trajectory(rows(run_dir), rows(reference))
+    got, want = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, reference))
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-5)
+    resumed = tmp_path / "stopped"
+    torchrun(resumed, *sharded, "-p", "stop_at_step", "7", params=RUN)
+    assert [r["step"] for r in rows(resumed)] == list(range(1, 8))
+    assert "resuming from" in torchrun(resumed, *sharded, "-p", "parallel", "fsdp", params=RUN).stdout
+    assert_same_trajectory(rows(resumed), rows(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
+def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path, target_parallel):
     """1 -> 2: the run's global batch is ONE data shard, so rank 1 takes none and joins every step's gradient
-    reduction with a zero-weight filler; the trajectory is the one-process run's."""
+    reduction with a zero-weight filler (and, with a sharded target, every sampler step's all-gathers with a
+    filler pass); the trajectory is the one-process run's."""
     one = tmp_path / "one"
     summary = train(from_params(RUN, preset("smoke")), one)
     assert (summary.world_size, summary.data_shards) == (1, 1)
     resumed = rewind(one, tmp_path / "one_to_two", 10)
-    torchrun(resumed, "-p", "async_ckpt", "true", params=RUN)  # and saved in the background, committed at the end
+    torchrun(resumed, "-p", "async_ckpt", "true", "-p", "target_parallel", target_parallel,
+             params=RUN)  # and saved in the background, committed at the end
     summary = json.loads((resumed / "summary.json").read_text())
     assert (summary["world_size"], summary["data_shards"], summary["resumed_from_step"]) == (2, 1, 10)
     assert_same_trajectory(rows(resumed), rows(one))
@@ -276,10 +300,13 @@ def test_a_rank_killed_mid_run_makes_the_other_exit_with_an_error_within_the_tim
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(tmp_path):
+@pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_and_a_resume_continues(
+        tmp_path, target_parallel):
     """A scheduler may signal one task first: the stop is agreed over all ranks at the step boundary, every rank
-    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it."""
-    params = {**PARAMS, "steps": 400}
+    exits 0, the checkpoint holds the last step logged, and torchrun resumes from it. With a sharded target, the
+    feeds reading ahead of the stop leave their handshake together: no rank waits for an all-gather."""
+    params = {**PARAMS, "steps": 400, "target_parallel": target_parallel}
     with two_ranks_at_step_3(tmp_path, params) as (rank0, rank1, lines):
         rank1.send_signal(signal.SIGTERM)  # rank 0 gets nothing
         codes = [p.wait(timeout=120) for p in (rank0, rank1)]

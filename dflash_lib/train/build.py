@@ -30,6 +30,7 @@ from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.train import distributed
+from dflash_lib.train.target_shard import device_memory_bytes, load_sharded_target, plan_target
 
 
 @dataclass
@@ -39,8 +40,9 @@ class TrainingParts:
     store: Any  # store[i] -> (tokens (L,), loss_mask (L,)) numpy arrays
     lengths: np.ndarray  # (N,) tokens per sample of the store
     sampler: Any  # batch sampler with set_epoch(e) and len() = steps per epoch (this rank); epoch_plan if any
-    targets: list[TargetModel]  # one replica per target device; targets[0] is on the training device
-    drafter: DFlashDrafter  # on the training device, sharing targets[0]'s embedding and LM head
+    targets: list[Any]  # one replica per target device (targets[0] on the training device), or the one
+    # `target_shard.ShardedTarget` of a sharded target: what the feature passes run on
+    drafter: DFlashDrafter  # on the training device, sharing the target's embedding and LM head (replicated)
     pad_id: int  # token id written into padding slots (never scored)
     packed: bool  # collate by packing documents into rows of at most `row_len` tokens instead of padding
     row_len: int  # longest packed row in tokens (the token budget; rows are shorter unless static shapes)
@@ -48,6 +50,7 @@ class TrainingParts:
     heldout: HeldOutSplit | None = None  # the held-out split (store, lengths and sampler are its train part)
     full_store: Any = None  # the store the split's indices refer to (None: `store` itself)
     data_shards: int = 1  # D: batches per sampler step (the sampler's plan width), shared by the ranks
+    target_parallel: str = "replicate"  # how the target is held: "replicate" | "fsdp" (resolved, never "auto")
 
 
 @dataclass
@@ -197,7 +200,10 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
-    by `load_training_data` (None = open it here)."""
+    by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it, decided
+    from the target's config before a weight is read: `target_shard.plan_target`) builds the target on the host
+    and shards its decoder layers onto the device (`target_shard.load_sharded_target`) before the drafter is
+    built on it."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
@@ -212,10 +218,19 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                               torch.cuda.device_count()))]
     else:
         devices = [device]
+    plan = plan_target(target_hf_config(config.model), config.train.target_parallel, dist.world_size, dtype,
+                       device_memory_bytes(device))
     # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
     # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
-    targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
-                                             gather=not config.sampler.static_shapes) for d in devices]
+    gather = not config.sampler.static_shapes
+    if plan.parallel == "fsdp":
+        runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,
+                                      config.train.seed, gather)
+        targets = [runs_on.target]
+    else:
+        targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
+                                                 gather=gather) for d in devices]
+        runs_on = targets[0]
     torch.manual_seed(config.train.seed)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
                             attention=config.model.drafter_attention,
@@ -223,6 +238,16 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                                         config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
-    return TrainingParts(data.store, data.lengths, sampler, targets, drafter, data.pad_id,
+    if dist.world_size > 1:
+        distributed.print0(plan.line)
+    sharded = plan.parallel == "fsdp"
+    if sharded and config.pipeline.target_workers != 1:
+        if config.train.target_parallel == "fsdp":
+            raise ConfigError(f"target_parallel fsdp runs one target worker per rank (its forwards are collectives, "
+                              f"in one order on every rank): pass -p target_workers 1, not "
+                              f"{config.pipeline.target_workers}")
+        distributed.print0(f"target_workers {config.pipeline.target_workers} -> 1: a sharded target's forwards are "
+                           f"collectives, run by one worker per rank")
+    return TrainingParts(data.store, data.lengths, sampler, [runs_on] if sharded else targets, drafter, data.pad_id,
                          config.sampler.strategy == "packed", config.sampler.token_budget, data.edges, data.split,
-                         data.full_store, shards)
+                         data.full_store, shards, "fsdp" if sharded else "replicate")

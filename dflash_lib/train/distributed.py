@@ -8,8 +8,8 @@ same either way: `all_reduce_sum`, `all_gather_bytes`, `is_main`, `print0`, `bar
 trainer's few on top of them: `all_reduce_floats`, `any_rank`, `gather_states` (and `rank_shards`, which data
 shards a rank reads).
 
-`wrap_drafter` puts the drafter on an `Engine`: DistributedDataParallel (default) or FSDP2 (`fully_shard`), the
-frozen target replicated on every rank, never wrapped. `checkpoint_group` is a gloo group for checkpoint
+`wrap_drafter` puts the drafter on an `Engine`: DistributedDataParallel (default) or FSDP2 (`fully_shard`); the
+frozen target is never part of it (replicated on every rank, or sharded on a group of its own: `target_shard`). `checkpoint_group` is a gloo group for checkpoint
 collectives whose timeout is sized for the save (`checkpoint_timeout_s`), not for a training step.
 """
 

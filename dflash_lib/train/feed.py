@@ -240,7 +240,8 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
 
 
 def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
-                        threads: int = 0, streams: bool | None = None) -> list[Callable[[Collated], Item]]:
+                        threads: int = 0, streams: bool | None = None,
+                        passes_per_step: int = 0) -> list[Callable[[Collated], Item]]:
     """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
     on CPU several threads share one) and hands its features to `main_device`.
 
@@ -253,7 +254,15 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
     when that differs), so on one GPU the target of the next micro-batch overlaps the drafter's step on the
     default stream. The worker records `Item.ready` after the last copy; the consumer calls `Item.wait_ready()`
     (a device-side wait) before it touches the item. No host sync is made: the segments of the target's varlen
-    attention come from the HOST batch, and every copy is non_blocking from pinned memory."""
+    attention come from the HOST batch, and every copy is non_blocking from pinned memory.
+
+    passes_per_step > 0: the target is a `target_shard.ShardedTarget`, whose feature passes are collectives. The
+    one worker (more are refused) runs exactly that many passes per sampler step, a filler where the rank has no
+    batch (an item whose samples all failed validation, fewer shards than the most any rank takes), each after
+    the ranks' handshake (`ShardedTarget.turn`), and leaves the handshake when its stage ends (`leave`)."""
+    if passes_per_step > 0 and n_workers != 1:
+        raise ConfigError(f"a sharded target runs one target worker per rank (its passes are collectives, in one "
+                          f"order on every rank), got pipeline.target_workers={n_workers}")
     local = threading.local()
 
     def worker(target: Any) -> Callable[[Collated], Item]:
@@ -294,7 +303,26 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                     ready.record(hand_over)  # after the features and every copy above
             return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
                         dev_layout, ready, w.step_end, w.bound)
-        return run
+        return run if passes_per_step <= 0 else sharded(target, run)
+
+    def sharded(target: Any, run: Callable[[Collated], Item]) -> Callable[[Collated], Item]:
+        done = [0]  # passes of the current sampler step so far
+
+        def run_paired(c: Collated) -> Item:
+            target.turn()
+            if c.batch is None:
+                target.filler()
+            item = run(c)
+            done[0] += 1
+            if c.work.last_shard:  # the step's remaining passes: a rank with fewer shards than the most
+                for _ in range(passes_per_step - done[0]):
+                    target.turn()
+                    target.filler()
+                done[0] = 0
+            return item
+
+        run_paired.leave = target.leave  # type: ignore[attr-defined]  # called by the pipeline stage at its end
+        return run_paired
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]
 

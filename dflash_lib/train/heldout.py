@@ -2,8 +2,9 @@
 
 Rank 0 records the split (data/split.py) in heldout.json and evaluates ALL the held-out samples every
 `eval_every` steps and after the run's last step (not on a stop: a resumed run then logs exactly the rows of an
-uninterrupted one). The other ranks never evaluate, except under FSDP, where every rank runs the same
-evaluation because each layer's forward all-gathers its shards.
+uninterrupted one). The other ranks never evaluate, except under FSDP (of the drafter, or of the target:
+`target_parallel` fsdp), where every rank runs the same evaluation because each layer's forward all-gathers its
+shards.
 
 One evaluation (`build_eval_set`, `evaluate`): the first `eval_samples` held-out samples in hash order,
 batched once (fixed batches within the token budget) with anchors drawn once from a reserved seed
@@ -53,7 +54,7 @@ class HeldOutEvaluator:
         """Rank 0: record the split in run_dir/heldout.json; the evaluating ranks lay out the evaluation
         batches (the first `eval_samples` held-out samples, anchors drawn once)."""
         p, tc = self.parts, self.train
-        if not (self.main or self.engine.kind == "fsdp") or p.heldout is None:
+        if not (self.main or self.engine.kind == "fsdp" or p.target_parallel == "fsdp") or p.heldout is None:
             return
         source = p.full_store if p.full_store is not None else p.store
         if self.main:

@@ -55,6 +55,7 @@ from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import (CHECKPOINTS, METRICS_FILE, prepare_run_dir, resume_config_hash,
                                      shared_new_run_dir)
 from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
+from dflash_lib.train.target_shard import per_step_passes
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
 
@@ -313,8 +314,10 @@ class Trainer:
         collate = make_collate(parts.store, parts.packed, parts.pad_id, parts.row_len, parts.edges,
                                parts.drafter.cfg.vocab_size, pad_to_edge=static and not parts.packed, prepare=prepare,
                                pack_multiple=0 if static else cfg.sampler.pack_multiple)
-        workers = make_target_workers(parts.targets, cfg.pipeline.target_workers, self.device,
-                                      cfg.pipeline.target_threads)
+        sharded = parts.target_parallel == "fsdp"  # its passes are collectives: one worker, as many on every rank
+        workers = make_target_workers(parts.targets, 1 if sharded else cfg.pipeline.target_workers, self.device,
+                                      cfg.pipeline.target_threads, passes_per_step=per_step_passes(
+                                          parts.data_shards, self.dist.world_size) if sharded else 0)
         source = epoch_batches(parts.sampler, self.max_batches, p.position, p.batches_done, self.shards,
                                parts.lengths, cfg.train.accum_tokens, parts.data_shards)
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",

@@ -12,6 +12,10 @@ blocked `put`/`get` at once (condition variables, not sleep-polling), so all sta
 `next()` raises `PipelineError("stage 'target[1]' failed: ...")` chained to the original exception within
 milliseconds. `close()` aborts, drops what is queued and joins every thread.
 
+A worker callable with a `leave()` method has it called in its own thread when its stage ends (end of stream,
+abort or failure); a stage raising `Stopped` aborts every queue without recording a failure (another rank's feed
+stopped: `target_shard`).
+
 Threads only: torch releases the GIL inside its kernels, so a target worker and the drafter step overlap; and
 collation costs a small fraction of a CPU step (benchmarks/pipeline.py prints both; LOG.md, 2026-11-29), so a
 process pool for it would not pay for its pickling.
@@ -41,6 +45,12 @@ class PipelineError(RuntimeError):
 
 class Aborted(Exception):
     """Raised by a blocked queue operation when the pipeline is stopping; stages exit quietly on it."""
+
+
+class Stopped(Aborted):
+    """Raised by a stage that must stop the whole pipeline, not through a failure of its own (another rank's
+    feed stopped: `target_shard.ShardedTarget.turn`): every queue is aborted, no failure is recorded, and a
+    caller still reading gets PipelineError."""
 
 
 class _EndOfStream:
@@ -169,16 +179,21 @@ class Pipeline(Generic[T]):
 
     def _worker_stage(self, w: int) -> None:
         fn, q_in, q_out = self._workers[w], self.q_pre[w], self.q_hs[w]
-        while True:
-            batch = q_in.get()
-            if batch is END:
-                q_out.put(END)
-                return
-            q_out.put(fn(batch))
+        try:
+            while True:
+                batch = q_in.get()
+                if batch is END:
+                    q_out.put(END)
+                    return
+                q_out.put(fn(batch))
+        finally:  # a worker with a `leave()` (a sharded target's) is told, in its thread, however it ends
+            getattr(fn, "leave", lambda: None)()
 
     def _run(self, name: str, body: Callable[[], None]) -> None:
         try:
             body()
+        except Stopped:
+            self._abort()
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the caller, not die in the thread

@@ -60,6 +60,7 @@ RESUME_NEUTRAL_KEYS = frozenset({
     "cache_dir", "full_run_epochs", "full_run_samples", "stop_at_step", "probe_steps", "probe_rounds",
     "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
     "parallel", "async_ckpt",  # DDP and FSDP share one checkpoint layout; async only changes when bytes land
+    "target_parallel",  # a sharded target all-gathers the same weights: the same features, bit for bit
 })
 
 

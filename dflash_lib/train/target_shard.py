@@ -1,0 +1,291 @@
+"""The frozen target sharded over the ranks with FSDP2 (`-p target_parallel fsdp`), for a target too large to sit
+whole on every GPU beside the drafter.
+
+What is sharded: each decoder layer is one `fully_shard` unit (its weights 1/W per rank), all-gathered in its
+forward and resharded right after it (`reshard_after_forward=True`); each layer's forward prefetches the next
+layer's all-gather EXPLICITLY (`set_modules_to_forward_prefetch`), so on CUDA the all-gather of layer i+1 runs
+while layer i computes. `embed_tokens`, the final norm and `lm_head` stay replicated: the drafter shares the
+embedding and the LM head and calls them on its own, outside any target forward. Their cost per rank is
+(V x H) x 2 (untied) in the target's dtype, e.g. 2 x 151936 x 4096 x 2 bytes = 2.5 GB for Qwen3-235B-A22B beside
+its 1/W share of ~470 GB of layers.
+
+Loading (`load_sharded_target`): the choice is made BEFORE a weight is read (`plan_target`: the parameter count
+of the model built on the meta device from its config, times the training dtype's size). Under fsdp each rank
+builds the target on the HOST in the training dtype (a local folder is read by transformers as memory maps of its
+safetensors: the ranks of a node share the page cache; the tiny target is random), then `fully_shard` wraps the
+layers one at a time: it moves the layer's parameters to the mesh's device (`_move_states_to_device`), copies
+this rank's 1/W of each into a shard of its own (`FSDPParam._init_sharded_param`) and puts the shard in place of
+the parameter, so the full copy on the device is freed as the call returns (nothing else holds it). The device
+never holds more than the shards, one full layer and, moved last, the replicated parts
+(`sharded_load_peak_bytes`). The drafter is built after, on the target whose embedding and LM head are then on
+the device.
+
+`TargetModel` calls its layers one by one, not through a root forward. FSDP2 hooks each unit's own `forward`, so
+the layers all-gather and reshard when called directly; the root unit (`_FeatureForward`, whose subtree is the
+decoder layers only, so it holds no parameter of its own) is entered around every feature pass, which is what
+lets FSDP2 initialise the layers as one tree with one set of streams.
+
+Collectives must pair across ranks. A forward's all-gathers carry the layers' weights, never the batch: every
+feature pass all-gathers the same layers in the same order, whatever its tokens. So the ranks stay paired as long
+as (1) every rank runs the same NUMBER of feature passes, and (2) a rank never interleaves two passes. (1): the
+feed runs `ceil(D / W)` passes per sampler step on every rank (a filler, a 1-token document, for a shard the rank
+does not have or a batch whose samples all failed validation: `feed.make_target_workers`), the zero-weight filler
+item of a multi-rank run is built on every rank, and under a sharded target every rank runs the held-out
+evaluation. (2): a lock around each pass (the feed thread's passes and the held-out evaluation's, in the trainer
+thread).
+
+Process groups: the passes run in the FEED thread while the drafter's DDP/FSDP reductions run in the trainer
+thread. Two threads issuing collectives on one group can enqueue them in another order on each rank (a deadlock,
+and NCCL requires one order per group), so the target gets a group of its own (`dist.new_group`, created by every
+rank in the same order when the parts are built, before any other thread starts) and its DeviceMesh is made
+from it. A second, gloo, group carries the feed's stop handshake: before each pass the ranks' feed threads agree
+to go on (one float, max-reduced), and a feed thread that leaves (end of stream, the trainer closing the
+pipeline, a failure) says so once, so the other ranks' feed threads stop at the same pass instead of waiting for
+an all-gather that never comes. One feed thread per rank (`pipeline.target_workers` 1): two would issue passes
+in an order of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+
+from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.data.batch import Batch, collate_padded
+from dflash_lib.models.masks import RealTokens
+from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
+from dflash_lib.train.pipeline import Stopped
+
+TARGET_PARALLEL = ("replicate", "fsdp", "auto")  # `train.target_parallel`
+AUTO_SHARE = 1 / 3  # auto shards a target whose weights exceed this share of one device's memory
+
+
+@dataclass(frozen=True)
+class TargetFootprint:
+    """A target's parameters in the training dtype, read from its config alone (`target_footprint`)."""
+
+    element_size: int  # bytes per element of the training dtype
+    weights: int  # bytes of every parameter (tied ones once)
+    replicated: int  # bytes of the parameters outside the decoder layers (embedding, final norm, LM head)
+    layers: tuple[tuple[tuple[int, int], ...], ...]  # per decoder layer, per parameter: (dim-0 rows, elements/row)
+
+    def shard_bytes(self, world_size: int) -> int:
+        """Bytes of one rank's shards of every decoder layer: FSDP2 splits each parameter along dim 0 into W
+        chunks and pads every rank's to the first chunk's ceil(rows / W) rows."""
+        return self.element_size * sum(-(-rows // world_size) * per_row for layer in self.layers
+                                       for rows, per_row in layer)
+
+    def largest_layer(self) -> int:
+        """Bytes of the largest decoder layer, whole."""
+        return self.element_size * max((sum(rows * per_row for rows, per_row in layer) for layer in self.layers),
+                                       default=0)
+
+    def load_peak_bytes(self, world_size: int) -> int:
+        """Bytes one device holds at most while `load_sharded_target` shards the target over `world_size` ranks:
+        every layer's shard, the full layer being wrapped and the replicated parts (an upper bound: those are
+        moved once every layer is sharded)."""
+        return self.shard_bytes(world_size) + self.largest_layer() + self.replicated
+
+
+def target_footprint(hf_cfg: transformers.PretrainedConfig, dtype: torch.dtype) -> TargetFootprint:
+    """The footprint of `hf_cfg`'s causal LM in `dtype`, from the model built on the meta device (shapes only:
+    no memory, no weight read). Buffers (the rotary tables: head_dim / 2 floats) are left out."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if base is None or not hasattr(base, "layers"):
+        raise ConfigError(f"target {type(model).__name__}: expected a decoder base model with `layers`")
+    size = torch.empty((), dtype=dtype).element_size()
+    in_layers = {id(p) for p in base.layers.parameters()}
+    layers = tuple(tuple((p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1) for p in layer.parameters())
+                   for layer in base.layers)
+    params = list(model.parameters())  # tied weights once
+    return TargetFootprint(size, size * sum(p.numel() for p in params),
+                           size * sum(p.numel() for p in params if id(p) not in in_layers), layers)
+
+
+def sharded_load_peak_bytes(hf_cfg: transformers.PretrainedConfig, world_size: int, dtype: torch.dtype) -> int:
+    """`TargetFootprint.load_peak_bytes` of `hf_cfg`'s target in `dtype` over `world_size` ranks."""
+    return target_footprint(hf_cfg, dtype).load_peak_bytes(world_size)
+
+
+def resolve_target_parallel(setting: str, weights_bytes: int, device_bytes: int | None,
+                            world_size: int) -> tuple[str, str]:
+    """("replicate" | "fsdp", why) for `setting` ("replicate" | "fsdp" | "auto"). One process: replicate (there is
+    nothing to shard over; an explicit fsdp is accepted and said so). auto: fsdp when the target's
+    `weights_bytes` exceed AUTO_SHARE of `device_bytes` (one device's total memory; None = CPU: replicate)."""
+    if setting not in TARGET_PARALLEL:
+        raise ConfigError(f"target_parallel must be one of {list(TARGET_PARALLEL)}, got {setting!r}")
+    gib = weights_bytes / 2**30
+    if world_size == 1:
+        return "replicate", f"one process: the target is whole here ({gib:.2f} GiB; target_parallel {setting})"
+    if setting != "auto":
+        return setting, f"target_parallel {setting} ({gib:.2f} GiB of weights)"
+    if device_bytes is None:
+        return "replicate", f"auto on CPU: replicated ({gib:.2f} GiB of weights)"
+    shard = weights_bytes > AUTO_SHARE * device_bytes
+    return ("fsdp" if shard else "replicate",
+            f"auto: {gib:.2f} GiB of weights {'>' if shard else '<='} 1/3 of the device's "
+            f"{device_bytes / 2**30:.1f} GiB")
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """How a run holds its target, decided from the config before a weight is read (`plan_target`)."""
+
+    parallel: str  # "replicate" | "fsdp" (resolved, never "auto"); fsdp: built on the host, then sharded
+    line: str  # the log line of a multi-rank run
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of one CUDA device in bytes; None for the CPU (the auto rule then replicates)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def plan_target(hf_cfg: transformers.PretrainedConfig, setting: str, world_size: int, dtype: torch.dtype,
+                device_bytes: int | None) -> TargetPlan:
+    """`resolve_target_parallel` for the target of `hf_cfg` trained in `dtype` (its bytes from `target_footprint`:
+    no weight is loaded) and the log line (under fsdp with the device's peak while loading,
+    `TargetFootprint.load_peak_bytes`). `device_bytes`: `device_memory_bytes` of the training device."""
+    foot = target_footprint(hf_cfg, dtype)
+    choice, why = resolve_target_parallel(setting, foot.weights, device_bytes, world_size)
+    if choice == "replicate":
+        return TargetPlan(choice, f"target replicated on every rank ({why})")
+    peak = foot.load_peak_bytes(world_size) / 2**30
+    return TargetPlan(choice,
+                      f"target sharded over {world_size} ranks with FSDP2 ({why}): {len(foot.layers)} decoder "
+                      f"layers, 1/{world_size} of each per rank; embedding, norm and LM head replicated (peak while "
+                      f"loading ~{peak:.2f} GiB per device)")
+
+
+class _FeatureForward(torch.nn.Module):
+    """The FSDP2 root around one feature pass: its subtree is the target's decoder layers (no parameter of its
+    own), its forward runs `run()` (a closure over the pass; nothing goes through the root's input handling)."""
+
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__()
+        self.layers = target.base.layers  # the same modules: FSDP2 finds their units under this root
+
+    def forward(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return run()
+
+
+class ShardedTarget:
+    """A `TargetModel` whose decoder layers are sharded over the ranks of a torchrun group (see the module
+    docstring). It answers `device`, `segments` and `context_features` like the target (the feed, the filler
+    item and the held-out evaluation call those); `target` is the plain model (embedding, LM head, config) that
+    the drafter shares. Every call of `context_features` is a collective: every rank must make the same number.
+    Build it on every rank at the same point (it creates two process groups). `device`: the training device (None
+    = the target's); a target built on the host is moved there, its layers as they are sharded, the replicated
+    parts after."""
+
+    def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs them
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            raise ConfigError("target_parallel fsdp needs a torchrun process group (more than one rank)")
+        timeout = _dt.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(timeout=timeout)  # the layers' all-gathers, and nothing else
+        self.control = dist.new_group(backend="gloo", timeout=timeout)  # the feed threads' stop handshake
+        self.target, self.world_size = target, dist.get_world_size()
+        device = target.device if device is None else torch.device(device)
+        mesh = DeviceMesh.from_group(self.group, device.type)
+        layers = list(target.base.layers)
+        for layer in layers:  # the layer moved to the mesh's device, 1/W kept, the full copy freed as it returns
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        upto = max(target.layer_ids) + 1  # the feature pass's layers: the deeper ones never run in training
+        for layer, following in zip(layers[:upto - 1], layers[1:upto]):
+            layer.set_modules_to_forward_prefetch([following])
+        self.root = fully_shard(_FeatureForward(target), mesh=mesh, reshard_after_forward=True)
+        move_outside_layers(target, device)  # after the layers: the device holds no full layer beside them
+        self.lock = threading.Lock()  # one pass at a time on this rank (feed thread, held-out evaluation)
+        self.left = False  # this rank's feed has left the handshake (or seen a peer leave)
+        self.filler_batch = collate_padded([(np.zeros(1, np.int64), np.ones(1, np.uint8))], 0)  # 1 token
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def segments(self, host_doc_ids: torch.Tensor) -> RealTokens:
+        return self.target.segments(host_doc_ids)
+
+    @torch.no_grad()
+    def context_features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
+        """`TargetModel.context_features` (C, F*H) with the layers all-gathered one at a time (a collective)."""
+        with self.lock:
+            return self.root(lambda: self.target.context_features(batch, segments))
+
+    def filler(self) -> None:
+        """One feature pass on a 1-token document, its features dropped: a rank's pass without a batch."""
+        self.context_features(self.filler_batch)
+
+    def turn(self) -> None:
+        """Before a feed pass: every rank's feed agrees to go on (a gloo collective). Raises `Stopped` when
+        another rank's feed has left, so this one stops at the same pass."""
+        if self._handshake(stop=False):
+            raise Stopped("another rank's target feed stopped")
+
+    def leave(self) -> None:
+        """This rank's feed is done (end of stream, the pipeline closing, a failure): tell the other ranks' feeds
+        once. Best effort: a dead peer's error is the one the trainer reports."""
+        try:
+            self._handshake(stop=True)
+        except Exception:  # noqa: BLE001 - gloo words a dead peer in several types; it surfaces elsewhere
+            pass
+
+    def _handshake(self, stop: bool) -> bool:
+        """True when a rank (this one included) says stop. After a stop it is never made again."""
+        if self.left:
+            return True
+        flag = torch.tensor([float(stop)])  # (1,) on the host: the gloo group, no device sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        self.left = bool(flag.item() > 0)
+        return self.left
+
+
+def per_step_passes(data_shards: int, world_size: int) -> int:
+    """Feature passes each rank runs per sampler step under a sharded target: the most shards a rank takes
+    (`distributed.rank_shards`: rank 0's ceil(D / W)), one for a rank with none."""
+    return max(1, -(-data_shards // world_size))
+
+
+def move_outside_layers(target: TargetModel, device: torch.device) -> None:
+    """Move every parameter and buffer of `target` outside its decoder layers (embedding, final norm, LM head,
+    rotary tables) to `device`, in place in the modules: a weight tied under two names becomes one moved
+    Parameter under both, and `target.device` (its embedding's) answers `device`."""
+    inside = {id(m) for m in target.base.layers.modules()}
+    moved: dict[int, torch.nn.Parameter] = {}  # id of a host Parameter -> its copy on the device
+    for module in target.model.modules():
+        if id(module) in inside:
+            continue
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+            setattr(module, name, moved[id(p)])  # the host copy is freed once no module holds it
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))  # stays registered (persistent or not) as it was
+
+
+def load_sharded_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, timeout_s: float,
+                        seed: int = 0, gather: bool = True) -> ShardedTarget:
+    """The target of `cfg` built on the HOST in `dtype` (`TargetModel.from_model_config`; `seed` and `gather`
+    as there), then sharded onto the training `device` (`ShardedTarget`): the device never holds it whole. The
+    host model runs SDPA (flash-attn refuses a model on the CPU); the backend `cfg.attn_backend` resolves to on
+    `device` is set once the weights are there."""
+    backend = resolve_backend(cfg.attn_backend, device)  # refuses flash off CUDA, as a replicated target would
+    host = TargetModel.from_model_config(dataclasses.replace(cfg, attn_backend="sdpa"), device="cpu", dtype=dtype,
+                                         seed=seed, gather=gather)
+    sharded = ShardedTarget(host, timeout_s, device)
+    if backend != host.backend:
+        host.model.set_attn_implementation(IMPLEMENTATION[backend])
+        host.backend = backend
+    return sharded
