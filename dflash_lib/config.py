@@ -195,6 +195,8 @@ class TrainConfig:
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
     parallel: str = "ddp"  # under torchrun: "ddp" (DistributedDataParallel) | "fsdp" (FSDP2, a unit per drafter layer)
+    target_parallel: str = "auto"  # the frozen target across ranks: "replicate" (whole on every rank) | "fsdp"
+    # (FSDP2-sharded per decoder layer) | "auto" (fsdp when its weights would take over ~1/3 of a device)
     async_ckpt: bool = False  # checkpoints staged in host memory, written in the background, committed at the next save
     eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
     eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
@@ -209,6 +211,7 @@ class TrainConfig:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("parallel", self.parallel, ("ddp", "fsdp"))
+        _choice("target_parallel", self.target_parallel, ("replicate", "fsdp", "auto"))
         if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
             raise ConfigError(f"lr must be in (0, 1], got {self.lr}")
         _bounded(self, positive=("log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),
@@ -589,3 +592,36 @@ def qwen3_8b() -> Config:
 
 
 PRESETS["qwen3-8b"] = qwen3_8b
+
+
+def _paper_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
+    """`qwen3_8b`'s recipe (drafter, anchors, block, max_len, optimiser, token budget) for the target whose
+    published shapes `target` names (models/shapes.py), with its five feature layers: the layer-id rule
+    (`models.target.feature_layer_ids`) for its depth, written out because this stage cannot import models/
+    (tests/test_dryrun.py checks them against the rule). The drafter's width follows the target
+    (`models.drafter.drafter_shape`: dense, also for a mixture-of-experts target)."""
+    return from_params({"target": target, "target_layer_ids": target_layer_ids}, qwen3_8b())
+
+
+def qwen3_32b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-32B's shapes (64 layers, hidden 5120): features of layers
+    [1, 16, 31, 46, 61]."""
+    return _paper_recipe_for("qwen3-32b", [1, 16, 31, 46, 61])
+
+
+def qwen3_30b_a3b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-30B-A3B's shapes (48 MoE layers, hidden 2048): features of layers
+    [1, 12, 23, 34, 45]; a dense drafter of the target's width."""
+    return _paper_recipe_for("qwen3-30b-a3b", [1, 12, 23, 34, 45])
+
+
+def qwen3_235b_a22b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-235B-A22B's shapes (94 MoE layers, hidden 4096): features of
+    layers [1, 24, 46, 68, 91]; a dense drafter of the target's width. Its bf16 weights (~438 GiB) fit no single
+    GPU: `-p target_parallel fsdp` over the ranks (the dry run's `--world-size`)."""
+    return _paper_recipe_for("qwen3-235b-a22b", [1, 24, 46, 68, 91])
+
+
+PRESETS["qwen3-32b"] = qwen3_32b
+PRESETS["qwen3-30b-a3b"] = qwen3_30b_a3b
+PRESETS["qwen3-235b-a22b"] = qwen3_235b_a22b

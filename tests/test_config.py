@@ -65,7 +65,7 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "device": "cpu", "wandb_mode": "disabled", "attn_backend": "sdpa", "drafter_attention": "dense",
                "drafter_checkpointing": "true", "edges": [8, 16], "target_layer_ids": [0, 1],
                "thinking": "on", "backend": "openai", "top_p": 0.5, "base_url": "http://127.0.0.1:1/v1",
-               "parallel": "fsdp",
+               "parallel": "fsdp", "target_parallel": "fsdp",
                "regen_leading_assistant": "skip", "regen_on_error": "abort"}
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
