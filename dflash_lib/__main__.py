@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="allocator overhead, a fraction of the measured peak (default dryrun.Reserve's)")
     dry.add_argument("--compare", action="store_true",
                      help="also run the other drafter attention backends (dense, blocks, flex)")
+    dry.add_argument("--world-size", type=int, default=1, help="GPUs: rank 0 of them measured under a fake process "
+                     "group, the target laid over them by -p target_parallel (replicate | fsdp | auto)")
+    dry.add_argument("--link-gbs", type=float, default=450.0,
+                     help="per-GPU interconnect bandwidth, one direction, GB/s (default NVLink 4 on H100/H200: 450)")
 
     pl = sub.add_parser("plan", help="the fastest token budget, block budget and checkpointed drafter layers that "
                         "fit --device-gib, proven by the dry run; writes plan.json and a preset file; exit 1 when "

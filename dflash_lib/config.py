@@ -592,3 +592,36 @@ def qwen3_8b() -> Config:
 
 
 PRESETS["qwen3-8b"] = qwen3_8b
+
+
+def _paper_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
+    """`qwen3_8b`'s recipe (drafter, anchors, block, max_len, optimiser, token budget) for the target whose
+    published shapes `target` names (models/shapes.py), with its five feature layers: the layer-id rule
+    (`models.target.feature_layer_ids`) for its depth, written out because this stage cannot import models/
+    (tests/test_dryrun.py checks them against the rule). The drafter's width follows the target
+    (`models.drafter.drafter_shape`: dense, also for a mixture-of-experts target)."""
+    return from_params({"target": target, "target_layer_ids": target_layer_ids}, qwen3_8b())
+
+
+def qwen3_32b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-32B's shapes (64 layers, hidden 5120): features of layers
+    [1, 16, 31, 46, 61]."""
+    return _paper_recipe_for("qwen3-32b", [1, 16, 31, 46, 61])
+
+
+def qwen3_30b_a3b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-30B-A3B's shapes (48 MoE layers, hidden 2048): features of layers
+    [1, 12, 23, 34, 45]; a dense drafter of the target's width."""
+    return _paper_recipe_for("qwen3-30b-a3b", [1, 12, 23, 34, 45])
+
+
+def qwen3_235b_a22b() -> Config:
+    """The paper recipe (`qwen3_8b`) for Qwen3-235B-A22B's shapes (94 MoE layers, hidden 4096): features of
+    layers [1, 24, 46, 68, 91]; a dense drafter of the target's width. Its bf16 weights (~438 GiB) fit no single
+    GPU: `-p target_parallel fsdp` over the ranks (the dry run's `--world-size`)."""
+    return _paper_recipe_for("qwen3-235b-a22b", [1, 24, 46, 68, 91])
+
+
+PRESETS["qwen3-32b"] = qwen3_32b
+PRESETS["qwen3-30b-a3b"] = qwen3_30b_a3b
+PRESETS["qwen3-235b-a22b"] = qwen3_235b_a22b

@@ -229,6 +229,29 @@ def test_qwen3_8b_preset_is_the_paper_recipe():
     assert dryrun.for_cuda(cfg) == dryrun.StepSettings("flex", 5)  # every drafter layer checkpointed on CUDA
 
 
+@pytest.mark.parametrize("name,layers,hidden,billions", [("qwen3-8b", 36, 4096, 8.19), ("qwen3-32b", 64, 5120, 32.76),
+                                                          ("qwen3-30b-a3b", 48, 2048, 30.53),
+                                                          ("qwen3-235b-a22b", 94, 4096, 235.09)])
+def test_larger_presets_are_the_paper_recipe_on_the_published_shapes(name, layers, hidden, billions):
+    """Each preset: qwen3-8b's recipe, the target's own five feature layers by the layer-id rule, and published
+    shapes whose parameter count is the model card's (built on the meta device)."""
+    import transformers
+
+    from dflash_lib.models.shapes import NAMED_SHAPES
+    from dflash_lib.models.target import feature_layer_ids, target_hf_config
+
+    cfg, paper = preset(name), preset("qwen3-8b")
+    hf = target_hf_config(cfg.model)
+    assert (hf.num_hidden_layers, hf.hidden_size) == (layers, hidden) and cfg.model.target == name
+    assert cfg.model.target_layer_ids == feature_layer_ids(layers, 5)
+    same = lambda c: (c.model.drafter_layers, c.model.block_size, c.model.num_anchors, c.data.max_len,  # noqa: E731
+                      c.sampler.token_budget, c.train.lr, c.train.epochs)
+    assert same(cfg) == same(paper)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(NAMED_SHAPES[name]())
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
 @pytest.mark.slow
 def test_qwen3_8b_shapes_reduced_depth(capsys):
     """The real Qwen3-8B widths, the target cut at layer 5 and a 2-layer drafter, two buckets: fast enough to run

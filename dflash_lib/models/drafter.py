@@ -29,6 +29,30 @@ from dflash_lib.models.loss import DrafterLoss, weighted_loss
 from dflash_lib.models.target import TargetModel
 
 
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter's layer dimensions for a target (`drafter_shape`)."""
+
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads
+    head_dim: int  # per-head width
+    intermediate_size: int  # the dense SwiGLU width
+
+
+def drafter_shape(hf: Any) -> DrafterShape:
+    """The paper's dense drafter layer for the target config `hf` (a Hugging Face config): the target's attention
+    shape (query heads, key/value heads, head_dim; hidden_size // heads when it names none) and a DENSE SwiGLU of
+    the target's `intermediate_size`. A mixture-of-experts target gets the same dense layer, never experts:
+    Qwen3-MoE configs list a dense `intermediate_size` (3 x hidden: 6144 for Qwen3-30B-A3B) beside their
+    `moe_intermediate_size`, and the drafters z-lab publishes for MoE targets (Qwen3-Coder-30B-A3B) are dense
+    Qwen3 layers of the target's hidden size; a config with no dense width (intermediate_size missing or 0, only
+    moe_intermediate_size) gets 3 x hidden_size, the Qwen3 ratio (8B: 12288 / 4096)."""
+    hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
+    dense = int(getattr(hf, "intermediate_size", 0) or 0) or 3 * hidden
+    return DrafterShape(num_heads=heads, num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+                        head_dim=int(getattr(hf, "head_dim", None) or hidden // heads), intermediate_size=dense)
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int  # H, equal to the target's
@@ -77,15 +101,13 @@ class DrafterConfig:
 
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", target: TargetModel) -> "DrafterConfig":
-        """Attention shape, MLP width and RoPE base from the target (Qwen3 family), the rest from `cfg`."""
+        """Attention shape and MLP width by `drafter_shape`, RoPE base from the target, the rest from `cfg`."""
         hf = target.model.config
-        heads = int(hf.num_attention_heads)
+        shape = drafter_shape(hf)
         rope = getattr(hf, "rope_parameters", None) or {}
         return cls(
-            hidden_size=target.hidden_size, num_layers=cfg.drafter_layers, num_heads=heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or target.hidden_size // heads),
-            intermediate_size=int(hf.intermediate_size), vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size, num_layers=cfg.drafter_layers, **dataclasses.asdict(shape),
+            vocab_size=target.vocab_size,
             target_layer_ids=list(target.layer_ids), target_num_layers=target.num_layers,
             block_size=cfg.block_size, mask_id=cfg.mask_id, gamma=cfg.gamma, num_anchors=cfg.num_anchors,
             ce_chunk_blocks=cfg.ce_chunk_blocks, rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),

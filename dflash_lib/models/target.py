@@ -32,12 +32,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens, real_tokens
+from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from dflash_lib.config import ModelConfig
-
-QWEN3_VOCAB = 151936  # Qwen3 embedding rows (the tokenizer's ids and the reserved MASK 151669 fit)
 
 
 def tiny_qwen3_config(hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
@@ -54,18 +53,6 @@ def tiny_qwen3_config(hidden_size: int = 64, num_layers: int = 4, num_heads: int
         intermediate_size=intermediate_size or 3 * hidden_size, max_position_embeddings=max_position_embeddings,
         attn_implementation="sdpa",
     )
-
-
-def qwen3_8b_config() -> transformers.Qwen3Config:
-    """The shapes of Qwen3-8B (its published config.json): what the dry run builds when no weights are at hand."""
-    return transformers.Qwen3Config(
-        vocab_size=QWEN3_VOCAB, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa",
-    )
-
-
-NAMED_SHAPES = {"qwen3-8b": qwen3_8b_config}  # `target` values that name a model's shapes (no weights)
 
 
 def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:

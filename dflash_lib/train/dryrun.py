@@ -2,9 +2,11 @@
 every bucket of the plan and of the packed strategy, measured for memory and FLOPs before a GPU is rented.
 
     python -m dflash_lib dryrun --preset qwen3-8b [-p KEY VALUE]... [--device-gib 80] [--compare]
+        [--world-size N [-p target_parallel replicate|fsdp|auto] [--link-gbs 450]]
 
-What runs: the target (the Qwen3-8B shapes of `models.target.qwen3_8b_config`, a local model folder's
-config.json, or the tiny target) and the drafter are built with fake weights (shapes, dtypes, no memory), and one
+What runs: the target (the published shapes `models/shapes.py` names: Qwen3-8B, -32B, -30B-A3B, -235B-A22B; a
+local model folder's config.json; or the tiny target) and the drafter are built with fake weights (shapes,
+dtypes, no memory), and one
 step runs exactly as the trainer runs it on CUDA: target features in bf16 up to the deepest feature layer, the
 drafter in fp32 master weights under bf16 autocast with the attention backend and activation checkpointing that
 `auto` resolves to on CUDA, the fused LM head + CE, backward, gradient clipping and a fused AdamW step whose state
@@ -41,8 +43,19 @@ Where a fake-mode figure differs from a real CUDA run, and how it is accounted f
 - Tracker artefacts: FlopCounterMode's module tracker holds gradients in its hooks (~10 GiB at the paper's shapes),
   so FLOPs are counted in a second pass, never in the one whose memory is measured; MemTracker's per-module peaks
   (unused) are skipped for speed and its gradient hooks go on trainable modules only (`StepMemTracker`).
+- A mixture-of-experts target: transformers' grouped_mm experts run as they are (routing-independent shapes;
+  their FLOPs by `balanced_experts.grouped_mm_flops`, which FlopCounterMode lacks); experts that route with
+  data-dependent shapes get the BALANCED-routing stand-in of `train/balanced_experts.py`.
 Step time is projected from the counted FLOPs (activation recomputation included) at a stated MFU of the H200's
 dense bf16 peak (989 TFLOP/s); the ETA costs every batch of an epoch as its bucket's worst case (an upper bound).
+
+Several ranks (`--world-size N`, `Ranks`): the step is rank 0's, every rank running its own worst batch. With
+`target_parallel` fsdp the target is sharded by FSDP2's real `fully_shard` under torch's fake process group
+(`train/fake_ranks.py`: per decoder layer, the next layer prefetched; embedding and LM head whole), so the peak
+holds 1/N of the layers and the gathered buffers in flight, and the step's all-gathers are counted as issued.
+The drafter is replicated under DDP (its memory is the one-rank figure; its fp32 gradients, all-reduced once per
+step, are counted from its parameters). The collectives are costed as ring algorithms at `--link-gbs` per GPU
+(default NVLink 4, 450 GB/s one way) and added to the compute time, not overlapped: an upper bound.
 """
 
 from __future__ import annotations
@@ -76,10 +89,14 @@ from dflash_lib.plan.buckets import SampleCost
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.rundir import JsonRecord, load_config, omitted
+from dflash_lib.train.balanced_experts import grouped_mm_flops, install_balanced_experts
 from dflash_lib.train.build import bucket_edges, build_sampler, drafter_checkpointing
+from dflash_lib.train.fake_ranks import CommTally, fake_process_group, local_bytes
+from dflash_lib.train.target_shard import resolve_target_parallel, shard_layers, target_footprint
 
 GIB = 2 ** 30
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s)
+NVLINK4_GBS = 450.0  # NVLink 4 per GPU, one direction (GB/s; H100/H200 SXM: 18 links, 900 GB/s both ways)
 PAPER_SAMPLES = 800_000  # docs/dflash.md: the paper's training set, ~800K samples
 FLEX_TILE = 128  # FlexAttention's block-mask tile (queries and keys)
 aten = torch.ops.aten
@@ -114,6 +131,37 @@ class Reserve:
 
     def required_bytes(self, peak: float, kernel_allowance: float = 0.0) -> float:
         return peak * (1.0 + self.fragmentation) + kernel_allowance + self.reserve_gib * GIB
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks the step runs on (`--world-size`) and how the frozen target is laid over them."""
+
+    world_size: int = 1  # data-parallel ranks (GPUs), each running its own worst batch
+    target_parallel: str = "replicate"  # "replicate" (whole target on every rank) | "fsdp" (FSDP2 per layer)
+    link_gbs: float = NVLINK4_GBS  # per-GPU interconnect bandwidth, one direction (GB/s)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.link_gbs <= 0:
+            raise ConfigError(f"world size must be >= 1 and link bandwidth > 0, got {self.world_size}, "
+                              f"{self.link_gbs} GB/s")
+        if self.target_parallel not in ("replicate", "fsdp"):
+            raise ConfigError(f"target_parallel must be replicate or fsdp here, got {self.target_parallel!r}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.target_parallel == "fsdp" and self.world_size > 1
+
+    def comm_seconds(self, comm: dict[str, int]) -> float:
+        """Seconds the step's collectives take over ring algorithms at link_gbs, none of it overlapped with
+        compute (an upper bound: FSDP's prefetch and DDP's bucketed all-reduce hide much of it): an all-gather or
+        a reduce-scatter moves (N-1)/N of its full buffer through each GPU's link, an all-reduce twice that."""
+        n = self.world_size
+        if n == 1:
+            return 0.0
+        moved = (n - 1) / n * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)
+                                + 2 * comm.get("all_reduce", 0))
+        return moved / (self.link_gbs * 1e9)
 
 
 # -- worst-case batches --------------------------------------------------------------------------------------------
@@ -215,6 +263,8 @@ class StepModels:
     params: list[torch.nn.Parameter]  # the drafter's trainable parameters
     settings: StepSettings
     mode: FakeTensorMode | None  # None = real tensors
+    features: Callable[..., torch.Tensor] | None = None  # the FSDP2-sharded feature pass; None = the target's own
+    balanced_experts: int = 0  # MoE experts modules run by the balanced-routing stand-in (train/balanced_experts.py)
 
     @property
     def context(self) -> contextlib.AbstractContextManager:
@@ -243,14 +293,23 @@ def _fake_drafter(drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTen
     return drafter
 
 
-def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake: bool, seed: int = 0) -> StepModels:
-    """The target (features only), a fresh drafter and a fused AdamW whose state already exists (steady state)."""
+def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake: bool, seed: int = 0,
+                      mesh: Any = None) -> StepModels:
+    """The target (features only), a fresh drafter and a fused AdamW whose state already exists (steady state).
+    Fake: a mixture-of-experts target's experts that fake tensors cannot run get the balanced-routing stand-in;
+    `mesh` (a fake process group's, `fake_ranks.fake_process_group`) shards the target with FSDP2 over it."""
     mc, tc = config.model, config.train
     ids = mc.target_layer_ids or None
     mode = FakeTensorMode() if fake else None
+    features, balanced = None, 0
     if fake:
         target = TargetModel.fake(hf_cfg, mc.num_features, ids, mode, "cpu", settings.target_dtype)
+        balanced = install_balanced_experts(target.model)
         drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
+        if mesh is not None:
+            with mode:
+                root = shard_layers(target, mesh)  # as the trainer shards it (`target_shard`)
+                features = lambda batch, segments: root(lambda: target.context_features(batch, segments))  # noqa: E731
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)
@@ -263,7 +322,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return StepModels(target, drafter, opt, params, settings, mode)
+    return StepModels(target, drafter, opt, params, settings, mode, features, balanced)
 
 
 # -- measurement ---------------------------------------------------------------------------------------------------
@@ -310,6 +369,7 @@ class _FlopTally:
         addmm = lambda s, a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * b[1])  # noqa: E731
         bmm = lambda a, b, *_, out_shape=None, **__: self._matmul((*a, *b), 2 * a[0] * a[1] * a[2] * b[2])  # noqa: E731
         return FlopCounterMode(display=False, custom_mapping={aten.mm: mm, aten.addmm: addmm, aten.bmm: bmm,
+                                                              aten._grouped_mm: grouped_mm_flops,  # MoE experts
                                                               **sdpa_flop_mapping()})
 
 
@@ -401,6 +461,7 @@ class StepFigures:
     kernel_allowance: int  # bytes a CUDA kernel adds that the fake CPU step does not hold (module docstring)
     attention_pairs: dict[str, float] = field(default_factory=dict)  # query-key pairs: allowed, computed (per head)
     seconds: float = 0.0  # wall time of the measured step on this machine
+    comm: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives by kind (`CommTally`)
 
     @property
     def flops_total(self) -> int:
@@ -445,7 +506,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
         def forward():
             with phase("target"):
-                feats = target.context_features(dev_batch, segments)  # (C, F*H)
+                feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
                 return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum)
 
@@ -475,7 +536,8 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     tally = _FlopTally(drafter.cfg.vocab_size)
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
     flex = {"forward": 0, "backward": 0}
-    with models.context, _flex_standin(flex):
+    comm = CommTally()
+    with models.context, _flex_standin(flex), comm:
         step(lambda name: counters[name])
     flex_flops = 0
     if flex["forward"]:
@@ -485,7 +547,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     drafter_total = counters["drafter"].get_total_flops() + counters["backward"].get_total_flops()
     flops = dict(target_forward=counters["target"].get_total_flops(), drafter_layers=drafter_total - sdpa - tally.head,
                  drafter_attention=sdpa + flex_flops, head_ce=tally.head)
-    return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds)
+    return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds, dict(comm.bytes))
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -517,8 +579,11 @@ class BatchRecord(JsonRecord):
     tflops_split: dict[str, float]  # the same by part: target_forward, drafter_layers, drafter_attention, head_ce
     memory_gib: dict[str, float]  # GiB per category at the moment of the peak (parameters, gradients, optimizer, ...)
     kernel_allowance_gib: float  # what a CUDA kernel adds that the fake CPU step does not hold (GiB)
-    step_s: float  # projected step time on the device at the stated MFU (seconds)
-    ktok_s: float  # real tokens per second at that step time (thousands)
+    step_s: float  # projected step time on the device at the stated MFU, collectives included (seconds)
+    ktok_s: float  # real tokens per second at that step time, summed over the ranks (thousands)
+    all_gather_gib: float = 0.0  # the sharded target's all-gathers of one step, full buffers (GiB per rank)
+    grad_reduce_gib: float = 0.0  # the drafter's gradient all-reduce of one step (GiB per rank, fp32)
+    comm_s: float = 0.0  # of step_s: the collectives at the stated link bandwidth (`Ranks.comm_seconds`)
 
 
 @dataclass
@@ -529,7 +594,11 @@ class BatchResult:
     figures: StepFigures
     required_bytes: float  # peak with the reserve (Reserve.required_bytes)
     fits: bool  # required_bytes <= the device's memory
-    step_s: float  # projected step time on the device (seconds)
+    step_s: float  # projected step time on the device (seconds), comm_s included
+    comm_s: float = 0.0  # of step_s: the collectives (seconds)
+    world_size: int = 1  # ranks each running such a batch (ktok_s sums them)
+    target_bytes: int = 0  # what this rank holds of the target's weights (bytes; its FSDP2 shards when sharded)
+    balanced_experts: int = 0  # MoE experts modules priced by the balanced stand-in (StepModels.balanced_experts)
 
     def record(self) -> BatchRecord:
         """This batch in the report."""
@@ -541,22 +610,37 @@ class BatchResult:
                     tflops_split={k: round(v / 1e12, 4) for k, v in f.flops.items()},
                     memory_gib={k: round(v / GIB, 3) for k, v in f.memory.items()},
                     kernel_allowance_gib=round(f.kernel_allowance / GIB, 2), step_s=round(self.step_s, 3),
-                    ktok_s=round(sum(w.lengths) / self.step_s / 1000.0, 1))
+                    ktok_s=round(self.world_size * sum(w.lengths) / self.step_s / 1000.0, 1),
+                    all_gather_gib=round(f.comm.get("all_gather", 0) / GIB, 3),
+                    grad_reduce_gib=round(f.comm.get("all_reduce", 0) / GIB, 3), comm_s=round(self.comm_s, 3))
 
 
 def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepSettings, device_gib: float,
                     mfu: float = 0.4, peak_tflops: float = H200_BF16_TFLOPS, reserve: Reserve = Reserve(),
-                    fake: bool = True, say: Callable[[str], None] = lambda line: None) -> list[BatchResult]:
-    """Measure one step per batch of `worst` with models built once for `settings` (fake weights by default)."""
-    models = build_step_models(config, target_hf_config(config.model), settings, fake, config.train.seed)
-    out = []
-    for w in worst:
-        batch = host_batch(w, models.drafter.cfg.vocab_size, config.model.mask_id, seed=config.train.seed)
-        fig = measure_step(models, batch, config.train.seed)
-        need = reserve.required_bytes(fig.peak_bytes, fig.kernel_allowance)
-        out.append(BatchResult(w, fig, need, need <= device_gib * GIB, fig.flops_total / (mfu * peak_tflops * 1e12)))
-        say(f"  {w.label}: {w.docs} docs, {w.drafter_queries} queries -> peak {fig.peak_bytes / GIB:.1f} GiB "
-            f"({fig.seconds:.0f} s)")
+                    fake: bool = True, say: Callable[[str], None] = lambda line: None,
+                    ranks: Ranks = Ranks()) -> list[BatchResult]:
+    """Measure one step per batch of `worst` with models built once for `settings` (fake weights by default), as
+    rank 0 of `ranks`: with an FSDP2-sharded target under a fake process group (`fake_ranks`), its peak, FLOPs
+    and all-gathers are one rank's. The drafter is replicated and its gradients all-reduced in fp32 once per step
+    (DistributedDataParallel, `train.parallel` ddp: its gradients are the all-reduce buckets, so its memory is
+    the one-rank figure); that all-reduce's bytes are its trainable parameters' fp32 bytes."""
+    with fake_process_group(ranks.world_size) if ranks.sharded else contextlib.nullcontext() as mesh:
+        models = build_step_models(config, target_hf_config(config.model), settings, fake, config.train.seed, mesh)
+        grads = 4 * sum(p.numel() for p in models.params) if ranks.world_size > 1 else 0  # fp32 gradient bytes
+        held = local_bytes(list(models.target.parameters()))
+        out = []
+        for w in worst:
+            batch = host_batch(w, models.drafter.cfg.vocab_size, config.model.mask_id, seed=config.train.seed)
+            fig = measure_step(models, batch, config.train.seed)
+            if grads:
+                fig.comm["all_reduce"] = fig.comm.get("all_reduce", 0) + grads
+            need = reserve.required_bytes(fig.peak_bytes, fig.kernel_allowance)
+            comm_s = ranks.comm_seconds(fig.comm)
+            out.append(BatchResult(w, fig, need, need <= device_gib * GIB,
+                                   fig.flops_total / (mfu * peak_tflops * 1e12) + comm_s, comm_s, ranks.world_size,
+                                   held, models.balanced_experts))
+            say(f"  {w.label}: {w.docs} docs, {w.drafter_queries} queries -> peak {fig.peak_bytes / GIB:.1f} GiB "
+                f"({fig.seconds:.0f} s)")
     return out
 
 
@@ -585,18 +669,21 @@ def _with(config: Config, **params: Any) -> Config:
     return from_params(params, config)
 
 
-def _epoch_batches(config: Config, lengths: np.ndarray, queries: np.ndarray, edges: Sequence[int]
-                   ) -> tuple[list[int], int]:
-    """(batches of each bucket in epoch 0 of the bucketed sampler, rows of the packed sampler), one rank."""
-    bucketed = build_sampler(_with(config, strategy="bucketed"), lengths, 0, 1, edges, queries).epoch_plan(0)
-    packed = build_sampler(_with(config, strategy="packed"), lengths, 0, 1, [], queries).epoch_plan(0)
+def _epoch_batches(config: Config, lengths: np.ndarray, queries: np.ndarray, edges: Sequence[int],
+                   world_size: int = 1) -> tuple[list[int], int]:
+    """(batches of each bucket in epoch 0 of the bucketed sampler, rows of the packed sampler) of rank 0 of
+    `world_size` ranks: the steps of an epoch, every rank stepping together."""
+    n = world_size
+    bucketed = build_sampler(_with(config, strategy="bucketed"), lengths, 0, n, edges, queries).epoch_plan(0)
+    packed = build_sampler(_with(config, strategy="packed"), lengths, 0, n, [], queries).epoch_plan(0)
     counts = np.bincount(bucketed.step_bucket, minlength=len(edges))
     return [int(c) for c in counts], packed.num_steps
 
 
 @dataclass
 class DryRunEta(JsonRecord):
-    """The dry run's projection of a full training run on one GPU, every batch costed as its bucket's worst."""
+    """The dry run's projection of a full training run on the report's world_size GPUs, every batch costed as its
+    bucket's worst."""
 
     corpus_samples: int  # samples of the corpus the ETA is for
     corpus: str  # where that count came from: "given" (--corpus-samples) or the bundled corpus, in words
@@ -619,6 +706,9 @@ class DryRunAssumptions(JsonRecord):
     fragmentation: float  # caching-allocator overhead, a fraction of the measured peak
     device: str  # how the step was run, in words
     eta: str  # how the ETA is costed, in words
+    link_gbs: float = NVLINK4_GBS  # per-GPU interconnect bandwidth the collectives are costed at (GB/s, one way)
+    ranks: str = "one rank"  # how the ranks were emulated and what their collectives are, in words
+    experts: str = "none"  # how a mixture-of-experts target's routing was priced, in words
 
 
 @dataclass
@@ -654,17 +744,27 @@ class DryRunReport(JsonRecord):
     assumptions: DryRunAssumptions  # what the projections assume
     eta: DryRunEta  # the full-run projection
     seconds: float  # wall time of the dry run on this machine (seconds)
+    world_size: int = 1  # ranks (GPUs) the step runs on, each its own worst batch
+    target_parallel: str = "replicate"  # the target over them: replicate | fsdp (`Ranks`)
+    target_gib: float = 0.0  # the target's bf16 weights, whole (GiB)
+    target_gib_per_rank: float = 0.0  # what one rank holds of them (GiB): target_gib, or its FSDP2 shard
     compare: dict[str, BackendComparison] | None = omitted()  # backend -> the same run under it (`--compare` only)
 
 
 def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_samples: int = 0,
             attention: str | None = None, reserve: Reserve = Reserve(), peak_tflops: float = H200_BF16_TFLOPS,
-            say: Callable[[str], None] = lambda line: None) -> DryRunReport:
+            say: Callable[[str], None] = lambda line: None, world_size: int = 1,
+            link_gbs: float = NVLINK4_GBS) -> DryRunReport:
     """The dry run of `config` (module docstring): the bucket plan of its corpus, every bucket's worst batch and
-    the packed row measured in fake mode as on CUDA (`attention` overrides the backend), projections. Returns the
-    report (`format_report` prints it; the CLI's JSON line is its `to_json`)."""
+    the packed row measured in fake mode as on CUDA (`attention` overrides the backend), as rank 0 of
+    `world_size` ranks with the target laid over them by `train.target_parallel` (`target_shard.resolve_target_parallel`),
+    projections. Returns the report (`format_report` prints it; the CLI's JSON line is its `to_json`)."""
     t0 = time.perf_counter()
     mc = config.model
+    hf = target_hf_config(mc)
+    weights = target_footprint(hf, torch.bfloat16).weights
+    parallel, _ = resolve_target_parallel(config.train.target_parallel, weights, int(device_gib * GIB), world_size)
+    ranks = Ranks(world_size, parallel, link_gbs)
     settings = for_cuda(config)
     if attention is not None:
         settings = dataclasses.replace(settings, attention=attention)
@@ -675,15 +775,15 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     block_budget = resolve_block_budget(config.sampler, config.buckets, mc, config.data.max_len)
     say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
         f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "
-        f"checkpointed layers {settings.checkpointing}/{mc.drafter_layers}")
+        f"checkpointed layers {settings.checkpointing}/{mc.drafter_layers}; {ranks.world_size} rank(s), target "
+        f"{ranks.target_parallel} ({target_bytes / GIB:.1f} GiB bf16)")
     results = measure_batches(config, worst_batches(config, edges, block_budget), settings, device_gib, mfu,
-                              peak_tflops, reserve, say=say)
+                              peak_tflops, reserve, say=say, ranks=ranks)
     buckets, packed = results[:-1], results[-1]
-    counts, rows = _epoch_batches(config, lengths, queries, edges)
+    counts, rows = _epoch_batches(config, lengths, queries, edges, ranks.world_size)
     n = corpus_samples or len(lengths)
     epochs = config.train.full_run_epochs
     epoch_s = {"bucketed": sum(c * r.step_s for c, r in zip(counts, buckets)), "packed": rows * packed.step_s}
-    hf = target_hf_config(mc)
     eta = DryRunEta(
         corpus_samples=n, corpus="given" if corpus_samples else f"the bundled corpus ({len(lengths):,} samples)",
         epochs=epochs, batches_per_epoch={"bucketed": counts, "packed": rows},
@@ -701,9 +801,37 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
         assumptions=DryRunAssumptions(
             gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
             fragmentation=reserve.fragmentation, device="fake CPU tensors standing in for CUDA, bf16 target, fp32 "
-            "drafter under bf16 autocast, fused AdamW", eta="one GPU; every batch of an epoch costed as its bucket's "
-            "worst batch (an upper bound); FLOPs counted include activation recomputation"),
-        eta=eta, seconds=round(time.perf_counter() - t0, 1))
+            "drafter under bf16 autocast, fused AdamW", eta=f"{ranks.world_size} GPU(s), rank 0's share of each "
+            "epoch; every batch costed as its bucket's worst batch (an upper bound); FLOPs counted include "
+            "activation recomputation; step time = compute at the MFU + collectives at link_gbs, not overlapped",
+            link_gbs=ranks.link_gbs, ranks=_ranks_words(ranks), experts=_experts_words(hf, results[0].balanced_experts)),
+        eta=eta, seconds=round(time.perf_counter() - t0, 1), world_size=ranks.world_size,
+        target_parallel=ranks.target_parallel, target_gib=round(target_bytes / GIB, 2),
+        target_gib_per_rank=round(results[0].target_bytes / GIB, 2))
+
+
+def _ranks_words(ranks: Ranks) -> str:
+    if ranks.world_size == 1:
+        return "one rank"
+    words = (f"rank 0 of {ranks.world_size}; the drafter replicated (DDP), its fp32 gradients all-reduced once "
+             "per step")
+    if ranks.sharded:
+        words += ("; the target FSDP2-sharded per decoder layer under torch's fake process group (real "
+                  "fully_shard: 1/N shards, the running and the prefetched layer gathered), embedding and LM head "
+                  "whole on every rank; all-gathers counted from the collectives the step issued")
+    return words + "; ring collectives"
+
+
+def _experts_words(hf: Any, balanced: int) -> str:
+    experts = int(getattr(hf, "num_experts", 0) or 0)
+    if not experts:
+        return "none (dense target)"
+    head = f"{experts} experts, {int(getattr(hf, 'num_experts_per_tok', 0))} per token: "
+    if balanced:
+        return head + (f"BALANCED routing assumed in {balanced} MoE layers (train/balanced_experts.py: every expert "
+                       "gets tokens x top_k / experts assignments, run one expert at a time as the eager loop)")
+    return head + ("transformers' grouped_mm experts run as they are (all tokens x top_k assignments at once, "
+                   "shapes independent of the routing); FLOPs are routing-independent")
 
 
 def format_report(report: DryRunReport) -> str:
@@ -712,9 +840,11 @@ def format_report(report: DryRunReport) -> str:
     head = (f"dry run: target {r.target} ({r.target_layers} layers, hidden {r.hidden_size}), drafter "
             f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}"
             f"\n  attention {r.attention}, checkpointed layers {r.checkpointing}/{r.drafter_layers}, token_budget "
-            f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB")
+            f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB"
+            f"\n  {r.world_size} rank(s), target {r.target_parallel}: {r.target_gib_per_rank:.1f} of its "
+            f"{r.target_gib:.1f} GiB bf16 weights per rank; figures per rank, Ktok/s summed over the ranks")
     cols = ("batch", "edge", "docs", "tgt tok", "queries", "peak", "need", "fits", "TFLOP", "tgt/layers/attn/head",
-            "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
+            "AG/AR GiB", "comm s", "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
     rows = []
     for b in [*r.buckets, r.packed]:
         t, m = b.tflops_split, b.memory_gib
@@ -723,7 +853,7 @@ def format_report(report: DryRunReport) -> str:
             b.target_tokens, b.drafter_queries, f"{b.peak_gib:.1f}", f"{b.required_gib:.1f}",
             "yes" if b.fits else "NO", f"{b.tflops:.0f}",
             "/".join(f"{t[k]:.0f}" for k in ("target_forward", "drafter_layers", "drafter_attention", "head_ce")),
-            f"{b.step_s:.2f}", f"{b.ktok_s:.1f}",
+            f"{b.all_gather_gib:.1f}/{b.grad_reduce_gib:.1f}", f"{b.comm_s:.2f}", f"{b.step_s:.2f}", f"{b.ktok_s:.1f}",
             "/".join(f"{m.get(k, 0):.1f}" for k in ("parameters", "gradients", "optimizer", "activations",
                                                      "temporaries"))))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
@@ -732,7 +862,9 @@ def format_report(report: DryRunReport) -> str:
     a, e = r.assumptions, r.eta
     lines.append(f"fits: {'yes' if r.fits else 'NO'} (need = peak x {1 + a.fragmentation:.2f} + kernel allowance "
                  f"+ {a.reserve_gib:g} GiB reserve <= {r.device_gib:g} GiB)")
-    lines.append(f"projection: {a.gpu} at {a.mfu:.0%} MFU of {a.peak_tflops:g} TFLOP/s; {a.eta}")
+    lines.append(f"projection: {a.gpu} at {a.mfu:.0%} MFU of {a.peak_tflops:g} TFLOP/s, links {a.link_gbs:g} GB/s "
+                 f"per GPU; {a.eta}")
+    lines.append(f"ranks: {a.ranks}; MoE: {a.experts}")
     lines.append(f"ETA of {e.epochs:g} epochs over {e.corpus_samples:,} samples ({e.corpus}): bucketed "
                  f"{e.days['bucketed']:.2f} days, packed {e.days['packed']:.2f} days; over the paper's "
                  f"{e.paper_samples:,}: bucketed {e.paper_days['bucketed']:.1f} days, packed "
@@ -744,13 +876,16 @@ def run_cli(args: Any, params: dict[str, str]) -> int:
     """`python -m dflash_lib dryrun` (arguments and the -p KEY VALUE `params` parsed in `__main__`): the table, then
     ONE JSON line (the report); returns 0 when every batch fits the device, 1 otherwise (a bad parameter raises
     ConfigError: exit 2)."""
-    if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.corpus_samples < 0:
-        raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --corpus-samples >= 0")
+    if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.corpus_samples < 0 or args.world_size < 1 \
+            or args.link_gbs <= 0:
+        raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --corpus-samples >= 0, --world-size >= 1, "
+                          "--link-gbs > 0")
     config = load_config(params, args.preset)
+    ranks = dict(world_size=args.world_size, link_gbs=args.link_gbs)
     reserve = Reserve(**{k: v for k, v in dict(reserve_gib=args.reserve_gib, fragmentation=args.fragmentation).items()
                          if v is not None})
     say = lambda line: print(line, flush=True)  # noqa: E731
-    report = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, reserve=reserve, say=say)
+    report = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, reserve=reserve, say=say, **ranks)
     print(format_report(report), flush=True)
     if args.compare:
         report.compare = {}
@@ -758,7 +893,8 @@ def run_cli(args: Any, params: dict[str, str]) -> int:
             if backend == report.attention:
                 continue
             say(f"-- attention {backend}")
-            other = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, backend, reserve, say=say)
+            other = dry_run(config, args.device_gib, args.mfu, args.corpus_samples, backend, reserve, say=say,
+                            **ranks)
             print(format_report(other), flush=True)
             report.compare[backend] = BackendComparison(other.fits, other.buckets, other.packed, other.eta)
     print(json.dumps(report.to_json()), flush=True)

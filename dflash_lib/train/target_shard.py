@@ -51,7 +51,7 @@ import dataclasses
 import datetime as _dt
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -63,6 +63,9 @@ from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.models.masks import RealTokens
 from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
 from dflash_lib.train.pipeline import Stopped
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 TARGET_PARALLEL = ("replicate", "fsdp", "auto")  # `train.target_parallel`
 AUTO_SHARE = 1 / 3  # auto shards a target whose weights exceed this share of one device's memory
@@ -178,6 +181,24 @@ class _FeatureForward(torch.nn.Module):
         return run()
 
 
+def shard_layers(target: TargetModel, mesh: "DeviceMesh") -> _FeatureForward:
+    """FSDP2 over `target`'s decoder layers on `mesh` (the trainer's target group, or the dry run's fake one):
+    `fully_shard` on each layer (moved to the mesh's device, 1/W kept, the full copy freed as it returns),
+    resharded after its forward, layer i prefetching layer i + 1 while both are in the feature pass (a deeper
+    layer never runs in training: prefetched, it would be gathered for nothing); then the root, a
+    `_FeatureForward` over the layers only, so embedding, norm and LM head stay whole. Frozen weights: nothing is
+    ever reduced. Returns the root: `root(lambda: target.context_features(...))` runs one pass."""
+    from torch.distributed.fsdp import fully_shard  # only a sharded target needs it
+
+    layers = list(target.base.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    upto = max(target.layer_ids) + 1
+    for layer, following in zip(layers[:upto - 1], layers[1:upto]):
+        layer.set_modules_to_forward_prefetch([following])
+    return fully_shard(_FeatureForward(target), mesh=mesh, reshard_after_forward=True)
+
+
 class ShardedTarget:
     """A `TargetModel` whose decoder layers are sharded over the ranks of a torchrun group (see the module
     docstring). It answers `device`, `segments` and `context_features` like the target (the feed, the filler
@@ -188,8 +209,7 @@ class ShardedTarget:
     parts after."""
 
     def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs them
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs it
 
         if not dist.is_initialized():
             raise ConfigError("target_parallel fsdp needs a torchrun process group (more than one rank)")
@@ -199,13 +219,7 @@ class ShardedTarget:
         self.target, self.world_size = target, dist.get_world_size()
         device = target.device if device is None else torch.device(device)
         mesh = DeviceMesh.from_group(self.group, device.type)
-        layers = list(target.base.layers)
-        for layer in layers:  # the layer moved to the mesh's device, 1/W kept, the full copy freed as it returns
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        upto = max(target.layer_ids) + 1  # the feature pass's layers: the deeper ones never run in training
-        for layer, following in zip(layers[:upto - 1], layers[1:upto]):
-            layer.set_modules_to_forward_prefetch([following])
-        self.root = fully_shard(_FeatureForward(target), mesh=mesh, reshard_after_forward=True)
+        self.root = shard_layers(target, mesh)
         move_outside_layers(target, device)  # after the layers: the device holds no full layer beside them
         self.lock = threading.Lock()  # one pass at a time on this rank (feed thread, held-out evaluation)
         self.left = False  # this rank's feed has left the handshake (or seen a peer leave)

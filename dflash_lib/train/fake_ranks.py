@@ -1,0 +1,80 @@
+"""The dry run on N ranks without N devices: torch's FAKE process group, the frozen target sharded by FSDP2 as
+the trainer shards it on N GPUs, and the bytes every collective moves.
+
+`fake_process_group(N)` makes this process rank 0 of an N-rank group whose collectives return at once without
+moving data (`torch.testing._internal.distributed.fake_pg`, the group torch ships for exactly this); under
+`FakeTensorMode` every tensor FSDP2 allocates still has its real shape. So `target_shard.shard_layers` (the
+trainer's FSDP2 wrapping: `fully_shard` on each decoder layer of the target, parameters resharded after each
+layer's forward, the next layer's all-gather issued before the current layer runs) leaves rank 0 holding what a rank holds on N GPUs: 1/N of each
+layer's weights (dim-0 shards, padded to a multiple of N rows), plus the full all-gather buffers of the layer
+running and of the one prefetched, as the memory tracker sees them. The embedding and the LM head stay whole on
+every rank: the drafter calls them in its own forward and backward, outside the target's.
+
+`CommTally` counts what the collectives of a step move, per kind, in bytes of the full (gathered or reduced)
+buffer: all-gather output, reduce-scatter input, all-reduce tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_lib.config import ConfigError
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[Any]:
+    """This process as rank 0 of a fake `world_size`-rank group (module docstring) while the block runs; yields
+    the 1-D CPU device mesh FSDP2 shards over (built outside any fake mode: a mesh reads its ranks' values).
+    ConfigError when another process group is already initialised in this process."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # private: torch's fake group
+    except ImportError as e:
+        raise ConfigError(f"--world-size needs torch's fake process group (torch.testing._internal.distributed."
+                          f"fake_pg), which this torch {torch.__version__} does not ship: {e}") from None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise ConfigError("the multi-rank dry run needs this process to hold no other process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def local_bytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes this rank holds of `params`: a DTensor's local shard (FSDP2 pads it to the same rows on every rank),
+    a plain tensor whole."""
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+class CommTally(TorchDispatchMode):
+    """Bytes each kind of collective moves while active (module docstring): `bytes` maps all_gather,
+    reduce_scatter and all_reduce to the summed size of their full buffers; `calls` counts the collectives.
+    Counts the c10d ops eager FSDP2 and DDP issue (`_allgather_base_`, `_reduce_scatter_base_`, `allreduce_`)."""
+
+    FULL_BUFFER = {"_allgather_base_": ("all_gather", 0), "_reduce_scatter_base_": ("reduce_scatter", 1),
+                   "allreduce_": ("all_reduce", 0)}  # c10d op -> (kind, argument holding the full buffer)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's dispatch protocol
+        op = str(func).split(".")
+        if len(op) >= 2 and op[0] == "c10d" and op[1] in self.FULL_BUFFER:
+            kind, at = self.FULL_BUFFER[op[1]]
+            full = args[at][0] if isinstance(args[at], (list, tuple)) else args[at]  # allreduce_ takes a list
+            self.bytes[kind] += full.numel() * full.element_size()
+            self.calls += 1
+        return func(*args, **(kwargs or {}))

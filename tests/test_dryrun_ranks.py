@@ -1,0 +1,96 @@
+"""The dry run on several ranks: under torch's fake process group, FSDP2 leaves rank 0 holding half of each
+decoder layer on two ranks, the step's all-gathers move exactly the gathered layers' bytes, and the fit verdict
+follows the per-rank peak; the interconnect arithmetic and `target_parallel`."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dflash_lib.config import ConfigError, from_params
+from dflash_lib.train import dryrun
+from dflash_lib.train.fake_ranks import fake_process_group
+
+VOCAB = 1000
+
+
+def _tiny():
+    return from_params(dict(hidden_size=64, target_layers=4, num_features=2, drafter_layers=2, block_size=4,
+                            num_anchors=8, token_budget=256, max_len=128, mask_id=VOCAB - 1))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One tiny worst batch measured as rank 0 of 2, target replicated and FSDP2-sharded, no reserve."""
+    cfg = _tiny()
+    settings = dryrun.StepSettings("blocks", 0)
+    worst = [dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)]
+    none = dryrun.Reserve(reserve_gib=0.0, fragmentation=0.0)
+    out = {tp: dryrun.measure_batches(cfg, worst, settings, 80.0, reserve=none, ranks=dryrun.Ranks(2, tp))[0]
+           for tp in ("replicate", "fsdp")}
+    hf = dryrun.target_hf_config(cfg.model)
+    layers = dryrun.build_step_models(cfg, hf, settings, fake=True).target.base.layers
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    return cfg, worst, settings, out, per_layer
+
+
+def test_fsdp_rank_holds_half_of_every_decoder_layer(two_ranks):
+    _, _, _, out, per_layer = two_ranks
+    rep, fsdp = out["replicate"], out["fsdp"]
+    assert rep.target_bytes - fsdp.target_bytes == sum(per_layer) // 2  # even shapes: no shard padding
+    assert rep.figures.memory["parameters"] - fsdp.figures.memory["parameters"] == sum(per_layer) // 2
+    assert not dist.is_initialized()  # the fake group is gone after the measurement
+
+
+def test_all_gathers_move_the_layers_the_feature_pass_runs(two_ranks):
+    """Features of layers [1, 1] (4 layers, 2 features): layers 0 and 1 run, each gathered once per forward; the
+    drafter's fp32 gradients are all-reduced once; the replicated target moves nothing."""
+    cfg, _, _, out, per_layer = two_ranks
+    rep, fsdp = out["replicate"], out["fsdp"]
+    assert fsdp.figures.comm["all_gather"] == sum(per_layer[:2]) and "all_gather" not in rep.figures.comm
+    grads = 4 * sum(p.numel() for p in dryrun.build_step_models(cfg, dryrun.target_hf_config(cfg.model),
+                                                                dryrun.StepSettings("blocks", 0), True).params)
+    assert rep.figures.comm["all_reduce"] == fsdp.figures.comm["all_reduce"] == grads
+    assert fsdp.figures.flops == rep.figures.flops  # sharding moves bytes, not FLOPs
+    # ring on 2 ranks at the default 450 GB/s: half of each all-gather, the whole all-reduce (2 x 1/2) per link
+    assert fsdp.comm_s == pytest.approx((0.5 * sum(per_layer[:2]) + grads) / 450e9)
+    record = fsdp.record()
+    assert record.ktok_s == pytest.approx(2 * record.real_tokens / fsdp.step_s / 1000, rel=1e-3)  # both ranks
+
+
+def test_fit_verdict_flips_between_the_two_peaks(two_ranks):
+    cfg, worst, settings, out, _ = two_ranks
+    rep, fsdp = out["replicate"].figures.peak_bytes, out["fsdp"].figures.peak_bytes
+    assert fsdp < rep
+    between = (rep + fsdp) / 2 / dryrun.GIB
+    none = dryrun.Reserve(reserve_gib=0.0, fragmentation=0.0)
+    fits = {tp: dryrun.measure_batches(cfg, worst, settings, between, reserve=none,
+                                       ranks=dryrun.Ranks(2, tp))[0].fits for tp in ("replicate", "fsdp")}
+    assert fits == {"replicate": False, "fsdp": True}
+
+
+def test_comm_seconds_are_ring_collectives():
+    r = dryrun.Ranks(8, "fsdp", link_gbs=400.0)
+    assert r.comm_seconds({"all_gather": 8e9}) == pytest.approx(7 / 8 * 8e9 / 400e9)
+    assert r.comm_seconds({"all_reduce": 8e9}) == pytest.approx(2 * 7 / 8 * 8e9 / 400e9)
+    assert dryrun.Ranks(1).comm_seconds({"all_reduce": 8e9}) == 0.0
+    with pytest.raises(ConfigError):
+        dryrun.Ranks(0)
+
+
+def test_target_parallel_is_checked_and_auto_resolves_by_the_weights():
+    assert from_params({}).train.target_parallel == "auto"
+    with pytest.raises(ConfigError, match="target_parallel"):
+        from_params({"target_parallel": "tensor"})
+    gib = dryrun.GIB
+    assert dryrun.resolve_target_parallel("auto", 8, 438 * gib, 141.0) == "fsdp"
+    assert dryrun.resolve_target_parallel("auto", 8, 15 * gib, 80.0) == "replicate"
+    assert dryrun.resolve_target_parallel("fsdp", 1, 438 * gib, 141.0) == "replicate"  # one rank: nothing to shard
+
+
+def test_a_second_process_group_is_refused():
+    with fake_process_group(2):
+        with pytest.raises(ConfigError, match="no other process group"):
+            with fake_process_group(2):
+                pass
+    assert not dist.is_initialized()
