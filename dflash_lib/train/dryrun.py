@@ -776,7 +776,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     say(f"corpus {config.data.source}: {len(lengths):,} samples, {int(lengths.sum()):,} tokens; edges {edges}; "
         f"token_budget {config.sampler.token_budget}, block_budget {block_budget}; attention {settings.attention}, "
         f"checkpointed layers {settings.checkpointing}/{mc.drafter_layers}; {ranks.world_size} rank(s), target "
-        f"{ranks.target_parallel} ({target_bytes / GIB:.1f} GiB bf16)")
+        f"{ranks.target_parallel} ({weights / GIB:.1f} GiB bf16)")
     results = measure_batches(config, worst_batches(config, edges, block_budget), settings, device_gib, mfu,
                               peak_tflops, reserve, say=say, ranks=ranks)
     buckets, packed = results[:-1], results[-1]
@@ -806,7 +806,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
             "activation recomputation; step time = compute at the MFU + collectives at link_gbs, not overlapped",
             link_gbs=ranks.link_gbs, ranks=_ranks_words(ranks), experts=_experts_words(hf, results[0].balanced_experts)),
         eta=eta, seconds=round(time.perf_counter() - t0, 1), world_size=ranks.world_size,
-        target_parallel=ranks.target_parallel, target_gib=round(target_bytes / GIB, 2),
+        target_parallel=ranks.target_parallel, target_gib=round(weights / GIB, 2),
         target_gib_per_rank=round(results[0].target_bytes / GIB, 2))
 
 
