@@ -58,6 +58,7 @@ def test_all_gathers_move_the_layers_the_feature_pass_runs(two_ranks):
     assert record.ktok_s == pytest.approx(2 * record.real_tokens / fsdp.step_s / 1000, rel=1e-3)  # both ranks
 
 
+@pytest.mark.slow  # a second fake dry run on two ranks (make test runs it)
 def test_fit_verdict_flips_between_the_two_peaks(two_ranks):
     cfg, worst, settings, out, _ = two_ranks
     rep, fsdp = out["replicate"].figures.peak_bytes, out["fsdp"].figures.peak_bytes

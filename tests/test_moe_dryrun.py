@@ -86,6 +86,7 @@ def _fake_step(cfg, hf, force: bool) -> dryrun.StepFigures:
     return dryrun.measure_step(models, dryrun.host_batch(worst, VOCAB, cfg.model.mask_id), seed=0)
 
 
+@pytest.mark.slow  # a fake training step of a Qwen3-MoE target (make test runs it)
 def test_a_fake_moe_step_runs_and_both_paths_count_the_same_flops():
     """The dry run's step on a Qwen3-MoE target in fake mode: grouped_mm as it is, or the balanced stand-in (what
     an implementation with data-dependent routing gets): the same FLOPs; grouped_mm holds all assignments at
