@@ -9,6 +9,7 @@ import torch
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel, feature_layer_ids, resolve_backend, segment_cu_seqlens, tiny_qwen3_config
+from tiny_models import train_two_steps
 
 VOCAB = 300
 
@@ -182,17 +183,8 @@ def test_features_keep_only_the_feature_layers_alive(target):
 
 
 def test_train_two_steps_from_a_local_target_directory(saved_target, tmp_path):
-    import json
-
-    from dflash_lib.__main__ import main
-
     directory, _ = saved_target
-    run_dir = tmp_path / "run"
-    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
-                 "-p", "target", str(directory)]) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    drafter = json.loads((run_dir / "drafter" / "config.json").read_text())
-    assert summary["steps"] == 2 and summary["complete"] and np.isfinite(summary["final_loss"])
+    drafter = train_two_steps(directory, tmp_path / "run")
     assert drafter["hidden_size"] == 32 and drafter["num_target_layers"] == 4  # the saved target's shapes
     assert drafter["dflash_config"]["target_layer_ids"] == [2]  # smoke: one feature, the middle layer of 4
 

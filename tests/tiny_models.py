@@ -1,10 +1,13 @@
 """The tiny Qwen3 target and DFlash drafter (random weights, built locally in well under a second) that the
-attention and drafter-reference tests share."""
+attention and drafter-reference tests share, and the two-step smoke training the target-folder tests run."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
@@ -93,3 +96,15 @@ def tiny_chatml_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                  additional_special_tokens=["<|im_start|>"])
     return hf
+
+
+def train_two_steps(target_dir: Path | str, run_dir: Path) -> dict[str, Any]:
+    """`train --preset smoke -p steps 2 -p target DIR` into `run_dir`, checked to have completed both steps with a
+    finite loss; returns the exported drafter's config.json."""
+    from dflash_lib.__main__ import main  # the CLI: only these tests need it
+
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
+                 "-p", "target", str(target_dir)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["complete"] and np.isfinite(summary["final_loss"])
+    return json.loads((run_dir / "drafter" / "config.json").read_text())

@@ -309,7 +309,9 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
         if mesh is not None:
             with mode:
                 root = shard_layers(target, mesh)  # as the trainer shards it (`target_shard`)
-                features = lambda batch, segments: root(lambda: target.context_features(batch, segments))  # noqa: E731
+
+                def features(batch: Batch, segments: Any) -> torch.Tensor:  # one feature pass through the root
+                    return root(lambda: target.context_features(batch, segments))
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)
