@@ -78,6 +78,14 @@ def test_acceptance_counts_the_matching_prefix_plus_bonus(target):
     assert res.outputs == [reference[len(prompt): len(prompt) + NEW]]
     assert res.histogram == {k: want.count(k) for k in sorted(set(want))}
     assert res.tau == pytest.approx(sum(want) / len(want))
+    # the cycle log: each cycle's context length (prompt + output so far, the first token from the prefill) and
+    # what it produced, in order
+    (log,) = res.cycle_log
+    assert [n for _, n in log] == want
+    lengths = [len(prompt) + 1]
+    for n in want[:-1]:
+        lengths.append(lengths[-1] + n)
+    assert [c for c, _ in log] == lengths
 
 
 @pytest.mark.slow

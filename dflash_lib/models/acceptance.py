@@ -38,6 +38,9 @@ class AcceptanceResult:
     per_position: list[float] = field(default_factory=list)  # [k-1]: fraction of cycles accepting draft slot k
     target_calls: int = 0  # target forwards: one prefill per prompt + one verification per cycle
     seconds: float = 0.0  # wall-clock time of the whole decoding (prefills included)
+    # per prompt, per cycle: (context length when the cycle drafted = prompt + output so far, tokens the cycle
+    # produced 1 .. B); what acceptance by context length, turn or benchmark is computed from
+    cycle_log: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -173,6 +176,7 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
     hist: Counter[int] = Counter()
     accepted_at: Counter[int] = Counter()  # draft slot k -> cycles that accepted it
     outputs: list[list[int]] = []
+    log: list[list[tuple[int, int]]] = []
     block = 0  # B, learned from the first draft (a drafter without cfg may draft any length)
     calls = 0
     _sync(target.device)
@@ -184,6 +188,7 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
         calls += 1
         drafting.extend(first.features)  # context 0 .. P-1
         out = _greedy(first.logits[-1:], 0, min_new_tokens, stops)
+        cycles_here: list[tuple[int, int]] = []
         while not _finished(out, max_new_tokens, stops):
             pending = out[-1]  # at position tc.length, not yet seen by the target
             draft = drafting.draft(pending)  # (B-1,) at positions tc.length+1 ..
@@ -196,18 +201,21 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
             while n < len(draft) and draft[n] == verified[n]:
                 n += 1
             hist[n + 1] += 1
+            cycles_here.append((len(prompt) + len(out), n + 1))
             accepted_at.update(range(1, n + 1))
             tc.crop(base + n + 1)  # keep the pending token and the n accepted drafts
             drafting.extend(check.features[:n + 1])
             out += draft[:n] + [verified[n]]
         outputs.append(_cut(out, max_new_tokens, stops))
+        log.append(cycles_here)
     _sync(target.device)
     seconds = time.perf_counter() - start
     cycles = sum(hist.values())
     tau = sum(k * v for k, v in hist.items()) / cycles if cycles else float("nan")
     per_position = [accepted_at[k] / cycles if cycles else float("nan") for k in range(1, block)]
     return AcceptanceResult(tau=tau, histogram=dict(sorted(hist.items())), outputs=outputs, cycles=cycles,
-                            per_position=per_position, target_calls=calls, seconds=seconds)
+                            per_position=per_position, target_calls=calls, seconds=seconds,
+                            cycle_log=log)
 
 
 @torch.no_grad()
