@@ -104,6 +104,7 @@ def test_config_json_has_the_serving_keys(target, drafter, tmp_path):
     assert doc["max_position_embeddings"] == target.model.config.max_position_embeddings
     dc = doc["dflash_config"]
     assert dc["mask_token_id"] == MASK and dc["target_layer_ids"] == target.layer_ids == [1, 3]
+    assert doc["eagle_aux_hidden_state_layer_ids"] == [2, 4]  # vLLM's layer boundaries: ids + 1
     assert {k: dc["training"][k] for k in ("gamma", "num_anchors", "ce_chunk_blocks")} == dict(
         gamma=3.5, num_anchors=5, ce_chunk_blocks=3)
     # transformers reads it as a Qwen3 config with the drafter's shapes (what serving code builds on)
@@ -171,6 +172,7 @@ def test_a_published_config_without_our_training_keys_loads_with_defaults(target
     for key in ("rope_parameters", "rope_scaling", "dtype", "max_window_layers", "layer_types"):
         doc.pop(key)
     doc["dflash_config"] = {k: doc["dflash_config"][k] for k in ("mask_token_id", "target_layer_ids")}
+    doc.pop("eagle_aux_hidden_state_layer_ids")
     path.write_text(json.dumps(doc))  # the z-lab Qwen3-8B-DFlash-b16 shape of config: top-level block_size
     loaded = read_drafter(tmp_path, target)
     assert (loaded.cfg.block_size, loaded.cfg.num_anchors, loaded.cfg.gamma) == (4, 64, default_gamma(4))
@@ -226,6 +228,10 @@ def test_cli_exports_a_run_folder_a_checkpoint_and_a_drafter(smoke_run, tmp_path
         assert loaded.cfg.num_anchors == config.model.num_anchors and loaded.cfg.block_size == config.model.block_size
     readme = (tmp_path / f"{run_dir.name}_bf16" / "README.md").read_text()
     assert "tiny (a random Qwen3 built from seed 0" in readme and "step 2" in readme
+    training = json.loads((tmp_path / f"{ckpt.name}_fp32" / "config.json").read_text())["dflash_config"]["training"]
+    assert {k: training[k] for k in ("template", "tokenizer", "thinking", "corpus")} == dict(
+        template=config.data.template, tokenizer=config.data.tokenizer, thinking=config.data.thinking,
+        corpus=config.data.source)  # a checkpoint's export records its data settings (the doctor reads them)
 
 
 def test_cli_errors_are_one_line_naming_the_path(tmp_path, capsys):

@@ -5,10 +5,12 @@ for fine-tuning; bf16 for serving), and `read_drafter` / `-p init_from` read eit
     config.json        Qwen3 fields of the DRAFTER (hidden_size, intermediate_size, num_hidden_layers = draft
                        layers, heads, head_dim, rms_norm_eps, rope_theta + rope_parameters, vocab_size = the
                        target's, ...), architectures ["DFlashDraftModel"], model_type "qwen3", block_size,
-                       num_target_layers, torch_dtype, dflash_config {mask_token_id, target_layer_ids (always
-                       explicit), block_size, training {...}}. `dflash_config.training` is ours: what the trainer
-                       needs to resume fine-tuning (gamma, num_anchors, ce_chunk_blocks, initializer_range) and
-                       what it was trained for (target, template, source); loading never requires it.
+                       num_target_layers, torch_dtype, eagle_aux_hidden_state_layer_ids (= target_layer_ids + 1:
+                       the layer-boundary indices vLLM builds before its DFlash fix read, docs/serving.md "Doctor"),
+                       dflash_config {mask_token_id, target_layer_ids (always explicit), block_size, training
+                       {...}}. `dflash_config.training` is ours: what the trainer needs to resume fine-tuning
+                       (gamma, num_anchors, ce_chunk_blocks, initializer_range) and what it was trained for
+                       (target, template, tokenizer, thinking, corpus, source); loading never requires it.
     model.safetensors  the trainable weights only, Qwen3 names: fc.weight (H, F*H), hidden_norm.weight (H,),
                        norm.weight (H,), layers.{i}.{input,post_attention}_layernorm.weight,
                        layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
@@ -31,7 +33,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, ModelConfig
+from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, DataConfig, ModelConfig
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_lib.models.target import TargetModel, feature_layer_ids, tiny_qwen3_config
 
@@ -50,6 +52,12 @@ ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match 
 
 
 # -- writing -------------------------------------------------------------------------------------------------
+def vllm_aux_layer_ids(target_layer_ids: list[int]) -> list[int]:
+    """`eagle_aux_hidden_state_layer_ids` of 0-based target layers: vLLM numbers the residual stream by layer
+    boundary (0 = the embeddings, j = the output of decoder layer j - 1), so layer id i is boundary i + 1."""
+    return [int(i) + 1 for i in target_layer_ids]
+
+
 def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int,
                    training: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json of a drafter `cfg` stored in `dtype` (see the module docstring)."""
@@ -67,6 +75,7 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
         "initializer_range": cfg.initializer_range, "use_cache": True, "use_sliding_window": False,
         "sliding_window": None, "max_window_layers": L, "layer_types": ["full_attention"] * L,
         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(cfg.target_layer_ids),
         "dflash_config": {"mask_token_id": cfg.mask_id, "target_layer_ids": list(cfg.target_layer_ids),
                           "block_size": cfg.block_size,
                           "training": {**{k: getattr(cfg, k) for k in TRAINING_KEYS}, **(training or {})}},
@@ -108,33 +117,42 @@ def write_folder(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: 
     return out
 
 
-def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str) -> dict[str, Any]:
-    """dflash_config.training's record of what the drafter was trained for (its README is written from it)."""
+def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str,
+                   data: dict[str, str] | None = None) -> dict[str, Any]:
+    """dflash_config.training's record of what the drafter was trained for (its README is written from it);
+    `data`: the tokenizer, thinking and corpus of the training data (`data_info`), recorded when known."""
     target = {"name": name, "model_type": str(getattr(hf, "model_type", "")),
               "num_hidden_layers": int(hf.num_hidden_layers), "hidden_size": int(hf.hidden_size),
               "vocab_size": int(hf.vocab_size)}
-    return {"target": target, "template": template, "source": source}
+    return {"target": target, "template": template, "source": source,
+            **{k: v for k, v in (data or {}).items() if v}}
+
+
+def data_info(data: DataConfig) -> dict[str, str]:
+    """What the doctor renders training samples with again: the data section's tokenizer, thinking mode and
+    corpus (`source`), under the keys dflash_config.training records them."""
+    return {"tokenizer": data.tokenizer, "thinking": data.thinking, "corpus": data.source}
 
 
 def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
                    template: str = "", source: str = "", target_name: str = "",
-                   weights: dict[str, torch.Tensor] | None = None) -> Path:
+                   weights: dict[str, torch.Tensor] | None = None, data: dict[str, str] | None = None) -> Path:
     """Write `drafter` in the serving layout. `template`: the chat template it was trained with; `source`: where
     it came from (a run folder, a checkpoint); `target_name` default the target's path. `weights`: its full
     trainable weights by name (e.g. `Engine.full_weights`: plain tensors whatever engine trained it); None = the
-    drafter's own trainable parameters."""
+    drafter's own trainable parameters. `data`: `data_info` of the training data (the doctor reads it)."""
     target = drafter.target
     if weights is None:
         weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     hf = target.model.config
     info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
-                          source)
+                          source, data)
     return write_folder(drafter.cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
                         info)
 
 
 def save_drafter(drafter: "DFlashDrafter", directory: Path, weights: dict[str, torch.Tensor] | None = None,
-                 **info: str) -> Path:
+                 **info: Any) -> Path:
     """The drafter in the serving layout in fp32 (`info`: its README's template, source, target_name; `weights`:
     see `export_drafter`) into a temporary sibling, then rename: a reader never sees half a folder."""
     tmp = directory.with_name(directory.name + ".tmp")
@@ -298,10 +316,15 @@ def run_target_name(model: ModelConfig, seed: int) -> str:
             f"{model.target_layers} layers)") if model.target == "tiny" else model.target
 
 
-def run_info(model: ModelConfig, seed: int, template: str, source: str) -> dict[str, str]:
-    """The export_drafter keywords of a trainer run (template, source, target_name): `model` and `seed` its model
-    section and train.seed (`run_target_name`), `template` its chat template (data.template)."""
-    return {"template": template, "source": source, "target_name": run_target_name(model, seed)}
+def run_info(model: ModelConfig, seed: int, template: str, source: str,
+             data: DataConfig | None = None) -> dict[str, Any]:
+    """The export_drafter keywords of a trainer run (template, source, target_name, data): `model` and `seed` its
+    model section and train.seed (`run_target_name`), `template` its chat template (data.template), `data` its
+    data section (recorded for the doctor when given)."""
+    info: dict[str, Any] = {"template": template, "source": source, "target_name": run_target_name(model, seed)}
+    if data is not None:
+        info["data"] = data_info(data)
+    return info
 
 
 def _run_config(doc: dict[str, Any], where: str) -> "Config":
@@ -330,7 +353,8 @@ def export_run_weights(doc: dict[str, Any], weights: dict[str, torch.Tensor], ou
                           f"gives the drafter's shapes)")
     ids = list(m.target_layer_ids) or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
     cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
-    info = _training_info(hf, run_target_name(m, config.train.seed), config.data.template, source)
+    info = _training_info(hf, run_target_name(m, config.train.seed), config.data.template, source,
+                          data_info(config.data))
     return write_folder(cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0), info)
 
 
