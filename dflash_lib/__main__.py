@@ -1,5 +1,5 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
-evaluate, export, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file does too
+evaluate, export, doctor, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file does too
 (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
 
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
@@ -219,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
     pl.add_argument("--out", default="", help="folder for plan.json and preset.json (default: a new runs/<id>_plan/)")
 
+    doc = sub.add_parser("doctor", help="check an exported drafter against its target as SGLang and vLLM will "
+                         "read it (config, layer ids, weights, chat template): one PASS/FAIL line per rule; exit 1 "
+                         "on a FAIL")
+    doc.add_argument("export_dir", help="the exported drafter folder (config.json, model.safetensors)")
+    doc.add_argument("--target", required=True, help="the local Hugging Face target folder it will be served with "
+                     "(its config.json, tokenizer and chat template)")
+    doc.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                     help="source CORPUS, doctor_samples N, tokenizer/template/thinking (the training data when "
+                     "the export does not record it), or any config field")
+
     par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
     par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
 
@@ -262,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             from dflash_lib.train.search import run_cli as plan
 
             return plan(args, _params(args.param))
+        elif args.cmd == "doctor":
+            from dflash_lib.doctor import run_cli as doctor
+
+            return doctor(args.export_dir, args.target, _params(args.param))
         elif args.cmd == "params":
             print(params_table(args.section))
     except Exception as e:

@@ -290,9 +290,12 @@ class EvalConfig:
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
     # tiny models can run faster on one thread than on several (LOG.md, 2026-12-01 session 5)
+    # `python -m dflash_lib doctor` (dflash_lib/doctor.py):
+    doctor_samples: int = 16  # corpus conversations the chat-template rule renders both ways (training vs target)
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
+        _positive("doctor_samples", self.doctor_samples)
         _non_negative("decode_threads", self.decode_threads)
         for name in ("run", "drafter"):
             value = getattr(self, name)

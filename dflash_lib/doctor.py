@@ -1,0 +1,483 @@
+"""The serving doctor: will SGLang and vLLM run an exported drafter the way it was trained?
+
+    python -m dflash_lib doctor EXPORT_DIR --target DIR [-p source CORPUS] [-p doctor_samples N] [-p KEY V]
+
+prints one line per rule, `PASS name: ...` or `FAIL name: what is wrong -> the fix`, and exits 1 when a rule
+fails (0 otherwise). For a notebook: `diagnose(...)` returns the same `DoctorReport`. Nothing is loaded but
+config files, the safetensors header and the tokenizers: no weight is read, no model is built.
+
+The rules (docs/serving.md, "Doctor", says why each one exists):
+    architecture        architectures == ["DFlashDraftModel"] and model_type "qwen3": what the engines dispatch on
+    hidden_act          "silu" (the drafter's MLP; an engine builds whatever the config names)
+    hidden_size         the drafter's hidden size == the target's (fc and the shared embedding/LM head)
+    block_size          top level and/or dflash_config.block_size, an integer >= 2; both present must agree
+    target_layer_ids    dflash_config.target_layer_ids present, distinct, in range of the target's layers, and
+                        num_target_layers == the target's layer count
+    engine_layer_ids    the 0-based target layers each engine reads are the same: SGLang and vLLM with its DFlash
+                        fix take dflash_config.target_layer_ids; older vLLM builds take
+                        eagle_aux_hidden_state_layer_ids (layer boundaries, minus 1) and, without it,
+                        target_layer_ids as boundaries (one layer too low)
+    mask_token_id       dflash_config.mask_token_id an embedding row of the target (0 <= id < its vocab_size)
+    weights             every tensor the config implies, with its shape (fc.weight (H, n*H), hidden_norm, norm,
+                        each layer's norms, attention and MLP), and no other (from the safetensors header)
+    no_embedding        no embed_tokens / lm_head tensor: the engines share the target's
+    dtype               torch_dtype a known dtype and every stored tensor in it
+    chat_template       N corpus conversations rendered as TRAINING did (the recorded tokenizer, template and
+                        thinking mode) and by the TARGET folder's own tokenizer + chat template (transformers'
+                        apply_chat_template, enable_thinking from the same thinking mode), whole conversation and
+                        the generation prompt of its last answer, compared token for token
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from dflash_lib.config import ConfigError, DataConfig, from_params
+from dflash_lib.data.readers import DataError, load_conversations
+from dflash_lib.data.templates import get_template
+from dflash_lib.data.tokenizers import load_tokenizer
+
+ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors header dtype
+FORBIDDEN = ("embed_tokens", "lm_head")  # tensor name parts the engines take from the target
+CONTEXT_TOKENS = 4  # tokens shown on each side of the first difference
+DATA_KEYS = ("tokenizer", "template", "thinking")  # data settings of the training render; `source` = the corpus
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    """One rule's verdict: `detail` says what was checked (and, when not ok, what is wrong); `fix` what to do."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        """`PASS name: detail` or `FAIL name: detail -> fix`."""
+        if self.ok:
+            return f"PASS {self.name}: {self.detail}"
+        return f"FAIL {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+
+
+@dataclass(frozen=True)
+class TemplateMismatch:
+    """The first training sample whose two renderings differ: token `position` (0-based) of the rendering `part`
+    ("conversation" or "prompt"); the decoded context around it in each rendering."""
+
+    sample: int  # 0-based index among the samples compared
+    record: str  # where it is in the corpus ("line 3", "record 0")
+    part: str  # "conversation" (every turn) or "prompt" (the turns before the last answer + generation prompt)
+    position: int  # first differing token (the shorter length when one is a prefix of the other)
+    training_tokens: int  # tokens of the training rendering
+    target_tokens: int  # tokens of the target's rendering
+    training_context: str  # decoded tokens position-CONTEXT_TOKENS .. position+CONTEXT_TOKENS of training's ids
+    target_context: str  # the same window of the target's ids
+
+
+@dataclass
+class DoctorReport:
+    """Every rule's result for one export folder against one target folder (`ok`: all passed)."""
+
+    export_dir: str
+    target: str
+    rules: list[RuleResult] = field(default_factory=list)
+    mismatch: TemplateMismatch | None = None  # the chat-template rule's first differing sample, if any
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rules)
+
+    def failed(self) -> list[str]:
+        return [r.name for r in self.rules if not r.ok]
+
+    def lines(self) -> list[str]:
+        return [r.line() for r in self.rules]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"export_dir": self.export_dir, "target": self.target, "ok": self.ok,
+                "rules": [asdict(r) for r in self.rules],
+                "mismatch": asdict(self.mismatch) if self.mismatch else None}
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the rules read of the target folder's config.json."""
+
+    path: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int  # embedding rows
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path.parent}: no {path.name} (not an exported drafter folder)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return doc
+
+
+def safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype as the header writes it, e.g. "BF16", shape)} of a .safetensors file, from its JSON
+    header alone (the first 8 bytes: the header's length, little-endian; no tensor byte is read)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 * 2**20:
+                raise ConfigError(f"{path}: a safetensors header of {n} bytes (not a safetensors file?)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise ConfigError(f"{path.parent}: no {path.name}") from None
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError(f"{path}: not a readable safetensors header ({' '.join(str(e).split())})") from None
+    return {k: (str(v.get("dtype")), tuple(int(d) for d in v.get("shape", ())))
+            for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def target_facts(target: str | Path) -> TargetFacts:
+    """The target folder's shapes from its config.json (the text model's, for a multimodal config)."""
+    from dflash_lib.models.target import local_hf_config  # transformers: only when the doctor runs
+
+    path = Path(target)
+    if not path.is_dir():
+        raise ConfigError(f"--target {str(target)!r} is not a local folder (the doctor reads its config.json and "
+                          "its tokenizer)")
+    hf = local_hf_config(path)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return TargetFacts(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size))
+
+
+def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every weight a DFlash drafter with config.json `doc` stores (Qwen3 names; export.py)."""
+    H, L = int(doc["hidden_size"]), int(doc["num_hidden_layers"])
+    heads = int(doc["num_attention_heads"])
+    kv = int(doc.get("num_key_value_heads") or heads)
+    hd = int(doc.get("head_dim") or H // heads)
+    inter = int(doc["intermediate_size"])
+    n = len(doc["dflash_config"]["target_layer_ids"])
+    out: dict[str, tuple[int, ...]] = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        out |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                p + "mlp.down_proj.weight": (H, inter)}
+    return out
+
+
+# -- the config rules ------------------------------------------------------------------------------------------
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return list(value)
+    return None
+
+
+def config_rules(doc: Mapping[str, Any], target: TargetFacts) -> list[RuleResult]:
+    """architecture, hidden_act, hidden_size, block_size, target_layer_ids, engine_layer_ids, mask_token_id."""
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    rules = []
+    arch, mtype = doc.get("architectures"), doc.get("model_type")
+    ok = arch == [ARCHITECTURE] and mtype == MODEL_TYPE
+    rules.append(RuleResult("architecture", ok, f"architectures {arch!r}, model_type {mtype!r}" + (
+        "" if ok else f" (the engines resolve a DFlash drafter from [{ARCHITECTURE!r}] and {MODEL_TYPE!r})"),
+        f"set architectures to [{ARCHITECTURE!r}] and model_type to {MODEL_TYPE!r} (python -m dflash_lib export "
+        "writes both)"))
+    act = doc.get("hidden_act", "silu")
+    rules.append(RuleResult("hidden_act", act == "silu", f"hidden_act {act!r}" + (
+        "" if act == "silu" else " (the drafter's MLP is SwiGLU: an engine would build another activation)"),
+        "set hidden_act to 'silu'"))
+    H = doc.get("hidden_size")
+    rules.append(RuleResult("hidden_size", H == target.hidden_size,
+                            f"drafter hidden_size {H!r}, target {target.hidden_size}",
+                            "export a drafter trained on this target (its fc and the shared embedding need the "
+                            "target's hidden size)"))
+    rules.append(_block_size_rule(doc, dc))
+    ids = _int_list(dc.get("target_layer_ids"))
+    rules.append(_layer_ids_rule(doc, ids, target))
+    rules.append(_engine_layers_rule(doc, ids))
+    mask = dc.get("mask_token_id")
+    ok = isinstance(mask, int) and not isinstance(mask, bool) and 0 <= mask < target.vocab_size
+    vocab = doc.get("vocab_size")
+    if ok and isinstance(vocab, int) and mask >= vocab:
+        ok = False
+    rules.append(RuleResult("mask_token_id", ok,
+                            f"dflash_config.mask_token_id {mask!r}, target embedding rows 0 .. "
+                            f"{target.vocab_size - 1}, drafter vocab_size {vocab!r}",
+                            f"set dflash_config.mask_token_id to the id training used, below {target.vocab_size} "
+                            "(an id at or past the vocabulary has no embedding row: the engine reads another "
+                            "row or fails)"))
+    return rules
+
+
+def _block_size_rule(doc: Mapping[str, Any], dc: Mapping[str, Any]) -> RuleResult:
+    top, inner = doc.get("block_size"), dc.get("block_size")
+    given = [v for v in (top, inner) if v is not None]
+    detail = f"block_size {top!r} (top level), {inner!r} (dflash_config)"
+    fix = "write one integer block size >= 2 (the one training used) at the top level and in dflash_config"
+    if not given:
+        return RuleResult("block_size", False, detail + ": none given", fix)
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 2 for v in given):
+        return RuleResult("block_size", False, detail + ": not an integer >= 2", fix)
+    if len(given) == 2 and top != inner:
+        return RuleResult("block_size", False, detail + ": they disagree (the engines read different ones)", fix)
+    return RuleResult("block_size", True, detail)
+
+
+def _layer_ids_rule(doc: Mapping[str, Any], ids: list[int] | None, target: TargetFacts) -> RuleResult:
+    fix = ("write the 0-based target layers training fused (dflash_config.target_layer_ids; python -m dflash_lib "
+           "export writes them) and num_target_layers of this target")
+    if ids is None:
+        return RuleResult("target_layer_ids", False, "dflash_config.target_layer_ids is missing or not a list of "
+                          "integers (the engines' fallback guesses layers training did not use)", fix)
+    bad = [i for i in ids if not 0 <= i < target.num_layers]
+    problems = []
+    if bad:
+        problems.append(f"{bad} outside the target's layers 0 .. {target.num_layers - 1}")
+    if len(set(ids)) != len(ids):
+        problems.append("an id repeated")
+    n = doc.get("num_target_layers")
+    if n is not None and n != target.num_layers:
+        problems.append(f"num_target_layers {n!r} but the target has {target.num_layers}")
+    detail = f"dflash_config.target_layer_ids {ids} of a {target.num_layers}-layer target"
+    return RuleResult("target_layer_ids", not problems, detail + (": " + "; ".join(problems) if problems else ""),
+                      fix)
+
+
+def engine_layer_ids(doc: Mapping[str, Any]) -> dict[str, list[int] | None]:
+    """The 0-based target decoder layers whose outputs each engine feeds the drafter, as it reads config.json:
+    SGLang and vLLM with its DFlash fix: dflash_config.target_layer_ids; vLLM builds before that fix:
+    eagle_aux_hidden_state_layer_ids when present, else dflash_config.target_layer_ids, read as layer
+    boundaries (boundary j = the output of layer j - 1). None where the field is missing."""
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    ids = _int_list(dc.get("target_layer_ids"))
+    aux = _int_list(doc.get("eagle_aux_hidden_state_layer_ids"))
+    older = aux if aux is not None else ids
+    return {"sglang": ids, "vllm": ids, "vllm (older builds)": None if older is None else [j - 1 for j in older]}
+
+
+def _engine_layers_rule(doc: Mapping[str, Any], ids: list[int] | None) -> RuleResult:
+    read = engine_layer_ids(doc)
+    shown = ", ".join(f"{k} {v}" for k, v in read.items())
+    fix = ("write eagle_aux_hidden_state_layer_ids = [id + 1 for id in dflash_config.target_layer_ids] "
+           "(python -m dflash_lib export does)")
+    if ids is None:
+        return RuleResult("engine_layer_ids", False, f"layers the engines read: {shown}", fix)
+    if "eagle_aux_hidden_state_layer_ids" not in doc:
+        return RuleResult("engine_layer_ids", False, f"layers the engines read: {shown}: no "
+                          "eagle_aux_hidden_state_layer_ids, so older vLLM builds take target_layer_ids as layer "
+                          "boundaries, one layer below each", fix)
+    ok = len({json.dumps(v) for v in read.values()}) == 1
+    return RuleResult("engine_layer_ids", ok, f"layers the engines read: {shown}" + (
+        "" if ok else " (eagle_aux_hidden_state_layer_ids - 1 != target_layer_ids: one engine feeds other "
+        "layers than training did)"), fix)
+
+
+def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[RuleResult]:
+    """weights, no_embedding, dtype: from the safetensors header `header` against config.json `doc`."""
+    try:
+        want = expected_tensors(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        want = None
+        why = f"config.json lacks what the tensor shapes follow from ({type(e).__name__}: {e})"
+    forbidden = sorted(k for k in header if any(part in k for part in FORBIDDEN))
+    rules = []
+    if want is None:
+        rules.append(RuleResult("weights", False, why, "export the drafter again (python -m dflash_lib export)"))
+    else:
+        missing = sorted(set(want) - set(header))
+        unexpected = sorted(set(header) - set(want) - set(forbidden))
+        wrong = [f"{k} {header[k][1]} (expected {want[k]})" for k in sorted(set(want) & set(header))
+                 if header[k][1] != want[k]]
+        problems = ([f"missing {missing[:4]}" + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")]
+                    if missing else []) + ([f"unexpected {unexpected[:4]}"] if unexpected else []) + (
+                    [f"wrong shapes: {'; '.join(wrong[:3])}"] if wrong else [])
+        fc = header.get("fc.weight", (None, None))[1]
+        detail = (f"{len(header)} tensors, fc.weight {fc} (expected {want['fc.weight']}: hidden x "
+                  f"{len(doc['dflash_config']['target_layer_ids'])} fused layers x hidden)")
+        rules.append(RuleResult("weights", not problems, detail + (": " + "; ".join(problems) if problems else ""),
+                                "export the drafter again from its run (python -m dflash_lib export RUN OUT): "
+                                "the engines load these names and shapes exactly"))
+    rules.append(RuleResult("no_embedding", not forbidden,
+                            f"embedding / LM head tensors: {forbidden or 'none'}" + (
+                                " (the engines share the target's; a copy here is loaded over them or refused)"
+                                if forbidden else ""),
+                            f"remove {forbidden[:3]} from {WEIGHTS_FILE}"))
+    declared = doc.get("torch_dtype") or doc.get("dtype")
+    stored = sorted({d for d, _ in header.values()})
+    want_dtype = DTYPE_NAMES.get(str(declared))
+    ok = want_dtype is not None and stored == [want_dtype]
+    rules.append(RuleResult("dtype", ok, f"torch_dtype {declared!r}, tensors stored as {stored}",
+                            "set torch_dtype to the stored dtype, or export again with --dtype bf16|fp32"))
+    return rules
+
+
+# -- the chat-template rule ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainingRender:
+    """The data settings the training render uses and where each came from ("-p", "export", "default",
+    "target folder")."""
+
+    data: DataConfig
+    origin: dict[str, str]
+
+
+def training_render(doc: Mapping[str, Any], target: str, params: Mapping[str, Any]) -> TrainingRender:
+    """Tokenizer, template, thinking and corpus of the training render: `-p` first, then what the export records
+    in dflash_config.training, then (tokenizer) the target folder's own when it ships one, then the defaults."""
+    from dflash_lib.config import target_tokenizer
+
+    recorded = (doc.get("dflash_config") or {}).get("training") or {}
+    defaults = DataConfig()
+    values, origin = {}, {}
+    for key, recorded_key in (*((k, k) for k in DATA_KEYS), ("source", "corpus")):
+        if key in params:
+            values[key], origin[key] = params[key], "-p"
+        elif isinstance(recorded.get(recorded_key), str) and recorded[recorded_key]:
+            values[key], origin[key] = recorded[recorded_key], "export"
+        elif key == "tokenizer" and target_tokenizer(target):
+            values[key], origin[key] = target, "target folder"
+        else:
+            values[key], origin[key] = getattr(defaults, key), "default"
+    data = from_params({**dict(params), **values}).data
+    return TrainingRender(data, origin)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _window(decode, ids: list[int], at: int) -> str:
+    lo = max(0, at - CONTEXT_TOKENS)
+    return repr(decode(ids[lo:at])) + " | " + repr(decode(ids[at: at + CONTEXT_TOKENS + 1]))
+
+
+def _load_target_tokenizer(target: str):
+    """(the target folder's Hugging Face tokenizer, None) or (None, why it cannot render a chat)."""
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(target) / f).is_file() for f in files):
+        return None, f"the target folder {target} holds no tokenizer (none of {', '.join(files)})"
+    try:
+        hf = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        return None, f"no tokenizer loads from {target} ({' '.join(str(e).split())[:200]})"
+    if not getattr(hf, "chat_template", None):
+        return None, f"the target folder {target} has no chat template (tokenizer_config.json chat_template or " \
+                     "chat_template.jinja)"
+    return hf, ""
+
+
+def chat_template_rule(doc: Mapping[str, Any], target: str, params: Mapping[str, Any],
+                       samples: int) -> tuple[RuleResult, TemplateMismatch | None]:
+    """Render `samples` corpus conversations as training did and with the target folder's tokenizer + chat
+    template (the whole conversation, and the generation prompt of its last answer); compare the token ids."""
+    name = "chat_template"
+    render = training_render(doc, target, params)
+    d = render.data
+    settings = ", ".join(f"{k} {getattr(d, k)!r} ({render.origin[k]})" for k in (*DATA_KEYS, "source"))
+    hf, why = _load_target_tokenizer(target)
+    if hf is None:
+        return RuleResult(name, False, why, "copy the target model's own tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json with its chat_template, or chat_template.jinja) into the target "
+                          "folder: the engines render prompts with it"), None
+    try:
+        tok = load_tokenizer(d.tokenizer)
+        template = get_template(d.template, tok, d.thinking)
+    except DataError as e:
+        return RuleResult(name, False, f"the training render ({settings}) cannot be rebuilt: {e}",
+                          "give the training data settings: -p tokenizer, -p template, -p thinking"), None
+    kwargs = {} if d.thinking == "keep" else {"enable_thinking": d.thinking == "on"}
+    compared, skipped, differing, first = 0, 0, 0, None
+    for conv in load_conversations(d.source):
+        if compared >= samples:
+            break
+        turns = tuple((role, tok.prepare(content)) for role, content in conv.turns)
+        last = max(i for i, (role, _) in enumerate(turns) if role == "assistant")
+        messages = [{"role": r, "content": c} for r, c in conv.turns]
+        parts = {"conversation": (lambda: template.segments(turns),
+                                  lambda: hf.apply_chat_template(messages, tokenize=False, **kwargs)),
+                 "prompt": (lambda: template.prompt_segments(turns[:last]),
+                            lambda: hf.apply_chat_template(messages[:last], tokenize=False,
+                                                           add_generation_prompt=True, **kwargs))}
+        bad, rendered = False, False
+        for part, (ours, theirs) in parts.items():
+            try:
+                a = [int(i) for i in tok.encode_segments(ours())[0]]
+                b = [int(i) for i in hf(theirs(), add_special_tokens=False)["input_ids"]]
+            except Exception:  # noqa: BLE001 - jinja (or our template) refuses some conversations: not compared
+                continue
+            rendered = True
+            at = _first_difference(a, b)
+            if at is None or bad:
+                continue
+            bad = True
+            if first is None:
+                first = TemplateMismatch(compared, conv.where, part, at, len(a), len(b),
+                                         _window(tok.decode, a, at), _window(hf.decode, b, at))
+        compared += rendered
+        skipped += not rendered
+        differing += bad
+    where = f"{compared} samples of {d.source!r}" + (f" ({skipped} not renderable)" if skipped
+                                                      else "")
+    if compared == 0:
+        return RuleResult(name, False, f"no sample of {d.source!r} could be rendered both ways ({settings})",
+                          "give a corpus of the training data: -p source FILE"), None
+    if first is None:
+        return RuleResult(name, True, f"{where}: token ids equal, conversation and generation prompt ({settings}; "
+                          f"target {target})"), None
+    m = first
+    detail = (f"{differing} of {compared} samples differ ({settings}); first: sample {m.sample} ({m.record}), "
+              f"{m.part}, token {m.position} of {m.training_tokens} (training) vs {m.target_tokens} (target): "
+              f"training {m.training_context} / target {m.target_context}")
+    fix = ("train with the target's own template (-p template hf -p tokenizer TARGET_DIR, or the built-in one "
+           "that matches it, e.g. qwen3 for Qwen3 with its empty think block) and the thinking mode you serve "
+           "with (-p thinking off|on), or serve with the chat template training used")
+    return RuleResult(name, False, detail, fix), first
+
+
+# -- the command -----------------------------------------------------------------------------------------------
+def diagnose(export_dir: str | Path, target: str | Path, params: Mapping[str, Any] | None = None) -> DoctorReport:
+    """Every rule for the export folder `export_dir` against the target folder `target`; `params`: flat config
+    parameters (source, tokenizer, template, thinking: the training data when the export does not record it;
+    doctor_samples). Raises ConfigError for a folder it cannot read at all."""
+    params = dict(params or {})
+    samples = from_params(params).evaluate.doctor_samples  # validates every key and value
+    src = Path(export_dir)
+    doc = _read_json(src / CONFIG_FILE)
+    facts = target_facts(target)
+    report = DoctorReport(str(src), str(target))
+    report.rules += config_rules(doc, facts)
+    report.rules += weight_rules(doc, safetensors_header(src / WEIGHTS_FILE))
+    rule, report.mismatch = chat_template_rule(doc, str(target), params, samples)
+    report.rules.append(rule)
+    return report
+
+
+def run_cli(export_dir: str, target: str, params: Mapping[str, Any]) -> int:
+    """`python -m dflash_lib doctor`: one line per rule on stdout; 1 when a rule failed, else 0."""
+    report = diagnose(export_dir, target, params)
+    for line in report.lines():
+        print(line)
+    failed = report.failed()
+    print(f"{len(report.rules) - len(failed)} of {len(report.rules)} rules pass" +
+          (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 0 if report.ok else 1
+

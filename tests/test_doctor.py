@@ -1,0 +1,215 @@
+"""The serving doctor: a fresh export against a target folder whose tokenizer and chat template match training passes
+every rule; each planted fault fails its own rule and no other; the command's lines and exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_lib.__main__ import main
+from dflash_lib.config import ConfigError
+from dflash_lib.doctor import diagnose, engine_layer_ids, safetensors_header
+from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models.export import export_drafter, read_weights
+from tiny_models import tiny_chatml_tokenizer
+
+LAYERS, H = 6, 32
+QWEN3_JINJA = json.loads((Path(__file__).parent / "fixtures" / "qwen3" / "tokenizer_config.json").read_text())[
+    "chat_template"]
+CHATML_JINJA = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATIONS = [
+    [("user", "Hi there"), ("assistant", "Hello! How can I help?")],
+    [("system", "Be brief."), ("user", "2+2?"), ("assistant", "4")],
+    [("user", "Hi"), ("assistant", "Hello."), ("user", "2+2?"), ("assistant", "4, I think.")],
+]
+RULES = ["architecture", "hidden_act", "hidden_size", "block_size", "target_layer_ids", "engine_layer_ids",
+         "mask_token_id", "weights", "no_embedding", "dtype", "chat_template"]
+
+
+def _target_folder(folder: Path, chat_template: str | None) -> Path:
+    """A target folder the doctor reads: a tiny Qwen3's config.json (one row past the tokenizer's ids: the MASK
+    row) and a byte-level BPE with the Qwen3 specials (<think> and </think> special, as Qwen3's) and
+    `chat_template`."""
+    hf = tiny_chatml_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<think>", "</think>"]})
+    hf.chat_template = chat_template
+    hf.save_pretrained(folder)
+    tiny_qwen3_config(hidden_size=H, num_layers=LAYERS, vocab_size=len(hf) + 1).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(export folder, target folder, corpus file): a drafter exported the way training records it (template
+    qwen3, the target's tokenizer, thinking off, the corpus) on a target with Qwen3's chat template."""
+    root = tmp_path_factory.mktemp("doctor")
+    target_dir = _target_folder(root / "target", QWEN3_JINJA)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
+                              for turns in CONVERSATIONS))
+    hf_cfg = tiny_qwen3_config(hidden_size=H, num_layers=LAYERS,
+                               vocab_size=json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    target = TargetModel.from_hf_config(hf_cfg, 2, layer_ids=[1, 3], seed=0)
+    cfg = DrafterConfig(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                        vocab_size=target.vocab_size, target_layer_ids=[1, 3], target_num_layers=LAYERS,
+                        block_size=4, mask_id=target.vocab_size - 1)
+    torch.manual_seed(0)
+    export_drafter(DFlashDrafter(cfg, target), root / "export", torch.bfloat16, template="qwen3",
+                   target_name=str(target_dir),
+                   data={"tokenizer": str(target_dir), "thinking": "off", "corpus": str(corpus)})
+    return root / "export", target_dir, corpus
+
+
+def _copy(export: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the export folder with config.json's top-level `changes` (dflash_config keys as dflash_<key>)."""
+    out = tmp_path / "export"
+    shutil.copytree(export, out)
+    doc = json.loads((out / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("dflash_"):
+            doc["dflash_config"][key[len("dflash_"):]] = value
+        else:
+            doc[key] = value
+    (out / "config.json").write_text(json.dumps(doc))
+    return out
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    weights = read_weights(folder)
+    edit(weights)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+
+
+def _failed(report) -> list[str]:
+    return [r.name for r in report.rules if not r.ok]
+
+
+def test_a_fresh_export_passes_every_rule(setup):
+    export, target_dir, corpus = setup
+    report = diagnose(export, target_dir, {"doctor_samples": 3})
+    assert [r.name for r in report.rules] == RULES
+    assert report.ok, report.lines()
+    template = report.rules[-1].detail
+    assert template.startswith(f"3 samples of {str(corpus)!r}") and "template 'qwen3' (export)" in template
+    assert "thinking 'off' (export)" in template
+    assert "sglang [1, 3], vllm [1, 3], vllm (older builds) [1, 3]" in report.rules[5].detail
+    header = safetensors_header(export / "model.safetensors")
+    assert header["fc.weight"] == ("BF16", (H, 2 * H)) and len(header) == 3 + 2 * 11
+
+
+@pytest.mark.parametrize("changes, rule, says", [
+    (dict(eagle_aux_hidden_state_layer_ids=[3, 5]), "engine_layer_ids", "vllm (older builds) [2, 4]"),
+    (dict(dflash_target_layer_ids=[2, 4]), "engine_layer_ids", "sglang [2, 4], vllm [2, 4], vllm (older builds) [1, 3]"),
+    (dict(hidden_act="gelu"), "hidden_act", "hidden_act 'gelu'"),
+    (dict(dflash_mask_token_id=10_000), "mask_token_id", "mask_token_id 10000"),
+    (dict(dflash_block_size=8), "block_size", "they disagree"),
+    (dict(architectures=["Qwen3ForCausalLM"]), "architecture", "['Qwen3ForCausalLM']"),
+    (dict(torch_dtype="float32", dtype="float32"), "dtype", "tensors stored as ['BF16']"),
+])
+def test_each_planted_config_fault_fails_its_rule_only(setup, tmp_path, changes, rule, says):
+    export, target_dir, _ = setup
+    report = diagnose(_copy(export, tmp_path, **changes), target_dir, {"doctor_samples": 1})
+    assert _failed(report) == [rule]
+    failed = next(r for r in report.rules if r.name == rule)
+    assert says in failed.detail and failed.line().startswith(f"FAIL {rule}: ") and " -> " in failed.line()
+
+
+def test_a_layer_id_past_the_target_fails_both_layer_rules(setup, tmp_path):
+    export, target_dir, _ = setup
+    report = diagnose(_copy(export, tmp_path, dflash_target_layer_ids=[3, 6]), target_dir, {"doctor_samples": 1})
+    assert _failed(report) == ["target_layer_ids", "engine_layer_ids"]
+    assert "[6] outside the target's layers 0 .. 5" in report.rules[4].detail
+
+
+def test_an_export_without_the_vllm_ids_fails_for_older_vllm_and_what_each_engine_reads():
+    doc = {"dflash_config": {"target_layer_ids": [1, 3]}}
+    assert engine_layer_ids(doc) == {"sglang": [1, 3], "vllm": [1, 3], "vllm (older builds)": [0, 2]}
+    assert engine_layer_ids({**doc, "eagle_aux_hidden_state_layer_ids": [2, 4]})["vllm (older builds)"] == [1, 3]
+
+
+@pytest.mark.parametrize("edit, rule, says", [
+    (lambda w: w.pop("fc.weight"), "weights", "missing ['fc.weight']"),
+    (lambda w: w.update({"fc.weight": w["fc.weight"][:, :H]}), "weights", "fc.weight (32, 32) (expected (32, 64))"),
+    (lambda w: w.update({"embed_tokens.weight": torch.zeros(4, H, dtype=torch.bfloat16)}), "no_embedding",
+     "['embed_tokens.weight']"),
+])
+def test_each_planted_weight_fault_fails_its_rule_only(setup, tmp_path, edit, rule, says):
+    export, target_dir, _ = setup
+    folder = _copy(export, tmp_path)
+    _rewrite_weights(folder, edit)
+    report = diagnose(folder, target_dir, {"doctor_samples": 1})
+    assert _failed(report) == [rule]
+    assert says in next(r for r in report.rules if r.name == rule).detail
+
+
+def _assistant_start(target_dir: Path) -> int:
+    """Tokens of the first corpus conversation before its answer's body ("...<|im_start|>assistant\\n")."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(target_dir)
+    return len(hf("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"])
+
+
+def test_a_target_template_without_the_think_block_names_sample_and_position(setup, tmp_path):
+    export, target_dir, _ = setup
+    plain = _target_folder(tmp_path / "chatml_target", CHATML_JINJA)
+    report = diagnose(export, plain, {"doctor_samples": 3})
+    assert _failed(report) == ["chat_template"]
+    m = report.mismatch
+    assert (m.sample, m.record, m.part, m.position) == (0, "line 1", "conversation", _assistant_start(plain))
+    # 4 tokens before, 5 from the difference: training's empty think block, the target's answer
+    assert m.training_context == "'\\n<|im_start|>assistant\\n' | '<think>\\n\\n</think>\\n'"
+    assert m.target_context == "'\\n<|im_start|>assistant\\n' | 'Hello! How can I'"
+    assert (m.training_tokens, m.target_tokens) == (25, 19)
+    assert report.rules[-1].detail.startswith("3 of 3 samples differ")
+    assert f"sample 0 (line 1), conversation, token {m.position}" in report.rules[-1].detail
+
+
+def test_training_with_chatml_against_a_qwen3_target_fails_the_template_rule(setup):
+    export, target_dir, _ = setup
+    report = diagnose(export, target_dir, {"doctor_samples": 3, "template": "chatml"})
+    assert _failed(report) == ["chat_template"]
+    assert (report.mismatch.sample, report.mismatch.position) == (0, _assistant_start(target_dir))
+    assert "template 'chatml' (-p)" in report.rules[-1].detail
+
+
+def test_a_target_without_a_chat_template_fails_with_the_fix(setup, tmp_path):
+    export, target_dir, _ = setup
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(target_dir / "config.json", bare / "config.json")
+    report = diagnose(export, bare, {"doctor_samples": 1})
+    assert _failed(report) == ["chat_template"]
+    assert f"{bare} holds no tokenizer" in report.rules[-1].detail and "chat_template" in report.rules[-1].fix
+    no_template = _target_folder(tmp_path / "no_template", None)
+    report = diagnose(export, no_template, {"doctor_samples": 1})
+    assert _failed(report) == ["chat_template"]
+    assert f"{no_template} has no chat template" in report.rules[-1].detail
+
+
+def test_the_command_prints_one_line_per_rule_and_exits_1_on_a_failure(setup, tmp_path, capsys):
+    export, target_dir, _ = setup
+    assert main(["doctor", str(export), "--target", str(target_dir), "-p", "doctor_samples", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in out[:-1]] == [f"PASS {r}" for r in RULES]
+    assert out[-1] == f"{len(RULES)} of {len(RULES)} rules pass"
+    bad = _copy(export, tmp_path, hidden_act="gelu")
+    assert main(["doctor", str(bad), "--target", str(target_dir), "-p", "doctor_samples", "1"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[1].startswith("FAIL hidden_act: hidden_act 'gelu'") and out[-1].endswith("failed: hidden_act")
+    assert main(["doctor", str(tmp_path / "nowhere"), "--target", str(target_dir)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert main(["doctor", str(export), "--target", str(target_dir), "-p", "doctor_samples", "0"]) == 2
+
+
+def test_a_missing_folder_is_a_config_error(setup, tmp_path):
+    export, _, _ = setup
+    with pytest.raises(ConfigError, match="is not a local folder"):
+        diagnose(export, tmp_path / "no_target")
