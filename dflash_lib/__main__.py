@@ -1,6 +1,6 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
-evaluate, export, doctor, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file does too
-(`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
+evaluate, export, doctor, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file
+does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
 
 A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
 `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;

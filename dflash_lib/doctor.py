@@ -36,10 +36,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_lib.config import ConfigError, DataConfig, from_params
+from dflash_lib.config import ConfigError, DataConfig, from_params, target_tokenizer
 from dflash_lib.data.readers import DataError, load_conversations
 from dflash_lib.data.templates import get_template
 from dflash_lib.data.tokenizers import load_tokenizer
+from dflash_lib.models.target import local_hf_config
 
 ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -148,8 +149,6 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]
 
 def target_facts(target: str | Path) -> TargetFacts:
     """The target folder's shapes from its config.json (the text model's, for a multimodal config)."""
-    from dflash_lib.models.target import local_hf_config  # transformers: only when the doctor runs
-
     path = Path(target)
     if not path.is_dir():
         raise ConfigError(f"--target {str(target)!r} is not a local folder (the doctor reads its config.json and "
@@ -338,8 +337,6 @@ class TrainingRender:
 def training_render(doc: Mapping[str, Any], target: str, params: Mapping[str, Any]) -> TrainingRender:
     """Tokenizer, template, thinking and corpus of the training render: `-p` first, then what the export records
     in dflash_config.training, then (tokenizer) the target folder's own when it ships one, then the defaults."""
-    from dflash_lib.config import target_tokenizer
-
     recorded = (doc.get("dflash_config") or {}).get("training") or {}
     defaults = DataConfig()
     values, origin = {}, {}

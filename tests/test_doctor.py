@@ -105,7 +105,8 @@ def test_a_fresh_export_passes_every_rule(setup):
 
 @pytest.mark.parametrize("changes, rule, says", [
     (dict(eagle_aux_hidden_state_layer_ids=[3, 5]), "engine_layer_ids", "vllm (older builds) [2, 4]"),
-    (dict(dflash_target_layer_ids=[2, 4]), "engine_layer_ids", "sglang [2, 4], vllm [2, 4], vllm (older builds) [1, 3]"),
+    (dict(dflash_target_layer_ids=[2, 4]), "engine_layer_ids",
+     "sglang [2, 4], vllm [2, 4], vllm (older builds) [1, 3]"),
     (dict(hidden_act="gelu"), "hidden_act", "hidden_act 'gelu'"),
     (dict(dflash_mask_token_id=10_000), "mask_token_id", "mask_token_id 10000"),
     (dict(dflash_block_size=8), "block_size", "they disagree"),
