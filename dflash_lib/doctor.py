@@ -13,10 +13,10 @@ The rules (docs/serving.md, "Doctor", says why each one exists):
     block_size          top level and/or dflash_config.block_size, an integer >= 2; both present must agree
     target_layer_ids    dflash_config.target_layer_ids present, distinct, in range of the target's layers, and
                         num_target_layers == the target's layer count
-    engine_layer_ids    the 0-based target layers each engine reads are the same: SGLang and vLLM with its DFlash
-                        fix take dflash_config.target_layer_ids; older vLLM builds take
-                        eagle_aux_hidden_state_layer_ids (layer boundaries, minus 1) and, without it,
-                        target_layer_ids as boundaries (one layer too low)
+    engine_layer_ids    the 0-based target layers each engine reads are the same: SGLang takes
+                        dflash_config.target_layer_ids; vLLM takes eagle_aux_hidden_state_layer_ids (layer
+                        boundaries: minus 1) when present, else target_layer_ids (since its DFlash fix; as
+                        boundaries, one layer too low, before it)
     mask_token_id       dflash_config.mask_token_id an embedding row of the target (0 <= id < its vocab_size)
     weights             every tensor the config implies, with its shape (fc.weight (H, n*H), hidden_norm, norm,
                         each layer's norms, attention and MLP), and no other (from the safetensors header)
@@ -257,15 +257,19 @@ def _layer_ids_rule(doc: Mapping[str, Any], ids: list[int] | None, target: Targe
 
 
 def engine_layer_ids(doc: Mapping[str, Any]) -> dict[str, list[int] | None]:
-    """The 0-based target decoder layers whose outputs each engine feeds the drafter, as it reads config.json:
-    SGLang and vLLM with its DFlash fix: dflash_config.target_layer_ids; vLLM builds before that fix:
-    eagle_aux_hidden_state_layer_ids when present, else dflash_config.target_layer_ids, read as layer
-    boundaries (boundary j = the output of layer j - 1). None where the field is missing."""
+    """The 0-based target decoder layers whose outputs each engine feeds the drafter, as it reads config.json.
+    SGLang: dflash_config.target_layer_ids. vLLM: eagle_aux_hidden_state_layer_ids when present, as layer
+    boundaries (boundary j = the output of layer j - 1); without it, dflash_config.target_layer_ids + 1 since its
+    DFlash fix (vllm-project/vllm PR 40727), and target_layer_ids read as boundaries before it (one layer too low).
+    None where the fields are missing."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
     ids = _int_list(dc.get("target_layer_ids"))
     aux = _int_list(doc.get("eagle_aux_hidden_state_layer_ids"))
-    older = aux if aux is not None else ids
-    return {"sglang": ids, "vllm": ids, "vllm (older builds)": None if older is None else [j - 1 for j in older]}
+    if aux is not None:
+        vllm = before = [j - 1 for j in aux]
+    else:
+        vllm, before = ids, None if ids is None else [i - 1 for i in ids]
+    return {"sglang": ids, "vllm": vllm, "vllm before its DFlash fix": before}
 
 
 def _engine_layers_rule(doc: Mapping[str, Any], ids: list[int] | None) -> RuleResult:
@@ -277,12 +281,12 @@ def _engine_layers_rule(doc: Mapping[str, Any], ids: list[int] | None) -> RuleRe
         return RuleResult("engine_layer_ids", False, f"layers the engines read: {shown}", fix)
     if "eagle_aux_hidden_state_layer_ids" not in doc:
         return RuleResult("engine_layer_ids", False, f"layers the engines read: {shown}: no "
-                          "eagle_aux_hidden_state_layer_ids, so older vLLM builds take target_layer_ids as layer "
-                          "boundaries, one layer below each", fix)
+                          "eagle_aux_hidden_state_layer_ids, so vLLM builds before its DFlash fix take "
+                          "target_layer_ids as layer boundaries, one layer below each", fix)
     ok = len({json.dumps(v) for v in read.values()}) == 1
     return RuleResult("engine_layer_ids", ok, f"layers the engines read: {shown}" + (
-        "" if ok else " (eagle_aux_hidden_state_layer_ids - 1 != target_layer_ids: one engine feeds other "
-        "layers than training did)"), fix)
+        "" if ok else " (eagle_aux_hidden_state_layer_ids - 1 != target_layer_ids: vLLM feeds other layers "
+        "than SGLang)"), fix)
 
 
 def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[int, ...]]]) -> list[RuleResult]:

@@ -98,15 +98,16 @@ def test_a_fresh_export_passes_every_rule(setup):
     template = report.rules[-1].detail
     assert template.startswith(f"3 samples of {str(corpus)!r}") and "template 'qwen3' (export)" in template
     assert "thinking 'off' (export)" in template
-    assert "sglang [1, 3], vllm [1, 3], vllm (older builds) [1, 3]" in report.rules[5].detail
+    assert "sglang [1, 3], vllm [1, 3], vllm before its DFlash fix [1, 3]" in report.rules[5].detail
     header = safetensors_header(export / "model.safetensors")
     assert header["fc.weight"] == ("BF16", (H, 2 * H)) and len(header) == 3 + 2 * 11
 
 
 @pytest.mark.parametrize("changes, rule, says", [
-    (dict(eagle_aux_hidden_state_layer_ids=[3, 5]), "engine_layer_ids", "vllm (older builds) [2, 4]"),
+    (dict(eagle_aux_hidden_state_layer_ids=[3, 5]), "engine_layer_ids",
+     "sglang [1, 3], vllm [2, 4], vllm before its DFlash fix [2, 4]"),
     (dict(dflash_target_layer_ids=[2, 4]), "engine_layer_ids",
-     "sglang [2, 4], vllm [2, 4], vllm (older builds) [1, 3]"),
+     "sglang [2, 4], vllm [1, 3], vllm before its DFlash fix [1, 3]"),
     (dict(hidden_act="gelu"), "hidden_act", "hidden_act 'gelu'"),
     (dict(dflash_mask_token_id=10_000), "mask_token_id", "mask_token_id 10000"),
     (dict(dflash_block_size=8), "block_size", "they disagree"),
@@ -128,10 +129,19 @@ def test_a_layer_id_past_the_target_fails_both_layer_rules(setup, tmp_path):
     assert "[6] outside the target's layers 0 .. 5" in report.rules[4].detail
 
 
-def test_an_export_without_the_vllm_ids_fails_for_older_vllm_and_what_each_engine_reads():
+def test_what_each_engine_reads_with_and_without_the_vllm_ids(setup, tmp_path):
     doc = {"dflash_config": {"target_layer_ids": [1, 3]}}
-    assert engine_layer_ids(doc) == {"sglang": [1, 3], "vllm": [1, 3], "vllm (older builds)": [0, 2]}
-    assert engine_layer_ids({**doc, "eagle_aux_hidden_state_layer_ids": [2, 4]})["vllm (older builds)"] == [1, 3]
+    assert engine_layer_ids(doc) == {"sglang": [1, 3], "vllm": [1, 3], "vllm before its DFlash fix": [0, 2]}
+    assert engine_layer_ids({**doc, "eagle_aux_hidden_state_layer_ids": [2, 5]}) == {
+        "sglang": [1, 3], "vllm": [1, 4], "vllm before its DFlash fix": [1, 4]}
+    export, target_dir, _ = setup  # a published folder without them: fine for SGLang, not for older vLLM builds
+    folder = _copy(export, tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    doc.pop("eagle_aux_hidden_state_layer_ids")
+    (folder / "config.json").write_text(json.dumps(doc))
+    report = diagnose(folder, target_dir, {"doctor_samples": 1})
+    assert _failed(report) == ["engine_layer_ids"]
+    assert "vLLM builds before its DFlash fix take target_layer_ids as layer boundaries" in report.rules[5].detail
 
 
 @pytest.mark.parametrize("edit, rule, says", [
@@ -214,3 +224,22 @@ def test_a_missing_folder_is_a_config_error(setup, tmp_path):
     export, _, _ = setup
     with pytest.raises(ConfigError, match="is not a local folder"):
         diagnose(export, tmp_path / "no_target")
+
+
+def test_settings_come_from_p_then_the_export_then_the_target_folder_and_the_defaults(setup, tmp_path):
+    export, target_dir, corpus = setup
+    other = tmp_path / "other.jsonl"
+    other.write_text(corpus.read_text().splitlines()[1] + "\n")
+    report = diagnose(export, target_dir, {"source": str(other), "thinking": "on"})
+    assert report.ok, report.lines()
+    assert report.rules[-1].detail.startswith(f"1 samples of {str(other)!r}")
+    assert f"source {str(other)!r} (-p)" in report.rules[-1].detail and "thinking 'on' (-p)" in report.rules[-1].detail
+    folder = _copy(export, tmp_path)  # a run's drafter/ as the trainer writes it: template and source only
+    doc = json.loads((folder / "config.json").read_text())
+    for key in ("tokenizer", "thinking", "corpus"):
+        doc["dflash_config"]["training"].pop(key)
+    (folder / "config.json").write_text(json.dumps(doc))
+    report = diagnose(folder, target_dir, {"source": str(corpus)})
+    detail = report.rules[-1].detail
+    assert report.ok and f"tokenizer {str(target_dir)!r} (target folder)" in detail, detail
+    assert "template 'qwen3' (export)" in detail and "thinking 'off' (default)" in detail
