@@ -16,7 +16,7 @@ from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, default_gamma, tiny_qwen3_config
-from dflash_lib.models.export import export_drafter, read_drafter, read_weights
+from dflash_lib.models.export import export_drafter, export_folder, read_drafter, read_weights
 from dflash_lib.train.checkpoint import list_checkpoints
 from dflash_lib.train.resume import resume_config_hash
 
@@ -177,6 +177,8 @@ def test_a_published_config_without_our_training_keys_loads_with_defaults(target
     loaded = read_drafter(tmp_path, target)
     assert (loaded.cfg.block_size, loaded.cfg.num_anchors, loaded.cfg.gamma) == (4, 64, default_gamma(4))
     torch.testing.assert_close(loaded.fc.weight, drafter.fc.weight.to(torch.bfloat16))
+    export_folder(tmp_path, tmp_path / "again")  # exported again: with the ids vLLM reads
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4]
 
 
 # -- a real Hugging Face target folder ------------------------------------------------------------------------
