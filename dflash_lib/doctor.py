@@ -37,16 +37,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_lib.config import ConfigError, DataConfig, from_params, target_tokenizer
-from dflash_lib.data.readers import DataError, load_conversations
-from dflash_lib.data.templates import get_template
-from dflash_lib.data.tokenizers import load_tokenizer
+from dflash_lib.data.readers import Conversation, DataError, load_conversations
+from dflash_lib.data.templates import ChatTemplate, get_template
+from dflash_lib.data.tokenizers import ChatTokenizer, load_tokenizer
 from dflash_lib.models.target import local_hf_config
 
 ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors header dtype
 FORBIDDEN = ("embed_tokens", "lm_head")  # tensor name parts the engines take from the target
-CONTEXT_TOKENS = 4  # tokens shown on each side of the first difference
+CONTEXT_TOKENS = 4  # tokens shown before the first difference (and CONTEXT_TOKENS + 1 from it on)
 DATA_KEYS = ("tokenizer", "template", "thinking")  # data settings of the training render; `source` = the corpus
 
 
@@ -386,6 +386,34 @@ def _load_target_tokenizer(target: str):
     return hf, ""
 
 
+def _compare(conv: Conversation, index: int, tok: ChatTokenizer, template: ChatTemplate, hf: Any,
+             kwargs: dict[str, bool]) -> tuple[bool, TemplateMismatch | None]:
+    """(was any rendering compared, the first difference) of corpus conversation `conv` (sample `index`): the whole
+    conversation, then the generation prompt of its last answer, each rendered by training (`tok`, `template`)
+    and by the target (`hf`'s chat template with `kwargs`, then its tokenizer, no special tokens added)."""
+    turns = tuple((role, tok.prepare(content)) for role, content in conv.turns)
+    last = max(i for i, (role, _) in enumerate(turns) if role == "assistant")  # a Conversation has one
+    messages = [{"role": r, "content": c} for r, c in conv.turns]
+    parts = {"conversation": (lambda: template.segments(turns),
+                              lambda: hf.apply_chat_template(messages, tokenize=False, **kwargs)),
+             "prompt": (lambda: template.prompt_segments(turns[:last]),
+                        lambda: hf.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True,
+                                                       **kwargs))}
+    rendered = False
+    for part, (ours, theirs) in parts.items():
+        try:
+            a = [int(i) for i in tok.encode_segments(ours())[0]]
+            b = [int(i) for i in hf(theirs(), add_special_tokens=False)["input_ids"]]
+        except Exception:  # noqa: BLE001 - a template (Jinja or ours) may refuse a conversation: not compared
+            continue
+        rendered = True
+        at = _first_difference(a, b)
+        if at is not None:
+            return True, TemplateMismatch(index, conv.where, part, at, len(a), len(b), _window(tok.decode, a, at),
+                                          _window(hf.decode, b, at))
+    return rendered, None
+
+
 def chat_template_rule(doc: Mapping[str, Any], target: str, params: Mapping[str, Any],
                        samples: int) -> tuple[RuleResult, TemplateMismatch | None]:
     """Render `samples` corpus conversations as training did and with the target folder's tokenizer + chat
@@ -410,32 +438,10 @@ def chat_template_rule(doc: Mapping[str, Any], target: str, params: Mapping[str,
     for conv in load_conversations(d.source):
         if compared >= samples:
             break
-        turns = tuple((role, tok.prepare(content)) for role, content in conv.turns)
-        last = max(i for i, (role, _) in enumerate(turns) if role == "assistant")
-        messages = [{"role": r, "content": c} for r, c in conv.turns]
-        parts = {"conversation": (lambda: template.segments(turns),
-                                  lambda: hf.apply_chat_template(messages, tokenize=False, **kwargs)),
-                 "prompt": (lambda: template.prompt_segments(turns[:last]),
-                            lambda: hf.apply_chat_template(messages[:last], tokenize=False,
-                                                           add_generation_prompt=True, **kwargs))}
-        bad, rendered = False, False
-        for part, (ours, theirs) in parts.items():
-            try:
-                a = [int(i) for i in tok.encode_segments(ours())[0]]
-                b = [int(i) for i in hf(theirs(), add_special_tokens=False)["input_ids"]]
-            except Exception:  # noqa: BLE001 - jinja (or our template) refuses some conversations: not compared
-                continue
-            rendered = True
-            at = _first_difference(a, b)
-            if at is None or bad:
-                continue
-            bad = True
-            if first is None:
-                first = TemplateMismatch(compared, conv.where, part, at, len(a), len(b),
-                                         _window(tok.decode, a, at), _window(hf.decode, b, at))
-        compared += rendered
-        skipped += not rendered
-        differing += bad
+        rendered, mismatch = _compare(conv, compared, tok, template, hf, kwargs)
+        compared, skipped = compared + rendered, skipped + (not rendered)
+        differing += mismatch is not None
+        first = first or mismatch
     where = f"{compared} samples of {d.source!r}" + (f" ({skipped} not renderable)" if skipped
                                                       else "")
     if compared == 0:

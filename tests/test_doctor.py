@@ -180,6 +180,9 @@ def test_a_target_template_without_the_think_block_names_sample_and_position(set
     assert m.target_context == "'\\n<|im_start|>assistant\\n' | 'Hello! How can I'"
     assert (m.training_tokens, m.target_tokens) == (25, 19)
     assert report.rules[-1].detail.startswith("3 of 3 samples differ")
+    doc = json.loads(json.dumps(report.to_json()))  # the record a notebook keeps
+    assert (doc["ok"], doc["mismatch"]["position"], [r["name"] for r in doc["rules"] if not r["ok"]]) == (
+        False, m.position, ["chat_template"])
     assert f"sample 0 (line 1), conversation, token {m.position}" in report.rules[-1].detail
 
 
