@@ -10,6 +10,7 @@ The rules (docs/serving.md, "Doctor", says why each one exists):
     architecture        architectures == ["DFlashDraftModel"] and model_type "qwen3": what the engines dispatch on
     hidden_act          "silu" (the drafter's MLP; an engine builds whatever the config names)
     hidden_size         the drafter's hidden size == the target's (fc and the shared embedding/LM head)
+    vocab_size          the drafter's vocab_size == the target's (its embedding and LM head are the target's)
     block_size          top level and/or dflash_config.block_size, an integer >= 2; both present must agree
     target_layer_ids    dflash_config.target_layer_ids present, distinct, in range of the target's layers, and
                         num_target_layers == the target's layer count
@@ -186,7 +187,8 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def config_rules(doc: Mapping[str, Any], target: TargetFacts) -> list[RuleResult]:
-    """architecture, hidden_act, hidden_size, block_size, target_layer_ids, engine_layer_ids, mask_token_id."""
+    """architecture, hidden_act, hidden_size, vocab_size, block_size, target_layer_ids, engine_layer_ids,
+    mask_token_id."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
     rules = []
     arch, mtype = doc.get("architectures"), doc.get("model_type")
@@ -204,6 +206,10 @@ def config_rules(doc: Mapping[str, Any], target: TargetFacts) -> list[RuleResult
                             f"drafter hidden_size {H!r}, target {target.hidden_size}",
                             "export a drafter trained on this target (its fc and the shared embedding need the "
                             "target's hidden size)"))
+    V = doc.get("vocab_size")
+    rules.append(RuleResult("vocab_size", V == target.vocab_size,
+                            f"drafter vocab_size {V!r}, target {target.vocab_size}",
+                            "set vocab_size to the target's (the drafter reads the target's embedding and LM head)"))
     rules.append(_block_size_rule(doc, dc))
     ids = _int_list(dc.get("target_layer_ids"))
     rules.append(_layer_ids_rule(doc, ids, target))

@@ -28,8 +28,8 @@ CONVERSATIONS = [
     [("system", "Be brief."), ("user", "2+2?"), ("assistant", "4")],
     [("user", "Hi"), ("assistant", "Hello."), ("user", "2+2?"), ("assistant", "4, I think.")],
 ]
-RULES = ["architecture", "hidden_act", "hidden_size", "block_size", "target_layer_ids", "engine_layer_ids",
-         "mask_token_id", "weights", "no_embedding", "dtype", "chat_template"]
+RULES = ["architecture", "hidden_act", "hidden_size", "vocab_size", "block_size", "target_layer_ids",
+         "engine_layer_ids", "mask_token_id", "weights", "no_embedding", "dtype", "chat_template"]
 
 
 def _target_folder(folder: Path, chat_template: str | None) -> Path:
@@ -98,7 +98,7 @@ def test_a_fresh_export_passes_every_rule(setup):
     template = report.rules[-1].detail
     assert template.startswith(f"3 samples of {str(corpus)!r}") and "template 'qwen3' (export)" in template
     assert "thinking 'off' (export)" in template
-    assert "sglang [1, 3], vllm [1, 3], vllm before its DFlash fix [1, 3]" in report.rules[5].detail
+    assert "sglang [1, 3], vllm [1, 3], vllm before its DFlash fix [1, 3]" in report.rules[6].detail
     header = safetensors_header(export / "model.safetensors")
     assert header["fc.weight"] == ("BF16", (H, 2 * H)) and len(header) == 3 + 2 * 11
 
@@ -109,6 +109,7 @@ def test_a_fresh_export_passes_every_rule(setup):
     (dict(dflash_target_layer_ids=[2, 4]), "engine_layer_ids",
      "sglang [2, 4], vllm [1, 3], vllm before its DFlash fix [1, 3]"),
     (dict(hidden_act="gelu"), "hidden_act", "hidden_act 'gelu'"),
+    (dict(vocab_size=151936), "vocab_size", "drafter vocab_size 151936, target 302"),
     (dict(dflash_mask_token_id=10_000), "mask_token_id", "mask_token_id 10000"),
     (dict(dflash_block_size=8), "block_size", "they disagree"),
     (dict(architectures=["Qwen3ForCausalLM"]), "architecture", "['Qwen3ForCausalLM']"),
@@ -126,7 +127,7 @@ def test_a_layer_id_past_the_target_fails_both_layer_rules(setup, tmp_path):
     export, target_dir, _ = setup
     report = diagnose(_copy(export, tmp_path, dflash_target_layer_ids=[3, 6]), target_dir, {"doctor_samples": 1})
     assert _failed(report) == ["target_layer_ids", "engine_layer_ids"]
-    assert "[6] outside the target's layers 0 .. 5" in report.rules[4].detail
+    assert "[6] outside the target's layers 0 .. 5" in report.rules[5].detail
 
 
 def test_what_each_engine_reads_with_and_without_the_vllm_ids(setup, tmp_path):
@@ -141,7 +142,7 @@ def test_what_each_engine_reads_with_and_without_the_vllm_ids(setup, tmp_path):
     (folder / "config.json").write_text(json.dumps(doc))
     report = diagnose(folder, target_dir, {"doctor_samples": 1})
     assert _failed(report) == ["engine_layer_ids"]
-    assert "vLLM builds before its DFlash fix take target_layer_ids as layer boundaries" in report.rules[5].detail
+    assert "vLLM builds before its DFlash fix take target_layer_ids as layer boundaries" in report.rules[6].detail
 
 
 @pytest.mark.parametrize("edit, rule, says", [
