@@ -22,6 +22,12 @@ as the template rendered it for training (no re-tokenization). Samples without a
 over, and so is a prompt equal to one already taken (decoding it again measures nothing new: a third of the
 bundled corpus's samples start with an assistant turn, so their prompt is the generation prompt alone).
 `prompt_source` in the report says which split and which samples.
+
+Benchmark prompts (`-p prompts_from heldout,humaneval,mt-bench,FILE.jsonl`, `dflash_lib.data.benchmarks`): each
+set's first N questions, rendered by the configured tokenizer and template in each thinking mode of
+`-p enable_thinking`; a later turn is asked after the target's own answer (`next_turn`, from the baseline's greedy
+decoding, so every drafter gets the same turn-2 prompts). The report holds one row per set x thinking mode and the
+breakdowns by context length, turn and thinking mode (`dflash_lib.benchmark_report`, docs/evaluation.md).
 """
 
 from __future__ import annotations
