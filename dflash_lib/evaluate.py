@@ -438,6 +438,9 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
     model = load_drafter(drafter_dir, tgt)
     prompts = prompt_sets(config, run_dir)
     _check_vocabulary(prompts.prompts, tgt, config)
+    if config.evaluate.enable_thinking and all(g.benchmark == HELDOUT for g in prompts.groups):
+        say("note: enable_thinking renders benchmark prompts only; the held-out prompts keep the token store's "
+            f"rendering (thinking {config.data.thinking!r})")
     if config.data.template == "chatml" and len(thinking_modes(config)) > 1:
         say("note: template 'chatml' has no thinking mode: 'on' and 'off' render the same prompts "
             "(-p template qwen3 or hf for a Qwen3 target)")

@@ -329,7 +329,7 @@ def test_the_notebooks_tables_and_figure_show_the_rows_and_slices():
                                      ["thinking", "thinking off", 3, 7 / 3], ["thinking", "thinking on", 1, 3.0],
                                      ["context length", "0-255", 3, 3.0], ["context length", "256-511", 1, 1.0]]
     fig = tau_by_benchmark(rows, 4)
-    assert [(t.name, list(t.x), list(t.y)) for t in fig.data] == [("thinking off", ["humaneval", "mt-bench"], [3.0, 1.0]),
-                                                                  ("thinking on", ["humaneval"], [3.0])]
+    assert [(t.name, list(t.x), list(t.y)) for t in fig.data] == [
+        ("thinking off", ["humaneval", "mt-bench"], [3.0, 1.0]), ("thinking on", ["humaneval"], [3.0])]
     with pytest.raises(ValueError, match="no benchmark row"):
         benchmark_frame([])
