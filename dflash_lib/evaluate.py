@@ -150,7 +150,7 @@ class RunEvaluation(JsonRecord):
     bound_blocks: float | None  # share of the batches the block budget closed
     run: str  # the run folder given (a notebook-04 run or a trainer run folder)
     train_dir: str  # the trainer run folder in it
-    prompts: int  # held-out prompts decoded by every drafter
+    prompts: int  # prompts decoded by every drafter (every prompt set, each turn counted)
     max_new_tokens: int  # output tokens per prompt at most
     min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
     block_size: int  # B of the run's drafter
