@@ -113,6 +113,15 @@ def test_no_file_or_an_empty_one_is_refused(tmp_path):
 
 
 def test_prompts_from_and_enable_thinking_are_checked():
+    from dflash_lib.data.benchmarks import NAMED_SETS, is_prompt_set
+
+    for name in (*NAMED_SETS, "any/where.jsonl", "gsm8k", "x.json"):  # config.py checks what the module reads
+        accepted = True
+        try:
+            from_params({"prompts_from": name})
+        except ConfigError:
+            accepted = False
+        assert accepted == is_prompt_set(name) == (name not in ("gsm8k", "x.json"))
     assert from_params({"prompts_from": "heldout,humaneval,mt-bench,x/gsm8k.jsonl",
                         "enable_thinking": "on,off"}).evaluate.prompts_from.count(",") == 3
     for params, message in (({"prompts_from": "gsm8k"}, "unknown prompt set 'gsm8k'"),
