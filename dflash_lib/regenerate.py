@@ -38,6 +38,7 @@ import httpx
 import torch
 
 from dflash_lib.config import Config, ConfigError
+from dflash_lib.data.benchmarks import render_prompt
 from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
 from dflash_lib.data.tokenizers import load_tokenizer
@@ -112,9 +113,7 @@ class LocalBackend:
         self._torch = torch
 
     def prompt_ids(self, turns: tuple[tuple[str, str], ...]) -> list[int]:
-        prepared = tuple((r, self.tok.prepare(c)) for r, c in turns)
-        ids, _ = self.tok.encode_segments(self.template.prompt_segments(prepared))
-        return [int(i) for i in ids]
+        return render_prompt(self.tok, self.template, turns)
 
     def answer(self, prompts: Sequence[tuple[tuple[str, str], ...]],
                records: Sequence[int]) -> list[Answer | Failure]:

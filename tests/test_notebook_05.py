@@ -15,7 +15,8 @@ from notebook_checks import assert_committed_clean
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
-PARAMETERS = {"preset", "run", "drafter", "target", "prompts", "max_new_tokens", "decode_threads", "out_dir"}
+PARAMETERS = {"preset", "run", "drafter", "target", "prompts", "max_new_tokens", "decode_threads", "out_dir",
+              "prompts_from", "enable_thinking"}
 
 
 def test_notebook_is_committed_clean_with_one_parameters_cell():
@@ -53,7 +54,9 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     assert summary["export"] == str(out_dir / "serving") and read_doc(out_dir / "serving")["block_size"] == 4
     by_step = json.loads((out_dir / "by_step.json").read_text())
     assert [r["step"] for r in by_step] == [0, 2, 4]
-    for name in ("tau_by_step", "acceptance", "loss_vs_heldout"):
+    assert [(r["benchmark"], r["prompts"], r["cycles"]) for r in summary["benchmarks"]] == [
+        ("heldout", 2, summary["cycles"])]  # the held-out prompts: one row, every cycle
+    for name in ("tau_by_step", "acceptance", "loss_vs_heldout", "tau_by_benchmark"):
         assert (out_dir / f"{name}.json").is_file()
         html = (out_dir / f"{name}.html").read_text()
         assert "<html>" in html and "cdn.plot.ly" not in html.split("<body>")[0]

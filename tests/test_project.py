@@ -56,7 +56,8 @@ def _names(reqs):
 
 def test_environment_yml_mirrors_pyproject():
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    wanted = _names(project["dependencies"] + project["optional-dependencies"]["dev"])
+    wanted = _names(project["dependencies"] + project["optional-dependencies"]["dev"]
+                    + project["optional-dependencies"]["bench"])
     text = (REPO_ROOT / "environment.yml").read_text()
     pip = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ") and "=" in line
            and not line.strip().startswith("- python")]

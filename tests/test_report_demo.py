@@ -208,3 +208,28 @@ def test_a_wrong_evaluation_is_refused_by_name(tmp_path, edit, message):
         write_demo_summary(tmp_path, summary_rows(), entry)
     assert not (tmp_path / "summary.json").exists()
     assert set(EVALUATION_KEYS) <= set(evaluation_entry())
+
+
+def _benchmark_rows() -> list[dict]:
+    row = dict(benchmark="humaneval", thinking="off", prompts=2, turns=2, tau=3.25, speedup=1.9, tokens_per_s=95.0,
+               baseline_tokens_per_s=50.0, cycles=20, per_position=[0.9, 0.7, 0.5], histogram={"4": 20})
+    return [row, {**row, "benchmark": "mt-bench", "turns": 4, "tau": 2.5, "speedup": 1.25, "cycles": 40}]
+
+
+def test_report_shows_the_per_benchmark_table(demo_tree, tmp_path):
+    entry = {**evaluation_entry(), "benchmarks": _benchmark_rows()}
+    assert demo_evaluation({**entry, "by_turn": []})["benchmarks"] == _benchmark_rows()
+    page = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [], evaluation=entry).read_text()
+    table = page[page.index('<table class="summary benchmarks">'):]
+    table = table[:table.index("</table>")]
+    assert re.findall(r"<th>([^<]+)</th>", table) == ["benchmark", "thinking", "prompts", "turns", "tau", "speedup",
+                                                     "tokens_per_s", "baseline_tokens_per_s", "cycles"]
+    cells = [re.findall(r'<td class="num">([^<]*)</td>', r) for r in table.split("<tr>")[2:]]
+    assert cells == [["humaneval", "off", "2", "2", "3.250", "1.90x", "95.0", "50.0", "20"],
+                     ["mt-bench", "off", "2", "4", "2.500", "1.25x", "95.0", "50.0", "40"]]
+    bad = {**entry, "benchmarks": [{**_benchmark_rows()[0], "tau": 0.5}]}
+    with pytest.raises(DemoReportError, match=r"evaluation\['benchmarks'\]\[0\]: tau must be >= 1"):
+        write_demo_summary(tmp_path, summary_rows(), bad)
+    with pytest.raises(DemoReportError, match=r"evaluation\['benchmarks'\]\[0\]: keys \['speedup'\] missing"):
+        write_demo_summary(tmp_path, summary_rows(), {**entry, "benchmarks": [
+            {k: v for k, v in _benchmark_rows()[0].items() if k != "speedup"}]})

@@ -188,12 +188,13 @@ def _first_present(obj: dict, *keys: str) -> Any:
     return None
 
 
-def normalize_record(raw: Any, index: int, line: int = 0) -> Conversation | Skip:
+def normalize_record(raw: Any, index: int, line: int = 0, need_assistant: bool = True) -> Conversation | Skip:
     """A raw record -> Conversation, or a Skip (reason, detail) when it is malformed.
 
     Accepts ShareGPT turns ({"from", "value"}) and OpenAI turns ({"role", "content"}) under either the
     "conversations" or the "messages" key. System prompts are kept as turns. `index`: the record's 0-based
-    index; `line`: its 1-based JSONL line (0 = none).
+    index; `line`: its 1-based JSONL line (0 = none); `need_assistant` False: a conversation without an
+    assistant turn is kept (benchmark prompts, `data.benchmarks`).
     """
     if not isinstance(raw, dict):
         return Skip(NOT_AN_OBJECT)
@@ -221,7 +222,7 @@ def normalize_record(raw: Any, index: int, line: int = 0) -> Conversation | Skip
         if not isinstance(content, str):
             return Skip(NON_STRING_CONTENT)
         turns.append((role, content))
-    if not any(role == "assistant" for role, _ in turns):
+    if need_assistant and not any(role == "assistant" for role, _ in turns):
         return Skip(NO_ASSISTANT_TURN)
     rid = raw.get("id", "")
     return Conversation(record=index, id=rid if isinstance(rid, str) else str(rid), turns=tuple(turns), line=line)

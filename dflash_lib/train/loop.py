@@ -418,7 +418,7 @@ class Trainer:
             if p.step > 0:
                 save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
                              **run_info(self.config.model, self.config.train.seed, self.config.data.template,
-                                        f"{self.run_dir} (step {p.step})"))
+                                        f"{self.run_dir} (step {p.step})", self.config.data))
             write_json(self.run_dir / "summary.json", summary.to_json())
         if self.stop_reason is not None:
             say(f"stopped ({self.stop_reason}) after step {p.step} of {p.total_steps}; "

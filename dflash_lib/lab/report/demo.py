@@ -32,7 +32,10 @@ _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from 
 EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
 EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
                     "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export",
-                    *BUDGET_FIGURES)  # kept when notebook 05 has them (BUDGET_FIGURES: the trained run's batch fill)
+                    *BUDGET_FIGURES, "benchmarks")  # kept when notebook 05 has them (BUDGET_FIGURES: the trained
+# run's batch fill; benchmarks: the final drafter's rows per prompt set, `benchmark_report.BenchmarkRow`)
+BENCHMARK_KEYS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",
+                  "baseline_tokens_per_s", "cycles")  # each benchmark row's, shown in this order
 _FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
 
 FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
@@ -134,6 +137,26 @@ def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
     for key in BUDGET_FIGURES:  # None: the run had no such figure
         if out.get(key) is not None:
             out[key] = _finite(f"evaluation[{key!r}]", out[key])
+    if "benchmarks" in out:
+        out["benchmarks"] = _benchmark_rows(out["benchmarks"])
+    return out
+
+
+def _benchmark_rows(rows: Any) -> list[dict[str, Any]]:
+    """Plain-dict copies of the per-benchmark rows; DemoReportError naming the row and field: every BENCHMARK_KEYS
+    present, tau >= 1, speedup > 0, the speeds finite."""
+    if not isinstance(rows, Sequence) or isinstance(rows, str):
+        raise DemoReportError(f"evaluation['benchmarks'] must be a list of rows, got {type(rows).__name__}")
+    out = []
+    for i, row in enumerate(rows):
+        where = f"evaluation['benchmarks'][{i}]"
+        got = _record(where, row, BENCHMARK_KEYS)
+        for key in ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s"):
+            got[key] = _finite(f"{where}[{key!r}]", row[key])
+        if got["tau"] < 1.0 or got["speedup"] <= 0:
+            raise DemoReportError(f"{where}: tau must be >= 1 and speedup > 0, got tau {got['tau']!r}, speedup "
+                                  f"{got['speedup']!r}")
+        out.append(got)
     return out
 
 
@@ -166,7 +189,10 @@ def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summ
     if evaluation is not None:
         parts += ["<h2>Evaluation: what training bought</h2>"]
         parts += [f'<p class="meta">{_e(data_note)}</p>'] if data_note else []
-        parts += [_evaluation_table(validate_evaluation(evaluation))]
+        checked = validate_evaluation(evaluation)
+        parts += [_evaluation_table(checked)]
+        if checked.get("benchmarks"):
+            parts += ["<h3>Per benchmark (final drafter)</h3>", _benchmark_table(checked["benchmarks"])]
     parts += ["<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
     if embedded:
         parts.append("<h2>Figures</h2>")
@@ -259,6 +285,15 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
         rows.append(("batch fill of the training run (means over its steps)", fill))
     body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     return f'<table class="summary evaluation"><tbody>{body}</tbody></table>'
+
+
+def _benchmark_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The paper's table: one row per prompt set x thinking mode, BENCHMARK_KEYS as columns."""
+    formats = {"tau": "{:.3f}", "speedup": "{:.2f}x", "tokens_per_s": "{:.1f}", "baseline_tokens_per_s": "{:.1f}"}
+    head = "".join(f"<th>{_e(k)}</th>" for k in BENCHMARK_KEYS)
+    body = "".join("<tr>" + "".join(f'<td class="num">{_e(formats.get(k, "{}").format(r[k]))}</td>'
+                                    for k in BENCHMARK_KEYS) + "</tr>" for r in rows)
+    return f'<table class="summary benchmarks"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _fill_text(ev: Mapping[str, Any]) -> str:

@@ -4,6 +4,8 @@ themselves: `evaluate.loss_figures`).
 - `tau_by_step`: acceptance length per checkpoint, the untrained drafter at step 0.
 - `acceptance`: the final drafter's histogram of tokens per cycle and its per-position acceptance curve.
 - `loss_vs_heldout`: training loss per step (and its running mean) with the held-out loss of each evaluation.
+- `benchmark_frame`, `breakdown_frame`, `tau_by_benchmark`: the per-benchmark table (the paper's), the acceptance
+  by context length, turn and thinking mode, and tau per benchmark as bars (`dflash_lib.benchmark_report`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dflash_lib.evaluate import LOSS_WINDOW, DrafterMeasurement
+from dflash_lib.benchmark_report import BenchmarkRow
+from dflash_lib.evaluate import LOSS_WINDOW, DecodeReport, DrafterMeasurement
+
+BENCHMARK_COLUMNS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",
+                     "baseline_tokens_per_s", "cycles")  # the table's columns, then accepted@k per draft position
 
 
 def tau_by_step(by_step: Sequence[DrafterMeasurement], block_size: int,
@@ -77,4 +83,43 @@ def loss_vs_heldout(metrics: pd.DataFrame, window: int = LOSS_WINDOW,
                                  name="held-out loss", marker=dict(symbol="diamond", size=10, color="#d62728"),
                                  line=dict(color="#d62728", dash="dash")))
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss (nats)", template="plotly_white")
+    return fig
+
+
+def benchmark_frame(rows: Sequence[BenchmarkRow]) -> pd.DataFrame:
+    """One row per prompt set x thinking mode: BENCHMARK_COLUMNS, then `accepted@k` = the share of cycles that
+    accepted draft position k (k = 1 .. B-1)."""
+    if not rows:
+        raise ValueError("benchmark_frame: no benchmark row (a report written before prompt sets existed?)")
+    out = []
+    for r in rows:
+        row = {c: getattr(r, c) for c in BENCHMARK_COLUMNS}
+        row.update({f"accepted@{k}": p for k, p in enumerate(r.per_position, start=1)})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def breakdown_frame(report: DecodeReport) -> pd.DataFrame:
+    """The report's acceptance by turn, by thinking mode and by context length (tokens), one row per slice:
+    by (what), slice, cycles, tau."""
+    rows = [{"by": what, "slice": s.label, "cycles": s.cycles, "tau": s.tau}
+            for what, parts in (("turn", report.by_turn), ("thinking", report.by_thinking),
+                                ("context length", report.by_context)) for s in parts]
+    return pd.DataFrame(rows, columns=["by", "slice", "cycles", "tau"])
+
+
+def tau_by_benchmark(rows: Sequence[BenchmarkRow], block_size: int,
+                     title: str = "Acceptance length per benchmark") -> go.Figure:
+    """tau of each prompt set (a bar per thinking mode), the speedup written on each bar; dotted: tau = 1."""
+    if not rows:
+        raise ValueError("tau_by_benchmark: no benchmark row")
+    fig = go.Figure()
+    for mode in dict.fromkeys(r.thinking for r in rows):
+        mine = [r for r in rows if r.thinking == mode]
+        fig.add_trace(go.Bar(x=[r.benchmark for r in mine], y=[r.tau for r in mine], name=f"thinking {mode}",
+                             text=[f"{r.tau:.2f} ({r.speedup:.2f}x)" for r in mine], textposition="outside"))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#888", annotation_text="no gain (tau 1)",
+                  annotation_position="bottom right")
+    fig.update_layout(title=title, barmode="group", xaxis_title="prompt set", yaxis_title="tau (tokens per cycle)",
+                      template="plotly_white", yaxis_range=[0, block_size + 0.4])
     return fig
