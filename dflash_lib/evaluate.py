@@ -78,13 +78,18 @@ class DecodeReport(JsonRecord):
     min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
     cycles: int  # drafting cycles over all prompts
     output_tokens: int  # tokens generated over all prompts
-    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's (all, barring bf16 ties)
+    # prompts whose output equals plain greedy decoding's (all, barring bf16 ties); None when sampling
+    # (temperature > 0): two samples of the same distribution are not compared token for token
+    outputs_equal_baseline: int | None
     block_size: int  # B: the drafter's block (anchor + B-1 drafts)
     device: str  # torch device the target and drafter ran on
     drafter: str  # the saved drafter folder evaluated
     target: str  # the target: "tiny" or a model folder
     prompt_source: str  # which split and which samples the prompts are, in words
     prompt_indices: list[int]  # token-store index of each prompt's sample
+    temperature: float = 0.0  # sampling temperature of both decodings (`-p temperature`); 0 = greedy
+    top_p: float = 1.0  # nucleus mass of both decodings when temperature > 0 (`-p top_p`)
+    sample_seed: int = 0  # seed of the CPU generator each decoding samples from (`-p sample_seed`)
 
 
 @dataclass
@@ -98,7 +103,7 @@ class DrafterMeasurement(JsonRecord):
     histogram: dict[str, int]  # tokens per cycle -> cycles
     per_position: list[float]  # (B-1,) share of cycles accepting each draft position
     cycles: int  # drafting cycles over all prompts
-    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's
+    outputs_equal_baseline: int | None  # prompts whose output equals plain greedy decoding's; None when sampling
     tokens_per_s: float  # output tokens per second of speculative decoding
 
 
@@ -283,6 +288,14 @@ class Setup:
         """Output tokens before the end-of-turn token may end an answer (`regenerate.min_new_tokens`)."""
         return self.config.regenerate.min_new_tokens
 
+    def sampling(self) -> dict[str, Any]:
+        """The decoders' sampling arguments: `-p temperature` and `top_p` (the regenerate section's, the same
+        quantity: how the target answers) and a fresh CPU generator seeded `-p sample_seed` (each decoding
+        draws the same stream)."""
+        r = self.config.regenerate
+        return {"temperature": r.temperature, "top_p": r.top_p,
+                "generator": torch.Generator().manual_seed(self.config.evaluate.sample_seed)}
+
 
 def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
             say: Say = _stderr) -> Setup:
@@ -377,17 +390,21 @@ def _warm(setup: Setup, drafter: Any) -> None:
     """First-call overheads (allocator, kernels) out of the timed decodes."""
     if setup.config.evaluate.timing_warmup:
         few = min(setup.config.regenerate.max_new_tokens, 2 * drafter.cfg.block_size)
-        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
-        greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
+        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens,
+                          **setup.sampling())
+        greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens,
+                      **setup.sampling())
 
 
 def decode(setup: Setup, drafter: Any, baseline: Any) -> DecodeReport:
-    """Speculative decoding of the setup's prompts with `drafter`, against the plain greedy `baseline`
-    (`acceptance.DecodeResult` of the same prompts); the context fields (device, drafter folder, target, prompts)
-    are the setup's."""
+    """Speculative decoding of the setup's prompts with `drafter`, against the plain `baseline` (`acceptance.
+    DecodeResult` of the same prompts, greedy or sampled alike); the context fields (device, drafter folder,
+    target, prompts, sampling) are the setup's. Outputs are compared only when greedy."""
     n_new = setup.config.regenerate.max_new_tokens
-    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
-    same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs))
+    sampling = setup.sampling()
+    spec = acceptance_length(setup.target, drafter, setup.prompts.prompts, n_new, setup.stop_ids, setup.min_new_tokens,
+                             **sampling)
+    same = sum(a == b for a, b in zip(spec.outputs, baseline.outputs)) if sampling["temperature"] == 0 else None
     return DecodeReport(
         tau=spec.tau, histogram={str(k): v for k, v in spec.histogram.items()}, per_position=spec.per_position,
         target_calls_per_token=spec.target_calls_per_token, tokens_per_s=spec.tokens_per_s,
@@ -395,17 +412,18 @@ def decode(setup: Setup, drafter: Any, baseline: Any) -> DecodeReport:
         prompts=len(setup.prompts.prompts), max_new_tokens=n_new, min_new_tokens=setup.min_new_tokens,
         cycles=spec.cycles, output_tokens=spec.output_tokens, outputs_equal_baseline=same,
         block_size=drafter.cfg.block_size, device=str(setup.target.device), drafter=str(setup.drafter_dir),
-        target=setup.config.model.target, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
+        target=setup.config.model.target, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices,
+        temperature=sampling["temperature"], top_p=sampling["top_p"], sample_seed=setup.config.evaluate.sample_seed)
 
 
 def _baseline(setup: Setup) -> Any:
     return greedy_decode(setup.target, setup.prompts.prompts, setup.config.regenerate.max_new_tokens, setup.stop_ids,
-                         setup.min_new_tokens)
+                         setup.min_new_tokens, **setup.sampling())
 
 
 def _warn_differ(report: DecodeReport, say: Say, what: str = "") -> None:
     n, same = report.prompts, report.outputs_equal_baseline
-    if same != n:
+    if same is not None and same != n:
         say(f"warning{what}: {n - same} of {n} outputs differ from plain greedy decoding "
             "(expected only from low-precision ties, e.g. bf16 on CUDA)")
 
@@ -533,13 +551,16 @@ def summary(r: DecodeReport) -> str:
     """The human-readable lines of a report."""
     hist = ", ".join(f"{k}:{v}" for k, v in r.histogram.items())
     pos = " ".join(f"{p:.2f}" for p in r.per_position)
+    plain = "plain greedy" if r.temperature == 0 else f"plain sampling (temperature {r.temperature}, top_p {r.top_p})"
+    same = (f"{r.outputs_equal_baseline}/{r.prompts} outputs identical" if r.outputs_equal_baseline is not None else
+            "sampling: outputs are not compared token for token")
     return "\n".join([
         f"tau {r.tau:.3f} tokens per cycle over {r.cycles} cycles (block size {r.block_size})",
         f"tokens per cycle -> cycles: {hist}",
         f"acceptance by draft position 1..{r.block_size - 1}: {pos}",
         f"target forwards per output token {r.target_calls_per_token:.3f} (plain decoding: 1)",
-        f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} plain greedy with a KV cache: "
-        f"speedup {r.speedup:.2f}x; {r.outputs_equal_baseline}/{r.prompts} outputs identical",
+        f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} {plain} with a KV cache: "
+        f"speedup {r.speedup:.2f}x; {same}",
     ])
 
 
