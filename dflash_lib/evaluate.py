@@ -7,7 +7,8 @@ base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target 
 `--target` the run's recorded target is used). A drafter that does not fit the target is refused before the
 target is built, the message naming each shape that differs (hidden size, target layers, fused features). Decodes N
 prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
-the target alone (the baseline), and checks the two outputs agree. Prints a summary to stderr and, as the LAST
+the target alone (the baseline), and checks the two outputs agree; at `-p temperature` > 0 both sample instead
+(speculative sampling, `models.sampling`) and the outputs are not compared. Prints a summary to stderr and, as the LAST
 stdout line, one JSON object (`DecodeReport`). For a notebook: `evaluate(...)` returns the same record, and
 `evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05:
 `RunEvaluation`).

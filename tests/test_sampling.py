@@ -176,7 +176,7 @@ def test_nucleus_sampling_probs_and_draw_numbers():
 
 SMALL_VOCAB, B = 16, 4
 PROMPT = [3, 7, 1]
-T_STAT, N_STAT, ALPHA, MIN_EXPECTED = 0.1, 1500, 1e-3, 5.0
+T_STAT, N_STAT, ALPHA, MIN_EXPECTED = 0.05, 1500, 1e-3, 5.0
 
 
 @pytest.fixture(scope="module")
@@ -224,18 +224,17 @@ def _chi_square(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int, fl
 
 
 def _power(cells: torch.Tensor, n: int, tv: float, runs: int = 4000) -> float:
-    """The share of `runs` simulated samples of n at total-variation distance `tv` from `cells` that the test
-    rejects at ALPHA, for the least detectable shift: each cell scaled by (1 + 2 tv) or (1 - 2 tv), the scaled-up
-    ones holding half the mass, so the noncentrality N sum(shift^2 / p) = 4 N tv^2 is the smallest of any shift of
-    that distance."""
+    """The share of `runs` simulated samples of n, drawn at total-variation distance `tv` from `cells`, that the
+    test rejects at ALPHA, for the least detectable shift of that distance: mass tv added to a set U of cells and
+    taken from the rest D, each in proportion to its probability, with U (largest cells first) holding as near
+    half the mass as the cells allow; its noncentrality n tv^2 (1/P(U) + 1/P(D)) is the smallest of any shift of
+    distance tv (4 n tv^2 when P(U) = 1/2)."""
     e = cells.numpy()
-    order, up, half = np.argsort(-e), np.zeros(len(e), dtype=bool), 0.0
-    for i in order:  # greedily half the mass goes up
-        if half < 0.5 * e.sum():
-            up[i], half = True, half + e[i]
-    sign = np.where(up, 1.0, -1.0)
-    alt = e * (1 + 2 * tv * sign)
-    alt = alt / alt.sum()
+    up = np.zeros(len(e), dtype=bool)
+    for i in np.argsort(-e):  # the largest cells go up until half the mass is up
+        if e[up].sum() < 0.5:
+            up[i] = True
+    alt = np.where(up, e + tv * e / e[up].sum(), e - tv * e / e[~up].sum())
     counts = np.random.default_rng(0).multinomial(n, alt, size=runs)  # (runs, C)
     stat = ((counts - n * e) ** 2 / (n * e)).sum(axis=1)
     df = len(e) - 1
@@ -250,28 +249,30 @@ def _counts(outputs: list[list[int]], vocab: int) -> torch.Tensor:
     return c
 
 
-def _speculative_counts(target: TargetModel, seed: int) -> tuple[torch.Tensor, float]:
-    drafter = decode_drafter(target, B, seed=3)  # untrained: about half its first slots are rejected
+def _speculative_counts(target: TargetModel, seed: int) -> tuple[torch.Tensor, list[float]]:
+    """The first three tokens' counts over N_STAT speculative decodings of PROMPT, and the per-slot acceptance."""
+    drafter = decode_drafter(target, B, seed=3)  # untrained: most of its first slots are rejected
     res = acceptance_length(target, drafter, [PROMPT] * N_STAT, 3, temperature=T_STAT,
                             generator=torch.Generator().manual_seed(seed))
-    return _counts(res.outputs, target.vocab_size), res.per_position[0]
+    return _counts(res.outputs, target.vocab_size), res.per_position
 
 
 @pytest.mark.slow
 def test_speculative_sampling_follows_the_targets_distribution(small):
     """The first three tokens of N = 1500 seeded speculative decodings (blocks of 4, an untrained drafter whose
-    first slot is rejected in about half the cycles; temperature 0.1 so that the target's tokens are far from
-    uniform) against their exact probabilities under the target's own sampling (enumerated): chi-square
-    goodness of fit over the sequences expected >= 5 times (44 cells, the rest pooled into one), significance
-    level ALPHA = 0.001. Power: any shift of total variation 0.11 from the target's law over those cells is
-    rejected with probability >= 90 % (simulated for the least detectable shift, `_power`). Plain sampling
+    first slot is rejected in about 70 % of the cycles; temperature 0.05 so that the target's tokens are far from
+    uniform: its first token's top probability is about 0.5) against their exact probabilities under the
+    target's own sampling (enumerated): chi-square goodness of fit over the 66 sequences expected >= 5 times
+    (72 % of the mass) and one cell pooling the rest, significance level ALPHA = 0.001. Power, simulated for the
+    least detectable shift of each size (`_power`): a shift of total variation 0.12 from the target's law over
+    those cells is rejected with probability >= 90 % (96 %), one of 0.10 with 68 %. Plain sampling
     (`greedy_decode` at the same temperature, the evaluation's baseline) passes the same test."""
     law = _law3(small, PROMPT, T_STAT, 1.0)
     cells = _cells(law, N_STAT)
-    assert len(cells) >= 30
-    assert _power(cells, N_STAT, 0.11) >= 0.9
-    counts, first_slot = _speculative_counts(small, seed=1)
-    assert 0.3 < first_slot < 0.7  # many rejections: the residual is exercised
+    assert len(cells) == 67 and float(cells[-1]) == pytest.approx(0.28, abs=0.01)
+    assert _power(cells, N_STAT, 0.12) >= 0.9 > _power(cells, N_STAT, 0.10)
+    counts, per_slot = _speculative_counts(small, seed=1)
+    assert 0.2 < per_slot[0] < 0.5 and per_slot[1] > 0.03  # many rejections: the residual is exercised
     stat, df, p = _chi_square(counts, law)
     assert p > ALPHA, (stat, df)
     plain = greedy_decode(small, [PROMPT] * N_STAT, 3, temperature=T_STAT, generator=torch.Generator().manual_seed(2))
@@ -340,3 +341,38 @@ def test_tokens_outside_the_nucleus_and_masked_stop_ids_never_appear(small):
         acceptance_length(small, drafter, prompts[:1], 4, temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         greedy_decode(small, prompts[:1], 4, temperature=1.0, top_p=1.5)
+
+
+# -- the evaluate command ------------------------------------------------------------------------------------------
+
+def test_evaluate_command_samples_and_reports_tau_at_a_temperature(tmp_path, capsys):
+    """`evaluate -p temperature 0.7 -p top_p 0.9`: both decodings sample, the report records the temperature,
+    top_p and seed, leaves outputs_equal_baseline null and says so; the same seed repeats the same tau."""
+    from dflash_lib.__main__ import main
+    from dflash_lib.config import from_params
+    from dflash_lib.evaluate import DecodeReport
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+    from dflash_lib.models.export import export_drafter
+
+    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4, "limit": 300,
+                          "max_len": 512})  # test_evaluate's tiny run (its token store is cached)
+    tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
+    torch.manual_seed(0)
+    export_drafter(DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt), tmp_path / "drafter",
+                   torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({"config": config.to_dict()}))
+    args = ["evaluate", "--drafter", str(tmp_path), "--target", "tiny", "-p", "prompts", "2", "-p", "max_new_tokens",
+            "8", "-p", "timing_warmup", "false", "-p", "temperature", "0.7", "-p", "top_p", "0.9"]
+    reports = []
+    for _ in range(2):
+        assert main(args) == 0
+        out, err = capsys.readouterr()
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    report = reports[0]
+    assert set(report) == {f.name for f in fields(DecodeReport)}
+    assert DecodeReport.from_json(report).to_json() == report
+    assert (report["temperature"], report["top_p"], report["sample_seed"]) == (0.7, 0.9, 0)
+    assert report["outputs_equal_baseline"] is None and 1.0 <= report["tau"] <= 4 and report["cycles"] >= 2
+    assert "sampling: outputs are not compared token for token" in err
+    assert "plain sampling (temperature 0.7, top_p 0.9)" in err
+    assert reports[1]["tau"] == report["tau"] and reports[1]["histogram"] == report["histogram"]
