@@ -343,6 +343,33 @@ def test_tokens_outside_the_nucleus_and_masked_stop_ids_never_appear(small):
         greedy_decode(small, prompts[:1], 4, temperature=1.0, top_p=1.5)
 
 
+class _Uncached:
+    """A DFlash drafter seen without its context cache: `acceptance_length` then hands it the growing features
+    (`draft`, `draft_logits`), the path a drafter without `context_cache` takes."""
+
+    def __init__(self, drafter):
+        self.cfg, self._d = drafter.cfg, drafter
+
+    def draft(self, features, anchor_pos, anchor_token):
+        return self._d.draft(features, anchor_pos, anchor_token)
+
+    def draft_logits(self, features, anchor_pos, block_ids):
+        return self._d.draft_logits(features, anchor_pos, block_ids)
+
+
+def test_cached_and_uncached_drafting_sample_the_same_tokens():
+    """Same seed, same draws: the drafter over its context cache and over the growing features give the same
+    outputs and cycles at temperature 1, top_p 0.9 (their logits agree to float rounding)."""
+    target = decode_target(256)
+    drafter = decode_drafter(target, B, seed=3)
+    prompts = random_prompts(3, seed=6)
+    kw = dict(temperature=1.0, top_p=0.9)
+    cached = acceptance_length(target, drafter, prompts, 10, generator=torch.Generator().manual_seed(5), **kw)
+    plain = acceptance_length(target, _Uncached(drafter), prompts, 10, generator=torch.Generator().manual_seed(5), **kw)
+    assert cached.outputs == plain.outputs and cached.cycle_log == plain.cycle_log
+    assert [len(o) for o in cached.outputs] == [10, 10, 10] and cached.cycles >= 3
+
+
 # -- the evaluate command ------------------------------------------------------------------------------------------
 
 def test_evaluate_command_samples_and_reports_tau_at_a_temperature(tmp_path, capsys):
