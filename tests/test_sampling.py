@@ -154,7 +154,15 @@ def test_nucleus_sampling_probs_and_draw_numbers():
     torch.testing.assert_close(nucleus(probs, 0.8), torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.5 + 0.3 reaches it
     torch.testing.assert_close(nucleus(probs, 0.81), torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
     assert torch.equal(nucleus(probs, 1.0), probs)
-    assert nucleus(torch.tensor([0.4, 0.4, 0.2]), 0.3).tolist() == [1.0, 0.0, 0.0]  # a tie: the lower id first
+    assert nucleus(torch.tensor([0.4, 0.4, 0.2]), 0.3).tolist() == [0.5, 0.5, 0.0]  # a tie at the edge: both kept
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.softmax(3 * torch.randn(64, 300, generator=gen), dim=-1)  # (64, 300), top 64 too few for some
+    rows[:8] = torch.randint(1, 4, (8, 300), generator=gen).float() / 600  # ties everywhere
+    rows[:8] /= rows[:8].sum(dim=-1, keepdim=True)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        above = (rows[:, None, :] * (rows[:, None, :] > rows[:, :, None])).sum(dim=-1)  # (64, 300) mass above each
+        want = rows * (above < top_p)
+        torch.testing.assert_close(nucleus(rows, top_p), want / want.sum(dim=-1, keepdim=True))
     logits = torch.tensor([[0.0, 1.0, float("-inf")]])
     torch.testing.assert_close(sampling_probs(logits, 1.0), torch.tensor([[1, np.e, 0]]) / (1 + np.e))
     torch.testing.assert_close(sampling_probs(logits, 0.5), torch.tensor([[1, np.e ** 2, 0]]) / (1 + np.e ** 2))

@@ -26,17 +26,26 @@ import torch
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs (..., V) -> (..., V) renormalised to each row's nucleus: the fewest most probable tokens whose mass
-    reaches top_p (a token is kept when the mass ranked strictly above it is < top_p, so the top one always is;
-    equal probabilities are ranked by id). top_p 1 keeps every token."""
+    """probs (..., V) -> (..., V) renormalised to each row's nucleus: a token is kept when the mass of the tokens
+    strictly more probable than it is < top_p, i.e. the fewest most probable tokens whose mass reaches top_p, and
+    every token tied with the least probable of them (ties never depend on an ordering, so not on the device).
+    top_p 1 keeps every token. Reads a row's top 64 or 1024 when their mass reaches top_p (a trained model's
+    nucleus is small), else sorts the whole row."""
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_p == 1.0:
         return probs
-    ranked, order = probs.sort(dim=-1, descending=True, stable=True)  # (..., V) each
-    above = ranked.cumsum(dim=-1) - ranked  # mass ranked above each token
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, above < top_p)
-    kept = probs * keep
+    V = probs.shape[-1]
+    for k in (64, 1024, V):
+        if k < V:
+            ranked = probs.topk(k, dim=-1).values  # (..., k) descending
+        else:
+            ranked = probs.sort(dim=-1, descending=True).values  # (..., V)
+        cum = ranked.cumsum(dim=-1)
+        if k >= V or bool((cum[..., -1] >= top_p).all()):
+            break
+    last = ((cum - ranked) < top_p).sum(dim=-1, keepdim=True) - 1  # (..., 1): the last rank with mass above < top_p
+    kept = probs * (probs >= ranked.gather(-1, last))
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
