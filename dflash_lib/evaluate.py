@@ -64,8 +64,9 @@ LOSS_WINDOW = 5  # steps averaged at each end for loss_first / loss_last (at mos
 
 @dataclass
 class DecodeReport(JsonRecord):
-    """One drafter's speculative decoding of the held-out prompts against plain greedy decoding of the same prompts
-    (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate` returns, `RunEvaluation.final`."""
+    """One drafter's speculative decoding of the held-out prompts against plain decoding of the same prompts, greedy
+    or sampled at `temperature` > 0 (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate`
+    returns, `RunEvaluation.final`."""
 
     tau: float  # acceptance length: mean tokens per drafting cycle (accepted drafts + the target's own), 1 .. B
     histogram: dict[str, int]  # tokens per cycle ("1" .. str(B)) -> cycles
