@@ -55,7 +55,7 @@ class BenchmarkRow(JsonRecord):
     baseline_tokens_per_s: float  # the same prompts by plain greedy decoding with a KV cache
     speedup: float  # tokens_per_s / baseline_tokens_per_s
     target_calls_per_token: float  # target forwards per output token (prefills included)
-    outputs_equal_baseline: int  # prompts whose output equals the baseline's
+    outputs_equal_baseline: int | None  # prompts whose output equals the baseline's; None when sampling
 
 
 @dataclass
@@ -142,7 +142,8 @@ def merged_figures(groups: Sequence[GroupDecode], block_size: int) -> dict[str, 
     speed = _rate(tokens, sum(g.spec.seconds for g in groups))
     base_speed = _rate(base_tokens, sum(g.baseline.seconds for g in groups))
     calls = sum(g.spec.target_calls for g in groups)
-    same = sum(a == b for g in groups for a, b in zip(g.spec.outputs, g.baseline.outputs))
+    sampled = any(getattr(g.spec, "temperature", 0.0) > 0 for g in groups)  # two samples: nothing to compare
+    same = None if sampled else sum(a == b for g in groups for a, b in zip(g.spec.outputs, g.baseline.outputs))
     return dict(tau=tau, histogram=hist, per_position=per_position, cycles=cycles, output_tokens=tokens,
                 tokens_per_s=speed, baseline_tokens_per_s=base_speed,
                 speedup=speed / base_speed if base_speed > 0 else float("nan"),

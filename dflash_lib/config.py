@@ -237,8 +237,9 @@ class RegenerateConfig:
     # also each held-out prompt's answer in `evaluate` and notebook 05 (the same quantity: one answer's length)
     min_new_tokens: int = 0  # the end-of-turn token is masked out of an answer's first N tokens (Hugging Face's
     # `min_new_tokens`), in regeneration and in `evaluate`'s decoding alike; 0 = off
-    temperature: float = 0.0  # sampling temperature; 0 = greedy
-    top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0)
+    temperature: float = 0.0  # sampling temperature; 0 = greedy; also `evaluate`'s (speculative sampling, plain
+    # sampling as its baseline: the same quantity, how the target answers)
+    top_p: float = 1.0  # nucleus sampling mass (used when temperature > 0), in regeneration and `evaluate` alike
     gen_batch: int = 16  # local: conversations generated together (one batched generate per turn)
     gen_tokens: int = 65536  # local: padded prompt tokens per `generate` call at most: a batch's prompts are sorted
     # by length and split where rows x longest prompt would pass it (one long prompt no longer pads a whole batch)
@@ -298,6 +299,8 @@ class EvalConfig:
     # rendered with the configured tokenizer and template (`template hf`: the target folder's own chat template)
     enable_thinking: str = ""  # thinking mode the benchmark prompts are rendered in: "on", "off" or both "on,off"
     # (a row each); "" = the data section's `thinking` (the held-out prompts always keep the store's rendering)
+    sample_seed: int = 0  # temperature > 0 (`-p temperature`, `-p top_p`): seed of the CPU generator that speculative
+    # and plain sampling each draw from (the same tokens on CPU and CUDA)
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
@@ -314,6 +317,7 @@ class EvalConfig:
         modes = [m.strip() for m in self.enable_thinking.split(",")] if self.enable_thinking else []
         if any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
             raise ConfigError(f"enable_thinking must be '', 'on', 'off' or 'on,off', got {self.enable_thinking!r}")
+        _non_negative("sample_seed", self.sample_seed)
         for name in ("run", "drafter"):
             value = getattr(self, name)
             if value != value.strip():

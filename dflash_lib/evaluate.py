@@ -7,7 +7,8 @@ base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target 
 `--target` the run's recorded target is used). A drafter that does not fit the target is refused before the
 target is built, the message naming each shape that differs (hidden size, target layers, fused features). Decodes N
 prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
-the target alone (the baseline), and checks the two outputs agree. Prints a summary to stderr and, as the LAST
+the target alone (the baseline), and checks the two outputs agree; at `-p temperature` > 0 both sample instead
+(speculative sampling, `models.sampling`) and the outputs are not compared. Prints a summary to stderr and, as the LAST
 stdout line, one JSON object (`DecodeReport`). For a notebook: `evaluate(...)` returns the same record, and
 `evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05:
 `RunEvaluation`).
@@ -75,8 +76,9 @@ LOSS_WINDOW = 5  # steps averaged at each end for loss_first / loss_last (at mos
 
 @dataclass
 class DecodeReport(JsonRecord):
-    """One drafter's speculative decoding of the prompt sets against plain greedy decoding of the same prompts
-    (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate` returns, `RunEvaluation.final`."""
+    """One drafter's speculative decoding of the prompt sets against plain decoding of the same prompts, greedy or
+    sampled at `temperature` > 0 (`decode`): the JSON line of `python -m dflash_lib evaluate`, what `evaluate`
+    returns, `RunEvaluation.final`."""
 
     tau: float  # acceptance length: mean tokens per drafting cycle (accepted drafts + the target's own), 1 .. B
     histogram: dict[str, int]  # tokens per cycle ("1" .. str(B)) -> cycles
@@ -90,7 +92,9 @@ class DecodeReport(JsonRecord):
     min_new_tokens: int  # output tokens before the end-of-turn token may end an answer
     cycles: int  # drafting cycles over all prompts
     output_tokens: int  # tokens generated over all prompts
-    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's (all, barring bf16 ties)
+    # prompts whose output equals plain greedy decoding's (all, barring bf16 ties); None when sampling
+    # (temperature > 0): two samples of the same distribution are not compared token for token
+    outputs_equal_baseline: int | None
     block_size: int  # B: the drafter's block (anchor + B-1 drafts)
     device: str  # torch device the target and drafter ran on
     drafter: str  # the saved drafter folder evaluated
@@ -104,6 +108,9 @@ class DecodeReport(JsonRecord):
     by_turn: list[AcceptanceSlice] = field(default_factory=list)  # cycles by the turn of their question
     by_thinking: list[AcceptanceSlice] = field(default_factory=list)  # cycles by thinking mode
     per_prompt: list[PromptDecode] = field(default_factory=list)  # every decoded prompt: set, id, turn, tau
+    temperature: float = 0.0  # sampling temperature of both decodings (`-p temperature`); 0 = greedy
+    top_p: float = 1.0  # nucleus mass of both decodings when temperature > 0 (`-p top_p`)
+    sample_seed: int = 0  # seed of the CPU generator each decoding samples from (`-p sample_seed`)
 
 
 @dataclass
@@ -117,7 +124,7 @@ class DrafterMeasurement(JsonRecord):
     histogram: dict[str, int]  # tokens per cycle -> cycles
     per_position: list[float]  # (B-1,) share of cycles accepting each draft position
     cycles: int  # drafting cycles over all prompts
-    outputs_equal_baseline: int  # prompts whose output equals plain greedy decoding's
+    outputs_equal_baseline: int | None  # prompts whose output equals plain greedy decoding's; None when sampling
     tokens_per_s: float  # output tokens per second of speculative decoding
 
 
@@ -414,6 +421,14 @@ class Setup:
         """Output tokens before the end-of-turn token may end an answer (`regenerate.min_new_tokens`)."""
         return self.config.regenerate.min_new_tokens
 
+    def sampling(self) -> dict[str, Any]:
+        """The decoders' sampling arguments: `-p temperature` and `top_p` (the regenerate section's, the same
+        quantity: how the target answers) and a fresh CPU generator seeded `-p sample_seed` (each decoding
+        draws the same stream)."""
+        r = self.config.regenerate
+        return {"temperature": r.temperature, "top_p": r.top_p,
+                "generator": torch.Generator().manual_seed(self.config.evaluate.sample_seed)}
+
 
 def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
             say: Say = _stderr) -> Setup:
@@ -518,13 +533,16 @@ def _warm(setup: Setup, drafter: Any) -> None:
     """First-call overheads (allocator, kernels) out of the timed decodes."""
     if setup.config.evaluate.timing_warmup:
         few = min(setup.config.regenerate.max_new_tokens, 2 * drafter.cfg.block_size)
-        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
-        greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens)
+        acceptance_length(setup.target, drafter, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens,
+                          **setup.sampling())
+        greedy_decode(setup.target, setup.prompts.prompts[:1], few, setup.stop_ids, setup.min_new_tokens,
+                      **setup.sampling())
 
 
 @dataclass
 class Baseline:
-    """Plain greedy decoding of every prompt group, later turns included (made from these answers)."""
+    """Plain decoding (greedy, or sampled at temperature > 0) of every prompt group, later turns included (made
+    from these answers)."""
 
     groups: list[PromptGroup]  # every turn of every set x thinking mode: turn t+1 right after turn t
     results: list[Any]  # acceptance.DecodeResult of each group
@@ -534,11 +552,14 @@ def decode(setup: Setup, drafter: Any, baseline: Baseline) -> DecodeReport:
     """Speculative decoding of every prompt group of the `baseline` (the same prompts, later turns made from the
     baseline's answers, which are the target's own) with `drafter`, one `acceptance_length` per group; the
     figures over all groups, per prompt set x thinking mode (`benchmark_report`) and the breakdowns. The context
-    fields (device, drafter folder, target, prompts) are the setup's."""
+    fields (device, drafter folder, target, prompts, sampling) are the setup's; outputs are compared with the
+    baseline's only when greedy."""
     n_new = setup.config.regenerate.max_new_tokens
+    sampling = setup.sampling()
     done = []
     for group, base in zip(baseline.groups, baseline.results):
-        spec = acceptance_length(setup.target, drafter, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
+        spec = acceptance_length(setup.target, drafter, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens,
+                                 **sampling)
         done.append(GroupDecode(group.benchmark, group.thinking, group.turn, group.names,
                                 [len(p) for p in group.prompts], spec, base))
     block = drafter.cfg.block_size
@@ -550,17 +571,20 @@ def decode(setup: Setup, drafter: Any, baseline: Baseline) -> DecodeReport:
         prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices,
         benchmarks=benchmark_rows(done, block), by_context=by_context([p for g in done for p in g.spec.cycle_log]),
         by_turn=slices(done, lambda g: f"turn {g.turn}"), by_thinking=slices(done, lambda g: f"thinking {g.thinking}"),
-        per_prompt=prompt_records(done))
+        per_prompt=prompt_records(done), temperature=sampling["temperature"], top_p=sampling["top_p"],
+        sample_seed=setup.config.evaluate.sample_seed)
 
 
 def _baseline(setup: Setup) -> Baseline:
-    """Plain greedy decoding of each prompt group, then of its next turn, asked after these answers (`next_turn`)."""
+    """Plain decoding of each prompt group (greedy, or sampled as `Setup.sampling` says), then of its next turn,
+    asked after these answers (`next_turn`)."""
     n_new = setup.config.regenerate.max_new_tokens
     groups, results = [], []
     for first in setup.prompts.groups:
         group: PromptGroup | None = first
         while group is not None:
-            result = greedy_decode(setup.target, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens)
+            result = greedy_decode(setup.target, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens,
+                                   **setup.sampling())
             groups.append(group)
             results.append(result)
             group = next_turn(group, result.outputs, setup.prompts.eos_id, setup.prompts.decode_text)
@@ -571,7 +595,7 @@ def _baseline(setup: Setup) -> Baseline:
 
 def _warn_differ(report: DecodeReport, say: Say, what: str = "") -> None:
     n, same = report.prompts, report.outputs_equal_baseline
-    if same != n:
+    if same is not None and same != n:
         say(f"warning{what}: {n - same} of {n} outputs differ from plain greedy decoding "
             "(expected only from low-precision ties, e.g. bf16 on CUDA)")
 
@@ -703,13 +727,16 @@ def summary(r: DecodeReport) -> str:
     pos = " ".join(f"{p:.2f}" for p in r.per_position)
     table = [benchmark_table(r.benchmarks), slice_line("turn", r.by_turn), slice_line("thinking mode", r.by_thinking),
              slice_line("context length (tokens)", r.by_context)] if r.benchmarks else []
+    plain = "plain greedy" if r.temperature == 0 else f"plain sampling (temperature {r.temperature}, top_p {r.top_p})"
+    same = (f"{r.outputs_equal_baseline}/{r.prompts} outputs identical" if r.outputs_equal_baseline is not None else
+            "sampling: outputs are not compared token for token")
     return "\n".join([
         f"tau {r.tau:.3f} tokens per cycle over {r.cycles} cycles (block size {r.block_size})",
         f"tokens per cycle -> cycles: {hist}",
         f"acceptance by draft position 1..{r.block_size - 1}: {pos}",
         f"target forwards per output token {r.target_calls_per_token:.3f} (plain decoding: 1)",
-        f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} plain greedy with a KV cache: "
-        f"speedup {r.speedup:.2f}x; {r.outputs_equal_baseline}/{r.prompts} outputs identical",
+        f"{r.tokens_per_s:.1f} tokens/s vs {r.baseline_tokens_per_s:.1f} {plain} with a KV cache: "
+        f"speedup {r.speedup:.2f}x; {same}",
         *table,
     ])
 

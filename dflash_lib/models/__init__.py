@@ -4,7 +4,8 @@ Modules: `target` (TargetModel, tiny_qwen3_config, the feature-layer rule), `mas
 documents are), `anchors` (sampling, decay weights), `layout` (the host-built flat layout of a micro-batch's drafter
 work), `attention` (dense / blocks / flex backends), `layers` (draft decoder layers with KV injection), `loss`
 (chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `export` (the serving folder:
-`export_drafter`, `read_drafter`, `init_from`), `acceptance` (speculative decoding loop, tau).
+`export_drafter`, `read_drafter`, `init_from`), `acceptance` (speculative decoding loop, tau), `sampling`
+(temperature, nucleus and the speculative-sampling accept/resample rule).
 """
 
 from dflash_lib.models.acceptance import AcceptanceResult, acceptance_length

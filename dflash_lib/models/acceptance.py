@@ -1,10 +1,17 @@
-"""Acceptance length tau by real greedy speculative decoding (draft a block, verify, accept) on KV caches.
+"""Acceptance length tau by real speculative decoding (draft a block, verify, accept) on KV caches: greedy, or
+speculative sampling at temperature > 0 (`models.sampling`).
 
 Per cycle, with the sequence so far s_0 .. s_{L-1} (s_{L-1} the last accepted token, not yet seen by the
 target): the drafter drafts d_1 .. d_{B-1} from [s_{L-1}, MASK ...] at positions L-1 .. L+B-2 with the target
 features of s_0 .. s_{L-2}; the target runs once over [s_{L-1}, d_1 .. d_{B-1}] and its greedy next tokens
 t_1 .. t_B verify the draft: the leading run of d_i == t_i is accepted, plus the bonus token t_{n+1}. So the
 output is the target's own greedy decoding, token for token.
+
+At temperature T > 0 the same cycle samples instead (`models.sampling`): d_k is drawn from q_k, the drafter's
+distribution at slot k (its logits through the same temperature, top_p and stop-id masking as the target's), and
+the target's p_1 .. p_B (from the same verification forward) accept or resample by the speculative-sampling rule,
+so the output is distributed exactly as the target's own sampling (`greedy_decode` at the same T and top_p). A
+drafter that only returns tokens (`draft` / `draft_cached`, no logits) counts as a point mass at its draft.
 
 Both models keep caches, so a cycle's work does not grow with the prefix (only attention reads it):
 - the target: its Hugging Face KV cache (`TargetCache`); a cycle runs exactly the B new tokens, then the cache
@@ -26,6 +33,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from dflash_lib.models.sampling import draw, sampling_probs, speculative_step
 from dflash_lib.models.target import TargetModel, TargetStep
 
 
@@ -41,6 +49,8 @@ class AcceptanceResult:
     # per prompt, per cycle: (context length when the cycle drafted = prompt + output so far, tokens the cycle
     # produced 1 .. B); what acceptance by context length, turn or benchmark is computed from
     cycle_log: list[list[tuple[int, int]]] = field(default_factory=list)
+    temperature: float = 0.0  # sampling temperature of the target (and the drafter's proposals); 0 = greedy
+    top_p: float = 1.0  # nucleus mass both distributions were cut to (temperature > 0)
 
     @property
     def output_tokens(self) -> int:
@@ -57,7 +67,7 @@ class AcceptanceResult:
 
 @dataclass
 class DecodeResult:
-    """Plain greedy decoding with the target's KV cache (the speed baseline)."""
+    """Plain decoding with the target's KV cache, greedy or sampled (the speed baseline, `greedy_decode`)."""
 
     outputs: list[list[int]]  # generated tokens of each prompt
     seconds: float  # wall-clock time (prefills included)
@@ -115,6 +125,12 @@ class _CachedDrafting:
     def draft(self, anchor_token: int) -> list[int]:
         return self.drafter.draft_cached(self.cache, anchor_token)
 
+    def logits(self, anchor_token: int) -> torch.Tensor | None:
+        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens."""
+        if not hasattr(self.drafter, "draft_logits_cached"):
+            return None
+        return self.drafter.draft_logits_cached(self.cache, _block_ids(self.drafter, anchor_token))[1:]
+
 
 class _FeatureDrafting:
     """For a drafter with only `draft(features, anchor_pos, anchor_token)`: the accepted features, growing."""
@@ -128,28 +144,110 @@ class _FeatureDrafting:
     def draft(self, anchor_token: int) -> list[int]:
         return self.drafter.draft(self.features, self.features.shape[0], anchor_token)
 
+    def logits(self, anchor_token: int) -> torch.Tensor | None:
+        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens."""
+        if not hasattr(self.drafter, "draft_logits"):
+            return None
+        ids = _block_ids(self.drafter, anchor_token)
+        return self.drafter.draft_logits(self.features, self.features.shape[0], ids)[1:]
+
+
+def _block_ids(drafter: Any, anchor_token: int) -> torch.Tensor:
+    """(B,) [anchor, MASK x (B-1)]: the block a DFlash drafter drafts from."""
+    ids = torch.full((drafter.cfg.block_size,), drafter.cfg.mask_id, dtype=torch.long)
+    ids[0] = anchor_token
+    return ids
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Generator | None:
+    """Refuse bad arguments; the generator sampling draws from (None when greedy; a CPU one seeded 0 when none
+    is given)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature == 0:
+        return None
+    if generator is None:
+        return torch.Generator().manual_seed(0)
+    if generator.device.type != "cpu":
+        raise ValueError(f"the sampling generator must be a CPU torch.Generator (device-independent draws), got one "
+                         f"on {generator.device}")
+    return generator
 
 
-def _greedy(logits: torch.Tensor, first: int, min_new_tokens: int, stops: frozenset[int]) -> list[int]:
-    """The greedy tokens of logits (T, V), row i being output token number `first + i` (0-based); rows before
-    `min_new_tokens` never pick a stop id (as Hugging Face's `min_new_tokens`: the stop ids' logits -inf)."""
+def _masked(logits: torch.Tensor, first: int, min_new_tokens: int, stops: frozenset[int]) -> torch.Tensor:
+    """logits (T, V), row i being output token number `first + i` (0-based), with the stop ids' logits -inf in the
+    rows before `min_new_tokens` (as Hugging Face's `min_new_tokens`); a copy when any is masked."""
     early = min(max(min_new_tokens - first, 0), logits.shape[0])  # rows that may not stop yet
     if early and stops:
         logits = logits.clone()
         logits[:early, sorted(stops)] = float("-inf")
-    return logits.argmax(dim=-1).tolist()
+    return logits
+
+
+def _greedy(logits: torch.Tensor, first: int, min_new_tokens: int, stops: frozenset[int]) -> list[int]:
+    """The greedy tokens of logits (T, V), row i being output token number `first + i` (0-based); rows before
+    `min_new_tokens` never pick a stop id (`_masked`)."""
+    return _masked(logits, first, min_new_tokens, stops).argmax(dim=-1).tolist()
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """How output tokens are chosen: stop ids masked before `min_new_tokens`, then greedy (generator None) or
+    sampled from `sampling_probs`. `first` below: the output token number (0-based) of a logits' row 0."""
+
+    stops: frozenset[int]
+    min_new_tokens: int
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None  # None: greedy
+
+    def probs(self, logits: torch.Tensor, first: int) -> torch.Tensor:
+        """logits (T, V) -> the sampling distributions (T, V)."""
+        masked = _masked(logits, first, self.min_new_tokens, self.stops)
+        return sampling_probs(masked, self.temperature, self.top_p)
+
+    def next_tokens(self, logits: torch.Tensor, first: int) -> list[int]:
+        """One token per row of logits (T, V): the argmax or a draw."""
+        if self.generator is None:
+            return _greedy(logits, first, self.min_new_tokens, self.stops)
+        return draw(self.probs(logits, first), self.generator).tolist()
+
+    def propose(self, drafting: Any, pending: int, first: int) -> tuple[list[int], torch.Tensor | None]:
+        """The B-1 drafted tokens after `pending` (output token `first - 1`) and, when sampled, the distributions
+        q (B-1, V) they were drawn from; q None: greedy, or a drafter of tokens only (a point mass at each)."""
+        logits = drafting.logits(pending) if self.generator is not None else None
+        if logits is None:
+            return drafting.draft(pending), None
+        q = self.probs(logits, first)
+        return draw(q, self.generator).tolist(), q
+
+    def verify(self, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, first: int) -> tuple[int, int]:
+        """(n, token): draft slots accepted (0 .. B-1) by the target's logits (B, V) and the token after them,
+        by exact match with the greedy tokens, or by the speculative-sampling rule (`speculative_step`)."""
+        if self.generator is None:
+            verified = _greedy(logits, first, self.min_new_tokens, self.stops)  # (B,) the target's next tokens
+            n = 0
+            while n < len(draft) and draft[n] == verified[n]:
+                n += 1
+            return n, verified[n]
+        p = self.probs(logits, first)  # (B, V)
+        drafted = torch.tensor(draft, dtype=torch.long, device=p.device)  # (B-1,)
+        if q is None:
+            q = torch.nn.functional.one_hot(drafted, p.shape[-1]).to(p.dtype)
+        return speculative_step(p, q.to(p.device), drafted, self.generator)
 
 
 def _finished(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> bool:
@@ -166,13 +264,17 @@ def _cut(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[
 
 @torch.no_grad()
 def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      stop_ids: Sequence[int] = (), min_new_tokens: int = 0) -> AcceptanceResult:
-    """Speculative-decode every prompt (batch 1, greedy) to `max_new_tokens` tokens, or through the first token
-    in `stop_ids` (never among the first `min_new_tokens`, see `_greedy`). The first token comes from the
-    target's prefill (not a cycle); a last cycle that overshoots still counts its full accepted length, and the
-    output is cut."""
-    _check(prompts, max_new_tokens)
+                      stop_ids: Sequence[int] = (), min_new_tokens: int = 0, temperature: float = 0.0,
+                      top_p: float = 1.0, generator: torch.Generator | None = None) -> AcceptanceResult:
+    """Speculative-decode every prompt (batch 1) to `max_new_tokens` tokens, or through the first token in
+    `stop_ids` (never among the first `min_new_tokens`, see `_masked`). The first token comes from the target's
+    prefill (not a cycle); a last cycle that overshoots still counts its full accepted length, and the output is
+    cut. Temperature 0: greedy, the target's greedy output exactly. Temperature > 0: speculative sampling with
+    nucleus `top_p` (module docstring), every draw from the CPU `generator` (None: one seeded 0), the prompts in
+    order; tau then counts the tokens a cycle produced the same way (accepted drafts + 1)."""
+    gen = _check(prompts, max_new_tokens, temperature, top_p, generator)
     stops = frozenset(int(s) for s in stop_ids)
+    choice = _Choice(stops, min_new_tokens, temperature, top_p, gen)
     hist: Counter[int] = Counter()
     accepted_at: Counter[int] = Counter()  # draft slot k -> cycles that accepted it
     outputs: list[list[int]] = []
@@ -187,25 +289,22 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
         first = tc.forward(torch.tensor(list(prompt), dtype=torch.long))
         calls += 1
         drafting.extend(first.features)  # context 0 .. P-1
-        out = _greedy(first.logits[-1:], 0, min_new_tokens, stops)
+        out = choice.next_tokens(first.logits[-1:], 0)
         cycles_here: list[tuple[int, int]] = []
         while not _finished(out, max_new_tokens, stops):
             pending = out[-1]  # at position tc.length, not yet seen by the target
-            draft = drafting.draft(pending)  # (B-1,) at positions tc.length+1 ..
+            draft, q = choice.propose(drafting, pending, len(out))  # (B-1,) at positions tc.length+1 ..
             block = len(draft) + 1
             base = tc.length
             check = tc.forward(torch.tensor([pending] + draft, dtype=torch.long))  # (B,) new tokens only
             calls += 1
-            verified = _greedy(check.logits, len(out), min_new_tokens, stops)  # (B,) the target's next tokens
-            n = 0
-            while n < len(draft) and draft[n] == verified[n]:
-                n += 1
+            n, token = choice.verify(check.logits, draft, q, len(out))
             hist[n + 1] += 1
             cycles_here.append((len(prompt) + len(out), n + 1))
             accepted_at.update(range(1, n + 1))
             tc.crop(base + n + 1)  # keep the pending token and the n accepted drafts
             drafting.extend(check.features[:n + 1])
-            out += draft[:n] + [verified[n]]
+            out += draft[:n] + [token]
         outputs.append(_cut(out, max_new_tokens, stops))
         log.append(cycles_here)
     _sync(target.device)
@@ -215,26 +314,29 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
     per_position = [accepted_at[k] / cycles if cycles else float("nan") for k in range(1, block)]
     return AcceptanceResult(tau=tau, histogram=dict(sorted(hist.items())), outputs=outputs, cycles=cycles,
                             per_position=per_position, target_calls=calls, seconds=seconds,
-                            cycle_log=log)
+                            cycle_log=log, temperature=temperature, top_p=top_p)
 
 
 @torch.no_grad()
 def greedy_decode(target: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  stop_ids: Sequence[int] = (), min_new_tokens: int = 0) -> DecodeResult:
-    """Plain greedy decoding with the target's KV cache, one token per forward: the baseline speculative
-    decoding must equal token for token and is timed against (same `stop_ids` and `min_new_tokens`)."""
-    _check(prompts, max_new_tokens)
+                  stop_ids: Sequence[int] = (), min_new_tokens: int = 0, temperature: float = 0.0,
+                  top_p: float = 1.0, generator: torch.Generator | None = None) -> DecodeResult:
+    """Plain decoding with the target's KV cache, one token per forward: the baseline speculative decoding is
+    timed against (same `stop_ids` and `min_new_tokens`). Temperature 0: greedy, what speculative decoding must
+    equal token for token; temperature > 0: plain sampling of `sampling_probs` (nucleus `top_p`) from the CPU
+    `generator` (None: one seeded 0), the distribution speculative sampling's output follows."""
+    gen = _check(prompts, max_new_tokens, temperature, top_p, generator)
     stops = frozenset(int(s) for s in stop_ids)
+    choice = _Choice(stops, min_new_tokens, temperature, top_p, gen)
     outputs: list[list[int]] = []
     _sync(target.device)
     start = time.perf_counter()
     for prompt in prompts:
         tc = TargetCache(target)
         logits = tc.forward(torch.tensor(list(prompt), dtype=torch.long), features=False).logits
-        out = _greedy(logits[-1:], 0, min_new_tokens, stops)
+        out = choice.next_tokens(logits[-1:], 0)
         while not _finished(out, max_new_tokens, stops):
-            out += _greedy(tc.forward(torch.tensor(out[-1:]), features=False).logits[-1:], len(out), min_new_tokens,
-                           stops)
+            out += choice.next_tokens(tc.forward(torch.tensor(out[-1:]), features=False).logits[-1:], len(out))
         outputs.append(out)
     _sync(target.device)
     return DecodeResult(outputs=outputs, seconds=time.perf_counter() - start)
