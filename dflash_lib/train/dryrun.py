@@ -491,7 +491,10 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     measures memory only (one pass; the figures' FLOPs are then zeros)."""
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
-    layout = build_layout(batch, anchors, s.attention)
+    layout = build_layout(batch, anchors, s.attention, target_rows=drafter.cfg.loss != "ce")  # kl: target rows
+    if layout.target_rows is not None and models.features is not None:
+        raise ConfigError("dry run: loss kl / ce+kl needs the target's final hidden states, which the sharded "
+                          "target (target_parallel fsdp) does not give; use loss ce")
     pairs = {}
     if s.attention in ("dense", "blocks"):
         pairs = {k: v for k, v in attention_work(layout, s.attention).items() if k != "ratio"}
@@ -507,10 +510,14 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
 
     def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
         def forward():
+            final = None  # loss kl / ce+kl: every target layer, (u, H) final-normed states at the target rows
             with phase("target"):
-                feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
+                if dev_layout.target_rows is None:
+                    feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
+                else:
+                    feats, final = target.context_features_and_final(dev_batch, dev_layout.target_rows, segments)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
-                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum)
+                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum, target_hidden=final)
 
         out = _Root()(forward)
         with phase("backward"):
