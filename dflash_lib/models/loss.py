@@ -183,37 +183,46 @@ class _FusedHeadCEKL(torch.autograd.Function):
     """Per position obj = a * ce + b * T^2 * KL(softmax(t / T) || softmax(z / T)) of a frozen linear head, z the
     drafter's logits, t the target's (the same head on the target's final hidden states), with d obj / d hidden
     = (a * (softmax(z) - onehot) + b * T * (softmax(z / T) - softmax(t / T))) @ W computed chunk by chunk in the
-    forward: one gradient matmul for both terms. Outputs obj (differentiable), ce, kl (KL_T, unscaled) and argmax."""
+    forward: one gradient matmul for both terms. Outputs obj (differentiable), ce, kl (KL_T, unscaled) and argmax;
+    logits and terms in float32 (float64 when `hidden` is float64: the gradient tests).
+
+    Memory per chunk of c positions: at most four (c, V) float32 buffers at once (z, log p, p and softmax(z / T)
+    when T != 1; three when T == 1), against one for `_FusedHeadCE`."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
                 need_grad: bool) -> tuple[torch.Tensor, ...]:
         n = hidden.shape[0]
-        obj = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (n,)
-        ce, kl = torch.empty_like(obj), torch.empty_like(obj)  # (n,)
+        acc = torch.promote_types(torch.float32, hidden.dtype)  # logits and terms: float32 (float64 for a float64 h)
+        ce = torch.empty(n, dtype=acc, device=hidden.device)  # (n,)
+        kl = torch.empty_like(ce)  # (n,)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
         grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d obj_i / d hidden_i
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
             y = labels[part]  # (c,)
-            z = F.linear(hidden[part], weight, bias).float()  # (c, V) drafter logits
-            t = F.linear(target_hidden[target_of[part]].to(weight.dtype), weight, bias).float()  # (c, V) target's
+            rows = torch.arange(len(y), device=y.device)  # (c,)
+            z = F.linear(hidden[part], weight, bias).to(acc)  # (c, V) drafter logits
             pred[part] = z.argmax(dim=-1)
             lse = torch.logsumexp(z, dim=-1)  # (c,)
-            ce[part] = lse - z.gather(1, y.unsqueeze(1)).squeeze(1)
-            log_p = torch.log_softmax(t.div_(T), dim=-1)  # (c, V) target, softened; t is reused in place
-            log_q = torch.log_softmax(z / T, dim=-1) if T != 1.0 else z - lse.unsqueeze(1)  # (c, V) drafter
+            ce[part] = lse - z[rows, y]
+            log_p = F.linear(target_hidden[target_of[part]].to(weight.dtype), weight, bias).to(acc)  # (c, V)
+            log_p.div_(T)
+            log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))  # log softmax(t / T), in place
             p = log_p.exp()  # (c, V)
-            kl[part] = (p * (log_p - log_q)).sum(dim=-1)
-            obj[part] = a * ce[part] + (b * T * T) * kl[part]
+            lse_T = lse if T == 1.0 else torch.logsumexp(z / T, dim=-1)  # (c,)
+            # KL = sum p log p - sum p z / T + logsumexp(z / T): row dots, no (c, V) temporary
+            kl[part] = (_rowdot(p, log_p) - _rowdot(p, z) / T + lse_T)
             if need_grad:
-                g = log_q.exp_().sub_(p).mul_(b * T)  # (c, V): b T (q_T - p_T)
-                if a:
-                    soft = z.sub_(lse.unsqueeze(1)).exp_()  # softmax(z): (c, V), z reused in place
-                    soft[torch.arange(len(y), device=y.device), y] -= 1.0
-                    g.add_(soft, alpha=a)
+                g = p.mul_(-b * T)  # (c, V): - b T p, in p's buffer
+                if T != 1.0:
+                    g.add_(z.div(T).sub_(lse_T.unsqueeze(1)).exp_(), alpha=b * T)  # + b T softmax(z / T)
+                soft = z.sub_(lse.unsqueeze(1)).exp_()  # softmax(z), in z's buffer
+                g.add_(soft, alpha=a + b * T if T == 1.0 else a)
+                g[rows, y] -= a
                 grad[part] = (g.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
+        obj = a * ce + (b * T * T) * kl  # (n,)
         ctx.save_for_backward(grad if need_grad else obj.new_empty(0))
         ctx.mark_non_differentiable(ce, kl, pred)
         return obj, ce, kl, pred
@@ -224,11 +233,16 @@ class _FusedHeadCEKL(torch.autograd.Function):
         return (grad_obj.unsqueeze(1).to(grad.dtype) * grad, *(None,) * 10)
 
 
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(c, V), (c, V) -> (c,) row-wise dot products as one batched matmul (no (c, V) product is materialised)."""
+    return (x.unsqueeze(1) @ y.unsqueeze(2)).reshape(-1)
+
+
 def head_ce_kl(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, target_hidden: torch.Tensor,
                target_of: torch.Tensor, chunk: int, spec: LossSpec) -> tuple[torch.Tensor, ...]:
     """Per-position objective a * ce + b * T^2 * KL_T (nats), ce, KL_T and argmax of `head(hidden)` against the
     target's distributions `head(target_hidden[target_of])`: hidden (n, H), labels (n,), target_hidden (u, H)
-    final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32, pred (n,). chunk: positions per head
+    final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32 (float64 for float64), pred (n,). chunk: positions per head
     call (0 = all n at once). The head must be frozen, as for `head_cross_entropy`."""
     if head.weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("head_ce_kl: the LM head must be frozen (requires_grad=False); it is shared with the "
