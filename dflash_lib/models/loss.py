@@ -186,8 +186,9 @@ class _FusedHeadCEKL(torch.autograd.Function):
     forward: one gradient matmul for both terms. Outputs obj (differentiable), ce, kl (KL_T, unscaled) and argmax;
     logits and terms in float32 (float64 when `hidden` is float64: the gradient tests).
 
-    Memory per chunk of c positions: at most four (c, V) float32 buffers at once (z, log p, p and softmax(z / T)
-    when T != 1; three when T == 1), against one for `_FusedHeadCE`."""
+    Memory per chunk of c positions: at most three (c, V) float32 buffers at once (z, log p, p; then z, p and
+    softmax(z / T) when T != 1), against one for `_FusedHeadCE` (each also holds one (c, V) copy in the head's
+    dtype while a matmul's output is converted)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -199,29 +200,9 @@ class _FusedHeadCEKL(torch.autograd.Function):
         kl = torch.empty_like(ce)  # (n,)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
         grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d obj_i / d hidden_i
-        for start in range(0, n, chunk):
-            part = slice(start, start + chunk)
-            y = labels[part]  # (c,)
-            rows = torch.arange(len(y), device=y.device)  # (c,)
-            z = F.linear(hidden[part], weight, bias).to(acc)  # (c, V) drafter logits
-            pred[part] = z.argmax(dim=-1)
-            lse = torch.logsumexp(z, dim=-1)  # (c,)
-            ce[part] = lse - z[rows, y]
-            log_p = F.linear(target_hidden[target_of[part]].to(weight.dtype), weight, bias).to(acc)  # (c, V)
-            log_p.div_(T)
-            log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))  # log softmax(t / T), in place
-            p = log_p.exp()  # (c, V)
-            lse_T = lse if T == 1.0 else torch.logsumexp(z / T, dim=-1)  # (c,)
-            # KL = sum p log p - sum p z / T + logsumexp(z / T): row dots, no (c, V) temporary
-            kl[part] = (_rowdot(p, log_p) - _rowdot(p, z) / T + lse_T)
-            if need_grad:
-                g = p.mul_(-b * T)  # (c, V): - b T p, in p's buffer
-                if T != 1.0:
-                    g.add_(z.div(T).sub_(lse_T.unsqueeze(1)).exp_(), alpha=b * T)  # + b T softmax(z / T)
-                soft = z.sub_(lse.unsqueeze(1)).exp_()  # softmax(z), in z's buffer
-                g.add_(soft, alpha=a + b * T if T == 1.0 else a)
-                g[rows, y] -= a
-                grad[part] = (g.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
+        with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes: autocast would run the row
+            _ce_kl_chunks(hidden, weight, bias, labels, target_hidden, target_of, chunk, a, b, T, acc, ce, kl, pred,
+                          grad)  # dots in bf16 (and copy p and log p for it)
         obj = a * ce + (b * T * T) * kl  # (n,)
         ctx.save_for_backward(grad if need_grad else obj.new_empty(0))
         ctx.mark_non_differentiable(ce, kl, pred)
@@ -231,6 +212,40 @@ class _FusedHeadCEKL(torch.autograd.Function):
     def backward(ctx, grad_obj: torch.Tensor, *unused):
         (grad,) = ctx.saved_tensors
         return (grad_obj.unsqueeze(1).to(grad.dtype) * grad, *(None,) * 10)
+
+
+def _ce_kl_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
+                  acc: torch.dtype, ce: torch.Tensor, kl: torch.Tensor, pred: torch.Tensor,
+                  grad: torch.Tensor | None) -> None:
+    """`_FusedHeadCEKL`'s chunk loop: fills ce, kl, pred (n,) and, unless None, grad (n, H) in place."""
+    n = hidden.shape[0]
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        y = labels[part]  # (c,)
+        rows = torch.arange(len(y), device=y.device)  # (c,)
+        z = F.linear(hidden[part], weight, bias).to(acc)  # (c, V) drafter logits
+        pred[part] = z.argmax(dim=-1)
+        lse = torch.logsumexp(z, dim=-1)  # (c,)
+        lse_T = lse if T == 1.0 else torch.logsumexp(z / T, dim=-1)  # (c,): before log p exists (memory)
+        ce[part] = lse - z[rows, y]
+        log_p = F.linear(target_hidden[target_of[part]].to(weight.dtype), weight, bias).to(acc)  # (c, V)
+        log_p.div_(T)
+        log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))  # log softmax(t / T), in place
+        p = log_p.exp()  # (c, V)
+        # KL = sum p log p - sum p z / T + logsumexp(z / T): row dots, no (c, V) temporary
+        kl[part] = (_rowdot(p, log_p) - _rowdot(p, z) / T + lse_T)
+        del log_p  # the gradient needs z and p only
+        if grad is not None:
+            g = p.mul_(-b * T)  # (c, V): - b T p, in p's buffer
+            if T != 1.0:
+                g.add_(z.div(T).sub_(lse_T.unsqueeze(1)).exp_(), alpha=b * T)  # + b T softmax(z / T)
+            soft = z.sub_(lse.unsqueeze(1)).exp_()  # softmax(z), in z's buffer
+            g.add_(soft, alpha=a + b * T if T == 1.0 else a)
+            g[rows, y] -= a
+            grad[part] = (g.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
+            del g, soft  # (views of p and z)
+        del z, p  # before the next chunk's logits exist: one chunk's buffers alive at a time
 
 
 def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
