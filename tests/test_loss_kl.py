@@ -196,3 +196,37 @@ def test_bad_loss_settings_name_the_parameter():
                        ("dpace_alpha", 1.5), ("kl_weight", -1)):
         with pytest.raises(ConfigError, match=key):
             from_params({key: value})
+
+
+def test_dry_run_counts_the_kl_work():
+    """`dryrun -p loss kl` runs the target's remaining layers, keeps the (u, H) final states and computes the target's
+    logits in the fused loss. FLOPs, exactly: the target forward runs all 4 layers instead of the 2 up to the
+    deepest feature layer (x 2), the head per scored position 2HV (drafter logits) + 2HV (target logits) + 2HV
+    (gradient) + 4V (the two row dots of the KL) against 4HV. Peak, derived (LOG.md 2026-12-02): at the loss chunk
+    the KL loop holds three float32 (c, V) buffers (z, log p, p) where the CE loop holds 2.5 (the previous chunk's
+    logits, the new ones in bf16 and in float32), so + 2cV bytes, plus the bf16 (u, H) target states, the int64
+    target rows and rows-of-scored indices, and (m,)-sized float vectors (at most 16 bytes per scored position)."""
+    from dflash_lib.config import from_params
+    from dflash_lib.models.layout import build_layout
+    from dflash_lib.train import dryrun
+
+    V, H = 8000, 64
+    hf = tiny_qwen3_config(hidden_size=H, num_layers=4, vocab_size=V)
+    figures = {}
+    for loss in ("ce", "kl"):
+        cfg = from_params(dict(hidden_size=H, target_layers=4, num_features=2, drafter_layers=2, block_size=4,
+                               num_anchors=8, token_budget=256, max_len=128, mask_id=V - 1, ce_chunk_blocks=2,
+                               loss=loss))
+        worst = dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)
+        models = dryrun.build_step_models(cfg, hf, dryrun.StepSettings("blocks", False), fake=True)
+        batch = dryrun.host_batch(worst, V, cfg.model.mask_id)
+        figures[loss] = dryrun.measure_step(models, batch, seed=0)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "blocks",
+                          target_rows=True)
+    m, u, c = layout.num_scored, layout.target_rows.numel(), 2 * 4
+    ce, kl = figures["ce"], figures["kl"]
+    assert kl.flops["target_forward"] == 2 * ce.flops["target_forward"]
+    assert ce.flops["head_ce"] == 4 * H * V * m and kl.flops["head_ce"] == (6 * H + 4) * V * m
+    assert kl.flops["drafter_layers"] == ce.flops["drafter_layers"]
+    derived = 2 * c * V + 2 * u * H + 8 * (u + m)
+    assert derived <= kl.peak_bytes - ce.peak_bytes <= derived + 16 * m
