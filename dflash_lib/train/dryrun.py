@@ -757,6 +757,7 @@ class DryRunReport(JsonRecord):
     target_parallel: str = "replicate"  # the target over them: replicate | fsdp (`Ranks`)
     target_gib: float = 0.0  # the target's bf16 weights, whole (GiB)
     target_gib_per_rank: float = 0.0  # what one rank holds of them (GiB): target_gib, or its FSDP2 shard
+    loss: str = "ce"  # the drafter loss measured: ce | kl | ce+kl (kl: every target layer, the target's logits too)
     compare: dict[str, BackendComparison] | None = omitted()  # backend -> the same run under it (`--compare` only)
 
 
@@ -805,7 +806,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
         checkpointing=settings.checkpointing, target=mc.target, target_layers=int(hf.num_hidden_layers),
         hidden_size=int(hf.hidden_size), drafter_layers=mc.drafter_layers, block_size=mc.block_size,
         num_anchors=mc.num_anchors, max_len=config.data.max_len, token_budget=config.sampler.token_budget,
-        block_budget=block_budget, edges=list(edges),
+        block_budget=block_budget, edges=list(edges), loss=mc.loss,
         buckets=[r.record() for r in buckets], packed=packed.record(),
         assumptions=DryRunAssumptions(
             gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
@@ -847,7 +848,8 @@ def format_report(report: DryRunReport) -> str:
     """The human-readable table of a `dry_run` report."""
     r = report
     head = (f"dry run: target {r.target} ({r.target_layers} layers, hidden {r.hidden_size}), drafter "
-            f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}"
+            f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}, "
+            f"loss {r.loss}"
             f"\n  attention {r.attention}, checkpointed layers {r.checkpointing}/{r.drafter_layers}, token_budget "
             f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB"
             f"\n  {r.world_size} rank(s), target {r.target_parallel}: {r.target_gib_per_rank:.1f} of its "
