@@ -517,10 +517,11 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
                 else:
                     feats, final = target.context_features_and_final(dev_batch, dev_layout.target_rows, segments)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
-                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum, target_hidden=final)
+                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum,
+                                    target_hidden=final), final
 
-        out = _Root()(forward)
-        with phase("backward"):
+        out, held = _Root()(forward)  # `held`: the (u, H) states stay alive through the backward, as the
+        with phase("backward"):  # trainer's Item keeps them
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(models.params, 1.0)
             opt.step()
