@@ -254,3 +254,15 @@ def test_training_with_kl_or_dpace_learns(settings):
     assert np.mean(losses[-10:]) < (0.1 if "loss" in settings else 0.9) * np.mean(losses[:10])
     tau = acceptance_length(target, drafter, prompts, NEW).tau
     assert untrained < 1.5 and tau > untrained + 1.5
+
+
+def test_export_records_the_loss_settings_and_reads_them_back(target64, tmp_path):
+    from dflash_lib.models.export import export_drafter, read_drafter, serving_config
+
+    drafter = _drafter64(target64, loss="ce+kl", kl_weight=0.25, kl_temperature=2.0, position_weight="dpace",
+                         dpace_alpha=0.1)
+    training = serving_config(drafter.cfg, torch.float32, 128)["dflash_config"]["training"]
+    assert {k: training[k] for k in ("loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha")} == dict(
+        loss="ce+kl", kl_weight=0.25, kl_temperature=2.0, position_weight="dpace", dpace_alpha=0.1)
+    back = read_drafter(export_drafter(drafter, tmp_path / "drafter", torch.float32), target64).cfg
+    assert (back.loss, back.kl_weight, back.position_weight) == ("ce+kl", 0.25, "dpace")
