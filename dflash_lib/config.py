@@ -137,11 +137,7 @@ class ModelConfig:
     dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
 
     def __post_init__(self) -> None:
-        _choice("loss", self.loss, LOSSES)
-        _choice("position_weight", self.position_weight, POSITION_WEIGHTS)
-        _bounded(self, positive=("kl_temperature",), non_negative=("kl_weight",))
-        if not 0.0 <= self.dpace_alpha <= 1.0:
-            raise ConfigError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        check_loss_settings(self)
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
@@ -154,6 +150,16 @@ class ModelConfig:
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+
+
+def check_loss_settings(section: Any) -> None:
+    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha` of a ModelConfig
+    or a DrafterConfig) outside their ranges, naming the parameter."""
+    _choice("loss", section.loss, LOSSES)
+    _choice("position_weight", section.position_weight, POSITION_WEIGHTS)
+    _bounded(section, positive=("kl_temperature",), non_negative=("kl_weight",))
+    if not 0.0 <= section.dpace_alpha <= 1.0:
+        raise ConfigError(f"dpace_alpha must be in [0, 1], got {section.dpace_alpha}")
 
 
 def checkpointed_layers(setting: str, drafter_layers: int, device_type: str) -> int:

@@ -68,8 +68,11 @@ def _brute_kl(drafter, target, batch, feats, layout, T):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("packed,T", [(False, 1.0), (True, 2.5)])
-def test_kl_term_equals_brute_force_over_full_logits(target64, packed, T):
+@pytest.mark.parametrize("packed,T,gather", [(False, 1.0, True), (True, 2.5, True), (False, 1.5, False)])
+def test_kl_term_equals_brute_force_over_full_logits(target64, packed, T, gather):
+    """Padded and packed batches of the real tokens, and every slot run (gather off: static shapes)."""
+    if not gather:
+        target64 = TargetModel(target64.model, target64.layer_ids, gather=False)  # the same weights
     drafter = _drafter64(target64, loss="kl", kl_temperature=T, ce_chunk_blocks=3)  # chunks of 12 positions
     docs = _docs()
     batch = collate_packed(docs, 0, 64) if packed else collate_padded(docs, 0)
@@ -266,3 +269,20 @@ def test_export_records_the_loss_settings_and_reads_them_back(target64, tmp_path
         loss="ce+kl", kl_weight=0.25, kl_temperature=2.0, position_weight="dpace", dpace_alpha=0.1)
     back = read_drafter(export_drafter(drafter, tmp_path / "drafter", torch.float32), target64).cfg
     assert (back.loss, back.kl_weight, back.position_weight) == ("ce+kl", 0.25, "dpace")
+
+
+def test_the_target_worker_hands_the_final_states_only_when_the_loss_needs_them(target64):
+    from dflash_lib.train.feed import Collated, Work, make_target_workers
+
+    batch = collate_padded(_docs(), 0)
+    worker = make_target_workers([target64], 1, torch.device("cpu"))[0]
+    for kind in ("ce", "kl"):
+        drafter = _drafter64(target64, loss=kind)
+        layout, feats, final = _work(drafter, target64, batch)
+        item = worker(Collated(Work(0, 0, 0, True, [0, 1, 2]), batch, (), layout))
+        assert torch.equal(item.features, feats)
+        if kind == "ce":
+            assert item.target_hidden is None and final is None
+        else:
+            assert torch.equal(item.target_hidden, final)
+            assert any(t is item.target_hidden for t in item.device_tensors())  # the CUDA stream hand-over

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.config import ConfigError, ModelConfig, check_loss_settings
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
 from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
@@ -99,8 +99,7 @@ class DrafterConfig:
             raise ConfigError(f"ce_chunk_blocks ({self.ce_chunk_blocks}) and gamma ({self.gamma}) must be >= 0")
         if self.gamma == 0:
             self.gamma = default_gamma(self.block_size)
-        ModelConfig(loss=self.loss, kl_weight=self.kl_weight, kl_temperature=self.kl_temperature,
-                    position_weight=self.position_weight, dpace_alpha=self.dpace_alpha)  # the same checks
+        check_loss_settings(self)
 
     @property
     def loss_spec(self) -> LossSpec:
