@@ -286,3 +286,13 @@ def test_the_target_worker_hands_the_final_states_only_when_the_loss_needs_them(
         else:
             assert torch.equal(item.target_hidden, final)
             assert any(t is item.target_hidden for t in item.device_tensors())  # the CUDA stream hand-over
+
+
+def test_a_sharded_target_refuses_loss_kl_in_the_dry_run():
+    from dflash_lib.config import ConfigError, preset
+    from dflash_lib.train import dryrun
+
+    config = preset("smoke")
+    config.model.loss, config.train.target_parallel = "kl", "fsdp"
+    with pytest.raises(ConfigError, match="target_parallel fsdp"):
+        dryrun.dry_run(config, world_size=2)

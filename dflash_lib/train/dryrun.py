@@ -775,6 +775,9 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     hf = target_hf_config(mc)
     weights = target_footprint(hf, torch.bfloat16).weights
     parallel, _ = resolve_target_parallel(config.train.target_parallel, weights, int(device_gib * GIB), world_size)
+    if parallel == "fsdp" and mc.loss != "ce":
+        raise ConfigError(f"dry run: loss {mc.loss!r} needs the target's final hidden states, which the sharded "
+                          "target (target_parallel fsdp) does not give: use loss ce, or target_parallel replicate")
     ranks = Ranks(world_size, parallel, link_gbs)
     settings = for_cuda(config)
     if attention is not None:
