@@ -130,7 +130,7 @@ class ModelConfig:
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
     init_from: str = ""  # a saved or exported drafter folder to start from instead of random weights ("" = random)
-    loss: str = "ce"  # drafter loss per scored position: "ce" (the paper) | "kl" (T^2 KL(target_T || drafter_T)) | "ce+kl"
+    loss: str = "ce"  # drafter loss per scored position: "ce" (the paper) | "kl" (T^2 KL(target || drafter)) | "ce+kl"
     kl_weight: float = 1.0  # ce+kl: lambda in ce + lambda * T^2 * KL_T (docs/dflash.md); unused by ce and kl
     kl_temperature: float = 1.0  # T softening both distributions of the KL term (scaled by T^2); > 0
     position_weight: str = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma) | "dpace" (D-PACE, docs/dflash.md)

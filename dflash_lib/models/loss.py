@@ -5,6 +5,10 @@ Only scored positions (weight > 0) go through the LM head, a chunk of positions 
 (softmax - onehot) @ W, is computed in the same pass as the CE and kept (n x H floats); the backward only scales
 it. Neither pass ever holds more than one chunk of logits (chunk x vocab floats), and the LM head runs twice per
 position (logits, gradient), not three times as under activation checkpointing (LOG.md, 2026-11-29).
+
+Loss kl / ce+kl (docs/dflash.md) runs the same head on the target's final hidden states at the scored labels'
+predicting positions, next to the drafter's logits chunk by chunk, with the gradient of both terms in one matmul;
+D-PACE (`dpace_weights`) multiplies the position weights by detached weights made from the drafter's confidence.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ class DrafterLoss:
     """One micro-batch's loss and statistics. The statistics stay tensors on the device (no host sync in the
     step); the properties read them (one sync each), `stats()` stacks them for ONE transfer."""
 
-    loss: torch.Tensor  # scalar, differentiable: sum(w * ce) / normalizer
+    loss: torch.Tensor  # scalar, differentiable: sum(w * term) / normalizer (term = ce, or the kl objective)
     weight_sum: float  # sum of w over scored positions (host float, known from the layout)
-    ce_total: torch.Tensor  # 0-d: sum of w * ce (nats)
+    ce_total: torch.Tensor  # 0-d: sum of w * term (nats; term = ce, or a*ce + b*T^2*KL_T under loss kl / ce+kl)
     correct_total: torch.Tensor  # 0-d: sum of w over correct top-1 predictions
     pos_correct_t: torch.Tensor  # (B-1,) correct predictions per block position k = 1..B-1
     pos_count_t: torch.Tensor  # (B-1,) scored positions per block position
@@ -187,8 +191,9 @@ class _FusedHeadCEKL(torch.autograd.Function):
     logits and terms in float32 (float64 when `hidden` is float64: the gradient tests).
 
     Memory per chunk of c positions: at most three (c, V) float32 buffers at once (z, log p, p; then z, p and
-    softmax(z / T) when T != 1), against one for `_FusedHeadCE` (each also holds one (c, V) copy in the head's
-    dtype while a matmul's output is converted)."""
+    softmax(z / T) when T != 1; the previous chunk's are freed first), where `_FusedHeadCE`'s loop holds its new
+    logits and the previous chunk's (each also holds a (c, V) copy in the head's dtype while a matmul's output is
+    converted): 12cV bytes against 10cV (LOG.md, 2026-12-02)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -200,9 +205,10 @@ class _FusedHeadCEKL(torch.autograd.Function):
         kl = torch.empty_like(ce)  # (n,)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
         grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d obj_i / d hidden_i
-        with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes: autocast would run the row
+        # explicit dtypes: autocast would run the row dots in bf16 (and copy p and log p for them)
+        with torch.autocast(hidden.device.type, enabled=False):
             _ce_kl_chunks(hidden, weight, bias, labels, target_hidden, target_of, chunk, a, b, T, acc, ce, kl, pred,
-                          grad)  # dots in bf16 (and copy p and log p for it)
+                          grad)
         obj = a * ce + (b * T * T) * kl  # (n,)
         ctx.save_for_backward(grad if need_grad else obj.new_empty(0))
         ctx.mark_non_differentiable(ce, kl, pred)
@@ -257,8 +263,9 @@ def head_ce_kl(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor
                target_of: torch.Tensor, chunk: int, spec: LossSpec) -> tuple[torch.Tensor, ...]:
     """Per-position objective a * ce + b * T^2 * KL_T (nats), ce, KL_T and argmax of `head(hidden)` against the
     target's distributions `head(target_hidden[target_of])`: hidden (n, H), labels (n,), target_hidden (u, H)
-    final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32 (float64 for float64), pred (n,). chunk: positions per head
-    call (0 = all n at once). The head must be frozen, as for `head_cross_entropy`."""
+    final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32 (float64 for a float64 hidden), pred
+    (n,). chunk: positions per head call (0 = all n at once). The head must be frozen, as for
+    `head_cross_entropy`."""
     if head.weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("head_ce_kl: the LM head must be frozen (requires_grad=False); it is shared with the "
                          "target and its weight gets no gradient here")
