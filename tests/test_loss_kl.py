@@ -301,3 +301,57 @@ def test_a_sharded_target_refuses_loss_kl_in_the_dry_run():
     config.model.loss, config.train.target_parallel = "kl", "fsdp"
     with pytest.raises(ConfigError, match="target_parallel fsdp"):
         dryrun.dry_run(config, world_size=2)
+
+
+def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_path, monkeypatch):
+    """train_step hands each item's (u, H) states to the engine: DDP over 2 micro-batches (1-rank gloo group) moves
+    the drafter as one process holding both; the idle rank's filler lays out target rows too, and its loss and
+    gradient are exactly zero."""
+    import torch.distributed as dist
+
+    from dflash_lib.train import distributed as D
+    from dflash_lib.train.feed import Item
+    from dflash_lib.train.state import BadStepGuard
+    from dflash_lib.train.step import filler_item, train_step
+    from tests.tiny_models import decode_drafter, decode_target
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    D.destroy()
+    target = decode_target()
+    docs = _docs((14, 21, 17, 12), seed=4)
+    docs = [(t % 255, m) for t, m in docs]  # ids below the decoding target's MASK (255)
+
+    def update(kind, split):
+        drafter = decode_drafter(target, 4)
+        drafter.cfg.loss, drafter.cfg.kl_temperature = "ce+kl", 1.5
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        gen, items, lo = torch.Generator().manual_seed(3), [], 0
+        for hi in split:
+            batch = collate_padded(docs[lo:hi], 0, list(range(lo, hi)))
+            layout = drafter.layout(batch, drafter.sample_anchors(batch, gen))
+            feats, final = target.context_features_and_final(batch, layout.target_rows)
+            items.append(Item(0, batch, batch, feats, layout=layout, device_layout=layout, target_hidden=final))
+            lo = hi
+        engine = D.Engine(drafter, kind, 1, torch.device("cpu"))
+        res = train_step(engine, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
+                         autocast=False, guard=BadStepGuard(3), step=1)
+        return torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res, drafter
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        want, one, drafter = update("single", [4])
+        got, res, _ = update("ddp", [2, 4])
+    finally:
+        dist.destroy_process_group()
+        D.destroy()
+    assert want.abs().max() > 0 and one.loss > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert res.loss == pytest.approx(one.loss, rel=1e-5)
+    filler = filler_item(drafter, target, torch.device("cpu"))
+    assert filler.layout.target_rows is not None and filler.target_hidden is not None
+    drafter.zero_grad(set_to_none=True)
+    out = drafter.loss(filler.device_batch, filler.features, filler.device_layout, 7.0, filler.target_hidden)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and all(not p.grad.any() for p in drafter.parameters() if p.requires_grad)
