@@ -108,6 +108,10 @@ class SamplerConfig:
             raise ConfigError(f"edges must be strictly ascending, got {self.edges}")
 
 
+LOSSES = ("ce", "kl", "ce+kl")  # ModelConfig.loss
+POSITION_WEIGHTS = ("decay", "dpace")  # ModelConfig.position_weight
+
+
 @dataclass
 class ModelConfig:
     target: str = "tiny"  # "tiny" = tiny random Qwen3 built locally, or a LOCAL Hugging Face model dir
@@ -126,8 +130,14 @@ class ModelConfig:
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
     init_from: str = ""  # a saved or exported drafter folder to start from instead of random weights ("" = random)
+    loss: str = "ce"  # drafter loss per scored position: "ce" (the paper) | "kl" (T^2 KL(target || drafter)) | "ce+kl"
+    kl_weight: float = 1.0  # ce+kl: lambda in ce + lambda * T^2 * KL_T (docs/dflash.md); unused by ce and kl
+    kl_temperature: float = 1.0  # T softening both distributions of the KL term (scaled by T^2); > 0
+    position_weight: str = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma) | "dpace" (D-PACE, docs/dflash.md)
+    dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
 
     def __post_init__(self) -> None:
+        check_loss_settings(self)
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
@@ -140,6 +150,16 @@ class ModelConfig:
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+
+
+def check_loss_settings(section: Any) -> None:
+    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha` of a ModelConfig
+    or a DrafterConfig) outside their ranges, naming the parameter."""
+    _choice("loss", section.loss, LOSSES)
+    _choice("position_weight", section.position_weight, POSITION_WEIGHTS)
+    _bounded(section, positive=("kl_temperature",), non_negative=("kl_weight",))
+    if not 0.0 <= section.dpace_alpha <= 1.0:
+        raise ConfigError(f"dpace_alpha must be in [0, 1], got {section.dpace_alpha}")
 
 
 def checkpointed_layers(setting: str, drafter_layers: int, device_type: str) -> int:

@@ -68,6 +68,7 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "parallel": "fsdp", "target_parallel": "fsdp",
                "regen_leading_assistant": "skip", "regen_on_error": "abort",
                "prompts_from": "humaneval", "enable_thinking": "on"}
+OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 

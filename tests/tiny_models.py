@@ -32,10 +32,12 @@ def tiny_drafter(target: TargetModel, attention: str = "dense", **overrides: Any
 
 
 def overfit_on_greedy(target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int,
-                      steps: int, lr: float = 3e-3) -> tuple[Any, Any, list[list[int]], torch.Generator]:
+                      steps: int, lr: float = 3e-3,
+                      losses: list[float] | None = None) -> tuple[Any, Any, list[list[int]], torch.Generator]:
     """Train `drafter` in place for `steps` AdamW steps on the target's own greedy continuations (`new_tokens`
     each) of `prompts`, labels on the continuations only (what the paper trains on). Returns (the padded batch,
-    its target features, the continuations, the anchor generator as training left it)."""
+    its target features, the continuations, the anchor generator as training left it). A drafter whose loss is
+    kl or ce+kl gets the target's final states at its layout's target rows; `losses` collects each step's loss."""
     import numpy as np
 
     from dflash_lib.data.batch import collate_padded
@@ -47,7 +49,15 @@ def overfit_on_greedy(target: TargetModel, drafter: DFlashDrafter, prompts: list
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        out = drafter.loss(batch, feats, drafter.sample_anchors(batch, gen))
+        anchors = drafter.sample_anchors(batch, gen)
+        if drafter.cfg.loss == "ce":
+            out = drafter.loss(batch, feats, anchors)
+        else:
+            layout = drafter.layout(batch, anchors)
+            _, final = target.context_features_and_final(batch, layout.target_rows)
+            out = drafter.loss(batch, feats, layout, target_hidden=final)
+        if losses is not None:
+            losses.append(out.loss.item())
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -35,6 +35,18 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
+def position_weights(block_size: int, gamma: float, scheme: str = "decay") -> torch.Tensor:
+    """(B,) float32 static weight of block positions: "decay" = `decay_weights`; "dpace" = 1 for k >= 1, 0 for
+    the anchor (D-PACE replaces the decay by per-example weights made in the loss: `loss.dpace_weights`)."""
+    if scheme == "decay":
+        return decay_weights(block_size, gamma)
+    if scheme == "dpace":
+        w = torch.ones(block_size, dtype=torch.float32)
+        w[0] = 0.0
+        return w
+    raise ValueError(f"position_weight must be 'decay' or 'dpace', got {scheme!r}")
+
+
 @dataclass
 class Anchors:
     """The M blocks of each of the R rows of one batch (M = most blocks in any row; the rest are padding).
@@ -89,8 +101,10 @@ def document_spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float, mask_id: int,
-                   generator: torch.Generator, noise: float = 1.0) -> Anchors:
+                   generator: torch.Generator, noise: float = 1.0, position_weight: str = "decay") -> Anchors:
     """Draw min(num_anchors, #valid) anchors per document uniformly without replacement, sorted.
+
+    The weights' position factor is `position_weights(B, gamma, position_weight)` (decay, or 1 under D-PACE).
 
     Valid anchor a (document-local): loss_mask[a] and loss_mask[a + 1] set, a + 1 inside the document.
     noise < 1: in each block round(noise * (B-1)) (at least 1) of positions 1..B-1 are fed MASK, the others
@@ -105,7 +119,7 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
     ids = batch.input_ids.cpu().numpy()
     lm = batch.loss_mask.cpu().numpy().astype(bool)
     R = ids.shape[0]
-    decay = decay_weights(B, gamma).numpy()  # (B,)
+    decay = position_weights(B, gamma, position_weight).numpy()  # (B,)
     k = np.arange(B)
     n_masked = max(1, round(noise * (B - 1)))
     per_row: list[list[tuple]] = [[] for _ in range(R)]

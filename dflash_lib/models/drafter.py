@@ -19,13 +19,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.config import ConfigError, ModelConfig, check_loss_settings
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
 from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
 from dflash_lib.models.layout import DraftLayout, build_layout
-from dflash_lib.models.loss import DrafterLoss, weighted_loss
+from dflash_lib.models.loss import DrafterLoss, LossSpec, weighted_loss
 from dflash_lib.models.target import TargetModel
 
 
@@ -72,6 +72,11 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     rope_theta: float = 1_000_000.0  # RoPE base
     initializer_range: float = 0.02  # std of the normal init of linear weights
+    loss: str = "ce"  # "ce" | "kl" | "ce+kl" (ModelConfig.loss; docs/dflash.md)
+    kl_weight: float = 1.0  # lambda of ce+kl: ce + lambda * T^2 * KL_T
+    kl_temperature: float = 1.0  # T of the KL term
+    position_weight: str = "decay"  # "decay" | "dpace"
+    dpace_alpha: float = 0.5  # D-PACE smoothing, in [0, 1]
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -94,6 +99,12 @@ class DrafterConfig:
             raise ConfigError(f"ce_chunk_blocks ({self.ce_chunk_blocks}) and gamma ({self.gamma}) must be >= 0")
         if self.gamma == 0:
             self.gamma = default_gamma(self.block_size)
+        check_loss_settings(self)
+
+    @property
+    def loss_spec(self) -> LossSpec:
+        """The loss settings as `loss.weighted_loss` takes them."""
+        return LossSpec(self.loss, self.kl_weight, self.kl_temperature, self.position_weight, self.dpace_alpha)
 
     @property
     def num_features(self) -> int:
@@ -112,6 +123,8 @@ class DrafterConfig:
             block_size=cfg.block_size, mask_id=cfg.mask_id, gamma=cfg.gamma, num_anchors=cfg.num_anchors,
             ce_chunk_blocks=cfg.ce_chunk_blocks, rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 1_000_000.0))),
+            loss=cfg.loss, kl_weight=cfg.kl_weight, kl_temperature=cfg.kl_temperature,
+            position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -215,16 +228,19 @@ class DFlashDrafter(nn.Module):
     def sample_anchors(self, batch: Batch, generator: torch.Generator, noise: float = 1.0) -> Anchors:
         """Fresh anchors for one step (see `anchors.sample_anchors`)."""
         c = self.cfg
-        return sample_anchors(batch, c.num_anchors, c.block_size, c.gamma, c.mask_id, generator, noise)
+        return sample_anchors(batch, c.num_anchors, c.block_size, c.gamma, c.mask_id, generator, noise,
+                              c.position_weight)
 
     def attention_backend(self) -> str:
         """The attention backend this drafter runs (`auto` resolved for its device)."""
         return resolve_attention(self.attention, self.fc.weight.device)
 
     def layout(self, batch: Batch, anchors: Anchors) -> DraftLayout:
-        """Host-side layout of a host batch and its anchors for this drafter's attention backend."""
+        """Host-side layout of a host batch and its anchors for this drafter's attention backend (with the target
+        rows of the KL term when the loss is kl or ce+kl)."""
         return build_layout(batch.to("cpu"), anchors.to("cpu"), self.attention_backend(),
-                            every_slot=not self.target.gather)  # the context the target's features cover
+                            every_slot=not self.target.gather,  # the context the target's features cover
+                            target_rows=self.cfg.loss != "ce")
 
     @staticmethod
     def weight_sum(work: Anchors | DraftLayout) -> float:
@@ -273,9 +289,11 @@ class DFlashDrafter(nn.Module):
         return self._head(h).reshape(layout.num_blocks, layout.block_size, -1)
 
     def loss(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout,
-             normalizer: float | None = None) -> DrafterLoss:
+             normalizer: float | None = None, target_hidden: torch.Tensor | None = None) -> DrafterLoss:
         """sum(w * ce) / normalizer; normalizer None = this batch's own weight sum. The trainer passes the
-        GLOBAL weight sum (all ranks, all accumulated micro-batches) so the update ignores the data split."""
+        GLOBAL weight sum (all ranks, all accumulated micro-batches) so the update ignores the data split.
+        Loss kl / ce+kl: `target_hidden` (u, H) from `TargetModel.context_features_and_final` at the layout's
+        target rows; the per-position term is then a * ce + b * T^2 * KL_T (docs/dflash.md)."""
         layout = self._as_layout(batch, work)
         if layout.num_blocks == 0:
             # No block at all: a zero that still reaches every parameter, so distributed backward stays in step.
@@ -286,7 +304,7 @@ class DFlashDrafter(nn.Module):
             return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
         hidden = self.forward_hidden(batch, features, layout)  # (n*B, H)
         return weighted_loss(hidden, self.target.lm_head, layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
-                             normalizer)
+                             normalizer, self.cfg.loss_spec, target_hidden)
 
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ ARCHITECTURE = "DFlashDraftModel"  # what the serving engines dispatch on
 CONFIG_FILE, WEIGHTS_FILE, README_FILE = "config.json", "model.safetensors", "README.md"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype choices
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range")  # dflash_config.training
+TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range",  # dflash_config.training
+                 "loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha")
 ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match it (init_from refusals)
     "hidden_size": "hidden_size", "num_layers": "drafter_layers", "num_heads": "num_attention_heads of the target",
     "num_kv_heads": "num_key_value_heads of the target", "head_dim": "head_dim of the target",

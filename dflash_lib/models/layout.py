@@ -12,7 +12,9 @@ Flat layout, the same for padded and packed batches (no padding block, no paddin
   `static_shapes` setting: fixed shapes) keeps all R*T slots instead, padding slots with doc -1 (C = R*T);
 - blocks: the n real blocks of the batch in document order, then anchor order; query i*B + k is position k of
   block i, at document-local position anchor_i + k;
-- scored: the m positions with a loss weight > 0, as flat indices into the n*B queries.
+- scored: the m positions with a loss weight > 0, as flat indices into the n*B queries;
+- target rows (loss kl, ce+kl only): the u distinct context entries j - 1 whose target next-token distribution is
+  the KL reference of a scored label at j, and for each scored position its row among them.
 
 A query of block i sees the context slots of its own document at positions STRICTLY below anchor_i and every
 position of block i (docs/dflash.md). `groups` cuts each document's blocks into runs of consecutive blocks for the
@@ -76,6 +78,9 @@ class DraftLayout:
     block_size: int  # B
     noise: float  # fraction of block positions fed MASK
     weight_sum: float  # sum of `weights` (host float: the loss normaliser, known before any forward)
+    target_rows: torch.Tensor | None = None  # (u,) int64, sorted unique: context entries (the target's sequence)
+    # whose final hidden state predicts a scored label, i.e. position anchor + k - 1; None = not asked (loss ce)
+    target_of: torch.Tensor | None = None  # (m,) int64: row of `target_rows` predicting each scored label
 
     @property
     def num_blocks(self) -> int:
@@ -154,10 +159,11 @@ def block_groups(anchor_pos: np.ndarray, block_doc: np.ndarray, doc_start: np.nd
 
 
 def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_group: int = 0,
-                 every_slot: bool = False) -> DraftLayout:
+                 every_slot: bool = False, target_rows: bool = False) -> DraftLayout:
     """The host-side layout of `batch` (host tensors) and its `anchors`; `attention` is the backend that will run
     (the `blocks` backend needs `groups`, the others do not). The context is the batch's real tokens, or with
-    `every_slot` (static shapes: the target ran every slot too) all R*T slots."""
+    `every_slot` (static shapes: the target ran every slot too) all R*T slots. `target_rows`: also lay out where
+    the target's next-token distributions of the scored labels come from (`DraftLayout.target_rows`)."""
     B = anchors.block_size
     doc_ids = batch.doc_ids.cpu()
     R, T = doc_ids.shape
@@ -179,14 +185,20 @@ def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_
         ctx_index, ctx_doc, ctx_pos = real, flat_doc[real], ctx_pos[real]
     else:  # every slot: nothing left out (no padding, or fixed shapes asked for)
         ctx_doc = flat_doc
-    groups = None
-    if attention == "blocks":
+    groups = rows = row_of = None
+    if attention == "blocks" or target_rows:
         D = int(ctx_doc.max()) + 1 if ctx_doc.size and ctx_doc.max() >= 0 else 0
         doc_start = np.full(D, -1, dtype=np.int64)
         present = np.flatnonzero(ctx_doc >= 0)
         first = np.unique(ctx_doc[present], return_index=True)
-        doc_start[first[0]] = present[first[1]]  # in context coordinates
-        groups = block_groups(pos, doc, doc_start, B, max_group)
+        doc_start[first[0]] = present[first[1]]  # in context coordinates (a document's entries are contiguous)
+        if attention == "blocks":
+            groups = block_groups(pos, doc, doc_start, B, max_group)
+        if target_rows:  # label at anchor + k is predicted by the target's state at anchor + k - 1 (k >= 1)
+            blk = scored // B
+            predictor = doc_start[doc[blk]] + pos[blk] + scored % B - 1  # (m,) context entries
+            rows, row_of = np.unique(predictor, return_inverse=True)
+            rows, row_of = torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(row_of.astype(np.int64))
     w = torch.from_numpy(np.ascontiguousarray(weights[scored], dtype=np.float32))
     return DraftLayout(
         block_ids=torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
@@ -197,7 +209,7 @@ def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_
         scored=torch.from_numpy(scored.astype(np.int64)),
         labels=torch.from_numpy(labels[scored].astype(np.int64)), weights=w,
         scored_k=torch.from_numpy((scored % B).astype(np.int64)), groups=groups, block_size=B,
-        noise=anchors.noise, weight_sum=float(w.double().sum()),
+        noise=anchors.noise, weight_sum=float(w.double().sum()), target_rows=rows, target_of=row_of,
     )
 
 

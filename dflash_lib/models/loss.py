@@ -5,12 +5,18 @@ Only scored positions (weight > 0) go through the LM head, a chunk of positions 
 (softmax - onehot) @ W, is computed in the same pass as the CE and kept (n x H floats); the backward only scales
 it. Neither pass ever holds more than one chunk of logits (chunk x vocab floats), and the LM head runs twice per
 position (logits, gradient), not three times as under activation checkpointing (LOG.md, 2026-11-29).
+
+Loss kl / ce+kl (docs/dflash.md) runs the same head on the target's final hidden states at the scored labels'
+predicting positions, next to the drafter's logits chunk by chunk, with the gradient of both terms in one matmul;
+D-PACE (`dpace_weights`) multiplies the position weights by detached weights made from the drafter's confidence.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +29,9 @@ class DrafterLoss:
     """One micro-batch's loss and statistics. The statistics stay tensors on the device (no host sync in the
     step); the properties read them (one sync each), `stats()` stacks them for ONE transfer."""
 
-    loss: torch.Tensor  # scalar, differentiable: sum(w * ce) / normalizer
+    loss: torch.Tensor  # scalar, differentiable: sum(w * term) / normalizer (term = ce, or the kl objective)
     weight_sum: float  # sum of w over scored positions (host float, known from the layout)
-    ce_total: torch.Tensor  # 0-d: sum of w * ce (nats)
+    ce_total: torch.Tensor  # 0-d: sum of w * term (nats; term = ce, or a*ce + b*T^2*KL_T under loss kl / ce+kl)
     correct_total: torch.Tensor  # 0-d: sum of w over correct top-1 predictions
     pos_correct_t: torch.Tensor  # (B-1,) correct predictions per block position k = 1..B-1
     pos_count_t: torch.Tensor  # (B-1,) scored positions per block position
@@ -158,10 +164,146 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torc
                               need_grad)
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """What the loss of one scored position is and how positions are weighted (docs/dflash.md, "Loss")."""
+
+    kind: str = "ce"  # "ce" | "kl" | "ce+kl"
+    kl_weight: float = 1.0  # lambda of ce+kl: ce + lambda * T^2 * KL_T
+    temperature: float = 1.0  # T of the KL term (both distributions softened)
+    position_weight: str = "decay"  # "decay" (the weights of the layout as they are) | "dpace" (times dpace_weights)
+    dpace_alpha: float = 0.5  # D-PACE smoothing alpha in [0, 1]
+
+    @property
+    def ce_coef(self) -> float:
+        """a in a * ce + b * T^2 * KL_T."""
+        return 0.0 if self.kind == "kl" else 1.0
+
+    @property
+    def kl_coef(self) -> float:
+        """b in a * ce + b * T^2 * KL_T."""
+        return {"ce": 0.0, "kl": 1.0, "ce+kl": self.kl_weight}[self.kind]
+
+
+class _FusedHeadCEKL(torch.autograd.Function):
+    """Per position obj = a * ce + b * T^2 * KL(softmax(t / T) || softmax(z / T)) of a frozen linear head, z the
+    drafter's logits, t the target's (the same head on the target's final hidden states), with d obj / d hidden
+    = (a * (softmax(z) - onehot) + b * T * (softmax(z / T) - softmax(t / T))) @ W computed chunk by chunk in the
+    forward: one gradient matmul for both terms. Outputs obj (differentiable), ce, kl (KL_T, unscaled) and argmax;
+    logits and terms in float32 (float64 when `hidden` is float64: the gradient tests).
+
+    Memory per chunk of c positions: at most three (c, V) float32 buffers at once (z, log p, p; then z, p and
+    softmax(z / T) when T != 1; the previous chunk's are freed first), where `_FusedHeadCE`'s loop holds its new
+    logits and the previous chunk's (each also holds a (c, V) copy in the head's dtype while a matmul's output is
+    converted): 12cV bytes against 10cV (LOG.md, 2026-12-02)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
+                need_grad: bool) -> tuple[torch.Tensor, ...]:
+        n = hidden.shape[0]
+        acc = torch.promote_types(torch.float32, hidden.dtype)  # logits and terms: float32 (float64 for a float64 h)
+        ce = torch.empty(n, dtype=acc, device=hidden.device)  # (n,)
+        kl = torch.empty_like(ce)  # (n,)
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
+        grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d obj_i / d hidden_i
+        # explicit dtypes: autocast would run the row dots in bf16 (and copy p and log p for them)
+        with torch.autocast(hidden.device.type, enabled=False):
+            _ce_kl_chunks(hidden, weight, bias, labels, target_hidden, target_of, chunk, a, b, T, acc, ce, kl, pred,
+                          grad)
+        obj = a * ce + (b * T * T) * kl  # (n,)
+        ctx.save_for_backward(grad if need_grad else obj.new_empty(0))
+        ctx.mark_non_differentiable(ce, kl, pred)
+        return obj, ce, kl, pred
+
+    @staticmethod
+    def backward(ctx, grad_obj: torch.Tensor, *unused):
+        (grad,) = ctx.saved_tensors
+        return (grad_obj.unsqueeze(1).to(grad.dtype) * grad, *(None,) * 10)
+
+
+def _ce_kl_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
+                  acc: torch.dtype, ce: torch.Tensor, kl: torch.Tensor, pred: torch.Tensor,
+                  grad: torch.Tensor | None) -> None:
+    """`_FusedHeadCEKL`'s chunk loop: fills ce, kl, pred (n,) and, unless None, grad (n, H) in place."""
+    n = hidden.shape[0]
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        y = labels[part]  # (c,)
+        rows = torch.arange(len(y), device=y.device)  # (c,)
+        z = F.linear(hidden[part], weight, bias).to(acc)  # (c, V) drafter logits
+        pred[part] = z.argmax(dim=-1)
+        lse = torch.logsumexp(z, dim=-1)  # (c,)
+        lse_T = lse if T == 1.0 else torch.logsumexp(z / T, dim=-1)  # (c,): before log p exists (memory)
+        ce[part] = lse - z[rows, y]
+        log_p = F.linear(target_hidden[target_of[part]].to(weight.dtype), weight, bias).to(acc)  # (c, V)
+        log_p.div_(T)
+        log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))  # log softmax(t / T), in place
+        p = log_p.exp()  # (c, V)
+        # KL = sum p log p - sum p z / T + logsumexp(z / T): row dots, no (c, V) temporary
+        kl[part] = (_rowdot(p, log_p) - _rowdot(p, z) / T + lse_T)
+        del log_p  # the gradient needs z and p only
+        if grad is not None:
+            g = p.mul_(-b * T)  # (c, V): - b T p, in p's buffer
+            if T != 1.0:
+                g.add_(z.div(T).sub_(lse_T.unsqueeze(1)).exp_(), alpha=b * T)  # + b T softmax(z / T)
+            soft = z.sub_(lse.unsqueeze(1)).exp_()  # softmax(z), in z's buffer
+            g.add_(soft, alpha=a + b * T if T == 1.0 else a)
+            g[rows, y] -= a
+            grad[part] = (g.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
+            del g, soft  # (views of p and z)
+        del z, p  # before the next chunk's logits exist: one chunk's buffers alive at a time
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(c, V), (c, V) -> (c,) row-wise dot products as one batched matmul (no (c, V) product is materialised)."""
+    return (x.unsqueeze(1) @ y.unsqueeze(2)).reshape(-1)
+
+
+def head_ce_kl(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, target_hidden: torch.Tensor,
+               target_of: torch.Tensor, chunk: int, spec: LossSpec) -> tuple[torch.Tensor, ...]:
+    """Per-position objective a * ce + b * T^2 * KL_T (nats), ce, KL_T and argmax of `head(hidden)` against the
+    target's distributions `head(target_hidden[target_of])`: hidden (n, H), labels (n,), target_hidden (u, H)
+    final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32 (float64 for a float64 hidden), pred
+    (n,). chunk: positions per head call (0 = all n at once). The head must be frozen, as for
+    `head_cross_entropy`."""
+    if head.weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("head_ce_kl: the LM head must be frozen (requires_grad=False); it is shared with the "
+                         "target and its weight gets no gradient here")
+    n = hidden.shape[0]
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _FusedHeadCEKL.apply(hidden, head.weight, head.bias, labels, target_hidden, target_of,
+                                chunk if 0 < chunk < n else max(n, 1), spec.ce_coef, spec.kl_coef,
+                                float(spec.temperature), need_grad)
+
+
+def dpace_weights(q: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_size: int,
+                  alpha: float) -> torch.Tensor:
+    """D-PACE weights (m,) of the m scored positions (docs/dflash.md), no gradient: q (m,) the drafter's
+    probability of each scored label, scored (m,) flat query index i*B + k. Per block, s_k = (1 - alpha) q_k +
+    alpha at scored positions and 1 elsewhere (anchor, revealed or out-of-document positions: no-ops),
+    P_k = prod_{j <= k} s_j, and the weight of a scored position k is sum over scored j >= k of P_j."""
+    n, B = num_blocks, block_size
+    q = q.detach().double()
+    s = torch.ones(n * B, dtype=torch.float64, device=q.device).index_copy(0, scored, (1.0 - alpha) * q + alpha)
+    on = torch.zeros(n * B, dtype=torch.float64, device=q.device).index_copy(0, scored, torch.ones_like(q))
+    prefix = s.view(n, B).cumprod(dim=1) * on.view(n, B)  # (n, B): P_k at scored positions, 0 elsewhere
+    suffix = prefix.flip(1).cumsum(dim=1).flip(1)  # (n, B): sum_{j >= k} of scored P_j
+    return suffix.reshape(-1).index_select(0, scored).float()
+
+
 def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLayout", chunk_positions: int,
-                  normalizer: float | None) -> DrafterLoss:
+                  normalizer: float | None, spec: LossSpec | None = None,
+                  target_hidden: torch.Tensor | None = None) -> DrafterLoss:
     """hidden (n*B, H) drafter outputs of the layout's queries -> `DrafterLoss`. Only the layout's m scored
-    positions (host-known indices) go through the head; no device-to-host sync."""
+    positions (host-known indices) go through the head; no device-to-host sync.
+
+    `spec` None or LossSpec() is the paper's loss, computed as it always was (`head_cross_entropy`). Loss kl or
+    ce+kl needs `target_hidden` (u, H), the target's final-normed states at `layout.target_rows`; the loss total
+    `ce_total` is then the objective's weighted sum. D-PACE multiplies the layout's weights by `dpace_weights`
+    (made from the drafter's label probabilities exp(-ce), detached)."""
+    spec = spec or LossSpec()
     B = layout.block_size
     if normalizer is not None and not float(normalizer) > 0:
         raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
@@ -174,15 +316,38 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLay
         return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone(), n, n.clone())
     h = hidden.index_select(0, layout.scored).to(head.weight.dtype)  # (m, H), in the head's dtype
     y, w = layout.labels, layout.weights.float()  # (m,)
-    ce, pred = head_cross_entropy(h, head, y, chunk_positions)
-    total = (w * ce).sum()
+    if spec.kind == "ce":
+        ce, pred = head_cross_entropy(h, head, y, chunk_positions)
+        per = ce  # (m,)
+    else:
+        if target_hidden is None or layout.target_of is None:
+            raise ValueError(f"loss {spec.kind!r} needs the target's final hidden states at the layout's target rows "
+                             "(a layout built with target_rows=True and TargetModel.context_features_and_final)")
+        per, ce, _, pred = head_ce_kl(h, head, y, target_hidden, layout.target_of, chunk_positions, spec)
+    if spec.position_weight == "dpace":
+        w = w * dpace_weights(torch.exp(-ce.detach()), layout.scored, layout.num_blocks, B, spec.dpace_alpha)
+    total = (w * per).sum()
     with torch.no_grad():
         correct = (pred == y).float()  # (m,)
         k = layout.scored_k - 1  # (m,) 0-based block position of each scored slot
         pos_correct = zeros.index_add(0, k, correct)
         pos_count = zeros.index_add(0, k, torch.ones_like(correct))
-        correct_total = (w * correct).sum()
+        correct_total = (layout.weights.float() * correct).sum()  # the layout's weights: acc = this / weight_sum
         tau_sum, tau_blocks = leading_run_stats(correct, layout.scored, layout.num_blocks, B)
     return DrafterLoss(loss=total / norm, weight_sum=layout.weight_sum, ce_total=total.detach(),
                        correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count,
                        tau_sum_t=tau_sum, tau_blocks_t=tau_blocks)
+
+
+@contextmanager
+def subnormals_flushed(device: torch.device, loss: str) -> Iterator[None]:
+    """On the CPU with a KL loss (`loss` != "ce"): subnormal floats flushed to zero inside, restored after. As the KL
+    nears 0 the products (q - p) @ W go subnormal and x86 CPUs compute them ~25x slower (150 tiny training steps:
+    98 s instead of 3.7 s, the same final loss; LOG.md 2026-12-02). CUDA kernels flush already; ce is untouched
+    (bitwise as before)."""
+    flush = device.type == "cpu" and loss != "ce" and torch.set_flush_denormal(True)  # False: the CPU cannot
+    try:
+        yield
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)

@@ -430,6 +430,22 @@ class TargetModel(torch.nn.Module):
         return feats.masked_fill_((b.doc_ids.reshape(-1) < 0).unsqueeze(-1), 0.0) if real.runs_padding else feats
 
     @torch.no_grad()
+    def context_features_and_final(self, batch: Batch, rows: torch.Tensor,
+                                   segments: RealTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`context_features` plus the FINAL-NORMED last hidden states at `rows` (u,) int64 context entries
+        (`DraftLayout.target_rows`; host or device): ((C, F*H), (u, H)), both in the model's dtype. Runs every
+        decoder layer over the sequence (the layers after the deepest feature layer too: attention needs every
+        position's keys), the final norm at the u rows only, never the LM head (the loss applies it chunk by chunk,
+        next to the drafter's logits: loss kl / ce+kl)."""
+        real = self.segments(batch.doc_ids) if segments is None else segments
+        b = batch.to(self.device)
+        feats, last = self._run_layers(b.input_ids, b.position_ids, real, self.num_layers, flat=True)
+        if real.runs_padding:
+            feats = feats.masked_fill_((b.doc_ids.reshape(-1) < 0).unsqueeze(-1), 0.0)
+        final = self.base.norm(last[rows.to(self.device, non_blocking=True)])  # (u, H)
+        return feats, final
+
+    @torch.no_grad()
     def step(self, input_ids: torch.Tensor, logits_from: int = 0) -> TargetStep:
         """Full forward over one sequence `input_ids` (T,): features everywhere, logits only from
         position `logits_from` on (the verification window), never over the whole prefix."""

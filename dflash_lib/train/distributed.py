@@ -285,8 +285,8 @@ class LossForward(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, features, layout, normalizer):  # noqa: ANN001 - see DFlashDrafter.loss
-        return self.drafter.loss(batch, features, layout, normalizer=normalizer)
+    def forward(self, batch, features, layout, normalizer, target_hidden=None):  # noqa: ANN001 - DFlashDrafter.loss
+        return self.drafter.loss(batch, features, layout, normalizer=normalizer, target_hidden=target_hidden)
 
 
 class Engine:
@@ -327,9 +327,9 @@ class Engine:
         else:
             self.module = root
 
-    def loss(self, batch, features, layout, normalizer):  # noqa: ANN001
-        """DFlashDrafter.loss through the engine (its forward hooks run)."""
-        return self.module(batch, features, layout, normalizer)
+    def loss(self, batch, features, layout, normalizer, target_hidden=None):  # noqa: ANN001
+        """DFlashDrafter.loss through the engine (its forward hooks run); `target_hidden` for loss kl / ce+kl."""
+        return self.module(batch, features, layout, normalizer, target_hidden)
 
     def grad_sync(self, enabled: bool) -> Any:
         """Context of one micro-batch's backward: `enabled` False defers the gradient reduction (DDP `no_sync`,

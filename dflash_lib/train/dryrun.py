@@ -491,7 +491,10 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     measures memory only (one pass; the figures' FLOPs are then zeros)."""
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
-    layout = build_layout(batch, anchors, s.attention)
+    layout = build_layout(batch, anchors, s.attention, target_rows=drafter.cfg.loss != "ce")  # kl: target rows
+    if layout.target_rows is not None and models.features is not None:
+        raise ConfigError("dry run: loss kl / ce+kl needs the target's final hidden states, which the sharded "
+                          "target (target_parallel fsdp) does not give; use loss ce")
     pairs = {}
     if s.attention in ("dense", "blocks"):
         pairs = {k: v for k, v in attention_work(layout, s.attention).items() if k != "ratio"}
@@ -507,13 +510,18 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
 
     def step(phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
         def forward():
+            final = None  # loss kl / ce+kl: every target layer, (u, H) final-normed states at the target rows
             with phase("target"):
-                feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
+                if dev_layout.target_rows is None:
+                    feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
+                else:
+                    feats, final = target.context_features_and_final(dev_batch, dev_layout.target_rows, segments)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
-                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum)
+                return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum,
+                                    target_hidden=final), final
 
-        out = _Root()(forward)
-        with phase("backward"):
+        out, held = _Root()(forward)  # `held`: the (u, H) states stay alive through the backward, as the
+        with phase("backward"):  # trainer's Item keeps them
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(models.params, 1.0)
             opt.step()
@@ -750,6 +758,7 @@ class DryRunReport(JsonRecord):
     target_parallel: str = "replicate"  # the target over them: replicate | fsdp (`Ranks`)
     target_gib: float = 0.0  # the target's bf16 weights, whole (GiB)
     target_gib_per_rank: float = 0.0  # what one rank holds of them (GiB): target_gib, or its FSDP2 shard
+    loss: str = "ce"  # the drafter loss measured: ce | kl | ce+kl (kl: every target layer, the target's logits too)
     compare: dict[str, BackendComparison] | None = omitted()  # backend -> the same run under it (`--compare` only)
 
 
@@ -766,6 +775,9 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     hf = target_hf_config(mc)
     weights = target_footprint(hf, torch.bfloat16).weights
     parallel, _ = resolve_target_parallel(config.train.target_parallel, weights, int(device_gib * GIB), world_size)
+    if parallel == "fsdp" and mc.loss != "ce":
+        raise ConfigError(f"dry run: loss {mc.loss!r} needs the target's final hidden states, which the sharded "
+                          "target (target_parallel fsdp) does not give: use loss ce, or target_parallel replicate")
     ranks = Ranks(world_size, parallel, link_gbs)
     settings = for_cuda(config)
     if attention is not None:
@@ -798,7 +810,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
         checkpointing=settings.checkpointing, target=mc.target, target_layers=int(hf.num_hidden_layers),
         hidden_size=int(hf.hidden_size), drafter_layers=mc.drafter_layers, block_size=mc.block_size,
         num_anchors=mc.num_anchors, max_len=config.data.max_len, token_budget=config.sampler.token_budget,
-        block_budget=block_budget, edges=list(edges),
+        block_budget=block_budget, edges=list(edges), loss=mc.loss,
         buckets=[r.record() for r in buckets], packed=packed.record(),
         assumptions=DryRunAssumptions(
             gpu="H200", peak_tflops=peak_tflops, mfu=mfu, reserve_gib=reserve.reserve_gib,
@@ -840,7 +852,8 @@ def format_report(report: DryRunReport) -> str:
     """The human-readable table of a `dry_run` report."""
     r = report
     head = (f"dry run: target {r.target} ({r.target_layers} layers, hidden {r.hidden_size}), drafter "
-            f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}"
+            f"{r.drafter_layers} layers, block {r.block_size}, {r.num_anchors} anchors, max_len {r.max_len}, "
+            f"loss {r.loss}"
             f"\n  attention {r.attention}, checkpointed layers {r.checkpointing}/{r.drafter_layers}, token_budget "
             f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB"
             f"\n  {r.world_size} rank(s), target {r.target_parallel}: {r.target_gib_per_rank:.1f} of its "

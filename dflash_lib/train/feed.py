@@ -98,6 +98,8 @@ class Item:
     # is written (CUDA); None where the worker ran on the consumer's stream (CPU)
     step_end: bool = True  # the last item of its optimizer step (see Work)
     bound: int = -1  # the budgets that closed its batch (see Work)
+    target_hidden: torch.Tensor | None = None  # (u, H) the target's final-normed states at layout.target_rows, on
+    # the training device (loss kl / ce+kl only: the layout then names the rows; None for loss ce)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every tensor of device_batch, features and device_layout (the ones written on the worker's stream)."""
@@ -107,6 +109,8 @@ class Item:
             out += [b.input_ids, b.loss_mask, b.position_ids, b.doc_ids, b.cu_seqlens]
         if self.features is not None:
             out.append(self.features)
+        if self.target_hidden is not None:
+            out.append(self.target_hidden)
         if self.device_layout is not None:
             self.device_layout._map(lambda t: out.append(t) or t)
         return out
@@ -292,17 +296,26 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                         on.enter_context(torch.cuda.stream(hand_over))
                 segments = target.segments(c.batch.doc_ids)  # from the host doc_ids: no device read
                 dev_batch = c.batch.to(target.device, non_blocking=True)
-                feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
+                rows = None if c.layout is None else c.layout.target_rows  # (u,): loss kl / ce+kl only
+                final = None
+                if rows is None:
+                    feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
+                elif not hasattr(target, "context_features_and_final"):
+                    raise ConfigError(f"loss kl / ce+kl needs the target's final hidden states, which a "
+                                      f"{type(target).__name__} does not give (a sharded target: use loss ce)")
+                else:  # every layer, the final norm at the u rows: (C, F*H), (u, H)
+                    feats, final = target.context_features_and_final(dev_batch, rows, segments)
                 if target.device != main_device:
                     dev_batch = c.batch.to(main_device, non_blocking=True)
                     feats = feats.to(main_device, non_blocking=True)
+                    final = None if final is None else final.to(main_device, non_blocking=True)
                 dev_layout = None if c.layout is None else c.layout.to(main_device, non_blocking=True)
                 ready = None
                 if hand_over is not None:
                     ready = torch.cuda.Event()
                     ready.record(hand_over)  # after the features and every copy above
             return Item(w.epoch, c.batch, dev_batch, feats, w.step, w.shard, w.last_shard, c.skips, c.layout,
-                        dev_layout, ready, w.step_end, w.bound)
+                        dev_layout, ready, w.step_end, w.bound, final)
         return run if passes_per_step <= 0 else sharded(target, run)
 
     def sharded(target: Any, run: Callable[[Collated], Item]) -> Callable[[Collated], Item]:

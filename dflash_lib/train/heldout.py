@@ -140,10 +140,14 @@ def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> di
             for batch, layout in zip(eval_set.batches, eval_set.layouts):
                 if layout.weight_sum == 0:
                     continue
-                features = target.context_features(batch)  # (C, F*H); from the HOST batch: no device read
+                final = None  # loss kl / ce+kl: the target's final states at the layout's target rows
+                if layout.target_rows is None:
+                    features = target.context_features(batch)  # (C, F*H); from the HOST batch: no device read
+                else:
+                    features, final = target.context_features_and_final(batch, layout.target_rows)
                 dev_batch = batch.to(device)
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = drafter.loss(dev_batch, features, layout.to(device))
+                    out = drafter.loss(dev_batch, features, layout.to(device), target_hidden=final)
                 stats = stats + out.stats()
                 weight += layout.weight_sum
     finally:

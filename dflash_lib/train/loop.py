@@ -39,6 +39,7 @@ import numpy as np
 from dflash_lib.config import Config, ConfigError, TrainConfig
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.export import run_info, save_drafter
+from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.models.target import trainable_target_config
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
 from dflash_lib.rundir import JsonRecord, omitted, write_json
@@ -258,7 +259,7 @@ class Trainer:
         self.parts.drafter.train()
         self.heldout.prepare(self.run_dir)
         try:
-            with self._pipeline() as pipeline:
+            with self._pipeline() as pipeline, subnormals_flushed(self.device, self.config.model.loss):
                 stream = iter(pipeline)
                 self.meter.start()
                 while p.step < p.total_steps and not self._stopping():

@@ -87,7 +87,8 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
         for i, it in enumerate(runs):
             with engine.grad_sync(i == len(runs) - 1):
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = engine.loss(it.device_batch, it.features, it.device_layout, weight_sum)
+                    out = engine.loss(it.device_batch, it.features, it.device_layout, weight_sum,
+                                      it.target_hidden)
                 (out.loss * engine.loss_scale if engine.loss_scale != 1 else out.loss).backward()
             if it is not filler:
                 stats = stats + out.stats()
@@ -130,9 +131,14 @@ def filler_item(drafter: Any, target: TargetModel, device: torch.device) -> Item
     layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)))
     layout = replace(layout, weights=torch.zeros_like(layout.weights), weight_sum=0.0)
     dev_batch = batch.to(device)
+    final = None
     with torch.no_grad():
-        features = target.context_features(dev_batch, target.segments(batch.doc_ids))
-    return Item(0, batch, dev_batch, features, layout=layout, device_layout=layout.to(device))
+        if layout.target_rows is None:
+            features = target.context_features(dev_batch, target.segments(batch.doc_ids))
+        else:  # loss kl / ce+kl: the filler's loss reads the target's final states too
+            features, final = target.context_features_and_final(dev_batch, layout.target_rows,
+                                                                target.segments(batch.doc_ids))
+    return Item(0, batch, dev_batch, features, layout=layout, device_layout=layout.to(device), target_hidden=final)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
