@@ -24,13 +24,7 @@ VOCAB, B, NEW = 256, 4, 16
 SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a busy 2-core machine: one intra-op thread is several times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
 
 @pytest.fixture(scope="module")

@@ -113,15 +113,6 @@ class _ReferenceDrafter:
         return (self.reference[anchor_pos + 1: anchor_pos + B] + [0] * B)[:B - 1]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls on a busy 2-core machine: one intra-op thread is several times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_min_new_tokens_boundary_inside_accepted_blocks_is_plain_greedys(target, one_thread):
     """The stop id the target prefers at output token p (its first occurrence) ends the output there when
     min_new_tokens <= p and is masked when min_new_tokens >= p + 1: speculative decoding with blocks accepted

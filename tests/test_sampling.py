@@ -22,13 +22,7 @@ from tiny_models import decode_drafter, decode_target, random_prompts
 V = 4  # the exact rule tests' vocabulary (blocks of B = 3: two draft slots)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a busy 2-core machine: one intra-op thread is several times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
 
 # -- the rule, exactly ------------------------------------------------------------------------------------------
