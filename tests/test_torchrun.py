@@ -130,6 +130,11 @@ def test_ddp_on_two_ranks_equals_one_process_and_resumes_on_one(ddp, reference, 
     assert_same_trajectory(rows(resumed), want)
 
 
+# 20 AdamW steps from two ranks' gloo sums against one process's: Adam divides by sqrt(v), so a near-zero gradient's
+# rounding can move a weight by ~1e-5 (measured 2026-12-02: 1.46e-5 on 1 of 3072 fc elements, after the KL merge)
+WEIGHT_ATOL = 5e-5
+
+
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(reference, tmp_path):
     run_dir = tmp_path / "fsdp"
@@ -141,7 +146,7 @@ def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(ref
     assert sorted(got) == sorted(want)
     for name, w in want.items():
         assert type(got[name]) is torch.Tensor and got[name].shape == w.shape, name
-        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[name], w, rtol=0, atol=WEIGHT_ATOL)
     # the FSDP checkpoint (each rank wrote its shard) reads back as plain full tensors in one process
     state, manifest = load_checkpoint(run_dir / "checkpoints" / "ckpt-00000020")
     assert manifest.world_size == 2 and {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest.files)
@@ -164,7 +169,7 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
     got, want = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, reference))
     assert sorted(got) == sorted(want)
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[name], w, rtol=0, atol=WEIGHT_ATOL)
     resumed = tmp_path / "stopped"
     torchrun(resumed, *sharded, "-p", "stop_at_step", "7", params=RUN)
     assert [r["step"] for r in rows(resumed)] == list(range(1, 8))
