@@ -42,6 +42,7 @@ from dflash_lib.data.readers import Conversation, DataError, load_conversations
 from dflash_lib.data.templates import ChatTemplate, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, load_tokenizer
 from dflash_lib.models.target import local_hf_config
+from dflash_lib.rundir import read_json_object
 
 ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -119,15 +120,7 @@ class TargetFacts:
 
 # -- reading ---------------------------------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path.parent}: no {path.name} (not an exported drafter folder)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: not a JSON object")
-    return doc
+    return read_json_object(path, f"{path.parent}: no {path.name} (not an exported drafter folder)")
 
 
 def safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:

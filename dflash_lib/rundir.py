@@ -103,6 +103,20 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def read_json_object(path: Path, missing: str) -> dict[str, Any]:
+    """The JSON object in `path`; ConfigError `missing` when the file is absent, naming the file when it is not
+    readable JSON or not an object."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(missing) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return doc
+
+
 def write_json(path: Path, obj: Any) -> Path:
     """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")

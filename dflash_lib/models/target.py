@@ -33,6 +33,7 @@ from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
+from dflash_lib.rundir import read_json_object
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -73,14 +74,7 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
     ConfigError naming the file when it is missing, is not a JSON object, or names a model_type that this
     transformers does not know."""
     path = Path(directory) / "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({' '.join(str(e).split())})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: not a JSON object")
+    doc = read_json_object(path, f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)")
     model_type = doc.get("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"{path}: model_type {model_type!r} is not a model type transformers "
