@@ -2,8 +2,10 @@
 
     python -m dflash_lib doctor EXPORT_DIR --target DIR [-p source CORPUS] [-p doctor_samples N] [-p KEY V]
 
-prints one line per rule, `PASS name: ...` or `FAIL name: what is wrong -> the fix`, and exits 1 when a rule
-fails (0 otherwise). For a notebook: `diagnose(...)` returns the same `DoctorReport`. Nothing is loaded but
+prints one line per rule, `PASS name: ...`, `FAIL name: what is wrong -> the fix` or `N/A name: why the rule does
+not apply` (the chat-template rule for a target whose tokenizer is a dflash_lib mapped vocabulary, e.g. the demo
+target's: no engine serves one, so there is no serving template to compare with), and exits 1 when a rule fails
+(0 otherwise). For a notebook: `diagnose(...)` returns the same `DoctorReport`. Nothing is loaded but
 config files, the safetensors header and the tokenizers: no weight is read, no model is built.
 
 The rules (docs/serving.md, "Doctor", says why each one exists):
@@ -37,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_lib.config import ConfigError, DataConfig, from_params, target_tokenizer
+from dflash_lib.config import MAPPED_VOCAB_FILE, ConfigError, DataConfig, from_params, target_tokenizer
 from dflash_lib.data.readers import Conversation, DataError, load_conversations
 from dflash_lib.data.templates import ChatTemplate, get_template
-from dflash_lib.data.tokenizers import ChatTokenizer, load_tokenizer
+from dflash_lib.data.tokenizers import ChatTokenizer, is_mapped_tokenizer, load_tokenizer
 from dflash_lib.models.target import local_hf_config
 from dflash_lib.rundir import read_json_object
 
@@ -54,18 +56,23 @@ DATA_KEYS = ("tokenizer", "template", "thinking")  # data settings of the traini
 
 @dataclass(frozen=True)
 class RuleResult:
-    """One rule's verdict: `detail` says what was checked (and, when not ok, what is wrong); `fix` what to do."""
+    """One rule's verdict: `ok` True (PASS), False (FAIL) or None (N/A: the rule does not apply to this target);
+    `detail` says what was checked (and, when not ok, what is wrong or why it does not apply); `fix` what to do."""
 
     name: str
-    ok: bool
+    ok: bool | None
     detail: str
     fix: str = ""
 
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "N/A"}[self.ok]
+
     def line(self) -> str:
-        """`PASS name: detail` or `FAIL name: detail -> fix`."""
-        if self.ok:
-            return f"PASS {self.name}: {self.detail}"
-        return f"FAIL {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+        """`PASS name: detail`, `N/A name: detail` or `FAIL name: detail -> fix`."""
+        if self.ok is False:
+            return f"FAIL {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+        return f"{self.verdict} {self.name}: {self.detail}"
 
 
 @dataclass(frozen=True)
@@ -94,18 +101,29 @@ class DoctorReport:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rules)
+        """No rule failed (a rule that does not apply, N/A, is no failure)."""
+        return not self.failed()
 
     def failed(self) -> list[str]:
-        return [r.name for r in self.rules if not r.ok]
+        return [r.name for r in self.rules if r.ok is False]
+
+    def not_applicable(self) -> list[str]:
+        return [r.name for r in self.rules if r.ok is None]
 
     def lines(self) -> list[str]:
         return [r.line() for r in self.rules]
 
+    def count_line(self) -> str:
+        """`11 of 12 rules pass; 1 N/A (chat_template)` / `...; failed: a, b`."""
+        failed, na = self.failed(), self.not_applicable()
+        passed = len(self.rules) - len(failed) - len(na)
+        return (f"{passed} of {len(self.rules)} rules pass" + (f"; {len(na)} N/A ({', '.join(na)})" if na else "")
+                + (f"; failed: {', '.join(failed)}" if failed else ""))
+
     def to_json(self) -> dict[str, Any]:
         return {"export_dir": self.export_dir, "target": self.target, "ok": self.ok,
-                "rules": [asdict(r) for r in self.rules],
-                "mismatch": asdict(self.mismatch) if self.mismatch else None}
+                "rules": [{**asdict(r), "verdict": r.verdict} for r in self.rules],
+                "summary": self.count_line(), "mismatch": asdict(self.mismatch) if self.mismatch else None}
 
 
 @dataclass(frozen=True)
@@ -421,6 +439,11 @@ def chat_template_rule(doc: Mapping[str, Any], target: str, params: Mapping[str,
     render = training_render(doc, target, params)
     d = render.data
     settings = ", ".join(f"{k} {getattr(d, k)!r} ({render.origin[k]})" for k in (*DATA_KEYS, "source"))
+    if is_mapped_tokenizer(target):
+        return RuleResult(name, None, f"the target folder's tokenizer is a dflash_lib mapped vocabulary "
+                          f"({MAPPED_VOCAB_FILE}: a base tokenizer over a shrunk set of ids, as the demo target's), "
+                          "which neither engine loads: there is no serving chat template to compare with (training "
+                          f"rendered with {settings})"), None
     hf, why = _load_target_tokenizer(target)
     if hf is None:
         return RuleResult(name, False, why, "copy the target model's own tokenizer files (tokenizer.json, "
@@ -482,8 +505,6 @@ def run_cli(export_dir: str, target: str, params: Mapping[str, Any]) -> int:
     report = diagnose(export_dir, target, params)
     for line in report.lines():
         print(line)
-    failed = report.failed()
-    print(f"{len(report.rules) - len(failed)} of {len(report.rules)} rules pass" +
-          (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(report.count_line())
     return 0 if report.ok else 1
 

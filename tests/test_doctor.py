@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError
+from dflash_lib.data.tokenizers import QWEN, MappedVocab
 from dflash_lib.doctor import diagnose, engine_layer_ids, safetensors_header
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.export import export_drafter, read_weights
@@ -87,7 +88,7 @@ def _rewrite_weights(folder: Path, edit) -> None:
 
 
 def _failed(report) -> list[str]:
-    return [r.name for r in report.rules if not r.ok]
+    return [r.name for r in report.rules if r.ok is False]
 
 
 def test_a_fresh_export_passes_every_rule(setup):
@@ -222,6 +223,35 @@ def test_the_command_prints_one_line_per_rule_and_exits_1_on_a_failure(setup, tm
     assert main(["doctor", str(tmp_path / "nowhere"), "--target", str(target_dir)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["doctor", str(export), "--target", str(target_dir), "-p", "doctor_samples", "0"]) == 2
+
+
+def test_a_mapped_vocabulary_target_makes_the_template_rule_not_applicable(setup, tmp_path, capsys):
+    """A target whose tokenizer is a dflash_lib mapped vocabulary (the demo target's) has no serving template: the
+    chat-template rule says N/A instead of failing, the report passes, the command exits 0 and counts it."""
+    export, target_dir, _ = setup
+    mapped = tmp_path / "mapped"
+    mapped.mkdir()
+    shutil.copy(target_dir / "config.json", mapped / "config.json")
+    vocab_rows = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    MappedVocab(QWEN, tuple(range(vocab_rows - 2))).write(mapped)  # kept ids + UNK + MASK = the target's rows
+    report = diagnose(export, mapped, {"doctor_samples": 1})
+    rule = report.rules[-1]
+    assert (rule.name, rule.ok, rule.verdict, report.ok, report.failed(), report.not_applicable()) == (
+        "chat_template", None, "N/A", True, [], ["chat_template"])
+    assert rule.line().startswith("N/A chat_template: the target folder's tokenizer is a dflash_lib mapped "
+                                  "vocabulary"), rule.line()
+    assert report.count_line() == f"{len(RULES) - 1} of {len(RULES)} rules pass; 1 N/A (chat_template)"
+    doc = json.loads(json.dumps(report.to_json()))
+    assert [r["verdict"] for r in doc["rules"]] == ["PASS"] * (len(RULES) - 1) + ["N/A"]
+    assert (doc["ok"], doc["summary"]) == (True, report.count_line())
+    assert main(["doctor", str(export), "--target", str(mapped)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2].startswith("N/A chat_template:") and out[-1] == report.count_line()
+    bad = _copy(export, tmp_path, hidden_act="gelu")  # an N/A never hides a failure
+    report = diagnose(bad, mapped, {"doctor_samples": 1})
+    assert (report.ok, report.failed(), report.count_line()) == (
+        False, ["hidden_act"], f"{len(RULES) - 2} of {len(RULES)} rules pass; 1 N/A (chat_template); failed: "
+        "hidden_act")
 
 
 def test_a_missing_folder_is_a_config_error(setup, tmp_path):
