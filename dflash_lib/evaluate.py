@@ -453,6 +453,8 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
     model = load_drafter(drafter_dir, tgt)
     prompts = prompt_sets(config, run_dir)
     _check_vocabulary(prompts.prompts, tgt, config)
+    for group in prompts.groups:
+        check_positions(group, target_positions(tgt), config.regenerate.max_new_tokens, model.cfg.block_size)
     if config.evaluate.enable_thinking and all(g.benchmark == HELDOUT for g in prompts.groups):
         say("note: enable_thinking renders benchmark prompts only; the held-out prompts keep the token store's "
             f"rendering (thinking {config.data.thinking!r})")
@@ -464,6 +466,35 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
         f"max_new_tokens {config.regenerate.max_new_tokens}, device {device}, target {config.model.target!r} "
         f"({dtype})")
     return Setup(config, drafter_dir, run_dir, tgt, model, prompts)
+
+
+def target_positions(target: Any) -> int | None:
+    """The target's RoPE positions (`max_position_embeddings` of its text config); None when it names none."""
+    hf = target.model.config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def check_positions(group: PromptGroup, positions: int | None, max_new_tokens: int, block_size: int) -> None:
+    """Refuse a prompt group whose decoding could run past the target's `positions` (its max_position_embeddings):
+    a prompt of P tokens needs P + max_new_tokens + block_size positions (the answer, then one draft block past
+    it). Past them RoPE extrapolates without an error and the figures would measure a model outside its range.
+    ConfigError naming the set, turn, longest prompt and the -p that fits it; None `positions`: no check."""
+    if positions is None:
+        return
+    over = [(len(p), name) for p, name in zip(group.prompts, group.names)
+            if len(p) + max_new_tokens + block_size > positions]
+    if over:
+        n, name = max(over)
+        fit = positions - n - block_size
+        raise ConfigError(
+            f"prompt set {group.benchmark!r} (turn {group.turn}, thinking {group.thinking}): {len(over)} of "
+            f"{len(group.prompts)} prompts need more than the target's {positions} positions "
+            f"(max_position_embeddings): the longest, {name}, has {n} tokens + max_new_tokens {max_new_tokens} + a "
+            f"block of {block_size} = {n + max_new_tokens + block_size}; "
+            + (f"-p max_new_tokens {fit} or fewer fits it, " if fit > 0 else "")
+            + "or leave that set out of -p prompts_from")
 
 
 def _check_vocabulary(prompts: Sequence[Sequence[int]], target: Any, config: Config) -> None:
@@ -590,6 +621,7 @@ def _baseline(setup: Setup) -> Baseline:
             group = next_turn(group, result.outputs, setup.prompts.eos_id, setup.prompts.decode_text)
             if group is not None:
                 _check_vocabulary(group.prompts, setup.target, setup.config)
+                check_positions(group, target_positions(setup.target), n_new, setup.drafter.cfg.block_size)
     return Baseline(groups, results)
 
 
