@@ -321,6 +321,9 @@ class EvalConfig:
     # (a row each); "" = the data section's `thinking` (the held-out prompts always keep the store's rendering)
     sample_seed: int = 0  # temperature > 0 (`-p temperature`, `-p top_p`): seed of the CPU generator that speculative
     # and plain sampling each draw from (the same tokens on CPU and CUDA)
+    sampled_temperature: float = 1.0  # notebook 05 (`evaluate_run`) decodes the final drafter once more, sampled at
+    # this temperature against plain sampling (the regenerate section's top_p, sample_seed): tau as serving at T > 0
+    # sees it; 0 = not (nor when it equals `temperature`: the main evaluation is that one)
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
@@ -338,6 +341,9 @@ class EvalConfig:
         if any(m not in ("on", "off") for m in modes) or len(set(modes)) != len(modes):
             raise ConfigError(f"enable_thinking must be '', 'on', 'off' or 'on,off', got {self.enable_thinking!r}")
         _non_negative("sample_seed", self.sample_seed)
+        if not (math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0):
+            raise ConfigError(f"sampled_temperature must be a finite number >= 0 (0 = no sampled evaluation), got "
+                              f"{self.sampled_temperature!r}")
         for name in ("run", "drafter"):
             value = getattr(self, name)
             if value != value.strip():

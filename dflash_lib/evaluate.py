@@ -38,7 +38,7 @@ import math
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -50,6 +50,7 @@ from dflash_lib.benchmark_report import (AcceptanceSlice, BenchmarkRow, GroupDec
                                          benchmark_table, by_context, merged_figures, prompt_records, slice_line,
                                          slices)
 from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, from_params
+from dflash_lib.doctor import diagnose
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.benchmarks import HELDOUT, BenchmarkPrompt, prompt_set, render_prompt
 from dflash_lib.data.readers import DataError
@@ -163,6 +164,12 @@ class RunEvaluation(JsonRecord):
     block_size: int  # B of the run's drafter
     prompt_source: str  # which split and which samples the prompts are, in words
     prompt_indices: list[int]  # token-store index of each prompt's sample
+    # The final drafter once more, sampled at `sampled_temperature` against plain sampling (None: not asked for,
+    # or the main evaluation is already at that temperature)
+    sampled: DecodeReport | None = None
+    # The serving doctor on the export against the target folder (`doctor.DoctorReport.to_json`, plus its `lines`);
+    # None without an export or when the target is not a local folder ("tiny")
+    doctor: dict[str, Any] | None = None
 
 
 def _stderr(text: str) -> None:
@@ -717,6 +724,7 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
                     continue  # the final drafter itself: decoded once, below
                 measure(step, model, str(ckpt.relative_to(train_dir)))
         final = measure(final_step, final_model, "final (drafter/)")
+        sampled = sampled_decode(setup, final_model, say)
     by_step.sort(key=lambda r: r.step)
     metrics = load_metrics(train_dir)
     losses = loss_figures(metrics)
@@ -726,15 +734,43 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
         export = str(folder)
         export_files = sorted(p.name for p in folder.iterdir())
         export_config = json.loads((folder / "config.json").read_text())
+    doctor = run_doctor(export, setup.config, say)
     report = RunEvaluation(
         tau_trained=final.tau, tau_untrained=by_step[0].tau, tau_by_step={str(r.step): r.tau for r in by_step},
         speedup=final.speedup, **losses, export=export, export_files=export_files, export_config=export_config,
         final=final, by_step=by_step, steps=final_step, **{k: getattr(trained, k) for k in BUDGET_FIGURES},
         run=str(Path(run)), train_dir=str(train_dir),
         prompts=final.prompts, max_new_tokens=final.max_new_tokens, min_new_tokens=final.min_new_tokens,
-        block_size=final.block_size, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices)
+        block_size=final.block_size, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices,
+        sampled=sampled, doctor=doctor)
     say(summary(final))
     return report
+
+
+def sampled_decode(setup: Setup, drafter: Any, say: Say = _stderr) -> DecodeReport | None:
+    """`drafter` decoded on the setup's prompt sets sampled at `sampled_temperature` (the regenerate section's
+    top_p, `sample_seed`), against plain sampling at the same temperature (later turns asked after those sampled
+    answers); None when it is 0 or the setup already decodes at that temperature."""
+    t = setup.config.evaluate.sampled_temperature
+    if t == 0 or t == setup.config.regenerate.temperature:
+        return None
+    hot = replace(setup, config=from_params({"temperature": t}, setup.config))
+    report = decode(hot, drafter, _baseline(hot))
+    say(f"sampled at temperature {t}: tau {report.tau:.3f}, speedup {report.speedup:.2f}x over plain sampling")
+    return report
+
+
+def run_doctor(export: str | None, config: Config, say: Say = _stderr) -> dict[str, Any] | None:
+    """The serving doctor (`doctor.diagnose`, `doctor_samples` conversations) on the exported folder against the
+    config's target folder: its JSON record and `lines`; None without an export or a local target folder."""
+    target = config.model.target
+    if export is None or not Path(target).expanduser().is_dir():
+        return None
+    report = diagnose(export, target, {"doctor_samples": config.evaluate.doctor_samples})
+    for line in report.lines():
+        say(f"doctor: {line}")
+    say(f"doctor: {report.count_line()}")
+    return {**report.to_json(), "lines": report.lines()}
 
 
 def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
@@ -748,8 +784,13 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
     keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens",
             "min_new_tokens", "block_size", *BUDGET_FIGURES,
             "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
+    sampled = report.get("sampled")
+    if sampled is not None:
+        sampled = {k: sampled[k] for k in ("temperature", "top_p", "sample_seed", "tau", "speedup", "tokens_per_s",
+                                           "baseline_tokens_per_s", "per_position", "cycles", "prompts",
+                                           "benchmarks")}
     return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
-            "target": final["target"], "device": final["device"]}
+            "target": final["target"], "device": final["device"], "sampled": sampled, "doctor": report.get("doctor")}
 
 
 def summary(r: DecodeReport) -> str:

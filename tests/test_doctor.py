@@ -277,3 +277,19 @@ def test_settings_come_from_p_then_the_export_then_the_target_folder_and_the_def
     detail = report.rules[-1].detail
     assert report.ok and f"tokenizer {str(target_dir)!r} (target folder)" in detail, detail
     assert "template 'qwen3' (export)" in detail and "thinking 'off' (default)" in detail
+
+
+def test_notebook_05s_doctor_is_the_command_on_its_export(setup):
+    """evaluate.run_doctor (what notebook 05 records): diagnose's record and lines for a target folder, None for
+    the tiny target or without an export."""
+    from dflash_lib.config import from_params
+    from dflash_lib.evaluate import run_doctor
+
+    export, target_dir, _ = setup
+    said = []
+    doc = run_doctor(str(export), from_params({"target": str(target_dir), "doctor_samples": 2}), said.append)
+    report = diagnose(export, target_dir, {"doctor_samples": 2})
+    assert doc == {**json.loads(json.dumps(report.to_json())), "lines": report.lines()} and doc["ok"]
+    assert said == [f"doctor: {line}" for line in report.lines()] + [f"doctor: {report.count_line()}"]
+    assert run_doctor(str(export), from_params({}), said.append) is None  # target "tiny"
+    assert run_doctor(None, from_params({"target": str(target_dir)}), said.append) is None

@@ -387,6 +387,15 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     trained = json.loads((run_dir / "summary.json").read_text())  # the run's batch fill, as its trainer summed it up
     assert {k: summary[k] for k in BUDGET_FIGURES} == {k: trained[k] for k in BUDGET_FIGURES}
     assert 0 < summary["token_fill"] <= 1 and 0 < summary["query_fill"] <= 1
+    # the final drafter once more, sampled at sampled_temperature 1.0: what `evaluate -p temperature 1` gives it
+    hot = evaluate(notebook_run / "train", "tiny", {"temperature": 1.0}, say=lambda s: None)
+    s = report.sampled
+    assert (s.temperature, s.top_p, s.outputs_equal_baseline, s.prompts) == (1.0, 1.0, None, 3)
+    assert (s.tau, s.histogram, s.cycles) == (hot.tau, hot.histogram, hot.cycles)
+    assert summary["sampled"]["tau"] == s.tau and summary["sampled"]["benchmarks"][0]["tau"] == s.tau
+    assert report.doctor is None and summary["doctor"] is None  # the tiny target is no folder to check against
+    quiet = evaluate_run(notebook_run, "tiny", {"sampled_temperature": 0}, say=lambda s: None)
+    assert quiet.sampled is None and quiet.tau_trained == report.tau_trained
 
 
 def test_loss_figures_average_the_ends_and_take_the_heldout_rows():

@@ -61,7 +61,8 @@ RESUME_NEUTRAL_KEYS = frozenset({
     "target_threads", "eval_every", "eval_samples",  # held-out evaluation reads the drafter, never steers it
     "parallel", "async_ckpt",  # DDP and FSDP share one checkpoint layout; async only changes when bytes land
     "target_parallel",  # a sharded target all-gathers the same weights: the same features, bit for bit
-    "prompts_from", "enable_thinking", "doctor_samples",  # evaluation and the doctor read a run, never steer it
+    "prompts_from", "enable_thinking", "doctor_samples", "sample_seed", "sampled_temperature",  # evaluation and the
+    # doctor read a run, never steer it
 })
 
 
