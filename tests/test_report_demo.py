@@ -233,3 +233,42 @@ def test_report_shows_the_per_benchmark_table(demo_tree, tmp_path):
     with pytest.raises(DemoReportError, match=r"evaluation\['benchmarks'\]\[0\]: keys \['speedup'\] missing"):
         write_demo_summary(tmp_path, summary_rows(), {**entry, "benchmarks": [
             {k: v for k, v in _benchmark_rows()[0].items() if k != "speedup"}]})
+
+
+def _sampled() -> dict:
+    return dict(temperature=1.0, top_p=1.0, tau=1.75, speedup=1.1, tokens_per_s=55.0, baseline_tokens_per_s=50.0,
+                benchmarks=[{**_benchmark_rows()[1], "tau": 1.5, "speedup": 0.95}])
+
+
+def _doctor() -> dict:
+    return dict(ok=True, summary="11 of 12 rules pass; 1 N/A (chat_template)",
+                lines=["PASS architecture: architectures ['DFlashDraftModel']", "N/A chat_template: a <mapped> one"])
+
+
+def test_report_shows_the_sampled_evaluation_and_the_doctor(demo_tree, tmp_path):
+    entry = {**evaluation_entry(), "benchmarks": _benchmark_rows(), "sampled": _sampled(), "doctor": _doctor()}
+    assert demo_evaluation({**entry, "histogram": {}}) == entry
+    page = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [], evaluation=entry).read_text()
+    rows = dict(re.findall(r"<tr><th>([^<]+)</th><td>([^<]*)</td></tr>", page))
+    assert rows["sampled at temperature 1 (top_p 1), final drafter"] == (
+        "tau 1.750; 1.10x vs plain sampling (55.0 vs 50.0 tokens/s)")
+    table = page[page.index('<table class="summary benchmarks">'):]
+    table = table[:table.index("</table>")]
+    assert re.findall(r"<th>([^<]+)</th>", table)[-2:] == ["tau T=1", "speedup T=1"]
+    cells = [re.findall(r'<td class="num">([^<]*)</td>', r)[-2:] for r in table.split("<tr>")[2:]]
+    assert cells == [["-", "-"], ["1.500", "0.95x"]]  # humaneval has no sampled row; mt-bench's
+    assert "<h3>Serving doctor on the export: passes</h3><p>11 of 12 rules pass; 1 N/A (chat_template)" in page
+    assert ("PASS architecture: architectures [&#x27;DFlashDraftModel&#x27;]\nN/A chat_template: a &lt;mapped&gt; "
+            "one</pre>") in page
+    failing = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [],
+                                evaluation={**entry, "doctor": {**_doctor(), "ok": False}}).read_text()
+    assert "Serving doctor on the export: FAILS" in failing
+    for bad, message in (({**_sampled(), "temperature": 0.0}, r"evaluation\['sampled'\]: temperature must be > 0"),
+                         ({**_sampled(), "tau": math.nan}, r"evaluation\['sampled'\]\['tau'\] must be a finite"),
+                         ({k: v for k, v in _sampled().items() if k != "top_p"}, r"keys \['top_p'\] missing"),
+                         ({**_sampled(), "benchmarks": [{**_benchmark_rows()[0], "tau": 0.5}]},
+                          r"evaluation\['sampled'\]\['benchmarks'\]\[0\]: tau must be >= 1")):
+        with pytest.raises(DemoReportError, match=message):
+            write_demo_summary(tmp_path, summary_rows(), {**entry, "sampled": bad})
+    with pytest.raises(DemoReportError, match=r"evaluation\['doctor'\] must hold ok \(a bool\)"):
+        write_demo_summary(tmp_path, summary_rows(), {**entry, "doctor": {**_doctor(), "lines": "PASS x"}})

@@ -32,10 +32,14 @@ _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from 
 EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
 EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
                     "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export",
-                    *BUDGET_FIGURES, "benchmarks")  # kept when notebook 05 has them (BUDGET_FIGURES: the trained
-# run's batch fill; benchmarks: the final drafter's rows per prompt set, `benchmark_report.BenchmarkRow`)
+                    *BUDGET_FIGURES, "benchmarks", "sampled", "doctor")  # kept when notebook 05 has them
+# (BUDGET_FIGURES: the trained run's batch fill; benchmarks: the final drafter's rows per prompt set,
+# `benchmark_report.BenchmarkRow`; sampled: the final drafter at `sampled_temperature`, SAMPLED_KEYS and its own
+# benchmark rows; doctor: the serving doctor on the export, `doctor.DoctorReport.to_json` with its `lines`)
 BENCHMARK_KEYS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",
                   "baseline_tokens_per_s", "cycles")  # each benchmark row's, shown in this order
+SAMPLED_KEYS = ("temperature", "top_p", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s")  # finite numbers
+DOCTOR_KEYS = ("ok", "summary", "lines")  # the doctor record's, shown: verdict, count line, one line per rule
 _FIGURE_HEIGHT_PX = 460  # height of a figure whose layout sets none (a div with height 100% would collapse)
 
 FigureLike = go.Figure | str | Path  # a Figure, a plotly JSON file (embedded) or an HTML file (linked)
@@ -139,17 +143,46 @@ def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = _finite(f"evaluation[{key!r}]", out[key])
     if "benchmarks" in out:
         out["benchmarks"] = _benchmark_rows(out["benchmarks"])
+    if out.get("sampled") is not None:
+        out["sampled"] = _sampled(out["sampled"])
+    if out.get("doctor") is not None:
+        out["doctor"] = _doctor(out["doctor"])
     return out
 
 
-def _benchmark_rows(rows: Any) -> list[dict[str, Any]]:
+def _sampled(sampled: Any) -> dict[str, Any]:
+    """The sampled evaluation's copy: SAMPLED_KEYS finite, temperature > 0, tau >= 1, speedup > 0; its benchmark
+    rows checked as the greedy ones."""
+    out = _record("evaluation['sampled']", sampled, SAMPLED_KEYS)
+    for key in SAMPLED_KEYS:
+        out[key] = _finite(f"evaluation['sampled'][{key!r}]", sampled[key])
+    if out["temperature"] <= 0 or out["tau"] < 1.0 or out["speedup"] <= 0:
+        raise DemoReportError(f"evaluation['sampled']: temperature must be > 0, tau >= 1 and speedup > 0, got "
+                              f"temperature {out['temperature']!r}, tau {out['tau']!r}, speedup {out['speedup']!r}")
+    if "benchmarks" in out:
+        out["benchmarks"] = _benchmark_rows(out["benchmarks"], "evaluation['sampled']['benchmarks']")
+    return out
+
+
+def _doctor(doctor: Any) -> dict[str, Any]:
+    """The doctor record's copy: `ok` a bool, `summary` a string, `lines` a list of strings."""
+    out = _record("evaluation['doctor']", doctor, DOCTOR_KEYS)
+    lines = out["lines"]
+    if not isinstance(out["ok"], bool) or not isinstance(out["summary"], str) or not (
+            isinstance(lines, Sequence) and not isinstance(lines, str) and all(isinstance(x, str) for x in lines)):
+        raise DemoReportError("evaluation['doctor'] must hold ok (a bool), summary (a string) and lines (a list of "
+                              f"strings), got ok {out['ok']!r}, summary {out['summary']!r}, lines {lines!r}")
+    return out
+
+
+def _benchmark_rows(rows: Any, name: str = "evaluation['benchmarks']") -> list[dict[str, Any]]:
     """Plain-dict copies of the per-benchmark rows; DemoReportError naming the row and field: every BENCHMARK_KEYS
     present, tau >= 1, speedup > 0, the speeds finite."""
     if not isinstance(rows, Sequence) or isinstance(rows, str):
-        raise DemoReportError(f"evaluation['benchmarks'] must be a list of rows, got {type(rows).__name__}")
+        raise DemoReportError(f"{name} must be a list of rows, got {type(rows).__name__}")
     out = []
     for i, row in enumerate(rows):
-        where = f"evaluation['benchmarks'][{i}]"
+        where = f"{name}[{i}]"
         got = _record(where, row, BENCHMARK_KEYS)
         for key in ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s"):
             got[key] = _finite(f"{where}[{key!r}]", row[key])
@@ -192,7 +225,10 @@ def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summ
         checked = validate_evaluation(evaluation)
         parts += [_evaluation_table(checked)]
         if checked.get("benchmarks"):
-            parts += ["<h3>Per benchmark (final drafter)</h3>", _benchmark_table(checked["benchmarks"])]
+            parts += ["<h3>Per benchmark (final drafter)</h3>",
+                      _benchmark_table(checked["benchmarks"], checked.get("sampled"))]
+        if checked.get("doctor"):
+            parts += [_doctor_section(checked["doctor"])]
     parts += ["<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
     if embedded:
         parts.append("<h2>Figures</h2>")
@@ -280,6 +316,11 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
     if "tokens_per_s" in ev and "baseline_tokens_per_s" in ev:
         speed += f" ({ev['tokens_per_s']:.1f} vs {ev['baseline_tokens_per_s']:.1f} tokens/s)"
     rows.append(("speedup vs plain greedy decoding (wall clock)", speed))
+    hot = ev.get("sampled")
+    if hot:
+        rows.append((f"sampled at temperature {hot['temperature']:g} (top_p {hot['top_p']:g}), final drafter",
+                     f"tau {hot['tau']:.3f}; {hot['speedup']:.2f}x vs plain sampling ({hot['tokens_per_s']:.1f} vs "
+                     f"{hot['baseline_tokens_per_s']:.1f} tokens/s)"))
     fill = _fill_text(ev)
     if fill:
         rows.append(("batch fill of the training run (means over its steps)", fill))
@@ -287,13 +328,33 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
     return f'<table class="summary evaluation"><tbody>{body}</tbody></table>'
 
 
-def _benchmark_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The paper's table: one row per prompt set x thinking mode, BENCHMARK_KEYS as columns."""
+def _benchmark_table(rows: Sequence[Mapping[str, Any]], sampled: Mapping[str, Any] | None = None) -> str:
+    """The paper's table: one row per prompt set x thinking mode, BENCHMARK_KEYS as columns; with a sampled
+    evaluation, its tau and speedup of the same set and mode as two more columns ("-" where it has no such row)."""
     formats = {"tau": "{:.3f}", "speedup": "{:.2f}x", "tokens_per_s": "{:.1f}", "baseline_tokens_per_s": "{:.1f}"}
-    head = "".join(f"<th>{_e(k)}</th>" for k in BENCHMARK_KEYS)
-    body = "".join("<tr>" + "".join(f'<td class="num">{_e(formats.get(k, "{}").format(r[k]))}</td>'
-                                    for k in BENCHMARK_KEYS) + "</tr>" for r in rows)
-    return f'<table class="summary benchmarks"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    heads = list(BENCHMARK_KEYS)
+    hot: dict[tuple[str, str], Mapping[str, Any]] | None = None
+    if sampled and sampled.get("benchmarks"):
+        hot = {(r["benchmark"], r["thinking"]): r for r in sampled["benchmarks"]}
+        heads += [f"tau T={sampled['temperature']:g}", f"speedup T={sampled['temperature']:g}"]
+    body = []
+    for r in rows:
+        cells = [formats.get(k, "{}").format(r[k]) for k in BENCHMARK_KEYS]
+        if hot is not None:
+            h = hot.get((r["benchmark"], r["thinking"]))
+            cells += [f"{h['tau']:.3f}", f"{h['speedup']:.2f}x"] if h else ["-", "-"]
+        body.append("<tr>" + "".join(f'<td class="num">{_e(c)}</td>' for c in cells) + "</tr>")
+    head = "".join(f"<th>{_e(k)}</th>" for k in heads)
+    return f'<table class="summary benchmarks"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _doctor_section(doctor: Mapping[str, Any]) -> str:
+    """The serving doctor on the export: its verdict and count line, then one line per rule."""
+    verdict = "passes" if doctor["ok"] else "FAILS"
+    lines = "\n".join(doctor["lines"])
+    return (f"<h3>Serving doctor on the export: {_e(verdict)}</h3><p>{_e(doctor['summary'])} "
+            "(python -m dflash_lib doctor EXPORT --target TARGET, docs/serving.md)</p>"
+            f'<pre class="doctor">{_e(lines)}</pre>')
 
 
 def _fill_text(ev: Mapping[str, Any]) -> str:
@@ -362,5 +423,6 @@ table.summary {{ border-collapse: collapse; }}
 table.summary th, table.summary td {{ border: 1px solid #ccc; padding: 0.3em 0.7em; }}
 table.summary td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 p.meta {{ color: #666; }}
+pre.doctor {{ white-space: pre-wrap; font-size: 0.85em; }}
 section.figure {{ margin-bottom: 2em; }}
 </style></head><body>"""
