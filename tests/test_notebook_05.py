@@ -16,7 +16,7 @@ from notebook_checks import assert_committed_clean
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
 PARAMETERS = {"preset", "run", "drafter", "target", "prompts", "max_new_tokens", "decode_threads", "out_dir",
-              "prompts_from", "enable_thinking"}
+              "prompts_from", "enable_thinking", "sampled_temperature"}
 
 
 def test_notebook_is_committed_clean_with_one_parameters_cell():
@@ -56,6 +56,10 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     assert [r["step"] for r in by_step] == [0, 2, 4]
     assert [(r["benchmark"], r["prompts"], r["cycles"]) for r in summary["benchmarks"]] == [
         ("heldout", 2, summary["cycles"])]  # the held-out prompts: one row, every cycle
+    sampled = summary["sampled"]  # the final drafter sampled at temperature 1.0 (the default), against plain sampling
+    assert (sampled["temperature"], sampled["prompts"]) == (1.0, 2) and sampled["tau"] >= 1.0
+    assert [r["benchmark"] for r in sampled["benchmarks"]] == ["heldout"]
+    assert summary["doctor"] is None  # the run's tiny target: no folder to check the export against
     for name in ("tau_by_step", "acceptance", "loss_vs_heldout", "tau_by_benchmark"):
         assert (out_dir / f"{name}.json").is_file()
         html = (out_dir / f"{name}.html").read_text()
