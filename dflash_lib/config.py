@@ -566,12 +566,13 @@ def demo() -> Config:
     """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models. The drafter
     run (240 steps at lr 3e-3 on the demo target's answers) saves 3 checkpoints for notebook 05 and measures the
     held-out loss at each on 16 samples: an evaluation's time grows with its samples, and it runs three times
-    (timings in LOG.md, 2026-12-01 session 5)."""
+    (timings in LOG.md, 2026-12-01 session 5). Notebook 05 decodes 8 prompts of each of the held-out answers,
+    HumanEval and MT-Bench (both turns), greedy and at temperature 1."""
     return from_params(
         dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
              num_features=2, num_anchors=16, block_size=8, steps=240, lr=3e-3, probe_steps=80, probe_rounds=4,
              log_every=20, prefetch=4, ckpt_every=80, eval_every=80, prompts=8, max_new_tokens=64, eval_samples=16,
-             decode_threads=1)
+             decode_threads=1, prompts_from="heldout,humaneval,mt-bench")
     )
 
 

@@ -55,7 +55,7 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     by_step = json.loads((out_dir / "by_step.json").read_text())
     assert [r["step"] for r in by_step] == [0, 2, 4]
     assert [(r["benchmark"], r["prompts"], r["cycles"]) for r in summary["benchmarks"]] == [
-        ("heldout", 2, summary["cycles"])]  # the held-out prompts: one row, every cycle
+        ("heldout", 2, summary["cycles"])]  # the held-out prompts (the cell's prompts_from): one row, every cycle
     sampled = summary["sampled"]  # the final drafter sampled at temperature 1.0 (the default), against plain sampling
     assert (sampled["temperature"], sampled["prompts"]) == (1.0, 2) and sampled["tau"] >= 1.0
     assert [r["benchmark"] for r in sampled["benchmarks"]] == ["heldout"]
