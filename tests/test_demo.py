@@ -24,7 +24,8 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     answers = dt.DemoAnswerSettings(records=60, new_tokens=8, gen_batch=20, heldout_fraction=0.2)
     demo_dir = run_demo(preset_name="smoke", tag="test", root=tmp_path,
                         overrides={"steps": 12, "probe_steps": 12, "probe_rounds": 2, "limit": 300, "ckpt_every": 6,
-                                   "eval_every": 6, "prompts": 2},
+                                   "eval_every": 6, "prompts": 2, "prompts_from": "heldout,humaneval,mt-bench",
+                                   "doctor_samples": 2},
                         trained_target=True, target_settings=target, answer_settings=answers)
     chain = json.loads((demo_dir / "chain.json").read_text())
     assert [r["notebook"] for r in chain["runs"]] == [stem for stem, _ in CHAIN]
@@ -61,9 +62,19 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     assert set(EVALUATION_KEYS) <= set(evaluation) and list(evaluation["tau_by_step"]) == ["0", "6", "12"]
     assert evaluation["tau_untrained"] == evaluation["tau_by_step"]["0"] >= 1.0
     assert evaluation["tau_trained"] == evaluation["tau_by_step"]["12"] >= 1.0
-    assert evaluation["prompts"] == 2 and evaluation["max_new_tokens"] == 8 and evaluation["speedup"] > 0
+    # 2 held-out prompts, 2 HumanEval ones, 2 MT-Bench questions asked both turns: a table row per set
+    assert evaluation["prompts"] == 8 and evaluation["max_new_tokens"] == 8 and evaluation["speedup"] > 0
+    rows = [(r["benchmark"], r["prompts"], r["turns"]) for r in evaluation["benchmarks"]]
+    assert rows == [("heldout", 2, 2), ("humaneval", 2, 2), ("mt-bench", 2, 4)]
+    sampled = evaluation["sampled"]  # the final drafter at temperature 1, every set
+    assert sampled["temperature"] == 1.0 and [r["benchmark"] for r in sampled["benchmarks"]] == [
+        "heldout", "humaneval", "mt-bench"]
+    doctor = evaluation["doctor"]  # the export against the demo target: passes, its mapped tokenizer N/A
+    assert doctor["ok"] and doctor["summary"] == "11 of 12 rules pass; 1 N/A (chat_template)", doctor["lines"]
     page = (demo_dir / "report.html").read_text()
     assert "Evaluation: what training bought" in page
+    assert "<h3>Per benchmark (final drafter)</h3>" in page and "<th>tau T=1</th>" in page
+    assert "Serving doctor on the export: passes" in page and "N/A chat_template:" in page
     assert f"trained on that target&#x27;s own greedy answers ({made['answers']}" in page
     assert not external_references(page)
     for run in runs.values():
