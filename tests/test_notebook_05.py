@@ -42,7 +42,7 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     out_dir.mkdir()
     papermill.execute_notebook(
         str(NOTEBOOK), str(tmp_path / "executed.ipynb"), kernel_name="python3", cwd=str(ROOT),
-        parameters=dict(run=str(run04), prompts=2, max_new_tokens=8, out_dir=str(out_dir)), progress_bar=False)
+        parameters=dict(run=str(run04), prompts=2, max_new_tokens=8, out_dir=str(out_dir), prompts_from="heldout"), progress_bar=False)
     summary = json.loads((out_dir / "summary.json").read_text())
     assert set(RUN_SUMMARY_KEYS) <= set(summary)
     assert list(summary["tau_by_step"]) == ["0", "2", "4"]  # untrained, the step-2 checkpoint, the final drafter
@@ -55,7 +55,7 @@ def test_notebook_evaluates_every_checkpoint_of_a_training_run(tmp_path):
     by_step = json.loads((out_dir / "by_step.json").read_text())
     assert [r["step"] for r in by_step] == [0, 2, 4]
     assert [(r["benchmark"], r["prompts"], r["cycles"]) for r in summary["benchmarks"]] == [
-        ("heldout", 2, summary["cycles"])]  # the held-out prompts (the cell's prompts_from): one row, every cycle
+        ("heldout", 2, summary["cycles"])]  # the held-out prompts (prompts_from heldout): one row, every cycle
     sampled = summary["sampled"]  # the final drafter sampled at temperature 1.0 (the default), against plain sampling
     assert (sampled["temperature"], sampled["prompts"]) == (1.0, 2) and sampled["tau"] >= 1.0
     assert [r["benchmark"] for r in sampled["benchmarks"]] == ["heldout"]
