@@ -1,14 +1,15 @@
 """Step time with the target replicated on every rank vs sharded over the ranks (FSDP2), 2 gloo ranks on CPU.
 
-Run: .venv/bin/python benchmarks/target_parallel.py [--steps 10] [--tokens 8192]
+Run: .venv/bin/python benchmarks/target_parallel.py [--steps 10] [--tokens 8192] [--loss ce|kl|ce+kl]
 Two processes (spawned here, gloo on localhost, one CPU thread each) build the demo preset's shapes (a 6-layer
 tiny Qwen3 target of hidden 64 with the real Qwen3 vocabulary, 2 feature layers, a 1-layer drafter, blocks of 8,
 16 anchors, one packed row of `--tokens` tokens per rank and step) and time, over `--steps` steps after one warm-up
 step, one training step = the target's feature pass on this rank's row + `step.train_step` on a DDP drafter:
   replicate: the target whole on every rank (`TargetModel.context_features`),
   fsdp:      its decoder layers sharded (`target_shard.ShardedTarget`: per-layer all-gathers on a group of their own).
-Prints each mode's median seconds per step, the fsdp/replicate ratio, and whether both modes gave the same
-features. CPU figures are only a sanity check of the sharding's overhead (gloo all-gathers, no compute overlap);
+With `--loss kl` or `ce+kl` the pass runs every layer and gives the final states at the scored rows too
+(`context_features_and_final`), which the drafter's loss reads. Prints each mode's median seconds per step, the
+fsdp/replicate ratio, and whether both modes gave the same features (and final states). CPU figures are only a sanity check of the sharding's overhead (gloo all-gathers, no compute overlap);
 what it buys, a target that no longer sits whole on every GPU, shows only on GPUs.
 """
 
@@ -46,6 +47,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> N
     torch.set_num_threads(1)
     join_group(rank, 2, port, timeout_s=600)
     mc = preset("demo").model
+    mc.loss = args.loss
     target = TargetModel.from_model_config(mc, seed=0)
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(mc, target), target, attention="blocks")
@@ -65,13 +67,17 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> N
     guard = BadStepGuard(10)
     result = {"tokens": total}
 
-    def step(runs_on) -> torch.Tensor:
-        feats = runs_on.context_features(batch)  # (C, F*H)
-        item = Item(0, batch, batch, feats, layout=layout, device_layout=layout)
+    def step(runs_on) -> list[torch.Tensor]:
+        final = None
+        if layout.target_rows is None:
+            feats = runs_on.context_features(batch)  # (C, F*H)
+        else:  # loss kl / ce+kl: every layer, the final states at the scored rows (u, H)
+            feats, final = runs_on.context_features_and_final(batch, layout.target_rows)
+        item = Item(0, batch, batch, feats, layout=layout, device_layout=layout, target_hidden=final)
         train_step(engine, [item], params, opt, 1e-4, 1.0, False, guard, 1)
-        return feats
+        return [feats] if final is None else [feats, final]
 
-    sharded = ShardedTarget(TargetModel.from_model_config(mc, seed=0), 600.0)
+    sharded = ShardedTarget(TargetModel.from_model_config(mc, seed=0), 600.0, final=mc.loss != "ce")
     for name, runs_on in (("replicate", target), ("fsdp", sharded)):
         result[f"{name}_feats"] = step(runs_on)  # warm-up
         times = []
@@ -82,7 +88,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> N
             dist.barrier()
             times.append(time.perf_counter() - t0)
         result[f"{name}_s"] = statistics.median(times)
-    result["same"] = bool(torch.equal(result.pop("replicate_feats"), result.pop("fsdp_feats")))
+    result["same"] = all(torch.equal(a, b) for a, b in zip(result.pop("replicate_feats"), result.pop("fsdp_feats")))
     out.put((rank, result))
     distributed.destroy()
 
@@ -91,17 +97,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per mode (median reported)")
     ap.add_argument("--tokens", type=int, default=8192, help="slots of each rank's packed row (the demo budget)")
+    ap.add_argument("--loss", default="ce", choices=["ce", "kl", "ce+kl"], help="the drafter loss (kl: every layer)")
     args = ap.parse_args()
     results = spawn_ranks(worker, (args,))
     rep = max(r["replicate_s"] for r in results.values())
     fsdp = max(r["fsdp_s"] for r in results.values())
-    print(f"demo shapes, 2 gloo ranks, one CPU thread each, {results[0]['tokens']} / {results[1]['tokens']} real "
-          f"tokens per rank and step")
+    print(f"demo shapes, loss {args.loss}, 2 gloo ranks, one CPU thread each, {results[0]['tokens']} / "
+          f"{results[1]['tokens']} real tokens per rank and step")
     print(f"target replicated: {rep:.3f} s/step | sharded (FSDP2): {fsdp:.3f} s/step | ratio fsdp/replicate = "
           f"{fsdp / rep:.2f}")
     print("CPU figures are only a sanity check of the sharding's overhead, not of its use (memory on GPUs)")
     same = all(r["same"] for r in results.values())
-    print(f"the sharded target's features equal the replicated target's, bit for bit: {same}")
+    what = "features" if args.loss == "ce" else "features and final states"
+    print(f"the sharded target's {what} equal the replicated target's, bit for bit: {same}")
     if not same:
         raise SystemExit("the sharded target's features differ")
 

@@ -58,6 +58,20 @@ def test_all_gathers_move_the_layers_the_feature_pass_runs(two_ranks):
     assert record.ktok_s == pytest.approx(2 * record.real_tokens / fsdp.step_s / 1000, rel=1e-3)  # both ranks
 
 
+def test_under_loss_kl_the_sharded_pass_gathers_every_layer(two_ranks):
+    """Loss kl reads the final states: the pass runs all 4 layers, each gathered once, against layers 0 and 1 under
+    ce; the target's FLOPs are those of the 4 layers, the same sharded or not."""
+    cfg, worst, settings, out, per_layer = two_ranks
+    cfg = from_params({"loss": "kl"}, cfg)
+    kl = {tp: dryrun.measure_batches(cfg, worst, settings, 80.0, ranks=dryrun.Ranks(2, tp))[0]
+          for tp in ("replicate", "fsdp")}
+    assert kl["fsdp"].figures.comm["all_gather"] == sum(per_layer) > out["fsdp"].figures.comm["all_gather"]
+    assert "all_gather" not in kl["replicate"].figures.comm
+    assert kl["fsdp"].figures.flops == kl["replicate"].figures.flops
+    # four layers of one shape instead of two: twice the target's matmul FLOPs (the norm counts none)
+    assert kl["fsdp"].figures.flops["target_forward"] == 2 * out["fsdp"].figures.flops["target_forward"]
+
+
 @pytest.mark.slow  # a second fake dry run on two ranks (make test runs it)
 def test_fit_verdict_flips_between_the_two_peaks(two_ranks):
     cfg, worst, settings, out, _ = two_ranks

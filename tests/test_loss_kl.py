@@ -289,16 +289,6 @@ def test_the_target_worker_hands_the_final_states_only_when_the_loss_needs_them(
             assert any(t is item.target_hidden for t in item.device_tensors())  # the CUDA stream hand-over
 
 
-def test_a_sharded_target_refuses_loss_kl_in_the_dry_run():
-    from dflash_lib.config import ConfigError, preset
-    from dflash_lib.train import dryrun
-
-    config = preset("smoke")
-    config.model.loss, config.train.target_parallel = "kl", "fsdp"
-    with pytest.raises(ConfigError, match="target_parallel fsdp"):
-        dryrun.dry_run(config, world_size=2)
-
-
 def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_path, monkeypatch):
     """train_step hands each item's (u, H) states to the engine: DDP over 2 micro-batches (1-rank gloo group) moves
     the drafter as one process holding both; the idle rank's filler lays out target rows too, and its loss and

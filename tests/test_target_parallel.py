@@ -23,8 +23,8 @@ from dflash_lib.models import TargetModel, tiny_qwen3_config
 from dflash_lib.train import target_shard
 from dflash_lib.train.feed import Collated, Work, make_target_workers
 from dflash_lib.train.pipeline import Pipeline, PipelineError, Stopped
-from dflash_lib.train.target_shard import (load_sharded_target, move_outside_layers, per_step_passes, plan_target,
-                                           resolve_target_parallel, target_footprint)
+from dflash_lib.train.target_shard import (load_sharded_target, move_outside_layers, pass_depth, per_step_passes,
+                                           plan_target, resolve_target_parallel, target_footprint)
 from tiny_models import HIDDEN, VOCAB, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,19 +103,27 @@ def test_the_replicated_parts_move_to_the_device_and_the_layers_stay():
     assert target.lm_head.weight is target.embed_tokens.weight  # still tied
 
 
-def test_under_fsdp_the_target_is_built_on_the_host_then_sharded_onto_the_device(monkeypatch):
+@pytest.mark.parametrize("loss, final", [("ce", False), ("kl", True), ("ce+kl", True)])
+def test_under_fsdp_the_target_is_built_on_the_host_then_sharded_onto_the_device(monkeypatch, loss, final):
+    """...and a loss that reads the target's final states gets a sharded target whose passes run every layer."""
     got = {}
 
     class Recorder:  # ShardedTarget's place: what load_sharded_target hands it
-        def __init__(self, target, timeout_s, device):
+        def __init__(self, target, timeout_s, device, final):
             got.update(host=target.device, dtype=target.embed_tokens.weight.dtype, timeout=timeout_s,
-                       device=device, backend=target.backend)
+                       device=device, backend=target.backend, final=final)
 
     monkeypatch.setattr(target_shard, "ShardedTarget", Recorder)
-    model = dataclasses.replace(preset("smoke").model, attn_backend="sdpa")
+    model = dataclasses.replace(preset("smoke").model, attn_backend="sdpa", loss=loss)
     load_sharded_target(model, torch.device("cuda", 1), torch.bfloat16, 30.0)  # no CUDA needed: built on the host
     assert got == dict(host=torch.device("cpu"), dtype=torch.bfloat16, timeout=30.0, device=torch.device("cuda", 1),
-                       backend="sdpa")
+                       backend="sdpa", final=final)
+
+
+def test_a_pass_runs_every_layer_only_when_it_gives_the_final_states():
+    target = tiny_target(6, 2)  # feature layers below the top: a ce pass stops at the deepest one
+    assert (pass_depth(target, False), pass_depth(target, True)) == (max(target.layer_ids) + 1, 6)
+    assert max(target.layer_ids) + 1 < 6
 
 
 def test_every_rank_runs_the_most_shards_any_rank_takes_per_sampler_step():
@@ -219,6 +227,26 @@ SCRIPT = textwrap.dedent("""
     for _ in range(20):  # the trainer thread's collectives on the default group, meanwhile
         sums.append(D.all_reduce_sum(1.0))
     thread.join()
+    # loss kl / ce+kl: a second sharded target built with `final` runs every layer in every pass; rank 0 makes two
+    # passes with final states, rank 1 one and then a bare feature pass (a filler's), and the all-gathers pair
+    from dflash_lib.config import ConfigError
+    from tiny_models import tiny_drafter
+    try:
+        sharded.context_features_and_final(batches[0], torch.zeros(1, dtype=torch.long))
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    drafter = tiny_drafter(plain, loss="kl", num_anchors=4)  # its layouts list the target rows
+    layouts = [drafter.layout(b, drafter.sample_anchors(b, torch.Generator().manual_seed(k)))
+               for k, b in enumerate(batches)]
+    kl = ShardedTarget(tiny_target(6, 2), 30.0, torch.device("cpu"), final=True)
+    want_kl = [plain.context_features_and_final(b, lay.target_rows) for b, lay in zip(batches, layouts)]
+    kl_diff = []
+    for k in mine:
+        feats, final = kl.context_features_and_final(batches[k], layouts[k].target_rows)
+        kl_diff += [float((feats - want_kl[k][0]).abs().max()), float((final - want_kl[k][1]).abs().max())]
+    if info.rank == 1:
+        kl_diff.append(float((kl.context_features(batches[0]) - want[0]).abs().max()))
     stops = []
     for turn in range(3):  # rank 0's feed leaves before its third pass: rank 1's stops at the same turn
         if info.rank == 0 and turn == 2:
@@ -235,7 +263,8 @@ SCRIPT = textwrap.dedent("""
                want_peak=sharded_load_peak_bytes(tiny_qwen3_config(hidden_size=HIDDEN, num_layers=6,
                                                                    vocab_size=VOCAB), 2, torch.float32),
                replicated=sorted({f"{type(p).__name__} {p.device}" for p in replicated}),
-               device=str(sharded.device))
+               device=str(sharded.device), refused=refused, kl_diff=kl_diff,
+               rows=[int(lay.target_rows.numel()) for lay in layouts])
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
     D.destroy()
@@ -259,3 +288,6 @@ def test_two_ranks_sharded_target_features_equal_the_replicated_targets(tmp_path
         assert (r["replicated"], r["device"]) == (["Parameter cpu"], "cpu")  # embedding, norm, LM head whole
         assert r["peak"] == r["want_peak"]  # shards + the largest layer + the replicated parts, in bytes
     assert [r["stops"] for r in results] == [[], [2]]
+    for r, passes in zip(results, (4, 3)):  # loss kl / ce+kl sharded: the whole target's features and final states
+        assert "built for loss ce" in r["refused"] and min(r["rows"]) > 0
+        assert len(r["kl_diff"]) == passes and max(r["kl_diff"]) <= 1e-6

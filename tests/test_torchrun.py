@@ -178,6 +178,32 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
 
 
 @pytest.mark.slow
+def test_loss_ce_kl_with_a_target_sharded_over_two_ranks_equals_one_process(tmp_path):
+    """loss ce+kl reads the target's final states at the scored rows: with the target sharded, every pass (the
+    feed's, the zero-weight filler item's, the held-out evaluation's) runs every layer on both ranks, and the
+    trajectory, held-out figures and final weights are one process's on the same global batches."""
+    params = {**RUN, "steps": 8, "ckpt_every": 4, "log_every": 4, "loss": "ce+kl", "kl_temperature": 1.5,
+              "eval_every": 4}
+    want_dir = tmp_path / "one"
+    summary = in_process(want_dir, params, 2)
+    assert (summary.world_size, summary.data_shards, summary.steps) == (1, 2, 8)
+    run_dir = tmp_path / "sharded_kl"
+    proc = torchrun(run_dir, "-p", "target_parallel", "fsdp", params=params)
+    assert "target sharded over 2 ranks with FSDP2" in proc.stdout
+    got, want = rows(run_dir), rows(want_dir)
+    assert_same_trajectory(got, want)
+    assert sum(r["micro_batches"] >= 2 for r in got) >= 1  # accumulation under no_sync on each rank
+    held = [(r["step"], r["heldout_loss"]) for r in want if r.get("heldout_loss") is not None]
+    assert held and [r["step"] for r in got if r.get("heldout_loss") is not None] == [s for s, _ in held]
+    np.testing.assert_allclose([r["heldout_loss"] for r in got if r.get("heldout_loss") is not None],
+                               [v for _, v in held], rtol=0, atol=1e-5)
+    got_w, want_w = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, want_dir))
+    assert sorted(got_w) == sorted(want_w)
+    for name, w in want_w.items():
+        torch.testing.assert_close(got_w[name], w, rtol=0, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
 def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path, target_parallel):
     """1 -> 2: the run's global batch is ONE data shard, so rank 1 takes none and joins every step's gradient

@@ -223,9 +223,6 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
     # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
     gather = not config.sampler.static_shapes
-    if plan.parallel == "fsdp" and config.model.loss != "ce":
-        raise ConfigError(f"loss {config.model.loss!r} needs the target's final hidden states, which the sharded "
-                          "target (target_parallel fsdp) does not give: use loss ce, or target_parallel replicate")
     if plan.parallel == "fsdp":
         runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,
                                       config.train.seed, gather)

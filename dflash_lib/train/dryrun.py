@@ -7,7 +7,8 @@ every bucket of the plan and of the packed strategy, measured for memory and FLO
 What runs: the target (the published shapes `models/shapes.py` names: Qwen3-8B, -32B, -30B-A3B, -235B-A22B; a
 local model folder's config.json; or the tiny target) and the drafter are built with fake weights (shapes,
 dtypes, no memory), and one
-step runs exactly as the trainer runs it on CUDA: target features in bf16 up to the deepest feature layer, the
+step runs exactly as the trainer runs it on CUDA: target features in bf16 up to the deepest feature layer (every
+layer and the final norm at the scored rows under loss kl / ce+kl, sharded or not), the
 drafter in fp32 master weights under bf16 autocast with the attention backend and activation checkpointing that
 `auto` resolves to on CUDA, the fused LM head + CE, backward, gradient clipping and a fused AdamW step whose state
 exists before the step (steady state). The anchors and the drafter layout are built on the host from real
@@ -264,6 +265,7 @@ class StepModels:
     settings: StepSettings
     mode: FakeTensorMode | None  # None = real tensors
     features: Callable[..., torch.Tensor] | None = None  # the FSDP2-sharded feature pass; None = the target's own
+    features_and_final: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # its loss kl pass; None: own
     balanced_experts: int = 0  # MoE experts modules run by the balanced-routing stand-in (train/balanced_experts.py)
 
     @property
@@ -301,17 +303,20 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
     mc, tc = config.model, config.train
     ids = mc.target_layer_ids or None
     mode = FakeTensorMode() if fake else None
-    features, balanced = None, 0
+    features, features_and_final, balanced = None, None, 0
     if fake:
         target = TargetModel.fake(hf_cfg, mc.num_features, ids, mode, "cpu", settings.target_dtype)
         balanced = install_balanced_experts(target.model)
         drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
         if mesh is not None:
             with mode:
-                root = shard_layers(target, mesh)  # as the trainer shards it (`target_shard`)
+                root = shard_layers(target, mesh, mc.loss != "ce")  # as the trainer shards it (`target_shard`)
 
                 def features(batch: Batch, segments: Any) -> torch.Tensor:  # one feature pass through the root
                     return root(lambda: target.context_features(batch, segments))
+
+                def features_and_final(batch: Batch, rows: torch.Tensor, segments: Any):  # loss kl: every layer
+                    return root(lambda: target.context_features_and_final(batch, rows, segments))
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)
@@ -324,7 +329,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return StepModels(target, drafter, opt, params, settings, mode, features, balanced)
+    return StepModels(target, drafter, opt, params, settings, mode, features, features_and_final, balanced)
 
 
 # -- measurement ---------------------------------------------------------------------------------------------------
@@ -492,9 +497,6 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
     layout = build_layout(batch, anchors, s.attention, target_rows=drafter.cfg.loss != "ce")  # kl: target rows
-    if layout.target_rows is not None and models.features is not None:
-        raise ConfigError("dry run: loss kl / ce+kl needs the target's final hidden states, which the sharded "
-                          "target (target_parallel fsdp) does not give; use loss ce")
     pairs = {}
     if s.attention in ("dense", "blocks"):
         pairs = {k: v for k, v in attention_work(layout, s.attention).items() if k != "ratio"}
@@ -515,7 +517,8 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
                 if dev_layout.target_rows is None:
                     feats = (models.features or target.context_features)(dev_batch, segments)  # (C, F*H)
                 else:
-                    feats, final = target.context_features_and_final(dev_batch, dev_layout.target_rows, segments)
+                    feats, final = (models.features_and_final or target.context_features_and_final)(
+                        dev_batch, dev_layout.target_rows, segments)
             with phase("drafter"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.autocast):
                 return drafter.loss(dev_batch, feats, dev_layout, normalizer=layout.weight_sum,
                                     target_hidden=final), final
@@ -775,9 +778,6 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     hf = target_hf_config(mc)
     weights = target_footprint(hf, torch.bfloat16).weights
     parallel, _ = resolve_target_parallel(config.train.target_parallel, weights, int(device_gib * GIB), world_size)
-    if parallel == "fsdp" and mc.loss != "ce":
-        raise ConfigError(f"dry run: loss {mc.loss!r} needs the target's final hidden states, which the sharded "
-                          "target (target_parallel fsdp) does not give: use loss ce, or target_parallel replicate")
     ranks = Ranks(world_size, parallel, link_gbs)
     settings = for_cuda(config)
     if attention is not None:

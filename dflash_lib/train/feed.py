@@ -300,9 +300,6 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                 final = None
                 if rows is None:
                     feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
-                elif not hasattr(target, "context_features_and_final"):
-                    raise ConfigError(f"loss kl / ce+kl needs the target's final hidden states, which a "
-                                      f"{type(target).__name__} does not give (a sharded target: use loss ce)")
                 else:  # every layer, the final norm at the u rows: (C, F*H), (u, H)
                     feats, final = target.context_features_and_final(dev_batch, rows, segments)
                 if target.device != main_device:

@@ -26,8 +26,12 @@ decoder layers only, so it holds no parameter of its own) is entered around ever
 lets FSDP2 initialise the layers as one tree with one set of streams.
 
 Collectives must pair across ranks. A forward's all-gathers carry the layers' weights, never the batch: every
-feature pass all-gathers the same layers in the same order, whatever its tokens. So the ranks stay paired as long
-as (1) every rank runs the same NUMBER of feature passes, and (2) a rank never interleaves two passes. (1): the
+feature pass all-gathers the same layers in the same order, whatever its tokens (up to the deepest feature layer
+under loss ce; EVERY layer under loss kl / ce+kl, whose passes also give the final-normed states at the scored
+rows, `context_features_and_final`: a sharded target built for it runs every layer in every pass, a filler's and
+a bare `context_features` call's too, so no pass of one rank meets a shorter one on another). So the ranks stay
+paired as long as (1) every rank runs the same NUMBER of feature passes, and (2) a rank never interleaves two
+passes. (1): the
 feed runs `ceil(D / W)` passes per sampler step on every rank (a filler, a 1-token document, for a shard the rank
 does not have or a batch whose samples all failed validation: `feed.make_target_workers`), the zero-weight filler
 item of a multi-rank run is built on every rank, and under a sharded target every rank runs the held-out
@@ -181,11 +185,17 @@ class _FeatureForward(torch.nn.Module):
         return run()
 
 
-def shard_layers(target: TargetModel, mesh: "DeviceMesh") -> _FeatureForward:
+def pass_depth(target: TargetModel, final: bool) -> int:
+    """Decoder layers one feature pass runs: up to the deepest feature layer, or every layer when the pass also
+    gives the final states (`final`: loss kl / ce+kl)."""
+    return target.num_layers if final else max(target.layer_ids) + 1
+
+
+def shard_layers(target: TargetModel, mesh: "DeviceMesh", final: bool = False) -> _FeatureForward:
     """FSDP2 over `target`'s decoder layers on `mesh` (the trainer's target group, or the dry run's fake one):
     `fully_shard` on each layer (moved to the mesh's device, 1/W kept, the full copy freed as it returns),
-    resharded after its forward, layer i prefetching layer i + 1 while both are in the feature pass (a deeper
-    layer never runs in training: prefetched, it would be gathered for nothing); then the root, a
+    resharded after its forward, layer i prefetching layer i + 1 while both are in the pass (`pass_depth`: a
+    deeper layer never runs in training, and prefetched it would be gathered for nothing); then the root, a
     `_FeatureForward` over the layers only, so embedding, norm and LM head stay whole. Frozen weights: nothing is
     ever reduced. Returns the root: `root(lambda: target.context_features(...))` runs one pass."""
     from torch.distributed.fsdp import fully_shard  # only a sharded target needs it
@@ -193,7 +203,7 @@ def shard_layers(target: TargetModel, mesh: "DeviceMesh") -> _FeatureForward:
     layers = list(target.base.layers)
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    upto = max(target.layer_ids) + 1
+    upto = pass_depth(target, final)
     for layer, following in zip(layers[:upto - 1], layers[1:upto]):
         layer.set_modules_to_forward_prefetch([following])
     return fully_shard(_FeatureForward(target), mesh=mesh, reshard_after_forward=True)
@@ -201,14 +211,15 @@ def shard_layers(target: TargetModel, mesh: "DeviceMesh") -> _FeatureForward:
 
 class ShardedTarget:
     """A `TargetModel` whose decoder layers are sharded over the ranks of a torchrun group (see the module
-    docstring). It answers `device`, `segments` and `context_features` like the target (the feed, the filler
-    item and the held-out evaluation call those); `target` is the plain model (embedding, LM head, config) that
-    the drafter shares. Every call of `context_features` is a collective: every rank must make the same number.
-    Build it on every rank at the same point (it creates two process groups). `device`: the training device (None
-    = the target's); a target built on the host is moved there, its layers as they are sharded, the replicated
-    parts after."""
+    docstring). It answers `device`, `segments`, `context_features` and, built with `final` (loss kl / ce+kl),
+    `context_features_and_final` like the target (the feed, the filler item and the held-out evaluation call
+    those); `target` is the plain model (embedding, LM head, config) that the drafter shares. Every pass is a
+    collective: every rank must make the same number. Build it on every rank at the same point (it creates two
+    process groups), with the same `final`. `device`: the training device (None = the target's); a target built
+    on the host is moved there, its layers as they are sharded, the replicated parts after."""
 
-    def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None) -> None:
+    def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None,
+                 final: bool = False) -> None:
         from torch.distributed.device_mesh import DeviceMesh  # only a sharded target needs it
 
         if not dist.is_initialized():
@@ -219,7 +230,8 @@ class ShardedTarget:
         self.target, self.world_size = target, dist.get_world_size()
         device = target.device if device is None else torch.device(device)
         mesh = DeviceMesh.from_group(self.group, device.type)
-        self.root = shard_layers(target, mesh)
+        self.final = final  # every pass runs every layer (`pass_depth`)
+        self.root = shard_layers(target, mesh, final)
         move_outside_layers(target, device)  # after the layers: the device holds no full layer beside them
         self.lock = threading.Lock()  # one pass at a time on this rank (feed thread, held-out evaluation)
         self.left = False  # this rank's feed has left the handshake (or seen a peer leave)
@@ -234,9 +246,25 @@ class ShardedTarget:
 
     @torch.no_grad()
     def context_features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
-        """`TargetModel.context_features` (C, F*H) with the layers all-gathered one at a time (a collective)."""
+        """`TargetModel.context_features` (C, F*H) with the layers all-gathered one at a time (a collective).
+        Built with `final`: the pass of `context_features_and_final` at no row, so it gathers every layer as the
+        other ranks' passes do."""
+        if self.final:
+            return self.context_features_and_final(batch, torch.empty(0, dtype=torch.long), segments)[0]
         with self.lock:
             return self.root(lambda: self.target.context_features(batch, segments))
+
+    @torch.no_grad()
+    def context_features_and_final(self, batch: Batch, rows: torch.Tensor,
+                                   segments: RealTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TargetModel.context_features_and_final`: ((C, F*H), (u, H)) at `rows` (u,), every layer all-gathered
+        one at a time (a collective). ConfigError unless built with `final`: its passes would gather more layers
+        than the other ranks' and the collectives would no longer pair."""
+        if not self.final:
+            raise ConfigError("this sharded target was built for loss ce (its passes gather the layers up to the "
+                              "deepest feature layer only): build it with final=True for loss kl / ce+kl")
+        with self.lock:
+            return self.root(lambda: self.target.context_features_and_final(batch, rows, segments))
 
     def filler(self) -> None:
         """One feature pass on a 1-token document, its features dropped: a rank's pass without a batch."""
@@ -292,13 +320,14 @@ def move_outside_layers(target: TargetModel, device: torch.device) -> None:
 def load_sharded_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, timeout_s: float,
                         seed: int = 0, gather: bool = True) -> ShardedTarget:
     """The target of `cfg` built on the HOST in `dtype` (`TargetModel.from_model_config`; `seed` and `gather`
-    as there), then sharded onto the training `device` (`ShardedTarget`): the device never holds it whole. The
+    as there), then sharded onto the training `device` (`ShardedTarget`, with `final` when `cfg.loss` is not ce:
+    kl / ce+kl read the final states): the device never holds it whole. The
     host model runs SDPA (flash-attn refuses a model on the CPU); the backend `cfg.attn_backend` resolves to on
     `device` is set once the weights are there."""
     backend = resolve_backend(cfg.attn_backend, device)  # refuses flash off CUDA, as a replicated target would
     host = TargetModel.from_model_config(dataclasses.replace(cfg, attn_backend="sdpa"), device="cpu", dtype=dtype,
                                          seed=seed, gather=gather)
-    sharded = ShardedTarget(host, timeout_s, device)
+    sharded = ShardedTarget(host, timeout_s, device, final=cfg.loss != "ce")
     if backend != host.backend:
         host.model.set_attn_implementation(IMPLEMENTATION[backend])
         host.backend = backend
