@@ -1,4 +1,4 @@
-"""The GPU check of issue 11: one command, at most 8 minutes on one H200, one JSON summary on the last stdout line.
+"""The GPU check (issues 11, 25): one command, at most 8 minutes on one H200, one JSON summary on the last line.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # the check (CUDA)
     PYTHONPATH=. python3 benchmarks/gpu_check.py --quick    # tiny shapes, 3 steps; runs on CPU too
@@ -35,6 +35,14 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
             bf16 parameters against an fp32 master; <= 1e-5 on CPU, fp32 both), and `Engine.full_weights`
             giving plain full tensors under the plain names. (2-rank FSDP is covered on CPU/gloo by
             tests/test_torchrun.py; one GPU cannot hold a 2-rank NCCL group.)
+  kl        loss ce+kl (`context_features_and_final`, the KL term's chunked target logits and its gradient) on the
+            device in fp32 (TF32 off, <= 1e-4) and bf16 (<= 3e-2) against the same models in fp32 on the CPU.
+  sampling  speculative sampling at temperature 1, top_p 0.9, with an untrained drafter, on the device against
+            the CPU with the same CPU generator: fp32 probabilities agree to ~1e-6, so the outputs must be equal
+            token for token (the law itself is proven on the CPU by tests/test_sampling.py's chi-square).
+  target_shard  the target sharded with FSDP2 for loss kl (`ShardedTarget(final=True)`, built on the host,
+            sharded onto the device) in a 1-rank NCCL group: features and final states against the same target
+            built on the device.
 --quick: tiny shapes everywhere, 3 steps, for any device (CUDA-only parts are skipped with a reason).
 """
 
@@ -122,16 +130,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def small_models(device: torch.device, target_dtype: torch.dtype, attention: str, vocab: int = 512):
+def small_models(device: torch.device, target_dtype: torch.dtype, attention: str, vocab: int = 512,
+                 **drafter: Any):
+    """A 4-layer hidden-64 random Qwen3 target (seed 0) and a 2-layer drafter on it (seed 0); `drafter`: more
+    DrafterConfig fields (e.g. loss="ce+kl")."""
     from dflash_lib.models import tiny_qwen3_config
 
     target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=vocab), 2,
                                         device=device, dtype=target_dtype)
     cfg = DrafterConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                         vocab_size=vocab, target_layer_ids=target.layer_ids, target_num_layers=target.num_layers,
-                        block_size=8, mask_id=vocab - 1, num_anchors=12, ce_chunk_blocks=4)
+                        block_size=8, mask_id=vocab - 1, num_anchors=12, ce_chunk_blocks=4, **drafter)
     torch.manual_seed(0)
     return target, DFlashDrafter(cfg, target, attention=attention, checkpointing=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (b the reference), in fp32 on the host."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 # -- a. parity --------------------------------------------------------------------------------------------------
@@ -175,18 +192,132 @@ def section_parity(device: torch.device, quick: bool) -> dict[str, Any]:
             ref = results["dense"]
             for backend in backends[1:]:
                 got = results[backend]
-
-                def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-                    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-                errs = dict(loss=rel(got["loss"], ref["loss"]), hidden=rel(got["hidden"], ref["hidden"]),
-                            grads=max(rel(got["grads"][n], ref["grads"][n]) for n in ref["grads"]))
+                errs = dict(loss=rel_err(got["loss"], ref["loss"]), hidden=rel_err(got["hidden"], ref["hidden"]),
+                            grads=max(rel_err(got["grads"][n], ref["grads"][n]) for n in ref["grads"]))
                 ok = all(v <= TOL[precision] for v in errs.values()) and set(got["grads"]) == set(ref["grads"])
                 worst_ok &= ok
                 out["cases"].append(dict(precision=precision, batch=kind, backend=backend, ok=ok,
                                          **{f"rel_err_{k}": v for k, v in errs.items()}))
     out["ok"] = worst_ok
     return out
+
+
+# -- f. loss ce+kl on the device against the CPU ---------------------------------------------------------------
+
+
+def kl_step(device: torch.device, precision: str, batch, seed: int) -> dict[str, Any]:
+    """One loss ce+kl forward and backward of `small_models` on `device` (fp32, or a bf16 target under bf16
+    autocast): the target's features and final states at the layout's rows (`context_features_and_final`),
+    the drafter's loss and every parameter gradient, on the host in fp32."""
+    target, drafter = small_models(device, torch.float32 if precision == "fp32" else torch.bfloat16, "blocks",
+                                   loss="ce+kl", kl_temperature=1.5)
+    layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(seed)))
+    dev_batch = batch.to(device)
+    feats, final = target.context_features_and_final(dev_batch, layout.target_rows, target.segments(batch.doc_ids))
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = drafter.loss(dev_batch, feats, layout.to(device), target_hidden=final).loss
+    loss.backward()
+    return dict(loss=loss.detach().float().cpu(), final=final.float().cpu(), rows=int(layout.target_rows.numel()),
+                grads={n: p.grad.detach().float().cpu() for n, p in drafter.named_parameters() if p.grad is not None})
+
+
+def section_kl(device: torch.device) -> dict[str, Any]:
+    """loss ce+kl (the KL term's chunked target logits, its one-matmul gradient) on `device` in fp32 (TF32 off) and
+    under bf16 against the same models in fp32 on the CPU: the final states, the loss and every gradient within
+    TOL. On the CPU the fp32 case is the reference itself; the bf16 case still measures bf16 autocast."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rng = np.random.default_rng(5)
+    docs = [(rng.integers(0, 511, n), np.arange(n) >= s) for n, s in ((33, 4), (70, 9), (12, 2))]
+    batch = collate_padded(docs, 0)
+    ref = kl_step(torch.device("cpu"), "fp32", batch, 3)
+    cases, ok = [], ref["rows"] > 0
+    for precision in ("fp32", "bf16"):
+        got = kl_step(device, precision, batch, 3)
+        errs = dict(final=rel_err(got["final"], ref["final"]), loss=rel_err(got["loss"], ref["loss"]),
+                    grads=max(rel_err(got["grads"][n], ref["grads"][n]) for n in ref["grads"]))
+        good = all(v <= TOL[precision] for v in errs.values()) and set(got["grads"]) == set(ref["grads"])
+        ok &= good
+        cases.append(dict(precision=precision, ok=good, **{f"rel_err_{k}": v for k, v in errs.items()}))
+    return dict(ok=ok, loss="ce+kl", kl_temperature=1.5, target_rows=ref["rows"], reference="fp32 on the CPU",
+                tolerance=TOL, cases=cases)
+
+
+# -- g. speculative sampling on the device against the CPU ------------------------------------------------------
+
+
+def section_sampling(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Speculative sampling (temperature 1, top_p 0.9) with an untrained drafter (some drafts rejected, so the
+    residual resampling runs: `per_position` < 1) on `device` in fp32 (TF32 off) against the same models on the
+    CPU, every draw from
+    a CPU generator seeded alike: the probabilities agree to ~1e-6, so a token differs only where a uniform falls
+    within that of a threshold (expected count ~0); the outputs must be equal token for token. The distribution
+    itself is proven on the CPU (tests/test_sampling.py: chi-square against the target's exact law)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 511, int(n)).tolist() for n in (9, 25, 40, 64)[:2 if quick else 4]]
+    n_new = 12 if quick else 40
+    runs = {}
+    for where in ("cpu", device.type):
+        target, drafter = small_models(torch.device(where) if where == "cpu" else device, torch.float32, "blocks")
+        drafter.eval()
+        with torch.no_grad():
+            runs[where] = acceptance_length(target, drafter, prompts, n_new, temperature=1.0, top_p=0.9,
+                                            generator=torch.Generator().manual_seed(11))
+    ref, got = runs["cpu"], runs[device.type]
+    equal = [a == b for a, b in zip(got.outputs, ref.outputs)]
+    rejected = min(got.per_position) < 1  # a draft was rejected: the residual was sampled
+    return dict(ok=all(equal) and rejected, rejected=rejected, prompts=len(prompts), new_tokens=n_new, temperature=1.0, top_p=0.9,
+                equals_cpu=equal, tau=got.tau, tau_cpu=ref.tau, per_position=got.per_position,
+                reference="the same models and generator on the CPU" + (" (this run is on the CPU: the path only)"
+                                                                        if device.type == "cpu" else ""))
+
+
+# -- h. the target sharded with FSDP2 (loss kl: every layer), 1-rank group ---------------------------------------
+
+
+def section_target_shard(device: torch.device) -> dict[str, Any]:
+    """`target_shard.ShardedTarget` built with `final` (loss kl / ce+kl) from a target on the HOST, sharded onto
+    `device` in a 1-rank process group (NCCL on CUDA: fully_shard's move of the layers to the device, the
+    per-layer all-gathers and the prefetch chain over every layer), against the same target built on the device:
+    features and final states within TOL["bf16"] (bf16 weights; `bitwise_equal` says whether they are identical),
+    every layer parameter a DTensor, the replicated parts on the device. (2 ranks are covered on CPU/gloo by
+    tests/test_target_parallel.py and tests/test_torchrun.py.)"""
+    import socket
+
+    import torch.distributed as dist
+
+    from dflash_lib.train.target_shard import ShardedTarget
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    plain, drafter = small_models(device, dtype, "blocks", loss="kl")
+    host, _ = small_models(torch.device("cpu"), dtype, "blocks")
+    rng = np.random.default_rng(8)
+    batch = collate_padded([(rng.integers(0, 511, n), np.arange(n) >= 3) for n in (45, 20, 77)], 0)
+    layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(2)))
+    want = plain.context_features_and_final(batch, layout.target_rows)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            device_id=device if cuda else None)
+    try:
+        sharded = ShardedTarget(host, 60.0, device, final=True)
+        got = sharded.context_features_and_final(batch, layout.target_rows)
+        bare = sharded.context_features(batch)  # a filler's pass: every layer too
+        sync(device)
+        layers = sorted({type(p).__name__ for p in sharded.target.base.layers.parameters()})
+        outside = {str(p.device) for n, p in sharded.target.model.named_parameters() if ".layers." not in n}
+    finally:
+        dist.destroy_process_group()
+    errs = dict(features=rel_err(got[0], want[0]), final=rel_err(got[1], want[1]), bare=rel_err(bare, want[0]))
+    bitwise = all(torch.equal(a.cpu(), b.cpu()) for a, b in ((got[0], want[0]), (got[1], want[1]), (bare, want[0])))
+    ok = max(errs.values()) <= TOL["bf16"] and layers == ["DTensor"] and outside == {str(plain.device)}
+    return dict(ok=ok, **{f"rel_err_{k}": v for k, v in errs.items()}, bitwise_equal=bitwise, layer_params=layers,
+                replicated_on=sorted(outside), target_rows=int(layout.target_rows.numel()),
+                precision=str(dtype).replace("torch.", ""))
 
 
 # -- e. FSDP2 with the trainer's mixed precision ---------------------------------------------------------------
@@ -515,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["pipeline"]["ratio_meaning"] = "CPU: both paths share the same cores; the ratio says nothing"
     guarded("drafting", lambda: section_drafting(run_box["run"]), summary)
     guarded("fsdp", lambda: section_fsdp(device), summary)
-    sections = ("parity", "train", "pipeline", "drafting", "fsdp")
+    guarded("kl", lambda: section_kl(device), summary)
+    guarded("sampling", lambda: section_sampling(device, args.quick), summary)
+    guarded("target_shard", lambda: section_target_shard(device), summary)
+    sections = ("parity", "train", "pipeline", "drafting", "fsdp", "kl", "sampling", "target_shard")
     summary["ok"] = all(summary[s].get("ok") is not False for s in sections)
     summary["total_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary, default=lambda o: o if not isinstance(o, torch.Tensor) else o.tolist()))

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py --quick runs on CPU and prints one JSON summary whose sections report real figures."""
+"""benchmarks/gpu_check.py --quick runs on CPU and prints one JSON summary whose sections report real figures
+(parity, train, pipeline, drafting, fsdp, and issue 25's kl, sampling and target_shard)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def test_gpu_check_quick_on_cpu_prints_one_json_summary():
     assert summary["pipeline"]["sequential_ktok_s"] > 0 and summary["pipeline"]["pipeline_ktok_s"] > 0
     drafting = summary["drafting"]
     assert drafting["equals_target_greedy"] == [True] * drafting["prompts"] and 1 <= drafting["tau"]
+    kl = summary["kl"]  # on the CPU: fp32 is the reference itself, bf16 autocast is measured against it
+    assert kl["ok"] and kl["target_rows"] > 0 and [c["precision"] for c in kl["cases"]] == ["fp32", "bf16"]
+    fp32, bf16 = kl["cases"]
+    assert fp32["rel_err_loss"] == fp32["rel_err_grads"] == 0.0
+    assert 0 < bf16["rel_err_grads"] <= kl["tolerance"]["bf16"]
+    sampling = summary["sampling"]
+    assert sampling["ok"] and sampling["equals_cpu"] == [True] * sampling["prompts"] and sampling["tau"] >= 1
+    assert sampling["rejected"] and min(sampling["per_position"]) < 1  # the residual resampling ran
+    assert sampling["tau"] == sampling["tau_cpu"] and "the path only" in sampling["reference"]
+    shard = summary["target_shard"]
+    assert shard["ok"] and shard["bitwise_equal"] and shard["layer_params"] == ["DTensor"]
+    assert shard["replicated_on"] == ["cpu"] and shard["target_rows"] > 0
