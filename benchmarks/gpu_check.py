@@ -145,6 +145,20 @@ def small_models(device: torch.device, target_dtype: torch.dtype, attention: str
     return target, DFlashDrafter(cfg, target, attention=attention, checkpointing=True)
 
 
+def one_rank_group(device: torch.device) -> None:
+    """The default process group of this one process (NCCL on CUDA, gloo elsewhere) on a free local port."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.TCPStore("127.0.0.1", port, 1, True), rank=0,
+                            world_size=1, device_id=device if cuda else None)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (b the reference), in fp32 on the host."""
     a, b = a.detach().float().cpu(), b.detach().float().cpu()
@@ -283,8 +297,6 @@ def section_target_shard(device: torch.device) -> dict[str, Any]:
     features and final states within TOL["bf16"] (bf16 weights; `bitwise_equal` says whether they are identical),
     every layer parameter a DTensor, the replicated parts on the device. (2 ranks are covered on CPU/gloo by
     tests/test_target_parallel.py and tests/test_torchrun.py.)"""
-    import socket
-
     import torch.distributed as dist
 
     from dflash_lib.train.target_shard import ShardedTarget
@@ -297,12 +309,7 @@ def section_target_shard(device: torch.device) -> dict[str, Any]:
     batch = collate_padded([(rng.integers(0, 511, n), np.arange(n) >= 3) for n in (45, 20, 77)], 0)
     layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(2)))
     want = plain.context_features_and_final(batch, layout.target_rows)
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, True)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
-                            device_id=device if cuda else None)
+    one_rank_group(device)
     try:
         sharded = ShardedTarget(host, 60.0, device, final=True)
         got = sharded.context_features_and_final(batch, layout.target_rows)
@@ -325,7 +332,6 @@ def section_target_shard(device: torch.device) -> dict[str, Any]:
 
 def section_fsdp(device: torch.device) -> dict[str, Any]:
     import copy
-    import socket
 
     import torch.distributed as dist
 
@@ -346,12 +352,7 @@ def section_fsdp(device: torch.device) -> dict[str, Any]:
         with torch.no_grad():
             feats = target.context_features(dev, target.segments(batch.doc_ids))  # (C, F*H), as the trainer
         items.append(Item(0, batch, dev, feats, layout=layout, device_layout=layout.to(device)))
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, True)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
-                            device_id=device if cuda else None)
+    one_rank_group(device)
     try:
         losses: dict[str, list[float]] = {}
         for kind, model in (("single", drafter), ("fsdp", twin)):
