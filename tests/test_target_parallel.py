@@ -1,7 +1,8 @@
 """The target sharded over the ranks (`target_parallel`, train/target_shard.py): the setting and its auto rule
 from the config's bytes, the target built on the host before it is sharded, the feed's passes per sampler step
 and its stop handshake, and on 2 gloo ranks the sharded target's features against the replicated target's, its
-shards and its load peak. The 20-step run and kill/resume are in test_torchrun.py."""
+shards and its load peak, and (loss kl: every layer in every pass) its final states at the scored rows. The
+20-step run, the 8-step ce+kl run and kill/resume are in test_torchrun.py."""
 
 from __future__ import annotations
 
