@@ -112,6 +112,12 @@ LOSSES = ("ce", "kl", "ce+kl")  # ModelConfig.loss
 POSITION_WEIGHTS = ("decay", "dpace")  # ModelConfig.position_weight
 
 
+def reads_final_states(loss: str) -> bool:
+    """Whether `loss` (one of LOSSES) scores against the target's distribution (kl, ce+kl): the target then gives
+    its final-normed hidden states at the scored rows besides the features, running every decoder layer."""
+    return loss != "ce"
+
+
 @dataclass
 class ModelConfig:
     target: str = "tiny"  # "tiny" = tiny random Qwen3 built locally, or a LOCAL Hugging Face model dir

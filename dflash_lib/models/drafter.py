@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lib.config import ConfigError, ModelConfig, check_loss_settings
+from dflash_lib.config import ConfigError, ModelConfig, check_loss_settings, reads_final_states
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
 from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
@@ -240,7 +240,7 @@ class DFlashDrafter(nn.Module):
         rows of the KL term when the loss is kl or ce+kl)."""
         return build_layout(batch.to("cpu"), anchors.to("cpu"), self.attention_backend(),
                             every_slot=not self.target.gather,  # the context the target's features cover
-                            target_rows=self.cfg.loss != "ce")
+                            target_rows=reads_final_states(self.cfg.loss))
 
     @staticmethod
     def weight_sum(work: Anchors | DraftLayout) -> float:

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from dflash_lib.config import reads_final_states
 from dflash_lib.models.layout import DraftLayout
 
 
@@ -345,7 +346,7 @@ def subnormals_flushed(device: torch.device, loss: str) -> Iterator[None]:
     nears 0 the products (q - p) @ W go subnormal and x86 CPUs compute them ~25x slower (150 tiny training steps:
     98 s instead of 3.7 s, the same final loss; LOG.md 2026-12-02). CUDA kernels flush already; ce is untouched
     (bitwise as before)."""
-    flush = device.type == "cpu" and loss != "ce" and torch.set_flush_denormal(True)  # False: the CPU cannot
+    flush = device.type == "cpu" and reads_final_states(loss) and torch.set_flush_denormal(True)  # False: CPU cannot
     try:
         yield
     finally:

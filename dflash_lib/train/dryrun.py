@@ -78,7 +78,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 import dflash_lib.models.drafter as drafter_module
-from dflash_lib.config import Config, ConfigError, from_params
+from dflash_lib.config import Config, ConfigError, from_params, reads_final_states
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.data.stats import store_drafter_queries
@@ -310,7 +310,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
         drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
         if mesh is not None:
             with mode:
-                root = shard_layers(target, mesh, mc.loss != "ce")  # as the trainer shards it (`target_shard`)
+                root = shard_layers(target, mesh, reads_final_states(mc.loss))  # as the trainer does (`target_shard`)
 
                 def features(batch: Batch, segments: Any) -> torch.Tensor:  # one feature pass through the root
                     return root(lambda: target.context_features(batch, segments))
@@ -496,7 +496,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     measures memory only (one pass; the figures' FLOPs are then zeros)."""
     s, target, drafter, opt = models.settings, models.target, models.drafter, models.optimizer
     anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(seed))
-    layout = build_layout(batch, anchors, s.attention, target_rows=drafter.cfg.loss != "ce")  # kl: target rows
+    layout = build_layout(batch, anchors, s.attention, target_rows=reads_final_states(drafter.cfg.loss))
     pairs = {}
     if s.attention in ("dense", "blocks"):
         pairs = {k: v for k, v in attention_work(layout, s.attention).items() if k != "ratio"}

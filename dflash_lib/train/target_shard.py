@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash_lib.config import ConfigError, ModelConfig
+from dflash_lib.config import ConfigError, ModelConfig, reads_final_states
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.models.masks import RealTokens
 from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
@@ -327,7 +327,7 @@ def load_sharded_target(cfg: ModelConfig, device: torch.device, dtype: torch.dty
     backend = resolve_backend(cfg.attn_backend, device)  # refuses flash off CUDA, as a replicated target would
     host = TargetModel.from_model_config(dataclasses.replace(cfg, attn_backend="sdpa"), device="cpu", dtype=dtype,
                                          seed=seed, gather=gather)
-    sharded = ShardedTarget(host, timeout_s, device, final=cfg.loss != "ce")
+    sharded = ShardedTarget(host, timeout_s, device, final=reads_final_states(cfg.loss))
     if backend != host.backend:
         host.model.set_attn_implementation(IMPLEMENTATION[backend])
         host.backend = backend
