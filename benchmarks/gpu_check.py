@@ -263,26 +263,27 @@ def section_kl(device: torch.device) -> dict[str, Any]:
 def section_sampling(device: torch.device, quick: bool) -> dict[str, Any]:
     """Speculative sampling (temperature 1, top_p 0.9) with an untrained drafter (some drafts rejected, so the
     residual resampling runs: `per_position` < 1) on `device` in fp32 (TF32 off) against the same models on the
-    CPU, every draw from
-    a CPU generator seeded alike: the probabilities agree to ~1e-6, so a token differs only where a uniform falls
-    within that of a threshold (expected count ~0); the outputs must be equal token for token. The distribution
-    itself is proven on the CPU (tests/test_sampling.py: chi-square against the target's exact law)."""
+    CPU, every draw from a CPU generator seeded alike: the probabilities agree to ~1e-6, so a token differs only
+    where a uniform falls within that of a threshold (expected count ~0); the outputs must be equal token for
+    token. The distribution itself is proven on the CPU (tests/test_sampling.py: chi-square against the target's
+    exact law)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, 511, int(n)).tolist() for n in (9, 25, 40, 64)[:2 if quick else 4]]
     n_new = 12 if quick else 40
     runs = {}
-    for where in ("cpu", device.type):
-        target, drafter = small_models(torch.device(where) if where == "cpu" else device, torch.float32, "blocks")
+    for where in (torch.device("cpu"), device):
+        target, drafter = small_models(where, torch.float32, "blocks")
         drafter.eval()
         with torch.no_grad():
-            runs[where] = acceptance_length(target, drafter, prompts, n_new, temperature=1.0, top_p=0.9,
-                                            generator=torch.Generator().manual_seed(11))
+            runs[where.type] = acceptance_length(target, drafter, prompts, n_new, temperature=1.0, top_p=0.9,
+                                                 generator=torch.Generator().manual_seed(11))
     ref, got = runs["cpu"], runs[device.type]
     equal = [a == b for a, b in zip(got.outputs, ref.outputs)]
     rejected = min(got.per_position) < 1  # a draft was rejected: the residual was sampled
-    return dict(ok=all(equal) and rejected, rejected=rejected, prompts=len(prompts), new_tokens=n_new, temperature=1.0, top_p=0.9,
-                equals_cpu=equal, tau=got.tau, tau_cpu=ref.tau, per_position=got.per_position,
+    return dict(ok=all(equal) and rejected, rejected=rejected, prompts=len(prompts), new_tokens=n_new,
+                temperature=1.0, top_p=0.9, equals_cpu=equal, tau=got.tau, tau_cpu=ref.tau,
+                per_position=got.per_position,
                 reference="the same models and generator on the CPU" + (" (this run is on the CPU: the path only)"
                                                                         if device.type == "cpu" else ""))
 

@@ -9,8 +9,9 @@ step, one training step = the target's feature pass on this rank's row + `step.t
   fsdp:      its decoder layers sharded (`target_shard.ShardedTarget`: per-layer all-gathers on a group of their own).
 With `--loss kl` or `ce+kl` the pass runs every layer and gives the final states at the scored rows too
 (`context_features_and_final`), which the drafter's loss reads. Prints each mode's median seconds per step, the
-fsdp/replicate ratio, and whether both modes gave the same features (and final states). CPU figures are only a sanity check of the sharding's overhead (gloo all-gathers, no compute overlap);
-what it buys, a target that no longer sits whole on every GPU, shows only on GPUs.
+fsdp/replicate ratio, and whether both modes gave the same features (and final states). CPU figures are only a
+sanity check of the sharding's overhead (gloo all-gathers, no compute overlap); what it buys, a target that no
+longer sits whole on every GPU, shows only on GPUs.
 """
 
 from __future__ import annotations
