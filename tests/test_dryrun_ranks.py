@@ -5,11 +5,13 @@ follows the per-rank peak; the interconnect arithmetic and `target_parallel`."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dflash_lib.config import ConfigError, from_params
 from dflash_lib.train import dryrun
 from dflash_lib.train.fake_ranks import fake_process_group
+from dflash_lib.train.target_shard import shard_layers
 
 VOCAB = 1000
 
@@ -70,6 +72,59 @@ def test_under_loss_kl_the_sharded_pass_gathers_every_layer(two_ranks):
     assert kl["fsdp"].figures.flops == kl["replicate"].figures.flops
     # four layers of one shape instead of two: twice the target's matmul FLOPs (the norm counts none)
     assert kl["fsdp"].figures.flops["target_forward"] == 2 * out["fsdp"].figures.flops["target_forward"]
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_the_prefetch_chain_gathers_the_layers_of_the_pass_once_per_pass(final):
+    """The trainer's FSDP2 wrapping (`shard_layers`) on a fake 2-rank group, 4 layers, features of layers 0 and 1:
+    every pass, the first one included, all-gathers exactly the layers it runs (2, or all 4 when it also gives the
+    final states), one all-gather each; nothing is prefetched past the pass's last layer."""
+    import numpy as np
+
+    from dflash_lib.data.batch import collate_padded
+    from dflash_lib.models import TargetModel, tiny_qwen3_config
+    from dflash_lib.train.fake_ranks import CommTally
+    from dflash_lib.train.target_shard import pass_depth, shard_layers
+
+    target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB), 2,
+                                        layer_ids=[0, 1], seed=0)
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in target.base.layers]
+    batch = collate_padded([(np.arange(10), np.ones(10, np.uint8))], 0)
+    depth = pass_depth(target, final)
+    assert depth == (4 if final else 2)
+    with fake_process_group(2) as mesh:
+        root = shard_layers(target, mesh, final)
+        run = (lambda: target.context_features_and_final(batch, torch.tensor([3]))) if final else (
+            lambda: target.context_features(batch))
+        for _ in range(3):
+            with CommTally() as tally:
+                root(run)
+            assert (tally.calls, tally.bytes["all_gather"]) == (depth, sum(per_layer[:depth]))
+
+
+def _prefetch_every_layer(target, mesh, final=False):
+    """A wrong chain: every layer prefetches the next, also past the pass's last layer."""
+    root = shard_layers(target, mesh, final)
+    layers = list(target.base.layers)
+    for layer, following in zip(layers[:-1], layers[1:]):
+        layer.set_modules_to_forward_prefetch([following])
+    return root
+
+
+def test_the_dry_run_reports_what_a_prefetch_past_the_pass_gathers_and_holds(two_ranks, monkeypatch):
+    """The trainer's chain gathers nothing a pass does not run (idle 0). A chain prefetching layer 2 after the
+    pass's last layer 1: its all-gather is issued once (the first pass) and never consumed, so FSDP2 holds the
+    gathered layer for the run: the dry run reports that layer as idle, and its peak holds it; the steady step's
+    all-gathers are the same layers as before (the held one is not gathered again)."""
+    cfg, worst, settings, out, per_layer = two_ranks
+    assert out["fsdp"].idle_gather_bytes == 0 and out["replicate"].idle_gather_bytes == 0
+    monkeypatch.setattr(dryrun, "shard_layers", _prefetch_every_layer)
+    none = dryrun.Reserve(reserve_gib=0.0, fragmentation=0.0)
+    bad = dryrun.measure_batches(cfg, worst, settings, 80.0, reserve=none, ranks=dryrun.Ranks(2, "fsdp"))[0]
+    assert bad.idle_gather_bytes == per_layer[2]
+    assert bad.figures.comm["all_gather"] == out["fsdp"].figures.comm["all_gather"] == sum(per_layer[:2])
+    assert bad.figures.peak_bytes - out["fsdp"].figures.peak_bytes == per_layer[2]
+    assert bad.record().all_gather_gib == out["fsdp"].record().all_gather_gib
 
 
 @pytest.mark.slow  # a second fake dry run on two ranks (make test runs it)

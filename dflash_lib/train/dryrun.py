@@ -92,7 +92,7 @@ from dflash_lib.plan.sampler.budget import TokenBudget
 from dflash_lib.rundir import JsonRecord, load_config, omitted
 from dflash_lib.train.balanced_experts import grouped_mm_flops, install_balanced_experts
 from dflash_lib.train.build import bucket_edges, build_sampler, drafter_checkpointing
-from dflash_lib.train.fake_ranks import CommTally, fake_process_group, local_bytes
+from dflash_lib.train.fake_ranks import CommTally, LayerRuns, fake_process_group, local_bytes
 from dflash_lib.train.target_shard import resolve_target_parallel, shard_layers, target_footprint
 
 GIB = 2 ** 30
@@ -469,6 +469,7 @@ class StepFigures:
     attention_pairs: dict[str, float] = field(default_factory=dict)  # query-key pairs: allowed, computed (per head)
     seconds: float = 0.0  # wall time of the measured step on this machine
     comm: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives by kind (`CommTally`)
+    gathered: int = 0  # all-gathered bytes of both measured passes (memory and FLOPs), the first one cold
 
     @property
     def flops_total(self) -> int:
@@ -535,8 +536,9 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     tracker = StepMemTracker()
     tracker.track_external(target, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
     flex = {"forward": 0, "backward": 0}
+    first = CommTally()  # the all-gathers of the first pass: a model's first one starts with nothing gathered
     t0 = time.perf_counter()
-    with models.context, tracker, _flex_standin(flex), warnings.catch_warnings():
+    with models.context, tracker, first, _flex_standin(flex), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")  # MemTracker: a module gone before its backward
         step(lambda name: contextlib.nullcontext())
     seconds = time.perf_counter() - t0
@@ -544,7 +546,8 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     memory = {_CATEGORIES[str(getattr(k, "value", k))]: int(v) for k, v in snap.items() if k != "Total"}
     if not count_flops:
         zero = dict.fromkeys(("target_forward", "drafter_layers", "drafter_attention", "head_ce"), 0)
-        return StepFigures(int(snap["Total"]), memory, zero, allowance, pairs, seconds)
+        return StepFigures(int(snap["Total"]), memory, zero, allowance, pairs, seconds,
+                           gathered=first.bytes.get("all_gather", 0))
 
     tally = _FlopTally(drafter.cfg.vocab_size)
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
@@ -560,7 +563,8 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     drafter_total = counters["drafter"].get_total_flops() + counters["backward"].get_total_flops()
     flops = dict(target_forward=counters["target"].get_total_flops(), drafter_layers=drafter_total - sdpa - tally.head,
                  drafter_attention=sdpa + flex_flops, head_ce=tally.head)
-    return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds, dict(comm.bytes))
+    return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds, dict(comm.bytes),
+                       first.bytes.get("all_gather", 0) + comm.bytes.get("all_gather", 0))
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -612,6 +616,9 @@ class BatchResult:
     world_size: int = 1  # ranks each running such a batch (ktok_s sums them)
     target_bytes: int = 0  # what this rank holds of the target's weights (bytes; its FSDP2 shards when sharded)
     balanced_experts: int = 0  # MoE experts modules priced by the balanced stand-in (StepModels.balanced_experts)
+    # all-gathered bytes of the whole measurement whose layer never ran (`fake_ranks.LayerRuns`): a prefetch past
+    # the pass's last layer, held unsharded for the run; the same on every batch's result, 0 for the trainer's chain
+    idle_gather_bytes: int = 0
 
     def record(self) -> BatchRecord:
         """This batch in the report."""
@@ -641,10 +648,12 @@ def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepS
         models = build_step_models(config, target_hf_config(config.model), settings, fake, config.train.seed, mesh)
         grads = 4 * sum(p.numel() for p in models.params) if ranks.world_size > 1 else 0  # fp32 gradient bytes
         held = local_bytes(list(models.target.parameters()))
+        runs = LayerRuns(models.target.base.layers, ranks.world_size)
         out = []
         for w in worst:
             batch = host_batch(w, models.drafter.cfg.vocab_size, config.model.mask_id, seed=config.train.seed)
-            fig = measure_step(models, batch, config.train.seed)
+            with runs:
+                fig = measure_step(models, batch, config.train.seed)
             if grads:
                 fig.comm["all_reduce"] = fig.comm.get("all_reduce", 0) + grads
             need = reserve.required_bytes(fig.peak_bytes, fig.kernel_allowance)
@@ -654,7 +663,8 @@ def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepS
                                    held, models.balanced_experts))
             say(f"  {w.label}: {w.docs} docs, {w.drafter_queries} queries -> peak {fig.peak_bytes / GIB:.1f} GiB "
                 f"({fig.seconds:.0f} s)")
-    return out
+        idle = sum(r.figures.gathered for r in out) - runs.bytes if ranks.sharded else 0
+    return [dataclasses.replace(r, idle_gather_bytes=idle) for r in out]
 
 
 def worst_batches(config: Config, edges: Sequence[int], block_budget: int | None) -> list[WorstBatch]:
@@ -761,6 +771,9 @@ class DryRunReport(JsonRecord):
     target_parallel: str = "replicate"  # the target over them: replicate | fsdp (`Ranks`)
     target_gib: float = 0.0  # the target's bf16 weights, whole (GiB)
     target_gib_per_rank: float = 0.0  # what one rank holds of them (GiB): target_gib, or its FSDP2 shard
+    # all-gathered for a layer that never ran (GiB per rank): a prefetch past the pass's last layer, gathered once
+    # and held unsharded for the whole run (`BatchResult.idle_gather_bytes`); 0 for the trainer's prefetch chain
+    idle_gather_gib: float = 0.0
     loss: str = "ce"  # the drafter loss measured: ce | kl | ce+kl (kl: every target layer, the target's logits too)
     compare: dict[str, BackendComparison] | None = omitted()  # backend -> the same run under it (`--compare` only)
 
@@ -821,7 +834,8 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
             link_gbs=ranks.link_gbs, ranks=_ranks_words(ranks), experts=_experts_words(hf, results[0].balanced_experts)),
         eta=eta, seconds=round(time.perf_counter() - t0, 1), world_size=ranks.world_size,
         target_parallel=ranks.target_parallel, target_gib=round(weights / GIB, 2),
-        target_gib_per_rank=round(results[0].target_bytes / GIB, 2))
+        target_gib_per_rank=round(results[0].target_bytes / GIB, 2),
+        idle_gather_gib=round(results[0].idle_gather_bytes / GIB, 3))
 
 
 def _ranks_words(ranks: Ranks) -> str:
@@ -857,7 +871,9 @@ def format_report(report: DryRunReport) -> str:
             f"\n  attention {r.attention}, checkpointed layers {r.checkpointing}/{r.drafter_layers}, token_budget "
             f"{r.token_budget}, block_budget {r.block_budget}; device {r.device_gib:g} GiB"
             f"\n  {r.world_size} rank(s), target {r.target_parallel}: {r.target_gib_per_rank:.1f} of its "
-            f"{r.target_gib:.1f} GiB bf16 weights per rank; figures per rank, Ktok/s summed over the ranks")
+            f"{r.target_gib:.1f} GiB bf16 weights per rank"
+            + (f", {r.idle_gather_gib:.2f} GiB gathered for layers that never run (held)" if r.idle_gather_gib else "")
+            + "; figures per rank, Ktok/s summed over the ranks")
     cols = ("batch", "edge", "docs", "tgt tok", "queries", "peak", "need", "fits", "TFLOP", "tgt/layers/attn/head",
             "AG/AR GiB", "comm s", "step s", "Ktok/s", "par/grad/opt/act/tmp GiB")
     rows = []

@@ -11,12 +11,14 @@ running and of the one prefetched, as the memory tracker sees them. The embeddin
 every rank: the drafter calls them in its own forward and backward, outside the target's.
 
 `CommTally` counts what the collectives of a step move, per kind, in bytes of the full (gathered or reduced)
-buffer: all-gather output, reduce-scatter input, all-reduce tensor.
+buffer: all-gather output, reduce-scatter input, all-reduce tensor. `LayerRuns` counts the gathered bytes of the
+decoder layers that ran: all-gathers beyond them were prefetched for a layer that never runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from typing import Any, Iterator, Sequence
 
@@ -78,3 +80,29 @@ class CommTally(TorchDispatchMode):
             self.bytes[kind] += full.numel() * full.element_size()
             self.calls += 1
         return func(*args, **(kwargs or {}))
+
+
+class LayerRuns(contextlib.AbstractContextManager):
+    """While active, `bytes` sums the gathered size of each sharded decoder layer of `layers` at every forward it
+    runs (its local shards x `world_size`: FSDP2 pads every rank's shard to the same rows, so this is the
+    all-gather buffer). All-gathers issued (`CommTally`) minus these bytes = gathered for a layer that never ran:
+    a prefetch past the pass's last layer, whose buffer FSDP2 then holds unsharded for the whole run."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], world_size: int) -> None:
+        self.layers = list(layers)
+        self.sizes = [world_size * local_bytes(list(layer.parameters())) for layer in self.layers]
+        self.bytes = 0
+        self._hooks: list[Any] = []
+
+    def _ran(self, size: int, *_: Any) -> None:
+        self.bytes += size
+
+    def __enter__(self) -> "LayerRuns":
+        self._hooks = [layer.register_forward_pre_hook(functools.partial(self._ran, size))
+                       for layer, size in zip(self.layers, self.sizes)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
