@@ -354,6 +354,53 @@ def test_tokens_outside_the_nucleus_and_masked_stop_ids_never_appear(small):
         greedy_decode(small, prompts[:1], 4, temperature=1.0, top_p=1.5)
 
 
+class _Recording:
+    """The drafter, keeping the logits (B-1, V) at the draft slots of every block it drafts."""
+
+    def __init__(self, drafter):
+        self._d, self.cfg, self.logits = drafter, drafter.cfg, []
+
+    def __getattr__(self, name):
+        return getattr(self._d, name)
+
+    def draft_logits_cached(self, cache, block_ids):
+        out = self._d.draft_logits_cached(cache, block_ids)  # (B, V): the anchor's row first
+        self.logits.append(out[1:].detach().clone())
+        return out
+
+
+def test_the_proposal_is_the_drafters_own_nucleus_at_top_p(small, monkeypatch):
+    """At temperature 1 and top_p 0.5 the drafter proposes from ITS nucleus, as the target samples from its own:
+    every q the rule divides by equals softmax(drafter logits / T) cut to top_p and renormalised (computed here
+    by brute force: a token is kept when the mass strictly more probable than it is < top_p), and every drafted
+    token lies inside it. A q left uncut keeps the output law exact (so the chi-square cannot see it) but changes
+    the acceptance and so tau."""
+    import dflash_lib.models.acceptance as acceptance
+
+    T, top_p = 1.0, 0.5
+    drafter = _Recording(decode_drafter(small, B, seed=3))
+    seen = []
+
+    def spy(p, q, draft, generator):
+        seen.append((q.clone(), draft.clone()))
+        return speculative_step(p, q, draft, generator)
+
+    monkeypatch.setattr(acceptance, "speculative_step", spy)
+    res = acceptance_length(small, drafter, random_prompts(6, seed=4, vocab=SMALL_VOCAB), 8, temperature=T,
+                            top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert len(seen) == len(drafter.logits) == res.cycles >= 12
+    cut = 0
+    for (q, draft), logits in zip(seen, drafter.logits):
+        probs = torch.softmax(logits.double() / T, dim=-1)  # (B-1, V)
+        above = (probs[:, None, :] * (probs[:, None, :] > probs[:, :, None])).sum(dim=-1)  # mass above each id
+        want = probs * (above < top_p)
+        want = want / want.sum(dim=-1, keepdim=True)
+        torch.testing.assert_close(q.double(), want, atol=1e-6, rtol=0)
+        assert bool((want[torch.arange(B - 1), draft] > 0).all())  # drafted inside the drafter's nucleus
+        cut += int((want == 0).any(dim=-1).sum())
+    assert cut >= len(seen)  # the nucleus drops ids in most slots: an uncut q would differ
+
+
 class _Uncached:
     """A DFlash drafter seen without its context cache: `acceptance_length` then hands it the growing features
     (`draft`, `draft_logits`), the path a drafter without `context_cache` takes."""
