@@ -170,16 +170,24 @@ def test_dpace_weights_equal_the_loops_over_blocks_and_positions():
     assert full.reshape(n, B - 1)[0].tolist() == [5.0, 4.0, 3.0, 2.0, 1.0]
 
 
-def test_dpace_loss_is_the_detached_dpace_weighted_ce(target64):
-    drafter = _drafter64(target64, position_weight="dpace", dpace_alpha=0.3)
+@pytest.mark.parametrize("kind", ["ce", "ce+kl", "kl"])
+def test_dpace_loss_is_the_detached_dpace_weighted_objective(target64, kind):
+    """Whatever the loss, the D-PACE weights come from the drafter's probability of the LABEL, exp(-ce), and weight
+    the position's objective (ce, ce + w T^2 KL or T^2 KL; KL by brute force over full logits)."""
+    w_kl, T = 0.37, 1.7
+    drafter = _drafter64(target64, position_weight="dpace", dpace_alpha=0.3, loss=kind, kl_weight=w_kl,
+                         kl_temperature=T)
     batch = collate_padded(_docs(), 0)
-    layout, feats, _ = _work(drafter, target64, batch)
+    layout, feats, final = _work(drafter, target64, batch)
     assert torch.all(layout.weights == 1.0)  # the static weights are the mask only: no decay
-    out = drafter.loss(batch, feats, layout)
+    out = drafter.loss(batch, feats, layout, target_hidden=final)
     z = drafter.block_logits(batch, feats, layout).reshape(-1, VOCAB)[layout.scored]  # (m, V)
     ce = F.cross_entropy(z, layout.labels, reduction="none")
     w = _dpace_loops(torch.exp(-ce.detach()), layout.scored, layout.num_blocks, layout.block_size, 0.3)
-    expected = (w.double() * ce).sum() / layout.weight_sum
+    objective = {"ce": lambda: ce, "ce+kl": lambda: ce + w_kl * T * T * _brute_kl(drafter, target64, batch, feats,
+                                                                                   layout, T),
+                 "kl": lambda: T * T * _brute_kl(drafter, target64, batch, feats, layout, T)}[kind]()
+    expected = (w.double() * objective).sum() / layout.weight_sum
     assert abs(out.loss.item() - expected) < TOL
     assert out.acc == pytest.approx(float(out.correct_total) / layout.num_scored)  # accuracy is unweighted here
 
