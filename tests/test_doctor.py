@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError
 from dflash_lib.data.tokenizers import QWEN, MappedVocab
-from dflash_lib.doctor import diagnose, engine_layer_ids, safetensors_header
+from dflash_lib.doctor import TargetFacts, config_rules, diagnose, engine_layer_ids, safetensors_header
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.export import export_drafter, read_weights
 from tiny_models import tiny_chatml_tokenizer
@@ -113,6 +113,8 @@ def test_a_fresh_export_passes_every_rule(setup):
     (dict(vocab_size=151936), "vocab_size", "drafter vocab_size 151936, target 302"),
     (dict(dflash_mask_token_id=10_000), "mask_token_id", "mask_token_id 10000"),
     (dict(dflash_block_size=8), "block_size", "they disagree"),
+    (dict(block_size=1, dflash_block_size=1), "block_size", "not an integer >= 2"),  # no draft token at all
+    (dict(dflash_mask_token_id=302), "mask_token_id", "mask_token_id 302"),  # one past the last row of both
     (dict(architectures=["Qwen3ForCausalLM"]), "architecture", "['Qwen3ForCausalLM']"),
     (dict(torch_dtype="float32", dtype="float32"), "dtype", "tensors stored as ['BF16']"),
 ])
@@ -151,6 +153,7 @@ def test_what_each_engine_reads_with_and_without_the_vllm_ids(setup, tmp_path):
     (lambda w: w.update({"fc.weight": w["fc.weight"][:, :H]}), "weights", "fc.weight (32, 32) (expected (32, 64))"),
     (lambda w: w.update({"embed_tokens.weight": torch.zeros(4, H, dtype=torch.bfloat16)}), "no_embedding",
      "['embed_tokens.weight']"),
+    (lambda w: w.update({"norm.weight": w["norm.weight"].float()}), "dtype", "tensors stored as ['BF16', 'F32']"),
 ])
 def test_each_planted_weight_fault_fails_its_rule_only(setup, tmp_path, edit, rule, says):
     export, target_dir, _ = setup
@@ -159,6 +162,37 @@ def test_each_planted_weight_fault_fails_its_rule_only(setup, tmp_path, edit, ru
     report = diagnose(folder, target_dir, {"doctor_samples": 1})
     assert _failed(report) == [rule]
     assert says in next(r for r in report.rules if r.name == rule).detail
+
+
+TARGET = TargetFacts("target", H, LAYERS, 302)
+
+
+def _rule(doc: dict, name: str, target: TargetFacts = TARGET) -> bool | None:
+    """The verdict of config rule `name` alone on config.json `doc`."""
+    return next(r for r in config_rules(doc, target) if r.name == name).ok
+
+
+@pytest.mark.parametrize("target_vocab, drafter_vocab, mask, ok", [
+    (302, 302, 301, True), (302, 302, 302, False),  # the last row of both, and one past it
+    (302, 400, 301, True), (302, 400, 302, False),  # the target's embedding bounds it
+    (400, 302, 301, True), (400, 302, 302, False),  # the drafter's vocabulary bounds it
+    (302, 302, 0, True), (302, 302, -1, False), (302, 302, True, False), (302, 302, "301", False),
+    (302, 302, None, False),
+])
+def test_the_mask_rule_alone_holds_at_its_boundaries(target_vocab, drafter_vocab, mask, ok):
+    doc = {"vocab_size": drafter_vocab, "dflash_config": {"mask_token_id": mask}}
+    assert _rule(doc, "mask_token_id", TargetFacts("target", H, LAYERS, target_vocab)) is ok
+
+
+@pytest.mark.parametrize("top, inner, ok", [
+    (2, 2, True), (2, None, True), (None, 16, True), (1, 1, False), (1, None, False), (None, 1, False),
+    (0, None, False), (True, None, False), (4.0, None, False), (4, 8, False), (None, None, False),
+])
+def test_the_block_size_rule_alone_needs_one_integer_of_at_least_two(top, inner, ok):
+    """Block size 1 is an anchor and no draft token: nothing to serve."""
+    doc = {k: v for k, v in (("block_size", top),) if v is not None}
+    doc["dflash_config"] = {k: v for k, v in (("block_size", inner),) if v is not None}
+    assert _rule(doc, "block_size") is ok
 
 
 def _assistant_start(target_dir: Path) -> int:
