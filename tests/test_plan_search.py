@@ -147,14 +147,26 @@ def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned)
 def test_accum_tokens_keeps_the_optimizer_step_of_smaller_micro_batches(planned):
     config, device, out, code, lines, report = planned
     assert all(r.accum_tokens == 0 for r in report.rows)  # the ladder has no smaller token budget than the base's
-    small, large = search.Candidate(512, 64, 0), search.Candidate(2048, 64, 0)  # around the base's 1024
+    assert "optimizer step holds" in report.step_change
+
+
+def test_step_accum_and_optimizer_steps_arithmetic():
+    """A candidate with smaller micro-batches than the base accumulates to the base's tokens per optimizer step
+    (a larger one does not; an accum_tokens the user set is kept); an optimizer step spans whole sampler steps
+    until it holds accum_tokens x world_size real tokens, a rest counting as one."""
+    config = _config()  # token_budget 1024
+    small, large = search.Candidate(512, 64, 0), search.Candidate(2048, 64, 0)
     assert search.step_accum(config, small, 1806.4) == 1806 and search.step_accum(config, large, 1806.4) == 0
     kept = from_params({"accum_tokens": 5000}, config)
     assert search.step_accum(kept, small, 1806.4) == search.step_accum(kept, large, 1806.4) == 5000
-    assert search.optimizer_steps(np.array([5, 5, 5, 5, 5]), 0, 1) == 5
-    assert search.optimizer_steps(np.array([5, 5, 5, 5, 5]), 9, 1) == 3  # 10, 10 and the rest
-    assert search.optimizer_steps(np.array([5, 5, 5, 5, 5]), 5, 2) == 3  # 5 tokens x 2 ranks a step
-    assert "optimizer step holds" in report.step_change
+    five = np.array([5, 5, 5, 5, 5])
+    assert search.optimizer_steps(five, 0, 1) == 5
+    assert search.optimizer_steps(five, 9, 1) == 3  # 10, 10 and the rest
+    assert search.optimizer_steps(five, 10, 1) == 3  # 10 reaches 10: 10, 10, then the rest 5
+    assert search.optimizer_steps(five, 11, 1) == 2  # 15, then the rest 10
+    assert search.optimizer_steps(five, 5, 2) == 3  # 5 tokens x 2 ranks a step
+    assert search.optimizer_steps(np.array([3, 9, 1, 1, 8]), 10, 1) == 2  # 12, then 10
+    assert search.optimizer_steps(five, 100, 1) == 1  # never reached: one step of the whole epoch
 
 
 def test_candidates_span_the_ladder_and_needs_at_least_orders_memory():
