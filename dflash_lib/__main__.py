@@ -229,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="source CORPUS, doctor_samples N, tokenizer/template/thinking (the training data when "
                      "the export does not record it), or any config field")
 
+    eng = sub.add_parser("engine-check", help="the serving engine (vLLM, `make engine`) serves a DFlash drafter "
+                         "here: one greedy answer of a tiny target, equal to the target's own, with drafts")
+    eng.add_argument("--python", default=None, help="the Python whose vllm is the engine (default: "
+                     "$DFLASH_ENGINE_PYTHON, else .venv-engine/bin/python)")
+
     par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
     par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
 
@@ -276,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             from dflash_lib.doctor import run_cli as doctor
 
             return doctor(args.export_dir, args.target, _params(args.param))
+        elif args.cmd == "engine-check":
+            from dflash_lib.serve.check import engine_check
+
+            print(engine_check(args.python))
         elif args.cmd == "params":
             print(params_table(args.section))
     except Exception as e:

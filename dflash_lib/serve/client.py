@@ -1,0 +1,147 @@
+"""Talking to a running engine: completions with token-id prompts and answers, and the engine's own
+speculative-decoding counters read from its Prometheus /metrics (`SpecCounters`), whose deltas over a set of
+requests give the SERVED acceptance: tau = 1 + accepted / drafts, and the share of drafts accepting position k."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import httpx
+
+SPEC_PREFIX = "vllm:spec_decode_"
+_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """The engine's speculative-decoding counters (summed over its engines), or a difference of two readings."""
+
+    drafts: float  # verification steps that carried drafted tokens
+    draft_tokens: float  # drafted tokens proposed
+    accepted: float  # drafted tokens accepted
+    per_position: tuple[float, ...]  # [k]: drafts that accepted draft position k + 1 (0-based k)
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.per_position), len(other.per_position))
+        mine = self.per_position + (0.0,) * (n - len(self.per_position))
+        theirs = other.per_position + (0.0,) * (n - len(other.per_position))
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted, tuple(a - b for a, b in zip(mine, theirs)))
+
+    @property
+    def tau(self) -> float:
+        """Tokens per drafting step: accepted drafts + the token the verification adds (nan with no draft)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
+
+    @property
+    def acceptance(self) -> list[float]:
+        """[k]: the share of drafting steps that accepted draft position k + 1."""
+        return [a / self.drafts if self.drafts else float("nan") for a in self.per_position]
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    """`SpecCounters` from Prometheus exposition text (vLLM's /metrics): the `_total` samples of
+    num_drafts, num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos (one per position label),
+    summed over the other labels (engine index, model name). All zero when the engine serves no drafter."""
+    sums = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m is None or not m["name"].startswith(SPEC_PREFIX) or not m["name"].endswith("_total"):
+            continue
+        key = m["name"][len(SPEC_PREFIX):-len("_total")]
+        value = float(m["value"])
+        if key == "num_accepted_tokens_per_pos":
+            pos = _POSITION.search(m["labels"] or "")
+            if pos is not None:
+                per_pos[int(pos[1])] = per_pos.get(int(pos[1]), 0.0) + value
+        elif key in sums:
+            sums[key] += value
+    positions = tuple(per_pos.get(k, 0.0) for k in range(max(per_pos) + 1)) if per_pos else ()
+    return SpecCounters(sums["num_drafts"], sums["num_draft_tokens"], sums["num_accepted_tokens"], positions)
+
+
+@dataclass(frozen=True)
+class ServedDecode:
+    """Prompts decoded one at a time by the engine (`EngineClient.decode`)."""
+
+    outputs: list[list[int]]  # the generated token ids of each prompt
+    counters: SpecCounters  # the engine's counters over the whole decoding
+    per_prompt: list[SpecCounters]  # the same, per prompt
+    seconds: float  # wall time of the requests
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class EngineClient:
+    """An OpenAI-compatible engine at `url` (vLLM's server), prompts and answers as token ids."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout_s)
+        self._model: str | None = None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _get(self, path: str) -> httpx.Response:
+        r = self.http.get(self.url + path)
+        r.raise_for_status()
+        return r
+
+    @property
+    def model(self) -> str:
+        """The served model's name (the first of /v1/models)."""
+        if self._model is None:
+            self._model = self._get("/v1/models").json()["data"][0]["id"]
+        return self._model
+
+    def counters(self) -> SpecCounters:
+        return parse_spec_counters(self._get("/metrics").text)
+
+    def complete(self, prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop_ids: Sequence[int] = (), min_tokens: int = 0) -> list[int]:
+        """The engine's answer to the token ids `prompt`: at most `max_tokens` ids, ending at the first of
+        `stop_ids` (included, never before `min_tokens`); the model's own end-of-sequence id does not stop it
+        unless listed, as in our decoding. Greedy at temperature 0."""
+        body = {"model": self.model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
+                "temperature": float(temperature), "top_p": float(top_p), "ignore_eos": True,
+                "stop_token_ids": [int(s) for s in stop_ids], "min_tokens": int(min_tokens),
+                "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = int(seed)
+        r = self.http.post(self.url + "/v1/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"the engine refused a completion ({r.status_code}): {r.text[:500]}")
+        ids = r.json()["choices"][0].get("token_ids")
+        if ids is None:
+            raise RuntimeError("the engine's completion carries no token_ids (an engine without return_token_ids)")
+        return [int(t) for t in ids]
+
+    def decode(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = (),
+               min_tokens: int = 0) -> ServedDecode:
+        """Every prompt answered in turn (batch 1, as `models.acceptance_length` decodes), the counters read
+        around each request; prompt i samples with seed `seed + i`."""
+        outputs, per_prompt = [], []
+        start = before = self.counters()
+        seconds = 0.0  # the requests alone, not the counter readings
+        for i, prompt in enumerate(prompts):
+            t = time.perf_counter()
+            outputs.append(self.complete(prompt, max_tokens, temperature, top_p, seed + i if temperature > 0 else
+                                         None, stop_ids, min_tokens))
+            seconds += time.perf_counter() - t
+            after = self.counters()
+            per_prompt.append(after - before)
+            before = after
+        return ServedDecode(outputs, before - start, per_prompt, seconds)

@@ -1,0 +1,177 @@
+"""The real engine in the loop: vLLM's CPU build (`make engine`, .venv-engine) serves a tiny Qwen3 target with a
+DFlash drafter trained here, and what it serves equals what we decode in process: the greedy answers token for
+token, and the engine's own acceptance counters (drafts, accepted per position) equal our cycles per prompt, in
+fp32. Also the counters' parser, and the server's lifecycle (a refused start names its log; a stop leaves no
+process). `make test` installs the engine and requires it (DFLASH_REQUIRE_ENGINE=1); `ENGINE=0` skips these."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_lib.config import ConfigError
+from dflash_lib.models import acceptance_length
+from dflash_lib.models.export import export_drafter
+from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
+from dflash_lib.serve.check import VOCAB as V
+from dflash_lib.serve.check import check_models
+from tiny_models import overfit_on_greedy, random_prompts
+
+REQUIRE = "DFLASH_REQUIRE_ENGINE"  # set by `make test` unless ENGINE=0: a missing engine fails instead of skipping
+NEW = 24  # tokens decoded per prompt
+TRAINED = random_prompts(16, seed=1, vocab=V)  # the prompts whose greedy answers the drafter is trained on
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 3.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7963830051378393e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 129.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 51.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 29.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 14.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="0"} 1.79e+09
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+
+
+def test_the_counters_parser_sums_engines_orders_positions_and_subtracts():
+    c = parse_spec_counters(METRICS)
+    assert c == SpecCounters(43.0, 129.0, 51.0, (29.0, 14.0, 8.0))  # the _created samples are timestamps: ignored
+    assert c.tau == pytest.approx(1 + 51 / 43) and c.acceptance == pytest.approx([29 / 43, 14 / 43, 8 / 43])
+    d = c - SpecCounters(3.0, 9.0, 1.0, (1.0,))
+    assert d == SpecCounters(40.0, 120.0, 50.0, (28.0, 14.0, 8.0))
+    none = parse_spec_counters("vllm:num_requests_running 0.0\n")  # an engine without a drafter
+    assert none == SpecCounters(0.0, 0.0, 0.0, ()) and none.tau != none.tau  # nan
+
+
+def test_a_missing_engine_python_names_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_ENGINE_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match="make engine"):
+        engine_python(str(tmp_path / "nothing" / "python"))
+    monkeypatch.setenv("DFLASH_ENGINE_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match=str(tmp_path / "nope")):
+        engine_python()
+
+
+def test_the_server_flags_serve_the_drafter_with_block_size_minus_one_drafts(tmp_path):
+    target, drafter = check_models()
+    export_drafter(drafter, tmp_path / "d", torch.float32)
+    args = EngineSpec(str(tmp_path / "t"), str(tmp_path / "d"), kv_cache_gib=0.5).args(8000)
+    spec = args[args.index("--speculative-config") + 1]
+    assert '"method": "dflash"' in spec and '"num_speculative_tokens": 3' in spec  # blocks of 4
+    assert args[args.index("--host") + 1] == "127.0.0.1" and "--skip-tokenizer-init" in args
+    assert "--speculative-config" not in EngineSpec(str(tmp_path / "t")).args(8000)
+
+
+# -- with the real engine ----------------------------------------------------------------------------------------
+
+def _engine_or_skip() -> Path:
+    try:
+        return engine_python()
+    except ConfigError as e:
+        if os.environ.get(REQUIRE) == "1":
+            raise
+        pytest.skip(f"no engine: {e}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(target, drafter, client, server): the engine check's models (`serve.check`): the target saved as a Hugging Face folder, the drafter trained 30 steps on the
+    target's greedy answers (tau ~2 of 4: every draft position is sometimes accepted, sometimes not) and exported
+    in fp32, both served by the engine in fp32."""
+    python = _engine_or_skip()
+    root = tmp_path_factory.mktemp("engine")
+    target, drafter = check_models()
+    target.model.save_pretrained(root / "target")
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    export_drafter(drafter, root / "drafter", torch.float32)
+    spec = EngineSpec(str(root / "target"), str(root / "drafter"), max_model_len=256, max_num_seqs=4,
+                      kv_cache_gib=0.5)
+    with EngineServer(spec, root / "engine.log", python=str(python)) as server:
+        client = EngineClient(server.url)
+        yield target, drafter, client, server
+        client.close()
+
+
+@pytest.mark.engine
+def test_served_greedy_answers_and_acceptance_equal_ours_per_prompt(served):
+    """Greedy, fp32: the engine's answers are the target's own greedy answers, and per prompt its counters hold
+    exactly our drafting cycles and the cycles accepting each draft position (so tau and per-position acceptance
+    are equal, not just close)."""
+    target, drafter, client, _ = served
+    prompts = TRAINED[:4] + random_prompts(2, seed=7, vocab=V)  # learnt answers, and new ones
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    got = client.decode(prompts, NEW)
+    assert got.outputs == ours.outputs == [target.greedy(p, NEW) for p in prompts]
+    for cycles, c in zip(ours.cycle_log, got.per_prompt):
+        accepted = [sum(1 for _, n in cycles if n > k) for k in range(1, 4)]  # cycles that accepted slot k
+        assert (c.drafts, c.draft_tokens, list(c.per_position)) == (len(cycles), 3 * len(cycles), accepted)
+    assert got.counters.tau == pytest.approx(ours.tau, abs=1e-12)
+    assert got.counters.acceptance == pytest.approx(ours.per_position, abs=1e-12)
+    assert 1.3 < ours.tau < 3.7 and all(0 < a < 1 for a in ours.per_position)  # neither none nor all accepted
+
+
+@pytest.mark.engine
+def test_stop_ids_end_the_served_answer_as_ours(served):
+    """A stop id ends the answer, included, never before min_new_tokens: the same ids as our decoding."""
+    target, drafter, client, _ = served
+    prompts = TRAINED[4:12]
+    plain = [target.greedy(p, NEW) for p in prompts]
+    stop = max(set(t for o in plain for t in o[2:]), key=lambda t: sum(o[2:].count(t) for o in plain))
+    ours = acceptance_length(target, drafter, prompts, NEW, stop_ids=[stop], min_new_tokens=2)
+    got = client.decode(prompts, NEW, stop_ids=[stop], min_tokens=2)
+    assert got.outputs == ours.outputs
+    assert sum(o[-1] == stop for o in ours.outputs) >= 2 and any(len(o) < NEW for o in ours.outputs)
+
+
+@pytest.mark.engine
+def test_a_refused_start_names_the_log_and_leaves_no_process(tmp_path):
+    python = _engine_or_skip()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"model_type": "qwen3", "architectures": ["Nope"]}')
+    server = EngineServer(EngineSpec(str(tmp_path / "target")), tmp_path / "engine.log", python=str(python))
+    with pytest.raises(RuntimeError, match="engine.log") as e:
+        server.start()
+    assert "exited with code" in str(e.value) and server.proc is None
+    assert (tmp_path / "engine.log").read_text().startswith("$ ")
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # a second engine start (~40 s)
+def test_stopping_the_server_ends_its_whole_process_group(served, tmp_path):
+    """A second server on the same folders: stopped, no process of its group is left (the engine core and its
+    workers included), and its port is free again."""
+    import httpx
+
+    _, _, _, first = served
+    spec = first.spec
+    server = EngineServer(spec, tmp_path / "second.log", python=str(first.python))
+    server.start()
+    pid, url = server.proc.pid, server.url
+    assert httpx.get(url + "/health").status_code == 200
+    server.stop()
+    ps = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True, check=True).stdout
+    assert [line for line in ps.splitlines() if int(line.split()[0]) == pid and not line.split()[1].startswith("Z")
+            ] == []
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2.0)
+    server.stop()  # idempotent
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~30 s)
+def test_the_engine_check_command_says_ok(capsys):
+    """What `make engine` runs after installing: one greedy answer equal to the target's, drafted."""
+    from dflash_lib.__main__ import main
+
+    python = _engine_or_skip()
+    assert main(["engine-check", "--python", str(python)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("engine ok: vLLM 0.") and "16 greedy tokens equal to the target's" in line
+    assert float(line.split("tau ")[1]) >= 1.0 and int(line.split(", ")[-2].split()[0]) > 0  # drafts made
