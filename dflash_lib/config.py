@@ -305,6 +305,9 @@ class RegenerateConfig:
             raise ConfigError(f"base_url must start with http:// or https://, got {self.base_url!r}")
 
 
+ENGINES = ("none", "vllm")  # `evaluate.engine`
+
+
 @dataclass
 class EvalConfig:
     """`python -m dflash_lib evaluate` and notebook 05: speculative decoding of held-out prompts (evaluate.py).
@@ -330,6 +333,13 @@ class EvalConfig:
     sampled_temperature: float = 1.0  # notebook 05 (`evaluate_run`) decodes the final drafter once more, sampled at
     # this temperature against plain sampling (the regenerate section's top_p, sample_seed): tau as serving at T > 0
     # sees it; 0 = not (nor when it equals `temperature`: the main evaluation is that one)
+    # -- the serving engine in the loop (dflash_lib.serve, docs/serving.md)
+    engine: str = "none"  # "vllm": the same prompts also served by vLLM (the target folder + the drafter): served tau
+    # per set and position beside ours, the engine's speedup, the train/serve gap verdict; "none": not
+    engine_python: str = ""  # the Python whose vllm runs the engine ("" = $DFLASH_ENGINE_PYTHON, else .venv-engine)
+    engine_url: str = ""  # a running server (http://HOST:PORT) already serving the target with this drafter: used
+    # as it is (no start, no plain run)
+    engine_start_timeout_s: float = 600.0  # seconds the engine may take to answer /health once started
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
@@ -350,6 +360,10 @@ class EvalConfig:
         if not (math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0):
             raise ConfigError(f"sampled_temperature must be a finite number >= 0 (0 = no sampled evaluation), got "
                               f"{self.sampled_temperature!r}")
+        _choice("engine", self.engine, ENGINES)
+        _positive("engine_start_timeout_s", self.engine_start_timeout_s)
+        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine_url must start with http:// or https://, got {self.engine_url!r}")
         for name in ("run", "drafter"):
             value = getattr(self, name)
             if value != value.strip():

@@ -61,7 +61,9 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.export import DTYPES, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config
-from dflash_lib.rundir import JsonRecord
+from dflash_lib.rundir import JsonRecord, omitted
+from dflash_lib.serve.measure import ServedReport, ServedSet, served_acceptance
+from dflash_lib.serve.server import engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
 from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
@@ -112,6 +114,8 @@ class DecodeReport(JsonRecord):
     temperature: float = 0.0  # sampling temperature of both decodings (`-p temperature`); 0 = greedy
     top_p: float = 1.0  # nucleus mass of both decodings when temperature > 0 (`-p top_p`)
     sample_seed: int = 0  # seed of the CPU generator each decoding samples from (`-p sample_seed`)
+    # `-p engine vllm`: the same prompts served by the engine, per set beside these figures (`serve.measure`)
+    served: ServedReport | None = omitted()
 
 
 @dataclass
@@ -456,6 +460,7 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
     device = torch.device("cuda" if device_name != "cpu" and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the trainer runs the target
     check_fit(drafter_dir, config)  # before the target is built: its own checks would blame the wrong setting
+    check_engine(config)
     tgt = TargetModel.from_model_config(config.model, device=device, dtype=dtype, seed=config.train.seed)
     model = load_drafter(drafter_dir, tgt)
     prompts = prompt_sets(config, run_dir)
@@ -473,6 +478,19 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
         f"max_new_tokens {config.regenerate.max_new_tokens}, device {device}, target {config.model.target!r} "
         f"({dtype})")
     return Setup(config, drafter_dir, run_dir, tgt, model, prompts)
+
+
+def check_engine(config: Config) -> None:
+    """`-p engine vllm` needs the target as a local folder (the engine serves a folder) and an engine: a running
+    server (`engine_url`) or a Python with vllm (`serve.engine_python`). ConfigError before any weight is read."""
+    e = config.evaluate
+    if e.engine == "none":
+        return
+    if not Path(config.model.target).expanduser().is_dir():
+        raise ConfigError(f"engine {e.engine}: the engine serves a local target folder; target "
+                          f"{config.model.target!r} is not one (-p target DIR)")
+    if not e.engine_url:
+        engine_python(e.engine_python or None)
 
 
 def target_positions(target: Any) -> int | None:
@@ -592,14 +610,25 @@ def decode(setup: Setup, drafter: Any, baseline: Baseline) -> DecodeReport:
     figures over all groups, per prompt set x thinking mode (`benchmark_report`) and the breakdowns. The context
     fields (device, drafter folder, target, prompts, sampling) are the setup's; outputs are compared with the
     baseline's only when greedy."""
+    return decode_report(setup, drafter, decode_groups(setup, drafter, baseline))
+
+
+def decode_groups(setup: Setup, drafter: Any, baseline: Baseline) -> list[GroupDecode]:
+    """`decode`'s speculative decodings, one per prompt group of the baseline."""
     n_new = setup.config.regenerate.max_new_tokens
-    sampling = setup.sampling()
     done = []
     for group, base in zip(baseline.groups, baseline.results):
         spec = acceptance_length(setup.target, drafter, group.prompts, n_new, setup.stop_ids, setup.min_new_tokens,
-                                 **sampling)
+                                 **setup.sampling())
         done.append(GroupDecode(group.benchmark, group.thinking, group.turn, group.names,
                                 [len(p) for p in group.prompts], spec, base))
+    return done
+
+
+def decode_report(setup: Setup, drafter: Any, done: list[GroupDecode]) -> DecodeReport:
+    """`decode`'s report of the group decodings `done`."""
+    sampling = setup.sampling()
+    n_new = setup.config.regenerate.max_new_tokens
     block = drafter.cfg.block_size
     figures = merged_figures(done, block)
     prompts = figures.pop("turns")
@@ -645,10 +674,66 @@ def evaluate(drafter: str | Path, target: str | None, params: Mapping[str, Any] 
     setup = prepare(drafter, target, params, say)
     with decode_threads(setup):
         _warm(setup, setup.drafter)
-        report = decode(setup, setup.drafter, _baseline(setup))
+        baseline = _baseline(setup)
+        done = decode_groups(setup, setup.drafter, baseline)
+    report = decode_report(setup, setup.drafter, done)
     say(summary(report))
     _warn_differ(report, say)
+    if setup.config.evaluate.engine != "none":
+        report.served = served(setup, baseline.groups, done, say)
     return report
+
+
+def served_sets(groups: Sequence[PromptGroup], done: Sequence[GroupDecode]) -> list[ServedSet]:
+    """The prompt `groups` and their decodings `done` as the engine's prompt sets: one per (set, thinking mode),
+    every turn together."""
+    out: dict[tuple[str, str], ServedSet] = {}
+    for group, g in zip(groups, done):
+        s = out.setdefault((g.benchmark, g.thinking), ServedSet(f"{g.benchmark} (thinking {g.thinking})", [], [], []))
+        s.prompts += [list(p) for p in group.prompts]
+        s.outputs += g.spec.outputs
+        s.cycle_log += g.spec.cycle_log
+    return list(out.values())
+
+
+def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDecode],
+           say: Say = _stderr) -> ServedReport:
+    """The decoded prompts served by the engine (`serve.measure.served_acceptance`): the target folder with the
+    saved drafter, in the dtype our target ran (fp32 on the CPU: greedy must then agree exactly), the engine's log
+    in the run's engine/ folder (a temporary one for a drafter outside a run)."""
+    c = setup.config
+    log_dir = setup.run_dir / "engine" if setup.run_dir is not None else Path(tempfile.mkdtemp(prefix="dflash-engine-"))
+    sampling = setup.sampling()
+
+    def doctor() -> list[str]:
+        report = diagnose(setup.drafter_dir, c.model.target, {"doctor_samples": c.evaluate.doctor_samples})
+        return report.failed
+
+    say(f"engine {c.evaluate.engine}: serving {setup.drafter_dir} on {c.model.target}" + (
+        f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / 'engine.log'})"))
+    report = served_acceptance(
+        c.model.target, str(setup.drafter_dir), served_sets(groups, done), setup.drafter.cfg.block_size,
+        c.regenerate.max_new_tokens, setup.stop_ids, setup.min_new_tokens, sampling["temperature"],
+        sampling["top_p"], c.evaluate.sample_seed, "float32" if setup.target.device.type == "cpu" else "bfloat16",
+        c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor)
+    say(served_table(report))
+    for line in report.lines:
+        say(line)
+    return report
+
+
+def served_table(report: ServedReport) -> str:
+    """Served vs in-process per set: tau, per-position acceptance, the engine's tokens/s and speedup."""
+    head = (f"{'served by':<32} {'tau':>6} {'served':>7} {'tok/s':>8} {'plain':>8} {'speedup':>8}  "
+            "per position ours / served")
+    lines = [f"engine vLLM {report.version} ({report.dtype}, temperature {report.temperature:g})", head]
+    for r in report.rows:
+        plain = f"{r.plain_tokens_per_s:8.1f}" if r.plain_tokens_per_s is not None else f"{'-':>8}"
+        speed = f"{r.served_speedup:7.2f}x" if r.served_speedup is not None else f"{'-':>8}"
+        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.per_position, r.served_per_position))
+        lines.append(f"{r.name[:32]:<32} {r.tau:6.3f} {r.served_tau:7.3f} {r.served_tokens_per_s:8.1f} {plain} "
+                     f"{speed}  {pos}")
+    return "\n".join(lines)
 
 
 # -- a whole training run: every checkpoint, the untrained and the final drafter (notebook 05) ---------------------

@@ -67,7 +67,8 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "thinking": "on", "backend": "openai", "top_p": 0.5, "base_url": "http://127.0.0.1:1/v1",
                "parallel": "fsdp", "target_parallel": "fsdp",
                "regen_leading_assistant": "skip", "regen_on_error": "abort",
-               "prompts_from": "humaneval", "enable_thinking": "on"}
+               "prompts_from": "humaneval", "enable_thinking": "on", "engine": "vllm",
+               "engine_url": "http://127.0.0.1:1"}
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 

@@ -19,7 +19,9 @@ from dflash_lib.models.export import export_drafter
 from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
 from dflash_lib.serve.check import VOCAB as V
 from dflash_lib.serve.check import check_models
-from tiny_models import overfit_on_greedy, random_prompts
+from dflash_lib.serve.measure import ServedSet, judge, served_acceptance, served_histogram, verdict_line
+from dflash_lib.serve.client import ServedDecode
+from tiny_models import overfit_on_greedy, random_prompts, tiny_chatml_tokenizer
 
 REQUIRE = "DFLASH_REQUIRE_ENGINE"  # set by `make test` unless ENGINE=0: a missing engine fails instead of skipping
 NEW = 24  # tokens decoded per prompt
@@ -48,6 +50,51 @@ def test_the_counters_parser_sums_engines_orders_positions_and_subtracts():
     assert d == SpecCounters(40.0, 120.0, 50.0, (28.0, 14.0, 8.0))
     none = parse_spec_counters("vllm:num_requests_running 0.0\n")  # an engine without a drafter
     assert none == SpecCounters(0.0, 0.0, 0.0, ()) and none.tau != none.tau  # nan
+
+
+def _decode(outputs, counters, seconds=1.0):
+    return ServedDecode(outputs, counters, [counters], seconds)
+
+
+def test_served_rows_judge_exactly_when_greedy_fp32_and_by_three_standard_errors_otherwise():
+    """Our 40 cycles (tokens 1, 2, 4, 4 per two prompts, 10 times: tau 2.75, position acceptance 3/4, 2/4, 2/4)
+    against the engine's counters: equal counts pass exactly; one accepted token fewer fails when exact, passes
+    within 3 SE otherwise; a collapse to tau 1 fails and the line names the doctor's failing rules."""
+    outputs = [[5, 6], [7]] * 10
+    s = ServedSet("heldout (thinking off)", [[1], [2]] * 10, outputs, [[(1, 1), (2, 2)], [(1, 4), (5, 4)]] * 10)
+    same = SpecCounters(40, 120, 70, (30, 20, 20))
+    assert served_histogram(same) == {1: 10, 2: 10, 3: 0, 4: 20}
+    row = judge(s, _decode(outputs, same), 4, exact=True, sampled=False, plain=_decode(outputs,
+                                                                                      SpecCounters(0, 0, 0, ()), 2.0))
+    assert row.ok and row.tau == row.served_tau == 2.75 and row.per_position == [0.75, 0.5, 0.5]
+    assert row.served_per_position == [0.75, 0.5, 0.5] and row.outputs_equal == 20 and row.bound == 0.0
+    assert row.served_speedup == pytest.approx(2.0) and (row.cycles, row.served_drafts) == (40, 40)
+    assert verdict_line(row, True, [], "E", "T").startswith("PASS served heldout (thinking off): served tau 2.750")
+    one_less = SpecCounters(40, 120, 69, (30, 20, 19))
+    assert not judge(s, _decode(outputs, one_less), 4, True, False, None).ok
+    loose = judge(s, _decode(outputs, one_less), 4, exact=False, sampled=True, plain=None)
+    sd = (sum((k - 2.75) ** 2 for k in (1, 2, 4, 4)) / 4) ** 0.5  # ours; the engine's (one token less) a bit more
+    assert loose.ok and loose.outputs_equal is None and 3 * sd / 40 ** 0.5 * 2 ** 0.5 == pytest.approx(
+        loose.bound, rel=0.02)
+    collapsed = SpecCounters(400, 1200, 0, (0, 0, 0))
+    bad = judge(s, _decode(outputs, collapsed), 4, exact=False, sampled=True, plain=None)
+    assert not bad.ok and bad.served_tau == 1.0
+    line = verdict_line(bad, False, ["engine_layer_ids", "mask_token_id"], "EXPORT", "TARGET")
+    assert line.startswith("FAIL served heldout") and "the doctor fails engine_layer_ids, mask_token_id" in line
+    assert line.endswith("-> python -m dflash_lib doctor EXPORT --target TARGET")
+    assert "the doctor passes every rule" in verdict_line(bad, False, [], "E", "T")
+    wrong_answer = judge(s, _decode([[5, 6], [8]] + outputs[2:], same), 4, True, False, None)
+    assert not wrong_answer.ok and wrong_answer.outputs_equal == 19
+
+
+def test_evaluate_refuses_the_engine_without_a_target_folder_before_loading(tmp_path):
+    from dflash_lib.__main__ import main
+
+    target, drafter = check_models()
+    export_drafter(drafter, tmp_path / "d", torch.float32)
+    with pytest.raises(ConfigError, match="engine vllm: the engine serves a local target folder"):
+        main(["--debug", "evaluate", "--drafter", str(tmp_path / "d"), "--target", "tiny", "-p", "engine", "vllm",
+              "-p", "hidden_size", "128", "-p", "target_layers", "4", "-p", "num_features", "2"])
 
 
 def test_a_missing_engine_python_names_what_to_do(tmp_path, monkeypatch):
@@ -89,6 +136,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     target, drafter = check_models()
     target.model.save_pretrained(root / "target")
+    tiny_chatml_tokenizer().save_pretrained(root / "target")  # ~300 ids below V: `evaluate` renders prompts with it
     overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
     export_drafter(drafter, root / "drafter", torch.float32)
     spec = EngineSpec(str(root / "target"), str(root / "drafter"), max_model_len=256, max_num_seqs=4,
@@ -175,3 +223,52 @@ def test_the_engine_check_command_says_ok(capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("engine ok: vLLM 0.") and "16 greedy tokens equal to the target's" in line
     assert float(line.split("tau ")[1]) >= 1.0 and int(line.split(", ")[-2].split()[0]) > 0  # drafts made
+
+
+@pytest.mark.engine
+def test_evaluate_with_the_engine_serves_the_same_prompts_beside_ours(served, tmp_path, capsys):
+    """`evaluate -p engine vllm -p engine_url URL` on a JSONL prompt set rendered by the target folder's tokenizer:
+    the JSON line's `served` row equals our figures exactly (greedy fp32) and says PASS."""
+    import json
+
+    from dflash_lib.__main__ import main
+
+    _, _, _, server = served
+    target_dir, drafter_dir = server.spec.target, server.spec.drafter
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                                 for i, q in enumerate(["Hi there", "What is 2+2?", "Tell me a story"])))
+    code = main(["evaluate", "--drafter", drafter_dir, "--target", target_dir, "-p", "engine", "vllm", "-p",
+                 "engine_url", server.url, "-p", "prompts_from", str(questions), "-p", "tokenizer", target_dir, "-p",
+                 "template", "chatml", "-p", "prompts", "3", "-p", "max_new_tokens", "16", "-p", "num_features", "2",
+                 "-p", "target_layer_ids", "[0, 2]"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    served_report = report["served"]
+    (row,) = served_report["rows"]
+    assert served_report["exact"] and served_report["engine"] == server.url and served_report["version"] != "?"
+    assert (row["prompts"], row["cycles"], row["served_drafts"]) == (3, report["cycles"], report["cycles"])
+    assert row["tau"] == row["served_tau"] == report["tau"] and row["per_position"] == report["per_position"]
+    assert row["outputs_equal"] == 3 and row["ok"] and row["plain_tokens_per_s"] is None
+    assert served_report["lines"][0].startswith(f"PASS served {questions} (thinking off): served tau")
+    assert "served by" in err and served_report["lines"][0] in err
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # two engine starts (~60 s)
+def test_served_acceptance_starts_the_engine_with_and_without_the_drafter(served, tmp_path):
+    """No URL: the engine is started with the drafter, then without it on the same prompts (its own speedup); both
+    logs are written, the servers are gone after, and the served figures equal ours."""
+    target, drafter, _, server = served
+    prompts = TRAINED[:3]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    sets = [ServedSet("trained", prompts, ours.outputs, ours.cycle_log)]
+    report = served_acceptance(server.spec.target, server.spec.drafter, sets, 4, NEW, python=str(server.python),
+                               log_dir=tmp_path)
+    (row,) = report.rows
+    assert row.ok and row.served_tau == row.tau == pytest.approx(ours.tau) and row.outputs_equal == 3
+    assert row.plain_tokens_per_s > 0 and row.served_speedup == pytest.approx(row.served_tokens_per_s /
+                                                                              row.plain_tokens_per_s)
+    assert (tmp_path / "engine.log").is_file() and (tmp_path / "engine-plain.log").is_file()
+    assert report.log == str(tmp_path / "engine.log") and report.lines[0].startswith("PASS served trained")

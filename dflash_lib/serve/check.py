@@ -45,7 +45,7 @@ def engine_check(python: str | None = None, new_tokens: int = 16, log: str | Pat
         with EngineServer(spec, log or root / "engine.log", python=python) as server:
             client = EngineClient(server.url)
             try:
-                version = client.http.get(server.url + "/version").json().get("version", "?")
+                version = client.version()
                 got = client.decode([prompt], new_tokens)
             finally:
                 client.close()

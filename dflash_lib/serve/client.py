@@ -106,6 +106,13 @@ class EngineClient:
             self._model = self._get("/v1/models").json()["data"][0]["id"]
         return self._model
 
+    def version(self) -> str:
+        """The engine's version (its /version), "?" when it does not say."""
+        try:
+            return str(self._get("/version").json().get("version", "?"))
+        except (httpx.HTTPError, ValueError):
+            return "?"
+
     def counters(self) -> SpecCounters:
         return parse_spec_counters(self._get("/metrics").text)
 

@@ -63,6 +63,7 @@ RESUME_NEUTRAL_KEYS = frozenset({
     "target_parallel",  # a sharded target all-gathers the same weights: the same features, bit for bit
     "prompts_from", "enable_thinking", "doctor_samples", "sample_seed", "sampled_temperature",  # evaluation and the
     # doctor read a run, never steer it
+    "engine", "engine_python", "engine_url", "engine_start_timeout_s",  # nor does the engine that serves it
 })
 
 

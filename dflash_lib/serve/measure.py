@@ -1,0 +1,181 @@
+"""Served acceptance beside ours: the prompts our decoding measured, sent to the engine as token ids, its own
+counters read per prompt set (`served_acceptance`), the engine's tokens/s with and without the drafter, and the
+train/serve gap judged per set: greedy in fp32 must agree exactly (answers and counts), otherwise served tau may
+not fall below ours by more than 3 standard errors. docs/serving.md, "The engine in the loop"."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dflash_lib.rundir import JsonRecord
+from dflash_lib.serve.client import EngineClient, ServedDecode, SpecCounters
+from dflash_lib.serve.server import EngineServer, EngineSpec
+
+GAP_SIGMAS = 3.0  # a served tau this many standard errors below ours is a FAIL (sampling, bf16)
+EXACT_TOL = 1e-9  # greedy fp32: counts agree exactly; only the divisions round
+
+
+@dataclass
+class ServedSet:
+    """One prompt set as our decoding measured it (every turn of its questions)."""
+
+    name: str  # the set and thinking mode, e.g. "heldout (thinking off)"
+    prompts: list[list[int]]  # token ids, as decoded in process
+    outputs: list[list[int]]  # our speculative decoding's answers
+    cycle_log: list[list[tuple[int, int]]]  # per prompt, per cycle: (context, tokens produced 1 .. B)
+
+
+@dataclass
+class ServedRow(JsonRecord):
+    """One prompt set served by the engine next to our in-process decoding of the same prompts."""
+
+    name: str  # the prompt set (and thinking mode)
+    prompts: int  # prompts sent (every turn counted)
+    tau: float  # ours: tokens per drafting cycle
+    served_tau: float  # the engine's: 1 + accepted / drafts, from its counters
+    per_position: list[float]  # ours: (B-1,) share of cycles accepting draft position k
+    served_per_position: list[float]  # the engine's, the same share of its drafts
+    cycles: int  # our drafting cycles
+    served_drafts: int  # the engine's drafting steps
+    bound: float  # how far served tau may fall below ours: 0 when exact (greedy fp32), else GAP_SIGMAS x SE
+    outputs_equal: int | None  # served answers equal to ours, token for token (None when sampling)
+    served_tokens_per_s: float  # the engine with the drafter, one prompt at a time (output tokens / s)
+    plain_tokens_per_s: float | None  # the same engine without the drafter, same prompts (None: not measured)
+    served_speedup: float | None  # served_tokens_per_s / plain_tokens_per_s
+    ok: bool  # no train/serve gap beyond the bound (and, when exact, equal answers and counts)
+
+
+@dataclass
+class ServedReport(JsonRecord):
+    """`evaluate -p engine vllm`: every prompt set served (`ServedRow`), and the verdict lines."""
+
+    engine: str  # where the engine ran: its Python, or the URL of a running server
+    version: str  # the engine's version (its /version)
+    dtype: str  # the engine's dtype
+    exact: bool  # greedy in fp32: served and in-process must agree exactly
+    temperature: float  # sampling temperature of both (0 = greedy)
+    rows: list[ServedRow]  # one per prompt set
+    lines: list[str]  # one PASS/FAIL line per row (the gap alarm)
+    log: str  # the engine's log file ("" for a running server)
+
+
+def tokens_per_cycle(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    return [n for prompt in cycle_log for _, n in prompt]
+
+
+def _mean_se(histogram: dict[int, float]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of tokens per cycle given {tokens: cycles}."""
+    n = sum(histogram.values())
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(k * c for k, c in histogram.items()) / n
+    var = sum(c * (k - mean) ** 2 for k, c in histogram.items()) / n
+    return mean, math.sqrt(var / n)
+
+
+def served_histogram(counters: SpecCounters) -> dict[int, float]:
+    """{tokens produced: drafting steps} of the engine's counters: a step accepting position k accepted every
+    position before it (a prefix), so per-position counts give the histogram exactly."""
+    pos = list(counters.per_position)
+    out = {1: counters.drafts - (pos[0] if pos else 0.0)}
+    for k in range(1, len(pos) + 1):
+        out[k + 1] = pos[k - 1] - (pos[k] if k < len(pos) else 0.0)
+    return out
+
+
+def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool, sampled: bool,
+          plain: ServedDecode | None) -> ServedRow:
+    """The row of one set: our figures from its cycle log, the engine's from its counters, the bound and the
+    verdict."""
+    ours = tokens_per_cycle(row_set.cycle_log)
+    hist: dict[int, float] = {}
+    for n in ours:
+        hist[n] = hist.get(n, 0) + 1
+    tau, se = _mean_se(hist)
+    served_tau, served_se = _mean_se(served_histogram(served.counters))
+    cycles = len(ours)
+    per_position = [sum(n > k for n in ours) / cycles if cycles else float("nan") for k in range(1, block_size)]
+    bound = 0.0 if exact else GAP_SIGMAS * math.hypot(se, served_se)
+    equal = None if sampled else sum(a == b for a, b in zip(served.outputs, row_set.outputs))
+    if exact:
+        ok = (equal == len(row_set.prompts) and abs(served_tau - tau) <= EXACT_TOL
+              and served.counters.drafts == cycles)
+    else:
+        ok = not served_tau < tau - bound
+    plain_rate = plain.tokens_per_s if plain is not None else None
+    return ServedRow(name=row_set.name, prompts=len(row_set.prompts), tau=tau, served_tau=served_tau,
+                     per_position=per_position, served_per_position=served.counters.acceptance, cycles=cycles,
+                     served_drafts=int(served.counters.drafts), bound=bound, outputs_equal=equal,
+                     served_tokens_per_s=served.tokens_per_s, plain_tokens_per_s=plain_rate,
+                     served_speedup=served.tokens_per_s / plain_rate if plain_rate else None, ok=ok)
+
+
+def verdict_line(row: ServedRow, exact: bool, suspects: Sequence[str], export: str, target: str) -> str:
+    """PASS/FAIL for one row; a FAIL names the doctor's failing rules (`suspects`), the likeliest causes."""
+    figures = (f"served tau {row.served_tau:.3f} vs ours {row.tau:.3f} over {row.served_drafts} / {row.cycles} "
+               f"cycles" + (" (must be equal: greedy fp32)" if exact else f" (bound {row.bound:.3f})"))
+    if exact and row.outputs_equal is not None:
+        figures += f", answers equal {row.outputs_equal}/{row.prompts}"
+    if row.ok:
+        return f"PASS served {row.name}: {figures}"
+    cause = (f"the doctor fails {', '.join(suspects)}" if suspects else
+             "the doctor passes every rule: compare what the engine reads of the export (docs/serving.md)")
+    return (f"FAIL served {row.name}: {figures}: a train/serve gap; {cause} -> python -m dflash_lib doctor "
+            f"{export} --target {target}")
+
+
+def _decode_all(client: EngineClient, sets: Sequence[ServedSet], max_new_tokens: int, stop_ids: Sequence[int],
+                min_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[ServedDecode]:
+    if sets and sets[0].prompts:  # first-request overheads out of the timings
+        client.complete(sets[0].prompts[0], min(max_new_tokens, 8))
+    return [client.decode(s.prompts, max_new_tokens, temperature, top_p, seed, stop_ids, min_new_tokens)
+            for s in sets]
+
+
+def served_acceptance(target_dir: str, drafter_dir: str, sets: Sequence[ServedSet], block_size: int,
+                      max_new_tokens: int, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
+                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, dtype: str = "float32",
+                      python: str | None = None, url: str = "", log_dir: str | Path = ".",
+                      start_timeout_s: float = 600.0,
+                      doctor: Callable[[], Sequence[str]] | None = None) -> ServedReport:
+    """Serve `drafter_dir` on `target_dir` and decode every set's prompts (one at a time); then the target alone
+    for the engine's own speedup. `url`: a server already running (with this drafter): used as it is, no plain
+    run. `doctor`: called when a row fails, the doctor's failing rules (named by the FAIL line)."""
+    sampled = temperature > 0
+    exact = not sampled and dtype == "float32"
+    args = (max_new_tokens, stop_ids, min_new_tokens, temperature, top_p, seed)
+    longest = max((len(p) for s in sets for p in s.prompts), default=0) + max_new_tokens + block_size
+    spec = EngineSpec(target_dir, drafter_dir, dtype=dtype, max_model_len=max(256, longest), max_num_seqs=1)
+    log = Path(log_dir) / "engine.log"
+    plain: list[ServedDecode | None] = [None] * len(sets)
+    if url:
+        client = EngineClient(url)
+        try:
+            version, served = client.version(), _decode_all(client, sets, *args)
+        finally:
+            client.close()
+        where, log_name = url, ""
+    else:
+        with EngineServer(spec, log, python, start_timeout_s) as server:
+            client = EngineClient(server.url)
+            try:
+                version, served = client.version(), _decode_all(client, sets, *args)
+            finally:
+                client.close()
+        alone = EngineSpec(target_dir, None, dtype=dtype, max_model_len=spec.max_model_len, max_num_seqs=1)
+        with EngineServer(alone, Path(log_dir) / "engine-plain.log", python, start_timeout_s) as server:
+            client = EngineClient(server.url)
+            try:
+                plain = list(_decode_all(client, sets, *args))
+            finally:
+                client.close()
+        where, log_name = str(server.python), str(log)
+    rows = [judge(s, d, block_size, exact, sampled, p) for s, d, p in zip(sets, served, plain)]
+    suspects = list(doctor()) if doctor is not None and not all(r.ok for r in rows) else []
+    lines = [verdict_line(r, exact, suspects, drafter_dir, target_dir) for r in rows]
+    return ServedReport(engine=where, version=version, dtype=dtype, exact=exact, temperature=temperature,
+                        rows=rows, lines=lines, log=log_name)
+
