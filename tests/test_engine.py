@@ -232,6 +232,7 @@ def test_evaluate_with_the_engine_serves_the_same_prompts_beside_ours(served, tm
     import json
 
     from dflash_lib.__main__ import main
+    from dflash_lib.evaluate import DecodeReport
 
     _, _, _, server = served
     target_dir, drafter_dir = server.spec.target, server.spec.drafter
@@ -245,6 +246,7 @@ def test_evaluate_with_the_engine_serves_the_same_prompts_beside_ours(served, tm
     out, err = capsys.readouterr()
     assert code == 0
     report = json.loads(out.strip().splitlines()[-1])
+    assert DecodeReport.from_json(report).to_json() == report  # the nested served record reads back
     served_report = report["served"]
     (row,) = served_report["rows"]
     assert served_report["exact"] and served_report["engine"] == server.url and served_report["version"] != "?"
