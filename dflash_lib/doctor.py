@@ -6,7 +6,7 @@ prints one line per rule, `PASS name: ...`, `FAIL name: what is wrong -> the fix
 not apply` (the chat-template rule for a target whose tokenizer is a dflash_lib mapped vocabulary, e.g. the demo
 target's: no engine serves one, so there is no serving template to compare with), and exits 1 when a rule fails
 (0 otherwise). For a notebook: `diagnose(...)` returns the same `DoctorReport`. Nothing is loaded but
-config files, the safetensors header and the tokenizers: no weight is read, no model is built.
+config files, the safetensors header and the tokenizers, and the weights file is hashed: no model is built.
 
 The rules (docs/serving.md, "Doctor", says why each one exists):
     architecture        architectures == ["DFlashDraftModel"] and model_type "qwen3": what the engines dispatch on
@@ -25,6 +25,9 @@ The rules (docs/serving.md, "Doctor", says why each one exists):
                         each layer's norms, attention and MLP), and no other (from the safetensors header)
     no_embedding        no embed_tokens / lm_head tensor: the engines share the target's
     dtype               torch_dtype a known dtype and every stored tensor in it
+    trained_as          what the engines read equals what training fixed, as our export recorded it
+                        (dflash_config.training.trained_as): target_layer_ids, mask_token_id, both block sizes, and
+                        model.safetensors' SHA-256; N/A for a folder without that record (a published drafter)
     chat_template       N corpus conversations rendered as TRAINING did (the recorded tokenizer, template and
                         thinking mode) and by the TARGET folder's own tokenizer + chat template (transformers'
                         apply_chat_template, enable_thinking from the same thinking mode), whole conversation and
@@ -43,6 +46,7 @@ from dflash_lib.config import MAPPED_VOCAB_FILE, ConfigError, DataConfig, from_p
 from dflash_lib.data.readers import Conversation, DataError, load_conversations
 from dflash_lib.data.templates import ChatTemplate, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, is_mapped_tokenizer, load_tokenizer
+from dflash_lib.models.export import file_sha256
 from dflash_lib.models.target import local_hf_config
 from dflash_lib.rundir import read_json_object
 
@@ -345,6 +349,36 @@ def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[i
     return rules
 
 
+def trained_as_rule(doc: Mapping[str, Any], weights_file: Path) -> RuleResult:
+    """The fields the engines read against dflash_config.training.trained_as (`export.trained_as`): an edit
+    after export, or a converter, that changed the layer ids, the MASK id, the block size or the weights serves
+    with a drafter other than the one trained (measured: each served, none refused, acceptance off;
+    docs/serving.md)."""
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    record = (dc.get("training") or {}).get("trained_as") if isinstance(dc.get("training"), dict) else None
+    if not isinstance(record, dict):
+        return RuleResult("trained_as", None, "no dflash_config.training.trained_as (not exported by dflash_lib, "
+                          "or before it recorded one): nothing to compare with")
+    now = {"target_layer_ids": dc.get("target_layer_ids"), "mask_token_id": dc.get("mask_token_id"),
+           "block_size": doc.get("block_size", dc.get("block_size")),
+           "dflash_config.block_size": dc.get("block_size", doc.get("block_size"))}
+    was = {**{k: record.get(k) for k in ("target_layer_ids", "mask_token_id", "block_size")},
+           "dflash_config.block_size": record.get("block_size")}
+    differ = [f"{k} {now[k]!r} (trained {was[k]!r})" for k in now if now[k] != was[k]]
+    try:
+        digest = file_sha256(weights_file)
+    except OSError as e:
+        digest = f"unreadable ({e})"
+    if digest != record.get("weights_sha256"):
+        differ.append(f"{weights_file.name} is not the file the export wrote (SHA-256 {digest[:12]}..., recorded "
+                      f"{str(record.get('weights_sha256'))[:12]}...)")
+    detail = ("layer ids, MASK id, block size and weights as trained" if not differ else
+              "changed since export: " + "; ".join(differ))
+    return RuleResult("trained_as", not differ, detail,
+                      "export the drafter again from its run (python -m dflash_lib export RUN OUT); to serve other "
+                      "settings, train with them")
+
+
 # -- the chat-template rule ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainingRender:
@@ -495,6 +529,7 @@ def diagnose(export_dir: str | Path, target: str | Path, params: Mapping[str, An
     report = DoctorReport(str(src), str(target))
     report.rules += config_rules(doc, facts)
     report.rules += weight_rules(doc, safetensors_header(src / WEIGHTS_FILE))
+    report.rules.append(trained_as_rule(doc, src / WEIGHTS_FILE))
     rule, report.mismatch = chat_template_rule(doc, str(target), params, samples)
     report.rules.append(rule)
     return report

@@ -707,7 +707,7 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
 
     def doctor() -> list[str]:
         report = diagnose(setup.drafter_dir, c.model.target, {"doctor_samples": c.evaluate.doctor_samples})
-        return report.failed
+        return report.failed()
 
     say(f"engine {c.evaluate.engine}: serving {setup.drafter_dir} on {c.model.target}" + (
         f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / 'engine.log'})"))

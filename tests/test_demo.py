@@ -70,7 +70,7 @@ def test_demo_chain_on_smoke_parameters(tmp_path):
     assert sampled["temperature"] == 1.0 and [r["benchmark"] for r in sampled["benchmarks"]] == [
         "heldout", "humaneval", "mt-bench"]
     doctor = evaluation["doctor"]  # the export against the demo target: passes, its mapped tokenizer N/A
-    assert doctor["ok"] and doctor["summary"] == "11 of 12 rules pass; 1 N/A (chat_template)", doctor["lines"]
+    assert doctor["ok"] and doctor["summary"] == "12 of 13 rules pass; 1 N/A (chat_template)", doctor["lines"]
     page = (demo_dir / "report.html").read_text()
     assert "Evaluation: what training bought" in page
     assert "<h3>Per benchmark (final drafter)</h3>" in page and "<th>tau T=1</th>" in page

@@ -30,7 +30,8 @@ CONVERSATIONS = [
     [("user", "Hi"), ("assistant", "Hello."), ("user", "2+2?"), ("assistant", "4, I think.")],
 ]
 RULES = ["architecture", "hidden_act", "hidden_size", "vocab_size", "block_size", "target_layer_ids",
-         "engine_layer_ids", "mask_token_id", "weights", "no_embedding", "dtype", "chat_template"]
+         "engine_layer_ids", "mask_token_id", "weights", "no_embedding", "dtype", "trained_as", "chat_template"]
+WATCHED = {"dflash_target_layer_ids", "dflash_mask_token_id", "dflash_block_size", "block_size"}  # trained_as's
 
 
 def _target_folder(folder: Path, chat_template: str | None) -> Path:
@@ -119,9 +120,10 @@ def test_a_fresh_export_passes_every_rule(setup):
     (dict(torch_dtype="float32", dtype="float32"), "dtype", "tensors stored as ['BF16']"),
 ])
 def test_each_planted_config_fault_fails_its_rule_only(setup, tmp_path, changes, rule, says):
+    """Its own rule, and `trained_as` too where the field changed is one training fixed."""
     export, target_dir, _ = setup
     report = diagnose(_copy(export, tmp_path, **changes), target_dir, {"doctor_samples": 1})
-    assert _failed(report) == [rule]
+    assert _failed(report) == [rule] + (["trained_as"] if WATCHED & set(changes) else [])
     failed = next(r for r in report.rules if r.name == rule)
     assert says in failed.detail and failed.line().startswith(f"FAIL {rule}: ") and " -> " in failed.line()
 
@@ -129,7 +131,7 @@ def test_each_planted_config_fault_fails_its_rule_only(setup, tmp_path, changes,
 def test_a_layer_id_past_the_target_fails_both_layer_rules(setup, tmp_path):
     export, target_dir, _ = setup
     report = diagnose(_copy(export, tmp_path, dflash_target_layer_ids=[3, 6]), target_dir, {"doctor_samples": 1})
-    assert _failed(report) == ["target_layer_ids", "engine_layer_ids"]
+    assert _failed(report) == ["target_layer_ids", "engine_layer_ids", "trained_as"]
     assert "[6] outside the target's layers 0 .. 5" in report.rules[5].detail
 
 
@@ -156,12 +158,49 @@ def test_what_each_engine_reads_with_and_without_the_vllm_ids(setup, tmp_path):
     (lambda w: w.update({"norm.weight": w["norm.weight"].float()}), "dtype", "tensors stored as ['BF16', 'F32']"),
 ])
 def test_each_planted_weight_fault_fails_its_rule_only(setup, tmp_path, edit, rule, says):
+    """Its own rule, and `trained_as` (the weights file is not the one exported)."""
     export, target_dir, _ = setup
     folder = _copy(export, tmp_path)
     _rewrite_weights(folder, edit)
     report = diagnose(folder, target_dir, {"doctor_samples": 1})
-    assert _failed(report) == [rule]
+    assert _failed(report) == [rule, "trained_as"]
     assert says in next(r for r in report.rules if r.name == rule).detail
+
+
+def _swap_fc_halves(w):
+    fc = w["fc.weight"]
+    w["fc.weight"] = torch.cat([fc[:, H:], fc[:, :H]], dim=1)  # the two fused layers' columns exchanged
+
+
+@pytest.mark.parametrize("changes, edit, says", [
+    (dict(dflash_target_layer_ids=[2, 4], eagle_aux_hidden_state_layer_ids=[3, 5]), None,
+     "target_layer_ids [2, 4] (trained [1, 3])"),  # shifted by one in both fields: every engine agrees, wrongly
+    (dict(dflash_mask_token_id=0), None, "mask_token_id 0 (trained 301)"),  # an ordinary row
+    (dict(block_size=8, dflash_block_size=8), None, "block_size 8 (trained 4)"),  # both agree, on 8
+    ({}, _swap_fc_halves, "model.safetensors is not the file the export wrote"),  # same shapes: loads
+])
+def test_faults_every_other_rule_passes_fail_trained_as(setup, tmp_path, changes, edit, says):
+    """The faults the real engine serves without a word (docs/serving.md: each served, acceptance off) and that no
+    shape or range rule can see: the export's own record of what training fixed names them."""
+    export, target_dir, _ = setup
+    folder = _copy(export, tmp_path, **changes)
+    if edit is not None:
+        _rewrite_weights(folder, edit)
+    report = diagnose(folder, target_dir, {"doctor_samples": 1})
+    assert _failed(report) == ["trained_as"]
+    rule = next(r for r in report.rules if r.name == "trained_as")
+    assert rule.detail.startswith("changed since export: ") and says in rule.detail
+    assert "python -m dflash_lib export" in rule.fix
+
+
+def test_a_folder_without_the_training_record_makes_trained_as_not_applicable(setup, tmp_path):
+    export, target_dir, _ = setup
+    folder = _copy(export, tmp_path)
+    doc = json.loads((folder / "config.json").read_text())
+    del doc["dflash_config"]["training"]["trained_as"]
+    (folder / "config.json").write_text(json.dumps(doc))
+    report = diagnose(folder, target_dir, {"doctor_samples": 1})
+    assert report.ok and report.not_applicable() == ["trained_as"]
 
 
 TARGET = TargetFacts("target", H, LAYERS, 302)

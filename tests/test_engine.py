@@ -129,9 +129,10 @@ def _engine_or_skip() -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(target, drafter, client, server): the engine check's models (`serve.check`): the target saved as a Hugging Face folder, the drafter trained 30 steps on the
-    target's greedy answers (tau ~2 of 4: every draft position is sometimes accepted, sometimes not) and exported
-    in fp32, both served by the engine in fp32."""
+    """(target, drafter, client, server): the engine check's models (`serve.check`), the target saved as a Hugging
+    Face folder with a tokenizer, the drafter trained 30 steps on the target's greedy answers to TRAINED (tau ~2.7
+    of 4 on them: every draft position sometimes accepted, sometimes not) and exported in fp32, both served by the
+    engine in fp32."""
     python = _engine_or_skip()
     root = tmp_path_factory.mktemp("engine")
     target, drafter = check_models()
@@ -274,3 +275,37 @@ def test_served_acceptance_starts_the_engine_with_and_without_the_drafter(served
                                                                               row.plain_tokens_per_s)
     assert (tmp_path / "engine.log").is_file() and (tmp_path / "engine-plain.log").is_file()
     assert report.log == str(tmp_path / "engine.log") and report.lines[0].startswith("PASS served trained")
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # an engine start per fault, two for the one it serves (~80 s in all)
+@pytest.mark.parametrize("mask, says, rule", [
+    (0, "a train/serve gap", "trained_as"),  # an ordinary row: served without a word, acceptance lower
+    (V, "the engine failed a request", "mask_token_id"),  # past the embedding: the engine fails the first request
+])
+def test_a_planted_mask_fault_is_what_the_real_engine_shows_and_the_doctor_names(served, tmp_path, mask, says, rule):
+    """What the REAL engine does with a wrong MASK id in the export, and the FAIL line naming the doctor rule."""
+    import json
+    import shutil
+
+    from dflash_lib.doctor import diagnose
+
+    target, drafter, _, server = served
+    folder = tmp_path / "faulty"
+    shutil.copytree(server.spec.drafter, folder)
+    doc = json.loads((folder / "config.json").read_text())
+    doc["dflash_config"]["mask_token_id"] = mask
+    (folder / "config.json").write_text(json.dumps(doc))
+    prompts = TRAINED[:4]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    sets = [ServedSet("trained", prompts, ours.outputs, ours.cycle_log)]
+    report = served_acceptance(server.spec.target, str(folder), sets, 4, NEW, python=str(server.python),
+                               log_dir=tmp_path, doctor=lambda: diagnose(folder, server.spec.target,
+                                                                         {"doctor_samples": 1}).failed())
+    line = report.lines[-1]
+    assert line.startswith("FAIL served") and says in line and f"the doctor fails " in line and rule in line
+    if report.rows:  # served: lossless all the same (the target verifies), fewer drafts accepted
+        (row,) = report.rows
+        assert row.outputs_equal == 4 and row.served_tau < row.tau and not row.ok
+    else:
+        assert "EngineCore" in line or "500" in line

@@ -241,7 +241,7 @@ def _sampled() -> dict:
 
 
 def _doctor() -> dict:
-    return dict(ok=True, summary="11 of 12 rules pass; 1 N/A (chat_template)",
+    return dict(ok=True, summary="12 of 13 rules pass; 1 N/A (chat_template)",
                 lines=["PASS architecture: architectures ['DFlashDraftModel']", "N/A chat_template: a <mapped> one"])
 
 
@@ -257,7 +257,7 @@ def test_report_shows_the_sampled_evaluation_and_the_doctor(demo_tree, tmp_path)
     assert re.findall(r"<th>([^<]+)</th>", table)[-2:] == ["tau T=1", "speedup T=1"]
     cells = [re.findall(r'<td class="num">([^<]*)</td>', r)[-2:] for r in table.split("<tr>")[2:]]
     assert cells == [["-", "-"], ["1.500", "0.95x"]]  # humaneval has no sampled row; mt-bench's
-    assert "<h3>Serving doctor on the export: passes</h3><p>11 of 12 rules pass; 1 N/A (chat_template)" in page
+    assert "<h3>Serving doctor on the export: passes</h3><p>12 of 13 rules pass; 1 N/A (chat_template)" in page
     assert ("PASS architecture: architectures [&#x27;DFlashDraftModel&#x27;]\nN/A chat_template: a &lt;mapped&gt; "
             "one</pre>") in page
     failing = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [],

@@ -10,7 +10,9 @@ for fine-tuning; bf16 for serving), and `read_drafter` / `-p init_from` read eit
                        dflash_config {mask_token_id, target_layer_ids (always explicit), block_size, training
                        {...}}. `dflash_config.training` is ours: what the trainer needs to resume fine-tuning
                        (gamma, num_anchors, ce_chunk_blocks, initializer_range) and what it was trained for
-                       (target, template, tokenizer, thinking, corpus, source); loading never requires it.
+                       (target, template, tokenizer, thinking, corpus, source), and `trained_as`: the layer
+                       ids, MASK id, block size and weights SHA-256 the export wrote (the doctor's `trained_as`
+                       rule); loading never requires it.
     model.safetensors  the trainable weights only, Qwen3 names: fc.weight (H, F*H), hidden_norm.weight (H,),
                        norm.weight (H,), layers.{i}.{input,post_attention}_layernorm.weight,
                        layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
@@ -22,6 +24,7 @@ Feature i is the output of 0-based target decoder layer target_layer_ids[i] (HF 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -113,9 +116,26 @@ def write_folder(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: 
     doc = serving_config(cfg, dtype, max_position_embeddings, training)
     tensors = {n: w.detach().to(device="cpu", dtype=dtype).contiguous() for n, w in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    doc["dflash_config"]["training"]["trained_as"] = trained_as(cfg, out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
     (out / README_FILE).write_text(_readme(doc))
     return out
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, hex (read in 16 MiB pieces)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(16 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def trained_as(cfg: DrafterConfig, weights_file: Path) -> dict[str, Any]:
+    """What the engines read that training fixed, as the export wrote it: the fused target layers, the MASK id,
+    the block size and the weights file's SHA-256 (the doctor's `trained_as` rule compares the folder with it)."""
+    return {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_id,
+            "block_size": cfg.block_size, "weights_sha256": file_sha256(weights_file)}
 
 
 def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str,

@@ -121,10 +121,13 @@ def verdict_line(row: ServedRow, exact: bool, suspects: Sequence[str], export: s
         figures += f", answers equal {row.outputs_equal}/{row.prompts}"
     if row.ok:
         return f"PASS served {row.name}: {figures}"
+    return f"FAIL served {row.name}: {figures}: a train/serve gap; " + _cause(suspects, export, target)
+
+
+def _cause(suspects: Sequence[str], export: str, target: str) -> str:
     cause = (f"the doctor fails {', '.join(suspects)}" if suspects else
              "the doctor passes every rule: compare what the engine reads of the export (docs/serving.md)")
-    return (f"FAIL served {row.name}: {figures}: a train/serve gap; {cause} -> python -m dflash_lib doctor "
-            f"{export} --target {target}")
+    return f"{cause} -> python -m dflash_lib doctor {export} --target {target}"
 
 
 def _decode_all(client: EngineClient, sets: Sequence[ServedSet], max_new_tokens: int, stop_ids: Sequence[int],
@@ -151,31 +154,45 @@ def served_acceptance(target_dir: str, drafter_dir: str, sets: Sequence[ServedSe
     spec = EngineSpec(target_dir, drafter_dir, dtype=dtype, max_model_len=max(256, longest), max_num_seqs=1)
     log = Path(log_dir) / "engine.log"
     plain: list[ServedDecode | None] = [None] * len(sets)
-    if url:
-        client = EngineClient(url)
+    failure = ""  # the engine started but failed a request: a FAIL line, no rows
+    with (EngineServer(spec, log, python, start_timeout_s) if not url else _Running(url)) as server:
+        client = EngineClient(server.url)
         try:
-            version, served = client.version(), _decode_all(client, sets, *args)
+            version = client.version()
+            served = _decode_all(client, sets, *args)
+        except RuntimeError as e:
+            failure, served = " ".join(str(e).split())[:300], []
         finally:
             client.close()
-        where, log_name = url, ""
-    else:
-        with EngineServer(spec, log, python, start_timeout_s) as server:
-            client = EngineClient(server.url)
-            try:
-                version, served = client.version(), _decode_all(client, sets, *args)
-            finally:
-                client.close()
+    where, log_name = (url, "") if url else (str(server.python), str(log))
+    if not url and not failure:
         alone = EngineSpec(target_dir, None, dtype=dtype, max_model_len=spec.max_model_len, max_num_seqs=1)
-        with EngineServer(alone, Path(log_dir) / "engine-plain.log", python, start_timeout_s) as server:
-            client = EngineClient(server.url)
+        with EngineServer(alone, Path(log_dir) / "engine-plain.log", python, start_timeout_s) as plain_server:
+            client = EngineClient(plain_server.url)
             try:
                 plain = list(_decode_all(client, sets, *args))
             finally:
                 client.close()
-        where, log_name = str(server.python), str(log)
     rows = [judge(s, d, block_size, exact, sampled, p) for s, d, p in zip(sets, served, plain)]
-    suspects = list(doctor()) if doctor is not None and not all(r.ok for r in rows) else []
+    bad = bool(failure) or not all(r.ok for r in rows)
+    suspects = list(doctor()) if doctor is not None and bad else []
     lines = [verdict_line(r, exact, suspects, drafter_dir, target_dir) for r in rows]
+    if failure:
+        lines.append(f"FAIL served: the engine failed a request ({failure}); " + _cause(suspects, drafter_dir,
+                                                                                          target_dir))
     return ServedReport(engine=where, version=version, dtype=dtype, exact=exact, temperature=temperature,
                         rows=rows, lines=lines, log=log_name)
+
+
+class _Running:
+    """A server already running at `url`, used as `EngineServer` is (nothing started, nothing stopped)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __enter__(self) -> "_Running":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
