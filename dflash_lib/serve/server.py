@@ -68,6 +68,8 @@ class EngineSpec:
     max_num_seqs: int = 8  # sequences decoded at once
     kv_cache_gib: float = 1.0  # the KV cache's size (GiB; --kv-cache-memory-bytes, the CPU build's too)
     seed: int = 0  # the engine's sampling seed (requests may give their own)
+    token_ids: bool = True  # prompts and answers as token ids, no tokenizer; False: the folder's tokenizer and chat
+    # template serve text too (the chat endpoint `regenerate --backend openai` uses)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more server flags, verbatim
 
     def speculative_config(self) -> dict[str, Any] | None:
@@ -78,12 +80,14 @@ class EngineSpec:
         return {"method": "dflash", "model": str(Path(self.drafter).resolve()), "num_speculative_tokens": k}
 
     def args(self, port: int) -> list[str]:
-        """The server's flags: prompts and answers as token ids (no tokenizer: the engine sees exactly the ids we
-        decode), eager mode, loopback only."""
+        """The server's flags: eager mode, loopback only, and (`token_ids`) prompts and answers as token ids with
+        no tokenizer: the engine sees exactly the ids we decode."""
         out = ["--model", str(Path(self.target).resolve()), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--max-num-seqs",
                str(self.max_num_seqs), "--seed", str(self.seed), "--kv-cache-memory-bytes",
-               str(int(self.kv_cache_gib * 2**30)), "--enforce-eager", "--skip-tokenizer-init"]
+               str(int(self.kv_cache_gib * 2**30)), "--enforce-eager"]
+        if self.token_ids:
+            out.append("--skip-tokenizer-init")
         spec = self.speculative_config()
         if spec is not None:
             out += ["--speculative-config", json.dumps(spec)]
