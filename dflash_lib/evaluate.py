@@ -62,7 +62,7 @@ from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.export import DTYPES, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord, omitted
-from dflash_lib.serve.measure import ServedReport, ServedSet, served_acceptance
+from dflash_lib.serve.measure import ServedReport, ServedSet, served_acceptance, served_table
 from dflash_lib.serve.server import engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
@@ -689,7 +689,8 @@ def served_sets(groups: Sequence[PromptGroup], done: Sequence[GroupDecode]) -> l
     every turn together."""
     out: dict[tuple[str, str], ServedSet] = {}
     for group, g in zip(groups, done):
-        s = out.setdefault((g.benchmark, g.thinking), ServedSet(f"{g.benchmark} (thinking {g.thinking})", [], [], []))
+        name = f"{g.benchmark} (thinking {g.thinking})"
+        s = out.setdefault((g.benchmark, g.thinking), ServedSet(name, [], [], []))
         s.prompts += [list(p) for p in group.prompts]
         s.outputs += g.spec.outputs
         s.cycle_log += g.spec.cycle_log
@@ -702,7 +703,8 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
     saved drafter, in the dtype our target ran (fp32 on the CPU: greedy must then agree exactly), the engine's log
     in the run's engine/ folder (a temporary one for a drafter outside a run)."""
     c = setup.config
-    log_dir = setup.run_dir / "engine" if setup.run_dir is not None else Path(tempfile.mkdtemp(prefix="dflash-engine-"))
+    log_dir = (setup.run_dir / "engine" if setup.run_dir is not None
+               else Path(tempfile.mkdtemp(prefix="dflash-engine-")))
     sampling = setup.sampling()
 
     def doctor() -> list[str]:
@@ -720,20 +722,6 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
     for line in report.lines:
         say(line)
     return report
-
-
-def served_table(report: ServedReport) -> str:
-    """Served vs in-process per set: tau, per-position acceptance, the engine's tokens/s and speedup."""
-    head = (f"{'served by':<32} {'tau':>6} {'served':>7} {'tok/s':>8} {'plain':>8} {'speedup':>8}  "
-            "per position ours / served")
-    lines = [f"engine vLLM {report.version} ({report.dtype}, temperature {report.temperature:g})", head]
-    for r in report.rows:
-        plain = f"{r.plain_tokens_per_s:8.1f}" if r.plain_tokens_per_s is not None else f"{'-':>8}"
-        speed = f"{r.served_speedup:7.2f}x" if r.served_speedup is not None else f"{'-':>8}"
-        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.per_position, r.served_per_position))
-        lines.append(f"{r.name[:32]:<32} {r.tau:6.3f} {r.served_tau:7.3f} {r.served_tokens_per_s:8.1f} {plain} "
-                     f"{speed}  {pos}")
-    return "\n".join(lines)
 
 
 # -- a whole training run: every checkpoint, the untrained and the final drafter (notebook 05) ---------------------

@@ -19,7 +19,8 @@ from dflash_lib.models.export import export_drafter
 from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
 from dflash_lib.serve.check import VOCAB as V
 from dflash_lib.serve.check import check_models
-from dflash_lib.serve.measure import ServedSet, judge, served_acceptance, served_histogram, verdict_line
+from dflash_lib.serve.measure import (ServedReport, ServedSet, judge, served_acceptance, served_histogram,
+                                      served_table, verdict_line)
 from dflash_lib.serve.client import ServedDecode
 from tiny_models import overfit_on_greedy, random_prompts, tiny_chatml_tokenizer
 
@@ -85,6 +86,11 @@ def test_served_rows_judge_exactly_when_greedy_fp32_and_by_three_standard_errors
     assert "the doctor passes every rule" in verdict_line(bad, False, [], "E", "T")
     wrong_answer = judge(s, _decode([[5, 6], [8]] + outputs[2:], same), 4, True, False, None)
     assert not wrong_answer.ok and wrong_answer.outputs_equal == 19
+    table = served_table(ServedReport("py", "0.32.0", "float32", True, 0.0, [row, bad], [], "")).splitlines()
+    assert table[0] == "engine vLLM 0.32.0 (float32, temperature 0)"
+    assert table[2].split() == ["heldout", "(thinking", "off)", "2.750", "2.750", "30.0", "15.0", "2.00x",
+                                "0.75/0.75", "0.50/0.50", "0.50/0.50"]
+    assert table[3].split()[3:9] == ["2.750", "1.000", "30.0", "-", "-", "0.75/0.00"]
 
 
 def test_evaluate_refuses_the_engine_without_a_target_folder_before_loading(tmp_path):

@@ -196,3 +196,16 @@ class _Running:
     def __exit__(self, *exc: object) -> None:
         return None
 
+
+def served_table(report: ServedReport) -> str:
+    """Served vs in-process per set: tau, per-position acceptance, the engine's tokens/s and speedup."""
+    head = (f"{'served by':<32} {'tau':>6} {'served':>7} {'tok/s':>8} {'plain':>8} {'speedup':>8}  "
+            "per position ours / served")
+    lines = [f"engine vLLM {report.version} ({report.dtype}, temperature {report.temperature:g})", head]
+    for r in report.rows:
+        plain = f"{r.plain_tokens_per_s:8.1f}" if r.plain_tokens_per_s is not None else f"{'-':>8}"
+        speed = f"{r.served_speedup:7.2f}x" if r.served_speedup is not None else f"{'-':>8}"
+        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.per_position, r.served_per_position))
+        lines.append(f"{r.name[:32]:<32} {r.tau:6.3f} {r.served_tau:7.3f} {r.served_tokens_per_s:8.1f} {plain} "
+                     f"{speed}  {pos}")
+    return "\n".join(lines)
