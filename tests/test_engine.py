@@ -283,16 +283,51 @@ def test_served_acceptance_starts_the_engine_with_and_without_the_drafter(served
     assert report.log == str(tmp_path / "engine.log") and report.lines[0].startswith("PASS served trained")
 
 
+def _shift_layers(doc, weights):
+    doc["dflash_config"]["target_layer_ids"] = [1, 3]  # both fields shifted by one: every engine agrees, wrongly
+    doc["eagle_aux_hidden_state_layer_ids"] = [2, 4]
+
+
+def _aux_without_the_plus_one(doc, weights):
+    doc["eagle_aux_hidden_state_layer_ids"] = list(doc["dflash_config"]["target_layer_ids"])
+
+
+def _mask(mask):
+    def edit(doc, weights):
+        doc["dflash_config"]["mask_token_id"] = mask
+    return edit
+
+
+def _block_size_8(doc, weights):
+    doc["block_size"] = doc["dflash_config"]["block_size"] = 8
+
+
+def _swap_fc_halves(doc, weights):
+    fc = weights["fc.weight"]
+    h = fc.shape[0]
+    weights["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1).contiguous()  # the two fused layers exchanged
+
+
 @pytest.mark.engine
-@pytest.mark.slow  # an engine start per fault, two for the one it serves (~80 s in all)
-@pytest.mark.parametrize("mask, says, rule", [
-    (0, "a train/serve gap", "trained_as"),  # an ordinary row: served without a word, acceptance lower
-    (V, "the engine failed a request", "mask_token_id"),  # past the embedding: the engine fails the first request
-])
-def test_a_planted_mask_fault_is_what_the_real_engine_shows_and_the_doctor_names(served, tmp_path, mask, says, rule):
-    """What the REAL engine does with a wrong MASK id in the export, and the FAIL line naming the doctor rule."""
+@pytest.mark.slow  # an engine start per fault (~27 s each)
+@pytest.mark.parametrize("edit, says, rule", [
+    (_shift_layers, "a train/serve gap", "trained_as"),  # served: acceptance lower (2.41 vs 2.67, LOG.md)
+    (_aux_without_the_plus_one, "a train/serve gap", "engine_layer_ids"),  # served: vLLM reads the wrong layers
+    (_mask(0), "a train/serve gap", "trained_as"),  # an ordinary row: served, acceptance lower
+    (_mask(V), "the engine failed a request", "mask_token_id"),  # past the embedding: the first request fails
+    (_block_size_8, "a train/serve gap", "trained_as"),  # 7 drafts a step: the positions differ from ours
+    (_swap_fc_halves, "a train/serve gap", "trained_as"),  # the same shapes: loads, acceptance lower
+], ids=["layers shifted", "aux ids without +1", "mask 0", "mask past the vocabulary", "block size 8",
+        "fc halves swapped"])
+def test_a_planted_export_fault_is_what_the_real_engine_shows_and_the_doctor_names(served, tmp_path, edit, says,
+                                                                                   rule):
+    """What the REAL engine does with each fault planted in the export (none is refused at load: it serves
+    with other acceptance, or fails the first request), and the FAIL line naming the doctor rule that catches it
+    before serving."""
     import json
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from dflash_lib.doctor import diagnose
 
@@ -300,21 +335,24 @@ def test_a_planted_mask_fault_is_what_the_real_engine_shows_and_the_doctor_names
     folder = tmp_path / "faulty"
     shutil.copytree(server.spec.drafter, folder)
     doc = json.loads((folder / "config.json").read_text())
-    doc["dflash_config"]["mask_token_id"] = mask
+    weights = load_file(str(folder / "model.safetensors"))
+    edit(doc, weights)
     (folder / "config.json").write_text(json.dumps(doc))
+    save_file(weights, str(folder / "model.safetensors"))
     prompts = TRAINED[:4]
     ours = acceptance_length(target, drafter, prompts, NEW)
     sets = [ServedSet("trained", prompts, ours.outputs, ours.cycle_log)]
     report = served_acceptance(server.spec.target, str(folder), sets, 4, NEW, python=str(server.python),
-                               log_dir=tmp_path, doctor=lambda: diagnose(folder, server.spec.target,
-                                                                         {"doctor_samples": 1}).failed())
+                               log_dir=tmp_path, plain=False,
+                               doctor=lambda: diagnose(folder, server.spec.target, {"doctor_samples": 1}).failed())
     line = report.lines[-1]
-    assert line.startswith("FAIL served") and says in line and f"the doctor fails " in line and rule in line
-    if report.rows:  # served: lossless all the same (the target verifies), fewer drafts accepted
+    assert line.startswith("FAIL served") and says in line and "the doctor fails " in line and rule in line
+    if report.rows:  # served: lossless all the same (the target verifies every draft), other acceptance
         (row,) = report.rows
-        assert row.outputs_equal == 4 and row.served_tau < row.tau and not row.ok
+        assert row.outputs_equal == 4 and row.served_tau != row.tau and not row.ok
+        assert row.plain_tokens_per_s is None  # plain=False: the engine was started once
     else:
-        assert "EngineCore" in line or "500" in line
+        assert "500" in line
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -142,18 +142,18 @@ def served_acceptance(target_dir: str, drafter_dir: str, sets: Sequence[ServedSe
                       max_new_tokens: int, stop_ids: Sequence[int] = (), min_new_tokens: int = 0,
                       temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, dtype: str = "float32",
                       python: str | None = None, url: str = "", log_dir: str | Path = ".",
-                      start_timeout_s: float = 600.0,
-                      doctor: Callable[[], Sequence[str]] | None = None) -> ServedReport:
-    """Serve `drafter_dir` on `target_dir` and decode every set's prompts (one at a time); then the target alone
-    for the engine's own speedup. `url`: a server already running (with this drafter): used as it is, no plain
-    run. `doctor`: called when a row fails, the doctor's failing rules (named by the FAIL line)."""
+                      start_timeout_s: float = 600.0, doctor: Callable[[], Sequence[str]] | None = None,
+                      plain: bool = True) -> ServedReport:
+    """Serve `drafter_dir` on `target_dir` and decode every set's prompts (one at a time); then (`plain`) the
+    target alone for the engine's own speedup. `url`: a server already running (with this drafter): used as it
+    is, no plain run. `doctor`: called when a row fails, the doctor's failing rules (named by the FAIL line)."""
     sampled = temperature > 0
     exact = not sampled and dtype == "float32"
     args = (max_new_tokens, stop_ids, min_new_tokens, temperature, top_p, seed)
     longest = max((len(p) for s in sets for p in s.prompts), default=0) + max_new_tokens + block_size
     spec = EngineSpec(target_dir, drafter_dir, dtype=dtype, max_model_len=max(256, longest), max_num_seqs=1)
     log = Path(log_dir) / "engine.log"
-    plain: list[ServedDecode | None] = [None] * len(sets)
+    alone: list[ServedDecode | None] = [None] * len(sets)
     failure = ""  # the engine started but failed a request: a FAIL line, no rows
     with (EngineServer(spec, log, python, start_timeout_s) if not url else _Running(url)) as server:
         client = EngineClient(server.url)
@@ -165,15 +165,15 @@ def served_acceptance(target_dir: str, drafter_dir: str, sets: Sequence[ServedSe
         finally:
             client.close()
     where, log_name = (url, "") if url else (str(server.python), str(log))
-    if not url and not failure:
-        alone = EngineSpec(target_dir, None, dtype=dtype, max_model_len=spec.max_model_len, max_num_seqs=1)
-        with EngineServer(alone, Path(log_dir) / "engine-plain.log", python, start_timeout_s) as plain_server:
-            client = EngineClient(plain_server.url)
+    if plain and not url and not failure:
+        target_alone = EngineSpec(target_dir, None, dtype=dtype, max_model_len=spec.max_model_len, max_num_seqs=1)
+        with EngineServer(target_alone, Path(log_dir) / "engine-plain.log", python, start_timeout_s) as server_alone:
+            client = EngineClient(server_alone.url)
             try:
-                plain = list(_decode_all(client, sets, *args))
+                alone = list(_decode_all(client, sets, *args))
             finally:
                 client.close()
-    rows = [judge(s, d, block_size, exact, sampled, p) for s, d, p in zip(sets, served, plain)]
+    rows = [judge(s, d, block_size, exact, sampled, p) for s, d, p in zip(sets, served, alone)]
     bad = bool(failure) or not all(r.ok for r in rows)
     suspects = list(doctor()) if doctor is not None and bad else []
     lines = [verdict_line(r, exact, suspects, drafter_dir, target_dir) for r in rows]
