@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the whole study on the bundled corpus with tiny models")
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
+    demo.add_argument("--engine", default="auto", choices=("auto", "vllm", "none"),
+                      help="notebook 05 also serves every drafter with vLLM (auto: when `make engine` made "
+                      ".venv-engine)")
 
     dt = sub.add_parser("demo-target", help="build (or find cached) the demo's target: a small Qwen3 trained on the "
                         "corpus over a shrunk vocabulary; prints its folder (a -p target and -p tokenizer DIR)")
@@ -233,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                          "here: one greedy answer of a tiny target, equal to the target's own, with drafts")
     eng.add_argument("--python", default=None, help="the Python whose vllm is the engine (default: "
                      "$DFLASH_ENGINE_PYTHON, else .venv-engine/bin/python)")
+    eng.add_argument("--log", default=None, help="keep the engine's log in this file (default: a temporary one)")
 
     par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
     par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "demo":
             from dflash_lib.lab.demo import run_demo
 
-            print(run_demo(preset_name=args.preset, tag=args.tag))
+            print(run_demo(preset_name=args.preset, tag=args.tag,
+                           engine=None if args.engine == "auto" else args.engine))
         elif args.cmd == "demo-target":
             from dflash_lib.lab.demo_target import run_cli as demo_target
 
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "engine-check":
             from dflash_lib.serve.check import engine_check
 
-            print(engine_check(args.python))
+            print(engine_check(args.python, log=args.log))
         elif args.cmd == "params":
             print(params_table(args.section))
     except Exception as e:

@@ -59,10 +59,10 @@ from dflash_lib.data.tokenizers import load_tokenizer
 from dflash_lib.data.split import HELDOUT_FILE, sample_hash, split_store
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
-from dflash_lib.models.export import DTYPES, init_from, read_drafter
+from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord, omitted
-from dflash_lib.serve.measure import ServedReport, ServedSet, served_acceptance, served_table
+from dflash_lib.serve.measure import ServedPass, ServedReport, ServedSet, serve_passes, served_table
 from dflash_lib.serve.server import engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
@@ -131,6 +131,10 @@ class DrafterMeasurement(JsonRecord):
     cycles: int  # drafting cycles over all prompts
     outputs_equal_baseline: int | None  # prompts whose output equals plain greedy decoding's; None when sampling
     tokens_per_s: float  # output tokens per second of speculative decoding
+    # `-p engine vllm`: this drafter served by the engine on the same prompts (`serve.measure.ServedReport`) and its
+    # tau over every set (tokens per drafting step, the engine's own counters)
+    served_tau: float | None = omitted()
+    served: ServedReport | None = omitted()
 
 
 @dataclass
@@ -174,6 +178,11 @@ class RunEvaluation(JsonRecord):
     # The serving doctor on the export against the target folder (`doctor.DoctorReport.to_json`, plus its `lines`);
     # None without an export or when the target is not a local folder ("tiny")
     doctor: dict[str, Any] | None = None
+    # The best drafter of the run (`best_drafter`): by served tau with `-p engine vllm`, else by our tau
+    best_step: int = 0  # its step
+    best_drafter: str = ""  # which (`DrafterMeasurement.drafter`)
+    best_by: str = "tau"  # "served tau" (the engine's counters) or "tau" (in-process decoding)
+    best_tau: float = 0.0  # its tau by that measure (tokens per cycle)
 
 
 def _stderr(text: str) -> None:
@@ -699,29 +708,45 @@ def served_sets(groups: Sequence[PromptGroup], done: Sequence[GroupDecode]) -> l
 
 def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDecode],
            say: Say = _stderr) -> ServedReport:
-    """The decoded prompts served by the engine (`serve.measure.served_acceptance`): the target folder with the
-    saved drafter, in the dtype our target ran (fp32 on the CPU: greedy must then agree exactly), the engine's log
-    in the run's engine/ folder (a temporary one for a drafter outside a run)."""
-    c = setup.config
+    """The decoded prompts served by the engine (`serve_drafter`): the saved drafter, its log in the run's engine/
+    folder (a temporary one for a drafter outside a run), the target alone too (the engine's speedup)."""
     log_dir = (setup.run_dir / "engine" if setup.run_dir is not None
                else Path(tempfile.mkdtemp(prefix="dflash-engine-")))
-    sampling = setup.sampling()
+    s = setup.sampling()
+    (report,) = serve_drafter(setup, setup.drafter_dir, [ServedPass(served_sets(groups, done), s["temperature"],
+                                                                    s["top_p"], setup.config.evaluate.sample_seed)],
+                              log_dir, "engine", True, say)
+    return report
+
+
+def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_dir: Path, log_name: str,
+                  plain: bool, say: Say = _stderr) -> list[ServedReport]:
+    """`serve.measure.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
+    our target ran (fp32 on the CPU: greedy must then agree exactly); the doctor names the suspects of a FAIL.
+    Prints each pass's table and verdict lines."""
+    c = setup.config
 
     def doctor() -> list[str]:
-        report = diagnose(setup.drafter_dir, c.model.target, {"doctor_samples": c.evaluate.doctor_samples})
-        return report.failed()
+        return diagnose(folder, c.model.target, {"doctor_samples": c.evaluate.doctor_samples}).failed()
 
-    say(f"engine {c.evaluate.engine}: serving {setup.drafter_dir} on {c.model.target}" + (
-        f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / 'engine.log'})"))
-    report = served_acceptance(
-        c.model.target, str(setup.drafter_dir), served_sets(groups, done), setup.drafter.cfg.block_size,
-        c.regenerate.max_new_tokens, setup.stop_ids, setup.min_new_tokens, sampling["temperature"],
-        sampling["top_p"], c.evaluate.sample_seed, "float32" if setup.target.device.type == "cpu" else "bfloat16",
-        c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor)
-    say(served_table(report))
-    for line in report.lines:
-        say(line)
-    return report
+    say(f"engine {c.evaluate.engine}: serving {folder} on {c.model.target}" + (
+        f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / (log_name + '.log')})"))
+    reports = serve_passes(
+        c.model.target, str(folder), passes, setup.drafter.cfg.block_size, c.regenerate.max_new_tokens,
+        setup.stop_ids, setup.min_new_tokens, "float32" if setup.target.device.type == "cpu" else "bfloat16",
+        c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor,
+        plain, log_name)
+    for report in reports:
+        say(served_table(report))
+        for line in report.lines:
+            say(line)
+    return reports
+
+
+def overall_served_tau(report: ServedReport) -> float:
+    """Tokens per drafting step over every row of `report` (the engine's drafts weighting each set's tau)."""
+    drafts = sum(r.served_drafts for r in report.rows)
+    return sum(r.served_tau * r.served_drafts for r in report.rows) / drafts if drafts else float("nan")
 
 
 # -- a whole training run: every checkpoint, the untrained and the final drafter (notebook 05) ---------------------
@@ -758,13 +783,39 @@ def _same_weights(a: Any, b: Any) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+@dataclass
+class _Measured:
+    """One drafter of a run as decoded in process, kept for the engine."""
+
+    step: int
+    what: str
+    folder: Path  # an export folder the engine can serve
+    done: list[GroupDecode]
+
+
+def best_drafter(by_step: Sequence[DrafterMeasurement]) -> tuple[DrafterMeasurement, str, float]:
+    """(the best drafter, by what, its tau): the highest served tau when every drafter was served (ties: our tau,
+    then the later step), else the highest tau of our decoding (ties: the later step)."""
+    if by_step and all(r.served_tau is not None for r in by_step):
+        best = max(by_step, key=lambda r: (r.served_tau, r.tau, r.step))
+        return best, "served tau", float(best.served_tau)
+    best = max(by_step, key=lambda r: (r.tau, r.step))
+    return best, "tau", best.tau
+
+
 def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] | None = None,
                  out_dir: str | Path | None = None, say: Say = _stderr) -> RunEvaluation:
     """Every drafter of a training run on the SAME held-out prompts against the same target: the untrained one
     (step 0, `initial_drafter`), each saved checkpoint's, and the final `drafter/` (decoded in full: histogram,
-    per-position acceptance, speedup against plain greedy decoding, timed once for all). With `out_dir` the
-    final drafter is exported there in the serving layout (`SERVING_DIR`, bf16). Training and held-out losses
-    come from the run's metrics.jsonl (`evaluate.loss_figures`)."""
+    per-position acceptance, speedup against plain greedy decoding, timed once for all). With `-p engine vllm`
+    each of them is also served by the engine (one start each; the final one at `sampled_temperature` too, and
+    the target alone once for the engine's speedup), and the best drafter is named by served tau. With `out_dir`
+    the final drafter is exported there in the serving layout (`SERVING_DIR`, bf16) and the engine's logs go to
+    its engine/. Training and held-out losses come from the run's metrics.jsonl (`evaluate.loss_figures`)."""
+    if (params or {}).get("engine_url"):
+        raise ConfigError("engine_url: a running server serves one drafter, and a run's evaluation serves each of "
+                          "its drafters; give -p engine_python (or none: .venv-engine) and the engine is started "
+                          "for each")
     train_dir = trainer_folder(run)
     setup = prepare(train_dir, target, params, say)
     final_model = setup.drafter
@@ -776,28 +827,62 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
     except ValueError as e:  # written by a trainer of another version
         raise ConfigError(str(e)) from None
     final_step = trained.steps
-    with decode_threads(setup):
+    engine = setup.config.evaluate.engine != "none"
+    with decode_threads(setup), tempfile.TemporaryDirectory(prefix="dflash-eval-") as scratch:
         _warm(setup, final_model)
         baseline = _baseline(setup)
         by_step: list[DrafterMeasurement] = []
+        measured: list[_Measured] = []
 
-        def measure(step: int, model: Any, what: str) -> DecodeReport:
-            r = decode(setup, model, baseline)
+        def measure(step: int, model: Any, what: str, folder: Path) -> DecodeReport:
+            done = decode_groups(setup, model, baseline)
+            r = decode_report(setup, model, done)
             _warn_differ(r, say, f" ({what})")
             by_step.append(DrafterMeasurement(step, what, r.tau, r.histogram, r.per_position, r.cycles,
                                               r.outputs_equal_baseline, r.tokens_per_s))
+            measured.append(_Measured(step, what, folder, done))
             say(f"step {step:>6} ({what}): tau {r.tau:.3f} over {r.cycles} cycles")
             return r
 
-        measure(0, initial_drafter(setup.config, setup.target), "untrained (the run's seed)")
-        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as scratch:
-            for step, ckpt in run_checkpoints(train_dir):
-                model = checkpoint_drafter(ckpt, setup, Path(scratch))
-                if step == final_step and _same_weights(model, final_model):
-                    continue  # the final drafter itself: decoded once, below
-                measure(step, model, str(ckpt.relative_to(train_dir)))
-        final = measure(final_step, final_model, "final (drafter/)")
-        sampled = sampled_decode(setup, final_model, say)
+        untrained = initial_drafter(setup.config, setup.target)
+        untrained_dir = Path(scratch) / "untrained"
+        if engine:
+            export_drafter(untrained, untrained_dir, DTYPES["fp32"])
+        measure(0, untrained, "untrained (the run's seed)", untrained_dir)
+        for step, ckpt in run_checkpoints(train_dir):
+            model = checkpoint_drafter(ckpt, setup, Path(scratch))
+            if step == final_step and _same_weights(model, final_model):
+                continue  # the final drafter itself: decoded once, below
+            measure(step, model, str(ckpt.relative_to(train_dir)), Path(scratch) / ckpt.name)
+        final = measure(final_step, final_model, "final (drafter/)", setup.drafter_dir)
+        hot = sampled_setup(setup)
+        hot_done: list[GroupDecode] = []
+        hot_base = None
+        sampled = None
+        if hot is not None:
+            hot_base = _baseline(hot)
+            hot_done = decode_groups(hot, final_model, hot_base)
+            sampled = decode_report(hot, final_model, hot_done)
+            say(f"sampled at temperature {hot.config.regenerate.temperature}: tau {sampled.tau:.3f}, speedup "
+                f"{sampled.speedup:.2f}x over plain sampling")
+        if engine:
+            log_dir = (Path(out_dir) / "engine" if out_dir is not None
+                       else Path(tempfile.mkdtemp(prefix="dflash-engine-")))
+            g = setup.sampling()
+            for m, row in zip(measured, by_step):
+                passes = [ServedPass(served_sets(baseline.groups, m.done), g["temperature"], g["top_p"],
+                                     setup.config.evaluate.sample_seed)]
+                is_final = m.folder == setup.drafter_dir
+                if is_final and hot is not None and hot_base is not None:
+                    h = hot.sampling()
+                    passes.append(ServedPass(served_sets(hot_base.groups, hot_done), h["temperature"], h["top_p"],
+                                             hot.config.evaluate.sample_seed))
+                reports = serve_drafter(setup, m.folder, passes, log_dir, f"engine-step-{m.step}", is_final, say)
+                row.served, row.served_tau = reports[0], overall_served_tau(reports[0])
+                if is_final:
+                    final.served = reports[0]
+                    if sampled is not None:
+                        sampled.served = reports[1]
     by_step.sort(key=lambda r: r.step)
     metrics = load_metrics(train_dir)
     losses = loss_figures(metrics)
@@ -808,6 +893,8 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
         export_files = sorted(p.name for p in folder.iterdir())
         export_config = json.loads((folder / "config.json").read_text())
     doctor = run_doctor(export, setup.config, say)
+    best, best_by, best_tau = best_drafter(by_step)
+    say(f"best drafter by {best_by}: step {best.step} ({best.drafter}), {best_by} {best_tau:.3f}")
     report = RunEvaluation(
         tau_trained=final.tau, tau_untrained=by_step[0].tau, tau_by_step={str(r.step): r.tau for r in by_step},
         speedup=final.speedup, **losses, export=export, export_files=export_files, export_config=export_config,
@@ -815,22 +902,19 @@ def evaluate_run(run: str | Path, target: str | None, params: Mapping[str, Any] 
         run=str(Path(run)), train_dir=str(train_dir),
         prompts=final.prompts, max_new_tokens=final.max_new_tokens, min_new_tokens=final.min_new_tokens,
         block_size=final.block_size, prompt_source=setup.prompts.source, prompt_indices=setup.prompts.indices,
-        sampled=sampled, doctor=doctor)
+        sampled=sampled, doctor=doctor, best_step=best.step, best_drafter=best.drafter, best_by=best_by,
+        best_tau=best_tau)
     say(summary(final))
     return report
 
 
-def sampled_decode(setup: Setup, drafter: Any, say: Say = _stderr) -> DecodeReport | None:
-    """`drafter` decoded on the setup's prompt sets sampled at `sampled_temperature` (the regenerate section's
-    top_p, `sample_seed`), against plain sampling at the same temperature (later turns asked after those sampled
-    answers); None when it is 0 or the setup already decodes at that temperature."""
+def sampled_setup(setup: Setup) -> Setup | None:
+    """The setup at `sampled_temperature` (the regenerate section's top_p, `sample_seed`); None when it is 0 or
+    the setup already decodes at that temperature."""
     t = setup.config.evaluate.sampled_temperature
     if t == 0 or t == setup.config.regenerate.temperature:
         return None
-    hot = replace(setup, config=from_params({"temperature": t}, setup.config))
-    report = decode(hot, drafter, _baseline(hot))
-    say(f"sampled at temperature {t}: tau {report.tau:.3f}, speedup {report.speedup:.2f}x over plain sampling")
-    return report
+    return replace(setup, config=from_params({"temperature": t}, setup.config))
 
 
 def run_doctor(export: str | None, config: Config, say: Say = _stderr) -> dict[str, Any] | None:
@@ -856,14 +940,18 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
                                    "by_context", "by_turn", "by_thinking")}
     keep = ("loss_window", "heldout_loss_first", "heldout_steps", "steps", "prompts", "max_new_tokens",
             "min_new_tokens", "block_size", *BUDGET_FIGURES,
-            "prompt_source", "prompt_indices", "run", "train_dir", "export_files")
+            "prompt_source", "prompt_indices", "run", "train_dir", "export_files", "best_step", "best_drafter",
+            "best_by", "best_tau")
     sampled = report.get("sampled")
     if sampled is not None:
         sampled = {k: sampled[k] for k in ("temperature", "top_p", "sample_seed", "tau", "speedup", "tokens_per_s",
                                            "baseline_tokens_per_s", "per_position", "cycles", "prompts",
                                            "benchmarks")}
+    served = {str(r["step"]): r["served_tau"] for r in report["by_step"] if "served_tau" in r}
     return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
-            "target": final["target"], "device": final["device"], "sampled": sampled, "doctor": report.get("doctor")}
+            "target": final["target"], "device": final["device"], "sampled": sampled, "doctor": report.get("doctor"),
+            **({"served_tau_by_step": served, "served": final.get("served"),
+                "sampled_served": (report.get("sampled") or {}).get("served")} if served else {})}
 
 
 def summary(r: DecodeReport) -> str:

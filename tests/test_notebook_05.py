@@ -16,7 +16,7 @@ from notebook_checks import assert_committed_clean
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "05_evaluate.ipynb"
 PARAMETERS = {"preset", "run", "drafter", "target", "prompts", "max_new_tokens", "decode_threads", "out_dir",
-              "prompts_from", "enable_thinking", "sampled_temperature"}
+              "prompts_from", "enable_thinking", "sampled_temperature", "engine"}
 
 
 def test_notebook_is_committed_clean_with_one_parameters_cell():

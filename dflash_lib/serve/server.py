@@ -73,11 +73,14 @@ class EngineSpec:
     extra: tuple[str, ...] = field(default_factory=tuple)  # more server flags, verbatim
 
     def speculative_config(self) -> dict[str, Any] | None:
-        """DFlash with K = B - 1 drafted tokens per step (None without a drafter)."""
+        """DFlash with K = B - 1 drafted tokens per step (None without a drafter), sampled drafts at T > 0 judged
+        by the standard rule min(1, p/q), as our speculative sampling (vLLM's default "greedy" drafts its argmax
+        and accepts it with probability p(argmax q): another rule, another acceptance)."""
         if self.drafter is None:
             return None
         k = drafter_block_size(self.drafter) - 1
-        return {"method": "dflash", "model": str(Path(self.drafter).resolve()), "num_speculative_tokens": k}
+        return {"method": "dflash", "model": str(Path(self.drafter).resolve()), "num_speculative_tokens": k,
+                "draft_sample_method": "probabilistic"}
 
     def args(self, port: int) -> list[str]:
         """The server's flags: eager mode, loopback only, and (`token_ids`) prompts and answers as token ids with

@@ -26,7 +26,8 @@ BENCHMARK_COLUMNS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedu
 def tau_by_step(by_step: Sequence[DrafterMeasurement], block_size: int,
                 title: str = "Acceptance length on held-out prompts, per checkpoint") -> go.Figure:
     """tau (tokens per drafting cycle, 1 .. block_size) of each drafter against its training step; step 0 is the
-    untrained drafter. Dotted: tau = 1 (every draft rejected: no gain) and tau = block_size (all accepted)."""
+    untrained drafter; served tau beside it where the engine served them (`-p engine vllm`). Dotted: tau = 1
+    (every draft rejected: no gain) and tau = block_size (all accepted)."""
     if not by_step:
         raise ValueError("tau_by_step: no drafter measured")
     steps = [r.step for r in by_step]
@@ -34,6 +35,11 @@ def tau_by_step(by_step: Sequence[DrafterMeasurement], block_size: int,
     fig = go.Figure(go.Scatter(x=steps, y=taus, mode="lines+markers+text", name="tau",
                                text=[f"{t:.2f}" for t in taus], textposition="top center",
                                hovertext=[r.drafter for r in by_step]))
+    served = [r for r in by_step if r.served_tau is not None]
+    if served:
+        fig.add_trace(go.Scatter(x=[r.step for r in served], y=[r.served_tau for r in served],
+                                 mode="lines+markers", name="served tau (engine)", line_dash="dash",
+                                 hovertext=[r.drafter for r in served]))
     for y, label in ((1.0, "no gain (tau 1)"), (float(block_size), f"every draft accepted (tau {block_size})")):
         fig.add_hline(y=y, line_dash="dot", line_color="#888", annotation_text=label,
                       annotation_position="bottom right")
