@@ -272,3 +272,41 @@ def test_report_shows_the_sampled_evaluation_and_the_doctor(demo_tree, tmp_path)
             write_demo_summary(tmp_path, summary_rows(), {**entry, "sampled": bad})
     with pytest.raises(DemoReportError, match=r"evaluation\['doctor'\] must hold ok \(a bool\)"):
         write_demo_summary(tmp_path, summary_rows(), {**entry, "doctor": {**_doctor(), "lines": "PASS x"}})
+
+
+def _served_report(temperature: float = 0.0) -> dict:
+    """A served record as `serve.measure` writes it: a row judged from a cycle log and the engine's counters."""
+    from dflash_lib.serve.client import ServedDecode, SpecCounters
+    from dflash_lib.serve.measure import ServedReport, ServedSet, judge, verdict_line
+
+    ours = ServedSet("heldout (thinking off)", [[1, 2]], [[5, 6, 7, 8, 9]], [[(2, 3), (5, 2)]])
+    counters = SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_position=(2, 1, 0))
+    engine = ServedDecode([[5, 6, 7, 8, 9]], counters, [counters], 0.5)
+    none = SpecCounters(0, 0, 0, ())
+    plain = ServedDecode([[5, 6, 7, 8, 9]], none, [none], 1.0)
+    row = judge(ours, engine, 4, temperature == 0, temperature > 0, plain)
+    line = verdict_line(row, temperature == 0, [], "EXPORT", "TARGET")
+    return ServedReport("python", "0.32.0", "float32", temperature == 0, temperature, [row], [line], "x.log").to_json()
+
+
+def test_report_shows_the_served_drafter_beside_ours(demo_tree, tmp_path):
+    entry = {**evaluation_entry(), "served_tau_by_step": {"0": 1.0, "60": 2.5}, "best_step": 60,
+             "best_drafter": "final (drafter/)", "best_by": "served tau", "best_tau": 2.5,
+             "served": _served_report(), "sampled_served": _served_report(1.0)}
+    assert demo_evaluation({**entry, "histogram": {}}) == entry
+    page = build_demo_report(demo_tree["demo"], demo_tree["runs"], summary_rows(), [], evaluation=entry).read_text()
+    rows = dict(re.findall(r"<tr><th>([^<]+)</th><td>([^<]*)</td></tr>", page))
+    assert rows["served tau by training step (vLLM)"] == "0: 1.000, 60: 2.500"
+    assert rows["best drafter (by served tau)"] == "step 60 (final (drafter/)): 2.500"
+    tables = page.split('<table class="summary served">')[1:]
+    assert len(tables) == 2 and "Served by vLLM 0.32.0 at temperature 0 (final drafter)" in page
+    cells = re.findall(r"<td>([^<]*)</td>", tables[0][:tables[0].index("</table>")])
+    # ours 2.5 tokens per cycle (3 and 2); the engine's 2 drafts accepted 3 of 6: 2.5; 10 vs 5 tokens/s
+    assert cells == ["heldout (thinking off)", "2.500", "2.500", "10.0", "5.0", "2.00x",
+                     "1.00/1.00 0.50/0.50 0.00/0.00", "PASS"]
+    assert "PASS served heldout (thinking off): served tau 2.500 vs ours 2.500" in page
+    with pytest.raises(DemoReportError, match=r"evaluation\['served'\]\['rows'\]\[0\]: keys \['ok'\] missing"):
+        write_demo_summary(tmp_path, summary_rows(), {**entry, "served": {
+            **_served_report(), "rows": [{k: v for k, v in _served_report()["rows"][0].items() if k != "ok"}]}})
+    with pytest.raises(DemoReportError, match=r"evaluation\['served_tau_by_step'\]\['0'\] must be a finite"):
+        write_demo_summary(tmp_path, summary_rows(), {**entry, "served_tau_by_step": {"0": None}})

@@ -28,7 +28,9 @@ from typing import Any, Callable
 from dflash_lib.lab.demo_target import DemoAnswerSettings, demo_target_params, ensure_demo_answers, ensure_demo_target
 from dflash_lib.lab.report.demo import build_demo_report, demo_evaluation, write_demo_summary
 from dflash_lib.lab.runs import accepted_parameters, execute
+from dflash_lib.config import ConfigError
 from dflash_lib.rundir import REPO_ROOT, load_config, new_run_dir, write_json
+from dflash_lib.serve.server import engine_python
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
@@ -85,14 +87,24 @@ def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_se
     return {**demo_target_params(folder), "max_new_tokens": n, "min_new_tokens": n}, inputs
 
 
+def engine_available() -> bool:
+    """Whether the serving engine is there (`serve.engine_python`: .venv-engine or $DFLASH_ENGINE_PYTHON)."""
+    try:
+        engine_python()
+    except ConfigError:
+        return False
+    return True
+
+
 def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | None = None,
              overrides: dict[str, Any] | None = None, trained_target: bool | None = None,
-             target_settings: Any = None, answer_settings: Any = None) -> Path:
+             target_settings: Any = None, answer_settings: Any = None, engine: str | None = None) -> Path:
     """Run every notebook of the chain with `preset_name` (plus `overrides` where a notebook takes them).
 
     trained_target: build (or reuse) the trained demo target and its answers first (see the module doc);
-    None = only for the demo preset. Returns the demo folder. A failing notebook raises; the folders of the
-    notebooks before it stay intact.
+    None = only for the demo preset. engine: notebook 05's `engine` ("vllm": every drafter also served by vLLM);
+    None = "vllm" for the demo preset on its trained target when `make engine` made .venv-engine, else "none".
+    Returns the demo folder. A failing notebook raises; the folders of the notebooks before it stay intact.
     """
     demo_dir = new_run_dir("demo", tag if tag != "demo" else "", root)
     done: dict[str, Path] = {}  # notebook stem -> its run folder
@@ -104,10 +116,15 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
         overrides = {**target_params, **(overrides or {})}
         record["trained_target"] = {**target_params, "answers": str(inputs[ANSWERS]),
                                     "seconds": round(time.perf_counter() - t0, 1)}
+    if engine is None:
+        engine = "vllm" if preset_name == "demo" and inputs and engine_available() else "none"
+    record["engine"] = engine
     for stem, derive in CHAIN:
         notebook = NOTEBOOKS / f"{stem}.ipynb"
         accepted = accepted_parameters(notebook)  # a notebook building its config takes every config field
         params = {k: v for k, v in {**(overrides or {}), **derive({**inputs, **done})}.items() if k in accepted}
+        if stem == "05_evaluate" and engine != "none":
+            params["engine"] = engine
         t0 = time.perf_counter()
         print(f"[demo] {stem} ...", flush=True)
         run_dir = execute(notebook, params, preset_name=preset_name, tag=tag, root=root)

@@ -68,8 +68,9 @@ class DemoTargetSettings:
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     weight_decay: float = 0.1  # AdamW weight decay on matrices (not on norms)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
-    num_heads: int = 4  # attention heads (head_dim = hidden_size // num_heads)
-    num_kv_heads: int = 2  # key/value heads
+    num_heads: int = 2  # attention heads (head_dim = hidden_size // num_heads: 32 at hidden 64, which vLLM's CPU
+    # attention serves; it refuses head_dim < 32)
+    num_kv_heads: int = 1  # key/value heads (grouped-query attention, as real Qwen3 models)
     seed: int = 0  # weight init and window sampling
     eval_samples: int = 32  # held-out samples the loss before/after is measured on (0 = none)
     log_every: int = 25  # progress line on stderr every N steps

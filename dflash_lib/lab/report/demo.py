@@ -32,10 +32,14 @@ _RATIO_TOLERANCE = 0.01  # ratio_to_sorted may differ this much (relative) from 
 EVALUATION_KEYS = ("loss_first", "loss_last", "tau_untrained", "tau_trained", "speedup")  # finite numbers
 EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", "prompts", "max_new_tokens",
                     "min_new_tokens", "block_size", "tokens_per_s", "baseline_tokens_per_s", "export",
-                    *BUDGET_FIGURES, "benchmarks", "sampled", "doctor")  # kept when notebook 05 has them
+                    *BUDGET_FIGURES, "benchmarks", "sampled", "doctor", "best_step", "best_drafter", "best_by",
+                    "best_tau", "served_tau_by_step", "served", "sampled_served")  # kept when notebook 05 has them
 # (BUDGET_FIGURES: the trained run's batch fill; benchmarks: the final drafter's rows per prompt set,
 # `benchmark_report.BenchmarkRow`; sampled: the final drafter at `sampled_temperature`, SAMPLED_KEYS and its own
-# benchmark rows; doctor: the serving doctor on the export, `doctor.DoctorReport.to_json` with its `lines`)
+# benchmark rows; doctor: the serving doctor on the export, `doctor.DoctorReport.to_json` with its `lines`;
+# served, sampled_served: the final drafter served by the engine, `serve.measure.ServedReport`, greedy and sampled)
+SERVED_ROW_KEYS = ("name", "tau", "served_tau", "per_position", "served_per_position", "served_tokens_per_s",
+                   "plain_tokens_per_s", "served_speedup", "ok")  # each served row's, shown
 BENCHMARK_KEYS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",
                   "baseline_tokens_per_s", "cycles")  # each benchmark row's, shown in this order
 SAMPLED_KEYS = ("temperature", "top_p", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s")  # finite numbers
@@ -147,6 +151,22 @@ def validate_evaluation(evaluation: Mapping[str, Any]) -> dict[str, Any]:
         out["sampled"] = _sampled(out["sampled"])
     if out.get("doctor") is not None:
         out["doctor"] = _doctor(out["doctor"])
+    if "served_tau_by_step" in out:
+        out["served_tau_by_step"] = {str(k): _finite(f"evaluation['served_tau_by_step'][{k!r}]", v)
+                                     for k, v in _record("evaluation['served_tau_by_step']",
+                                                         out["served_tau_by_step"], ()).items()}
+    for key in ("served", "sampled_served"):
+        if out.get(key) is not None:
+            out[key] = _served(out[key], f"evaluation[{key!r}]")
+    return out
+
+
+def _served(served: Any, where: str) -> dict[str, Any]:
+    """A served report's copy: temperature, version, rows (SERVED_ROW_KEYS each) and lines (strings)."""
+    out = _record(where, served, ("version", "temperature", "rows", "lines"))
+    if not isinstance(out["rows"], list) or not isinstance(out["lines"], list):
+        raise DemoReportError(f"{where}: rows and lines must be lists")
+    out["rows"] = [_record(f"{where}['rows'][{i}]", r, SERVED_ROW_KEYS) for i, r in enumerate(out["rows"])]
     return out
 
 
@@ -229,6 +249,9 @@ def build_demo_report(demo_dir: str | Path, runs: Mapping[str, str | Path], summ
                       _benchmark_table(checked["benchmarks"], checked.get("sampled"))]
         if checked.get("doctor"):
             parts += [_doctor_section(checked["doctor"])]
+        for key in ("served", "sampled_served"):
+            if checked.get(key):
+                parts += [_served_section(checked[key])]
     parts += ["<h2>Runs</h2>", _run_links(demo_dir, runs), _own_files(demo_dir)]
     if embedded:
         parts.append("<h2>Figures</h2>")
@@ -312,6 +335,12 @@ def _evaluation_table(ev: Mapping[str, Any]) -> str:
     ]
     if "tau_by_step" in ev:
         rows.append(("tau by training step", ", ".join(f"{k}: {v:.3f}" for k, v in ev["tau_by_step"].items())))
+    if "served_tau_by_step" in ev:
+        rows.append(("served tau by training step (vLLM)",
+                     ", ".join(f"{k}: {v:.3f}" for k, v in ev["served_tau_by_step"].items())))
+    if "best_step" in ev and "best_by" in ev and "best_tau" in ev:
+        rows.append((f"best drafter (by {ev['best_by']})",
+                     f"step {ev['best_step']} ({ev.get('best_drafter', '')}): {ev['best_tau']:.3f}"))
     speed = f"{ev['speedup']:.2f}x"
     if "tokens_per_s" in ev and "baseline_tokens_per_s" in ev:
         speed += f" ({ev['tokens_per_s']:.1f} vs {ev['baseline_tokens_per_s']:.1f} tokens/s)"
@@ -355,6 +384,27 @@ def _doctor_section(doctor: Mapping[str, Any]) -> str:
     return (f"<h3>Serving doctor on the export: {_e(verdict)}</h3><p>{_e(doctor['summary'])} "
             "(python -m dflash_lib doctor EXPORT --target TARGET, docs/serving.md)</p>"
             f'<pre class="doctor">{_e(lines)}</pre>')
+
+
+def _served_section(served: Mapping[str, Any]) -> str:
+    """The final drafter served by the engine: per prompt set, our tau and the engine's, its tokens/s with and
+    without the drafter, per-position acceptance ours / served; then the PASS/FAIL lines."""
+    head = ("prompt set", "tau (ours)", "served tau", "served tokens/s", "plain tokens/s", "served speedup",
+            "per position ours / served", "verdict")
+    rows = []
+    for r in served["rows"]:
+        plain, speed = r["plain_tokens_per_s"], r["served_speedup"]
+        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r["per_position"], r["served_per_position"]))
+        rows.append((r["name"], f"{r['tau']:.3f}", f"{r['served_tau']:.3f}", f"{r['served_tokens_per_s']:.1f}",
+                     "-" if plain is None else f"{plain:.1f}", "-" if speed is None else f"{speed:.2f}x", pos,
+                     "PASS" if r["ok"] else "FAIL"))
+    table = ("<table class=\"summary served\"><thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head)
+             + "</tr></thead><tbody>" + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>"
+                                                  for row in rows) + "</tbody></table>")
+    return (f"<h3>Served by vLLM {_e(served['version'])} at temperature {served['temperature']:g} (final "
+            "drafter)</h3><p>The same prompts sent as token ids; acceptance from the engine's own counters "
+            "(docs/serving.md, \"The engine in the loop\").</p>" + table
+            + f'<pre class="doctor">{_e(chr(10).join(served["lines"]))}</pre>')
 
 
 def _fill_text(ev: Mapping[str, Any]) -> str:
