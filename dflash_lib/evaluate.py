@@ -947,7 +947,7 @@ def run_summary(evaluation: RunEvaluation) -> dict[str, Any]:
         sampled = {k: sampled[k] for k in ("temperature", "top_p", "sample_seed", "tau", "speedup", "tokens_per_s",
                                            "baseline_tokens_per_s", "per_position", "cycles", "prompts",
                                            "benchmarks")}
-    served = {str(r["step"]): r["served_tau"] for r in report["by_step"] if "served_tau" in r}
+    served = {str(r["step"]): r["served_tau"] for r in report["by_step"] if r.get("served_tau") is not None}
     return {**{k: report[k] for k in RUN_SUMMARY_KEYS}, **{k: report[k] for k in keep if k in report}, **extra,
             "target": final["target"], "device": final["device"], "sampled": sampled, "doctor": report.get("doctor"),
             **({"served_tau_by_step": served, "served": final.get("served"),

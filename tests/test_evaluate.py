@@ -385,6 +385,8 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     assert read_doc(report.export)["torch_dtype"] == "bfloat16" == report.export_config["torch_dtype"]
     summary = run_summary(report)
     assert set(RUN_SUMMARY_KEYS) <= set(summary) and json.loads(json.dumps(summary)) == summary
+    assert "served_tau_by_step" not in summary and all(r.served_tau is None for r in report.by_step)  # no engine
+    assert (report.best_by, report.best_step) == ("tau", max(report.by_step, key=lambda r: (r.tau, r.step)).step)
     trained = json.loads((run_dir / "summary.json").read_text())  # the run's batch fill, as its trainer summed it up
     assert {k: summary[k] for k in BUDGET_FIGURES} == {k: trained[k] for k in BUDGET_FIGURES}
     assert 0 < summary["token_fill"] <= 1 and 0 < summary["query_fill"] <= 1
