@@ -71,7 +71,7 @@ FATAL_STATUS = frozenset({401, 403, 404, 405})
 class Answer:
     text: str  # the assistant message as stored (reasoning inline as <think>...</think> when kept)
     finish_reason: str  # "stop", "length", "content_filter", ...
-    completion_tokens: int  # tokens the target generated for it
+    completion_tokens: int  # tokens the target generated for it, its end-of-turn id included (OpenAI's usage)
     refusal: bool = False  # the server said so (OpenAI `refusal` field / content_filter)
 
 
@@ -151,7 +151,7 @@ class LocalBackend:
         for row in out[:, width:].tolist():
             stop = row.index(self.tok.eos_id) if self.tok.eos_id in row else -1
             gen = row[:stop] if stop >= 0 else row
-            answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen)))
+            answers.append(Answer(self.tok.decode(gen), "stop" if stop >= 0 else "length", len(gen) + (stop >= 0)))
         return answers
 
 

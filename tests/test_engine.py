@@ -331,59 +331,43 @@ def test_a_planted_export_fault_is_what_the_real_engine_shows_and_the_doctor_nam
         assert "500" in line
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.mark.engine
-@pytest.mark.slow  # an engine start with the tokenizer (~30 s)
+@pytest.mark.slow  # an engine start with the real target's tokenizer (~35 s), its conversion once per machine
 def test_regenerate_through_the_real_server_equals_local_greedy(tmp_path):
-    """`regenerate --backend openai` against vLLM's chat endpoint (the target folder's tokenizer and ChatML
-    template served as text) writes the same answers as `--backend local` greedy on the same folder, rendered
-    by the same template (`-p template hf`)."""
+    """`regenerate --backend openai` against vLLM's chat endpoint serving the demo's REAL target
+    (SmolLM2-135M-Instruct, its own tokenizer and chat template, as text) writes the same answers as `--backend
+    local` greedy on the same folder rendered by the same template (`-p template hf`), token for token; a second
+    turn is asked after the first answer."""
     import json
 
     from dflash_lib.config import from_params
-    from dflash_lib.models import TargetModel, tiny_qwen3_config
+    from dflash_lib.lab.real_target import ensure_real_target, real_target_params
     from dflash_lib.regenerate import regenerate
 
     python = _engine_or_skip()
-    tok = tiny_chatml_tokenizer()
-    tok.chat_template = CHATML
-    folder = tmp_path / "target"
-    hf = tiny_qwen3_config(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=len(tok))
-    target = TargetModel.from_hf_config(hf, 1, seed=3)
-    target.model.generation_config.eos_token_id = tok.eos_token_id  # what vLLM stops at, as the local backend does
-    target.model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = ensure_real_target()  # .cache/real_targets, as the demo's
     source = tmp_path / "src.jsonl"
     source.write_text("".join(json.dumps({"id": str(i), "messages": m}) + "\n" for i, m in enumerate([
-        [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi."}],
-        [{"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": "Four."},
-         {"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Five."}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A poem"},
-         {"role": "assistant", "content": "Roses."}]])))
-    common = dict(source=str(source), target=str(folder), tokenizer=str(folder), template="hf", max_new_tokens=12,
-                  num_features=1)
+        [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "x"}],
+        [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "x"},
+         {"role": "user", "content": "And another one?"}, {"role": "assistant", "content": "x"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain."},
+         {"role": "assistant", "content": "x"}]])))
+    common = dict(real_target_params(folder), source=str(source), max_new_tokens=16, num_features=1)
     local = regenerate(from_params(dict(common, backend="local")), tmp_path / "local.jsonl", progress=False)
-    spec = EngineSpec(str(folder), max_model_len=256, max_num_seqs=2, kv_cache_gib=0.25, token_ids=False)
+    spec = EngineSpec(str(folder), max_model_len=512, max_num_seqs=2, kv_cache_gib=0.25, token_ids=False)
     with EngineServer(spec, tmp_path / "engine.log", python=str(python)) as server:
         served_report = regenerate(from_params(dict(common, backend="openai", base_url=server.url + "/v1")),
                                    tmp_path / "served.jsonl", progress=False)
     assert local["totals"]["records"] == served_report["totals"]["records"] == 3
     mine = [json.loads(line) for line in (tmp_path / "local.jsonl").read_text().splitlines()]
     theirs = [json.loads(line) for line in (tmp_path / "served.jsonl").read_text().splitlines()]
-    for a, b in zip(mine, theirs):  # the same number of tokens per answer, ended the same way
+    for a, b in zip(mine, theirs):  # the same number of tokens per answer, ended the same way, the same text
         assert (a["regen"]["finish"], a["regen"]["completion_tokens"]) == (b["regen"]["finish"],
                                                                           b["regen"]["completion_tokens"])
-
-    def text(record):  # a random target's bytes: vLLM withholds an answer's trailing INCOMPLETE UTF-8 character,
-        # which our decoding shows as U+FFFD; everything before it is the same text
-        return [(m["role"], m["content"].rstrip("\ufffd") if m["role"] == "assistant" else m["content"])
-                for m in record["messages"]]
-
-    assert [text(r) for r in mine] == [text(r) for r in theirs]
-    assert sum(m["role"] == "assistant" for r in mine for m in r["messages"]) == 4
+        assert a["messages"] == b["messages"]
+    answers = [m["content"] for r in mine for m in r["messages"] if m["role"] == "assistant"]
+    assert len(answers) == 4 and "Paris" in answers[0]  # a real instruct model's answers, not a toy's
 
 
 def test_a_fail_line_names_a_known_engine_fault_of_its_version_and_kind():

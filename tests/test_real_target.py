@@ -54,7 +54,7 @@ def converted(tmp_path_factory):
 def test_the_converted_folder_is_transformers_own_gguf_load_and_answers(converted):
     import transformers
 
-    from dflash_lib.models.gguf import SOURCE_FILE, load_gguf
+    from dflash_lib.models.gguf import GGUF_FORMAT, SOURCE_FILE, is_converted, load_gguf
 
     reference, gguf_tok = load_gguf(rt.packaged_file())
     model = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
@@ -74,13 +74,13 @@ def test_the_converted_folder_is_transformers_own_gguf_load_and_answers(converte
     assert rt.mask_id(converted) == 16 == tok.convert_tokens_to_ids("<empty_output>")
     assert rt.real_target_params(converted) == dict(target=str(converted), tokenizer=str(converted), template="hf",
                                                     mask_id=16)
-    # reused while it is this file's conversion; converted again when the record says another file
+    # reused while it is this file's conversion; not when its record names another file or format
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     assert rt.ensure_real_target(cache_dir=converted.parent, say=lambda s: None) == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
     record = json.loads((converted / SOURCE_FILE).read_text())
-    (converted / SOURCE_FILE).write_text(json.dumps({**record, "sha256": "0" * 64}))
-    said = []
-    rt.ensure_real_target(cache_dir=converted.parent, say=said.append)
-    assert said and said[0].startswith("converting SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert json.loads((converted / SOURCE_FILE).read_text()) == record
+    assert is_converted(converted, rt.packaged_file())
+    for other in ({"sha256": "0" * 64}, {"format": GGUF_FORMAT + 1}):
+        (converted / SOURCE_FILE).write_text(json.dumps({**record, **other}))
+        assert not is_converted(converted, rt.packaged_file())
+    (converted / SOURCE_FILE).write_text(json.dumps(record))
