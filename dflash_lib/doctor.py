@@ -138,6 +138,18 @@ class TargetFacts:
     hidden_size: int
     num_layers: int
     vocab_size: int  # embedding rows
+    special_ids: tuple[int, ...] = ()  # ids the target emits or begins with: eos (every one), bos, pad (its
+    # config.json and generation_config.json); the MASK must be none of them
+
+
+def _ids(*values: Any) -> tuple[int, ...]:
+    """The int ids among `values` (each an id, a list of ids or None), sorted, once each."""
+    out = set()
+    for v in values:
+        for i in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(i, int) and not isinstance(i, bool):
+                out.add(i)
+    return tuple(sorted(out))
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
@@ -171,7 +183,12 @@ def target_facts(target: str | Path) -> TargetFacts:
                           "its tokenizer)")
     hf = local_hf_config(path)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    return TargetFacts(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size))
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    gen = gen if isinstance(gen, dict) else {}
+    special = _ids(*(getattr(c, k, None) for c in (hf, text) for k in ("eos_token_id", "bos_token_id", "pad_token_id")),
+                   *(gen.get(k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")))
+    return TargetFacts(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size), special)
 
 
 def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -234,12 +251,15 @@ def config_rules(doc: Mapping[str, Any], target: TargetFacts) -> list[RuleResult
     vocab = doc.get("vocab_size")
     if ok and isinstance(vocab, int) and mask >= vocab:
         ok = False
-    rules.append(RuleResult("mask_token_id", ok,
+    emitted = ok and mask in target.special_ids
+    rules.append(RuleResult("mask_token_id", ok and not emitted,
                             f"dflash_config.mask_token_id {mask!r}, target embedding rows 0 .. "
-                            f"{target.vocab_size - 1}, drafter vocab_size {vocab!r}",
-                            f"set dflash_config.mask_token_id to the id training used, below {target.vocab_size} "
-                            "(an id at or past the vocabulary has no embedding row: the engine reads another "
-                            "row or fails)"))
+                            f"{target.vocab_size - 1}, drafter vocab_size {vocab!r}" + (
+                                f"; {mask} is one of the target's eos / bos / pad ids {list(target.special_ids)}: a "
+                                "token the target emits, which the drafter would read as MASK" if emitted else ""),
+                            f"train with a MASK below {target.vocab_size} that the target never emits (a reserved "
+                            "or unused special token; an id at or past the vocabulary has no embedding row: the "
+                            "engine reads another row or fails) and export again"))
     return rules
 
 

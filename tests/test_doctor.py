@@ -223,6 +223,26 @@ def test_the_mask_rule_alone_holds_at_its_boundaries(target_vocab, drafter_vocab
     assert _rule(doc, "mask_token_id", TargetFacts("target", H, LAYERS, target_vocab)) is ok
 
 
+def test_the_mask_rule_refuses_an_id_the_target_emits(tmp_path):
+    """The MASK must be no eos, bos or pad id of the target (config.json and generation_config.json, every eos of
+    a list): the drafter would read the end of a turn as MASK. The real demo target's 16 passes."""
+    import transformers
+
+    from dflash_lib.doctor import target_facts
+
+    cfg = transformers.LlamaConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=2, vocab_size=302,
+                                   intermediate_size=32, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    cfg.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "bos_token_id": 1}))
+    facts = target_facts(tmp_path)
+    assert facts.special_ids == (1, 2, 7)
+    doc = {"vocab_size": 302, "dflash_config": {"mask_token_id": 7}}
+    (rule,) = [r for r in config_rules(doc, facts) if r.name == "mask_token_id"]
+    assert not rule.ok and "7 is one of the target's eos / bos / pad ids [1, 2, 7]" in rule.detail
+    assert all(_rule({**doc, "dflash_config": {"mask_token_id": m}}, "mask_token_id", facts) is (m not in (1, 2, 7))
+               for m in (0, 1, 2, 7, 16, 301))
+
+
 @pytest.mark.parametrize("top, inner, ok", [
     (2, 2, True), (2, None, True), (None, 16, True), (1, 1, False), (1, None, False), (None, 1, False),
     (0, None, False), (True, None, False), (4.0, None, False), (4, 8, False), (None, None, False),
