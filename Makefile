@@ -60,7 +60,7 @@ $(ESTAMP): | $(STAMP)
 	$(VPY) -m dflash_lib engine-check --python $(EVENV)/bin/python
 	touch $(ESTAMP)
 
-demo: setup
+demo: setup $(if $(filter 1,$(ENGINE)),engine)
 	$(VPY) -m dflash_lib demo
 
 test: setup browser $(if $(filter 1,$(ENGINE)),engine)

@@ -154,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--fresh", action="store_true",
                     help="delete the run folder's checkpoints and outputs and start over (same as -p fresh true)")
 
-    demo = sub.add_parser("demo", help="the whole study on the bundled corpus with tiny models")
+    demo = sub.add_parser("demo", help="the whole study on the bundled corpus: a real target (SmolLM2-135M-Instruct) "
+                          "and a small drafter")
     demo.add_argument("--preset", default="demo")
     demo.add_argument("--tag", default="demo")
+    demo.add_argument("--target", default="auto", choices=("auto", "real", "trained", "preset"),
+                      help="the chain's target: SmolLM2-135M-Instruct (real), a tiny Qwen3 trained on the corpus "
+                      "(trained) or the preset's own (preset); auto: real for the demo preset, else preset")
     demo.add_argument("--engine", default="auto", choices=("auto", "vllm", "none"),
                       help="notebook 05 also serves every drafter with vLLM (auto: when `make engine` made "
                       ".venv-engine)")
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "demo":
             from dflash_lib.lab.demo import run_demo
 
-            print(run_demo(preset_name=args.preset, tag=args.tag,
+            print(run_demo(preset_name=args.preset, tag=args.tag, target=None if args.target == "auto" else args.target,
                            engine=None if args.engine == "auto" else args.engine))
         elif args.cmd == "demo-target":
             from dflash_lib.lab.demo_target import run_cli as demo_target

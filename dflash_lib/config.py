@@ -583,16 +583,16 @@ def smoke() -> Config:
 
 
 def demo() -> Config:
-    """The `make demo` scale: the whole bundled corpus analysed, short training runs on tiny models. The drafter
-    run (240 steps at lr 3e-3 on the demo target's answers) saves 3 checkpoints for notebook 05 and measures the
-    held-out loss at each on 16 samples: an evaluation's time grows with its samples, and it runs three times
-    (timings in LOG.md, 2026-12-01 session 5). Notebook 05 decodes 8 prompts of each of the held-out answers,
-    HumanEval and MT-Bench (both turns), greedy and at temperature 1."""
+    """The `make demo` scale for a real 135M target (SmolLM2-135M-Instruct, `lab.real_target`) on 2 CPU cores: the
+    bundled corpus analysed at max_len 1024, the probe 6 steps a strategy, the drafter (1 layer, blocks of 4, 3
+    target layers fused) 150 steps on the target's answers with a checkpoint and a held-out evaluation every 75,
+    notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32 tokens
+    each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38's settings)."""
     return from_params(
-        dict(limit=0, max_len=2048, k=6, k_max=12, token_budget=8192, target_layers=6, hidden_size=64,
-             num_features=2, num_anchors=16, block_size=8, steps=240, lr=3e-3, probe_steps=80, probe_rounds=4,
-             log_every=20, prefetch=4, ckpt_every=80, eval_every=80, prompts=8, max_new_tokens=64, eval_samples=16,
-             decode_threads=1, prompts_from="heldout,humaneval,mt-bench")
+        dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
+             num_features=3, num_anchors=24, block_size=4, steps=150, lr=3e-3, probe_steps=6, probe_rounds=1,
+             log_every=10, prefetch=4, ckpt_every=75, eval_every=75, prompts=2, max_new_tokens=32, eval_samples=8,
+             decode_threads=0, prompts_from="heldout,humaneval,mt-bench")
     )
 
 

@@ -272,6 +272,21 @@ def test_answer_settings_are_checked_and_change_the_file(built):
         dt.DemoAnswerSettings(new_tokens=0)
     with pytest.raises(ConfigError, match="heldout_fraction"):
         dt.DemoAnswerSettings(heldout_fraction=1.0)
+    with pytest.raises(ConfigError, match="backend must be 'local' or 'vllm', got 'sglang'"):
+        dt.DemoAnswerSettings(backend="sglang")
+    with pytest.raises(ConfigError, match="max_len must be >= 0"):
+        dt.DemoAnswerSettings(max_len=-1)
+    with pytest.raises(ConfigError, match="concurrency must be > 0"):
+        dt.DemoAnswerSettings(concurrency=0)
+    # the engine serves a Hugging Face tokenizer's chat template, not the tiny target's mapped vocabulary: refused
+    # before any server starts or file is written
+    with pytest.raises(ConfigError, match="backend 'vllm' serves the target's own Hugging Face tokenizer"):
+        dt.ensure_demo_answers(cfg, folder, dt.DemoAnswerSettings(backend="vllm"), progress=False)
+    assert not list((folder / "answers").glob("*engine*"))
+    free = dt.answers_config(cfg, folder, dt.DemoAnswerSettings(records=9, new_tokens=7, free_end=True, max_len=300,
+                                                                backend="vllm", concurrency=3))
+    assert (free.regenerate.max_new_tokens, free.regenerate.min_new_tokens, free.data.max_len) == (7, 0, 300)
+    assert (free.regenerate.backend, free.regenerate.concurrency) == ("openai", 3)
     rc = dt.answers_config(cfg, folder, dt.DemoAnswerSettings(records=9, new_tokens=7))
     r = rc.regenerate
     assert (rc.data.limit, r.max_turns, r.max_new_tokens, r.min_new_tokens, r.temperature) == (

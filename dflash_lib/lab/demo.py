@@ -10,22 +10,25 @@ that accepts a name gets it: a notebook that builds its config from a preset tak
 target and tokenizer made by a first step for the whole chain), then what its CHAIN link derives from the folders
 of the notebooks before it.
 
-The demo preset first builds its TRAINED target (`lab.demo_target`: a small Qwen3 trained on the corpus over a
-shrunk vocabulary, cached) and the target's own answers to the first user turn of 1024 conversations (cached
-next to it): every notebook runs against that target and its tokenizer, notebooks 01-03 on the bundled corpus,
-notebook 04 trains the drafter on the target's answers (with buckets planned for them) and notebook 05 decodes
-held-out prompts of those answers. `trained_target=False` keeps the chain on the preset's own target (a random one
-unless `target` is set); `True` with other presets builds one with `target_settings` / `answer_settings`.
+The chain's first step gives it a target (`run_demo(target=...)`): "real" (the demo preset's: SmolLM2-135M-Instruct,
+`lab.real_target`, converted once from its pip package), "trained" (a small Qwen3 trained on the corpus over a
+shrunk vocabulary, `lab.demo_target`, for tests and smoke runs) or "preset" (the preset's own, random unless
+`target` is set). With "real" or "trained" it also writes the target's own answers to first user turns (cached
+next to it; the real target's through vLLM's chat endpoint when the engine is installed): notebooks 01-03 run on
+the bundled corpus under the target's tokenizer, notebook 04 trains the drafter on those answers (buckets planned
+for them) and notebook 05 decodes held-out prompts of them.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from dflash_lib.lab.demo_target import DemoAnswerSettings, demo_target_params, ensure_demo_answers, ensure_demo_target
+from dflash_lib.lab.real_target import SMOLLM2, ensure_real_target, real_target_params
 from dflash_lib.lab.report.demo import build_demo_report, demo_evaluation, write_demo_summary
 from dflash_lib.lab.runs import accepted_parameters, execute
 from dflash_lib.config import ConfigError
@@ -41,7 +44,8 @@ def _train_link(prev: dict[str, Path]) -> dict[str, Any]:
     """Notebook 04: on the target's answers when the chain has them (buckets planned for that corpus), else on
     the bundled corpus with notebook 02's plan."""
     if ANSWERS in prev:
-        return {"source": str(prev[ANSWERS]), "plan": "", "heldout_fraction": float(prev[ANSWERS + "_heldout"])}
+        return {"source": str(prev[ANSWERS]), "plan": "", "heldout_fraction": float(prev[ANSWERS + "_heldout"]),
+                **({"max_len": prev[ANSWERS + "_max_len"]} if prev.get(ANSWERS + "_max_len") else {})}
     return {"plan": str(prev["02_bucket_optimization"] / "plan.json")}
 
 
@@ -70,21 +74,42 @@ KEY_FIGURES = [
 ]
 
 
+TARGETS = ("real", "trained", "preset")  # run_demo's target kinds (see the module doc)
+
+# The real target's answers: 320 first turns of at most 128 tokens, ended where the model ends them, prompt and
+# answer within 1024 tokens (the vLLM CPU build answers ~80 tokens/s here: LOG.md); 5 % held out
+REAL_ANSWERS = DemoAnswerSettings(records=320, new_tokens=128, free_end=True, heldout_fraction=0.05, max_len=1024)
+
+
 def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_settings: Any = None,
-                   answer_settings: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trained demo target and its answers for the preset's data (built or cached). Returns (the parameters
-    that put every notebook on that target and tokenizer, the chain's inputs: {ANSWERS: the JSONL,
-    ANSWERS + "_heldout": the held-out fraction notebook 04 uses on it})."""
+                   answer_settings: DemoAnswerSettings | None = None, kind: str = "trained",
+                   engine: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chain's target ("real" or "trained", built or cached) and its answers for the preset's data. Returns
+    (the parameters that put every notebook on that target and tokenizer, the chain's inputs: {ANSWERS: the JSONL,
+    ANSWERS + "_heldout" / "_max_len": the held-out fraction and max_len notebook 04 uses on it}). engine: the real target's answers come
+    from vLLM's chat endpoint (else the local backend, ~5x slower on 2 cores)."""
     cfg = load_config(dict(overrides or {}), preset_name)
-    answer_settings = answer_settings or DemoAnswerSettings()
     t0 = time.perf_counter()
-    print("[demo] trained target ...", flush=True)
-    folder = ensure_demo_target(cfg, target_settings)
-    answers = ensure_demo_answers(cfg, folder, answer_settings)
-    print(f"[demo] trained target ready in {time.perf_counter() - t0:.0f} s -> {folder}", flush=True)
-    inputs = {ANSWERS: answers, ANSWERS + "_heldout": answer_settings.heldout_fraction}
-    n = answer_settings.new_tokens  # notebook 05 decodes answers as the drafter's data was made: exactly n tokens
-    return {**demo_target_params(folder), "max_new_tokens": n, "min_new_tokens": n}, inputs
+    if kind == "real":
+        print(f"[demo] real target {SMOLLM2.name} ...", flush=True)
+        folder = ensure_real_target()
+        params = real_target_params(folder)
+        settings = replace(answer_settings or REAL_ANSWERS, backend="vllm" if engine else "local")
+        cfg = load_config({**(overrides or {}), **params}, preset_name)
+        answers = ensure_demo_answers(cfg, folder, settings, target_params=params)
+    else:
+        print("[demo] trained target ...", flush=True)
+        settings = answer_settings or DemoAnswerSettings()
+        folder = ensure_demo_target(cfg, target_settings)
+        params = demo_target_params(folder)
+        answers = ensure_demo_answers(cfg, folder, settings)
+    print(f"[demo] target and its answers ready in {time.perf_counter() - t0:.0f} s -> {folder}", flush=True)
+    inputs = {ANSWERS: answers, ANSWERS + "_heldout": settings.heldout_fraction, ANSWERS + "_max_len": settings.max_len,
+              ANSWERS + "_settings": asdict(settings)}
+    if settings.free_end:  # answers end where the target ends them: so do notebook 05's (the preset's length at most)
+        return {**params, "min_new_tokens": 0}, inputs
+    # answers of exactly n tokens: notebook 05 decodes them as the drafter's data was made
+    return {**params, "max_new_tokens": settings.new_tokens, "min_new_tokens": settings.new_tokens}, inputs
 
 
 def engine_available() -> bool:
@@ -97,28 +122,33 @@ def engine_available() -> bool:
 
 
 def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | None = None,
-             overrides: dict[str, Any] | None = None, trained_target: bool | None = None,
-             target_settings: Any = None, answer_settings: Any = None, engine: str | None = None) -> Path:
+             overrides: dict[str, Any] | None = None, target: str | None = None,
+             target_settings: Any = None, answer_settings: DemoAnswerSettings | None = None,
+             engine: str | None = None) -> Path:
     """Run every notebook of the chain with `preset_name` (plus `overrides` where a notebook takes them).
 
-    trained_target: build (or reuse) the trained demo target and its answers first (see the module doc);
-    None = only for the demo preset. engine: notebook 05's `engine` ("vllm": every drafter also served by vLLM);
-    None = "vllm" for the demo preset on its trained target when `make engine` made .venv-engine, else "none".
+    target: one of TARGETS (see the module doc); None = "real" for the demo preset, else "preset". engine: notebook
+    05's `engine` ("vllm": every drafter also served by vLLM; the real target's answers through it too); None =
+    "vllm" for the demo preset on a real or trained target when `make engine` made .venv-engine, else "none".
     Returns the demo folder. A failing notebook raises; the folders of the notebooks before it stay intact.
     """
+    target = target or ("real" if preset_name == "demo" else "preset")
+    if target not in TARGETS:
+        raise ConfigError(f"demo: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if engine is None:
+        engine = "vllm" if preset_name == "demo" and target != "preset" and engine_available() else "none"
     demo_dir = new_run_dir("demo", tag if tag != "demo" else "", root)
     done: dict[str, Path] = {}  # notebook stem -> its run folder
     inputs: dict[str, Any] = {}  # what the chain's first step made (the target's answers), for CHAIN's links
-    record: dict[str, Any] = {"preset": preset_name, "runs": []}
-    if trained_target if trained_target is not None else preset_name == "demo":
+    record: dict[str, Any] = {"preset": preset_name, "runs": [], "engine": engine}
+    if target != "preset":
         t0 = time.perf_counter()
-        target_params, inputs = prepare_target(preset_name, overrides, target_settings, answer_settings)
+        target_params, inputs = prepare_target(preset_name, overrides, target_settings, answer_settings, target,
+                                               engine == "vllm")
         overrides = {**target_params, **(overrides or {})}
-        record["trained_target"] = {**target_params, "answers": str(inputs[ANSWERS]),
-                                    "seconds": round(time.perf_counter() - t0, 1)}
-    if engine is None:
-        engine = "vllm" if preset_name == "demo" and inputs and engine_available() else "none"
-    record["engine"] = engine
+        record["target"] = {"kind": target, **target_params, "answers": str(inputs[ANSWERS]),
+                            "answer_settings": inputs[ANSWERS + "_settings"],
+                            "seconds": round(time.perf_counter() - t0, 1)}
     for stem, derive in CHAIN:
         notebook = NOTEBOOKS / f"{stem}.ipynb"
         accepted = accepted_parameters(notebook)  # a notebook building its config takes every config field
@@ -133,22 +163,26 @@ def run_demo(preset_name: str = "demo", tag: str = "demo", root: str | Path | No
                                "seconds": round(time.perf_counter() - t0, 1)})
         print(f"[demo] {stem} done in {time.perf_counter() - t0:.0f} s -> {run_dir}", flush=True)
         write_json(demo_dir / "chain.json", record)
-    build_report(demo_dir, done, record.get("trained_target"))
+    build_report(demo_dir, done, record.get("target"))
     return demo_dir
 
 
-def data_note(trained_target: dict[str, Any] | None) -> str:
-    """The report's sentence on what the drafter trained on (the chain record's `trained_target`, or None)."""
-    if not trained_target:
+def data_note(target: dict[str, Any] | None) -> str:
+    """The report's sentence on what the drafter trained on (the chain record's `target`, or None)."""
+    if not target:
         return ""
-    return (f"Target: {trained_target['target']} (a small Qwen3 the demo trained on the corpus). The drafter trained "
-            f"on that target's own greedy answers ({trained_target['answers']}, {trained_target['max_new_tokens']} "
-            "tokens each) and is evaluated on held-out prompts of them.")
+    what = (f"{SMOLLM2.name}, converted from its GGUF" if target.get("kind") == "real"
+            else "a small Qwen3 the demo trained on the corpus")
+    answers = target.get("answer_settings", {})
+    n = answers.get("new_tokens", target.get("max_new_tokens"))
+    size = f"at most {n} tokens each, ended where the target ends them" if answers.get("free_end") else f"{n} tokens each"
+    return (f"Target: {target['target']} ({what}). The drafter trained on that target's own greedy answers "
+            f"({target['answers']}, {size}) and is evaluated on held-out prompts of them.")
 
 
-def build_report(demo_dir: Path, done: dict[str, Path], trained_target: dict[str, Any] | None = None) -> Path:
+def build_report(demo_dir: Path, done: dict[str, Path], target: dict[str, Any] | None = None) -> Path:
     """summary.json (per strategy from the probe, the evaluation from notebook 05) and report.html for a finished
-    chain (`trained_target`: the chain record's entry for its trained target, when it made one)."""
+    chain (`target`: the chain record's entry for the target its first step made, when it made one)."""
     probe = json.loads((done["03_throughput_probe"] / "summary.json").read_text())
     evaluation = demo_evaluation(json.loads((done["05_evaluate"] / "summary.json").read_text()))
     write_demo_summary(demo_dir, probe["strategies"], evaluation)
@@ -157,4 +191,4 @@ def build_report(demo_dir: Path, done: dict[str, Path], trained_target: dict[str
     if missing:
         raise FileNotFoundError(f"the demo report needs figures its notebooks did not write: {missing}")
     return build_demo_report(demo_dir, done, probe["strategies"], figures, title="DFlash Lab demo",
-                             evaluation=evaluation, data_note=data_note(trained_target))
+                             evaluation=evaluation, data_note=data_note(target))

@@ -345,26 +345,41 @@ def build_demo_target(cfg: Config, settings: DemoTargetSettings, out: Path, key:
 
 @dataclass(frozen=True)
 class DemoAnswerSettings:
-    """The corpus the demo's drafter trains on: the demo target's own greedy answers (DFlash trains on what the
-    target would say, docs/dflash.md; `regenerate`), to the first user turn of the first `records` conversations
-    that open with a user turn (a conversation opening with an assistant turn, e.g. the second part of a split
-    ShareGPT chat, is read past: that turn answers no prompt and would be trained on without being the target's).
+    """The corpus the demo's drafter trains on: the target's own greedy answers (DFlash trains on what the target
+    would say, docs/dflash.md; `regenerate`) to the first user turn of the first `records` conversations that open
+    with a user turn (one opening with an assistant turn answers no prompt and is read past).
 
-    Every answer is exactly `new_tokens` long (min_new_tokens = max_new_tokens): left free, the small target ends
-    most answers after two or three tokens, which leaves no block for a drafter to draft."""
+    The tiny trained target's answers are exactly `new_tokens` long: left free, it ends most after two or three
+    tokens, which leaves no block to draft. A real model's end where it ends them (`free_end`), at most
+    `new_tokens`."""
 
     records: int = 1024  # conversations answered again (their first assistant turn only)
-    new_tokens: int = 64  # tokens per answer, exactly
-    gen_batch: int = 64  # conversations per batched generate
-    gen_tokens: int = 16384  # padded prompt tokens per generate call at most (prompts sorted by length)
+    new_tokens: int = 64  # tokens per answer: exactly, or at most with free_end
+    free_end: bool = False  # the answer ends at the target's end-of-turn token (else it is masked: exactly new_tokens)
+    backend: str = "local"  # "local" (the target in-process, batched) | "vllm" (the engine's chat endpoint, a server
+    # started for the target folder: ~5x the local tokens/s on 2 cores; a Hugging Face tokenizer folder only)
+    gen_batch: int = 64  # local: conversations per batched generate
+    gen_tokens: int = 16384  # local: padded prompt tokens per generate call at most (prompts sorted by length)
+    concurrency: int = 32  # vllm: conversations in flight (the server decodes as many at once)
+    max_len: int = 0  # tokens per sample (prompt and answer) the drafter trains on; 0 = the data's max_len. vllm: a
+    # prompt leaving no room for new_tokens is refused and listed in the rejects file (the store drops it anyway)
     heldout_fraction: float = 0.03  # the drafter run's held-out split of these answers (~30 prompts of 1024)
 
     def __post_init__(self) -> None:
-        for name in ("records", "new_tokens", "gen_batch", "gen_tokens"):
+        for name in ("records", "new_tokens", "gen_batch", "gen_tokens", "concurrency"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"demo answers: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_len < 0:
+            raise ConfigError(f"demo answers: max_len must be >= 0, got {self.max_len}")
+        if self.backend not in ("local", "vllm"):
+            raise ConfigError(f"demo answers: backend must be 'local' or 'vllm', got {self.backend!r}")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ConfigError(f"demo answers: heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+
+    @property
+    def min_new_tokens(self) -> int:
+        """The tokens before the end-of-turn token may end an answer (regenerate's and evaluate's)."""
+        return 0 if self.free_end else self.new_tokens
 
 
 def records_to_read(source: str, answered: int) -> int:
@@ -379,21 +394,31 @@ def records_to_read(source: str, answered: int) -> int:
     return read
 
 
-def answers_config(cfg: Config, target_dir: str | Path, s: DemoAnswerSettings) -> Config:
-    """`cfg` with the demo target and its tokenizer, and `regenerate`'s settings for the demo answers."""
+def answers_config(cfg: Config, target_dir: str | Path, s: DemoAnswerSettings,
+                   target_params: dict[str, Any] | None = None) -> Config:
+    """`cfg` on the target (`target_params`: default the demo target's, `demo_target_params`) with `regenerate`'s
+    settings for the demo answers (the openai backend's base_url is the server's, set when it starts)."""
     limit = records_to_read(cfg.data.source, s.records)
-    return from_params(dict(demo_target_params(target_dir), limit=limit, max_turns=1, max_new_tokens=s.new_tokens,
-                            min_new_tokens=s.new_tokens, temperature=0.0, gen_batch=s.gen_batch,
-                            gen_tokens=s.gen_tokens, backend="local", regen_leading_assistant="skip"), cfg)
+    params = target_params if target_params is not None else demo_target_params(target_dir)
+    more = {"max_len": s.max_len} if s.max_len else {}
+    return from_params(dict(params, **more, limit=limit, max_turns=1, max_new_tokens=s.new_tokens,
+                            min_new_tokens=s.min_new_tokens, temperature=0.0, gen_batch=s.gen_batch,
+                            gen_tokens=s.gen_tokens, concurrency=s.concurrency, regen_leading_assistant="skip",
+                            backend="local" if s.backend == "local" else "openai"), cfg)
 
 
 def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswerSettings | None = None,
-                        progress: bool = True) -> Path:
+                        progress: bool = True, target_params: dict[str, Any] | None = None) -> Path:
     """The JSONL of the target's answers (`regenerate`'s format, a source any run reads) under
-    `target_dir/answers/`: written once, resumed when a build was stopped, reused when complete."""
+    `target_dir/answers/`: written once, resumed when a build was stopped, reused when complete. Backend "vllm"
+    starts the engine on `target_dir` (its log `answers/engine.log`)."""
     s = settings or DemoAnswerSettings()
-    rcfg = answers_config(cfg, target_dir, s)
+    if s.backend == "vllm" and is_mapped_tokenizer(str(target_dir)):
+        raise ConfigError(f"demo answers: backend 'vllm' serves the target's own Hugging Face tokenizer; {target_dir} "
+                          "holds a mapped vocabulary (the tiny trained target): use backend 'local'")
+    rcfg = answers_config(cfg, target_dir, s, target_params)
     payload = dict(source=rcfg.data.source, template=rcfg.data.template, thinking=rcfg.data.thinking,
+                   max_len=rcfg.data.max_len if s.backend == "vllm" else None,
                    leading_assistant=rcfg.regenerate.regen_leading_assistant,
                    answers={k: v for k, v in asdict(s).items() if k != "heldout_fraction"})
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -403,9 +428,18 @@ def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswe
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     if progress:
+        size = f"at most {s.new_tokens}" if s.free_end else f"{s.new_tokens}"
         print(f"demo answers: the target answers the first user turn of {s.records} conversations of "
-              f"{rcfg.data.source!r}, {s.new_tokens} tokens each -> {out}", file=sys.stderr, flush=True)
-    regenerate(rcfg, out, progress=progress)
+              f"{rcfg.data.source!r}, {size} tokens each, through {s.backend} -> {out}", file=sys.stderr, flush=True)
+    if s.backend == "local":
+        regenerate(rcfg, out, progress=progress)
+        return out
+    from dflash_lib.serve.server import EngineServer, EngineSpec
+
+    spec = EngineSpec(str(target_dir), max_model_len=rcfg.data.max_len, max_num_seqs=s.concurrency,
+                      kv_cache_gib=2.0, token_ids=False)
+    with EngineServer(spec, out.parent / "engine.log") as server:
+        regenerate(from_params({"base_url": server.url + "/v1"}, rcfg), out, progress=progress)
     return out
 
 
