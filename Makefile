@@ -60,8 +60,9 @@ $(ESTAMP): | $(STAMP)
 	$(VPY) -m dflash_lib engine-check --python $(EVENV)/bin/python
 	touch $(ESTAMP)
 
+# the real target's answers and notebook 05's served figures come from the engine; `make demo ENGINE=0`: neither
 demo: setup $(if $(filter 1,$(ENGINE)),engine)
-	$(VPY) -m dflash_lib demo
+	$(VPY) -m dflash_lib demo $(if $(filter 1,$(ENGINE)),,--engine none)
 
 test: setup browser $(if $(filter 1,$(ENGINE)),engine)
 	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=$(ENGINE) $(VPY) -m pytest -m "not long"
