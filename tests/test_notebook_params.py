@@ -97,18 +97,18 @@ def test_injected_fields_reach_the_config_train_reads():
     gamma); every field `train()` reads comes from this one Config."""
     declared = runs.notebook_parameters(NB04)
     injected = dict(device="cpu", attn_backend="sdpa", drafter_attention="dense", accum_tokens=4096, ckpt_every=7,
-                    target_layer_ids=[0, 1], ce_chunk_blocks=8, gamma=3.0, stop_at_step=2)
+                    target_layer_ids=[0, 1, 2], ce_chunk_blocks=8, gamma=3.0, stop_at_step=2)
     lines: list[str] = []
     cfg = runs.notebook_config({**declared, **injected, "json": json, "Path": Path}, say=lines.append)
     assert cfg.model.attn_backend == "sdpa" and cfg.model.drafter_attention == "dense"
-    assert cfg.model.target_layer_ids == [0, 1] and cfg.model.ce_chunk_blocks == 8 and cfg.model.gamma == 3.0
+    assert cfg.model.target_layer_ids == [0, 1, 2] and cfg.model.ce_chunk_blocks == 8 and cfg.model.gamma == 3.0
     assert cfg.train.device == "cpu" and cfg.train.accum_tokens == 4096 and cfg.train.ckpt_every == 7
     assert cfg.train.stop_at_step == 2
     assert cfg.model.num_anchors == preset("demo").model.num_anchors  # not in the cell: from the preset
     (line,) = lines  # the preset and what differs from it: the injected names, not the cell's (the preset's)
     assert line.startswith("config: preset demo; changed here: ")
     assert sorted(line.split("changed here: ")[1].split(", ")) == sorted(
-        [f"{k}={v!r}" for k, v in injected.items() if k != "target_layer_ids"] + ["target_layer_ids=[0", "1]"])
+        [f"{k}={v!r}" for k, v in injected.items() if k != "target_layer_ids"] + ["target_layer_ids=[0", "1", "2]"])
     paper = runs.notebook_config({**declared, **runs.resolve_params(NB04, {"target": "/models/q"}, "qwen3-8b")},
                                  say=lambda s: None)
     want = from_params({"target": "/models/q"}, preset("qwen3-8b"))

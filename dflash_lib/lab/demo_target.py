@@ -49,6 +49,7 @@ from dflash_lib.data.tokenizers import MappedVocab, is_mapped_tokenizer, load_to
 from dflash_lib.models.target import tiny_qwen3_config
 from dflash_lib.regenerate import leading_assistant_turns, regenerate, report_path
 from dflash_lib.rundir import load_config
+from dflash_lib.serve.server import EngineServer, EngineSpec
 
 DEMO_TARGET_FORMAT = 4  # bump when the build's semantics change (old folders then stop matching)
 MAX_POSITIONS = 32768  # RoPE positions the target accepts: a regeneration prompt (a whole first user turn) may be long
@@ -434,8 +435,6 @@ def ensure_demo_answers(cfg: Config, target_dir: str | Path, settings: DemoAnswe
     if s.backend == "local":
         regenerate(rcfg, out, progress=progress)
         return out
-    from dflash_lib.serve.server import EngineServer, EngineSpec
-
     spec = EngineSpec(str(target_dir), max_model_len=rcfg.data.max_len, max_num_seqs=s.concurrency,
                       kv_cache_gib=2.0, token_ids=False)
     with EngineServer(spec, out.parent / "engine.log") as server:
