@@ -158,6 +158,16 @@ class ModelConfig:
                               f"but num_features is {self.num_features}")
 
 
+PRECISIONS = ("auto", "bf16", "fp32")  # TrainConfig.precision
+
+
+def uses_bf16(precision: str, device: Any) -> bool:
+    """Whether a run at `precision` (one of PRECISIONS) on `device` keeps the target in bf16 and trains the drafter
+    under bf16 autocast: "auto" on CUDA only, "bf16" everywhere, "fp32" nowhere."""
+    kind = getattr(device, "type", str(device).split(":")[0])  # a torch.device or its name
+    return precision == "bf16" or (precision == "auto" and kind == "cuda")
+
+
 def check_loss_settings(section: Any) -> None:
     """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha` of a ModelConfig
     or a DrafterConfig) outside their ranges, naming the parameter."""
@@ -210,6 +220,8 @@ class TrainConfig:
     log_every: int = 1  # print a log line every N steps
     ckpt_every: int = 0  # checkpoint every N steps (0 = only at the end)
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 elsewhere) | "bf16" (the target's weights in bf16, the
+    # drafter under bf16 autocast over fp32 weights, on any device: CPUs with AVX512-BF16 / AMX run it faster) | "fp32"
     seed: int = 0  # model init and anchor generator seed
     probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
     probe_rounds: int = 1  # notebook 03: chunks each probe is trained in, the strategies taking turns (drift control)
@@ -236,6 +248,7 @@ class TrainConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("precision", self.precision, PRECISIONS)
         _choice("parallel", self.parallel, ("ddp", "fsdp"))
         _choice("target_parallel", self.target_parallel, ("replicate", "fsdp", "auto"))
         if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
@@ -585,14 +598,14 @@ def smoke() -> Config:
 def demo() -> Config:
     """The `make demo` scale for a real 135M target (SmolLM2-135M-Instruct, `lab.real_target`) on 2 CPU cores: the
     bundled corpus analysed at max_len 1024, the probe 6 steps a strategy, the drafter (1 layer, blocks of 4, 3
-    target layers fused) 150 steps on the target's answers with a checkpoint and a held-out evaluation every 75,
-    notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32 tokens
-    each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38's settings)."""
+    target layers fused) 300 small steps at lr 1e-3 in bf16 on the target's answers, a held-out evaluation every 50
+    and a checkpoint every 150, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and
+    MT-Bench (both turns), 32 tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38)."""
     return from_params(
         dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
-             num_features=3, num_anchors=24, block_size=4, steps=150, lr=3e-3, probe_steps=6, probe_rounds=1,
-             log_every=10, prefetch=4, ckpt_every=75, eval_every=75, prompts=2, max_new_tokens=32, eval_samples=8,
-             decode_threads=0, prompts_from="heldout,humaneval,mt-bench")
+             num_features=3, num_anchors=24, block_size=4, steps=300, lr=1e-3, precision="bf16", probe_steps=6,
+             probe_rounds=1, log_every=10, prefetch=4, ckpt_every=150, eval_every=50, prompts=2, max_new_tokens=32,
+             eval_samples=8, decode_threads=0, prompts_from="heldout,humaneval,mt-bench")
     )
 
 

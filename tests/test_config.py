@@ -47,6 +47,7 @@ def test_cli_strings_are_parsed_by_field_type():
         ({"noise": 0.0}, "noise must be in (0, 1]"),
         ({"lr": "1e9"}, "lr must be in (0, 1], got 1000000000.0"),  # a typo, not a learning rate
         ({"lr": 0.0}, "lr must be in (0, 1], got 0.0"),
+        ({"precision": "fp16"}, "precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'"),
     ],
 )
 def test_bad_parameters_are_refused_naming_the_key(params, message):
@@ -70,6 +71,7 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "prompts_from": "humaneval", "enable_thinking": "on", "engine": "vllm",
                "engine_url": "http://127.0.0.1:1"}
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
+OTHER_VALUE |= {"precision": "bf16"}
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 

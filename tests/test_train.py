@@ -588,3 +588,27 @@ def test_epoch_batches_split_the_same_global_steps_over_any_world_size():
             assert sum(w.last_shard for w in ws) == 30  # one per sampler step
     idle = work(3, 2)
     assert [w.shard for w in idle] == [-1] * 30 and all(w.indices == [] for w in idle)
+
+
+def test_precision_bf16_runs_the_target_in_bf16_and_the_drafter_under_autocast_on_cpu(tmp_path):
+    """`-p precision bf16` on a CPU: the frozen target's weights in bf16, the drafter's fp32 master weights
+    trained under bf16 autocast; its first loss within bf16 rounding of fp32's, both finite (same seed, same
+    batches); "auto" on a CPU is fp32."""
+    from dflash_lib.config import uses_bf16
+    from dflash_lib.train.build import build_parts
+
+    assert not uses_bf16("auto", "cpu") and uses_bf16("auto", torch.device("cuda", 0))
+    assert uses_bf16("bf16", "cpu") and not uses_bf16("fp32", "cuda")
+    first = {}
+    for precision in ("fp32", "bf16"):
+        config = from_params(dict(precision=precision, steps=2), preset("smoke"))
+        parts = build_parts(config, torch.device("cpu"))
+        want = torch.bfloat16 if precision == "bf16" else torch.float32
+        assert {p.dtype for p in parts.targets[0].parameters()} == {want}
+        assert {p.dtype for p in parts.drafter.parameters() if p.requires_grad} == {torch.float32}
+        run_training(config, parts, tmp_path / precision)
+        rows = [json.loads(line) for line in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+        first[precision] = rows[0]["loss"]
+    assert first["bf16"] != first["fp32"]  # the drafter ran in bf16: not the fp32 result to the last bit
+    assert first["bf16"] == pytest.approx(first["fp32"], rel=0.05)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dflash_lib.config import Config, ConfigError, checkpointed_layers, target_tokenizer
+from dflash_lib.config import Config, ConfigError, checkpointed_layers, target_tokenizer, uses_bf16
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.data.stats import store_drafter_queries
@@ -212,7 +212,7 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     shards = data_shards if data_shards > 0 else dist.world_size
     # the global plan: rank r reads its shards
     sampler = build_sampler(config, data.lengths, 0, shards, data.edges, data.queries)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # frozen target: no fp32 master copy
+    dtype = torch.bfloat16 if uses_bf16(config.train.precision, device) else torch.float32  # frozen: no fp32 master
     if device.type == "cuda" and dist.world_size == 1 and torch.cuda.device_count() > 1:
         devices = [torch.device("cuda", i) for i in range(min(config.pipeline.target_workers,
                                                               torch.cuda.device_count()))]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dflash_lib.config import TrainConfig
+from dflash_lib.config import TrainConfig, uses_bf16
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.data.split import HELDOUT_FILE
 from dflash_lib.models.layout import DraftLayout
@@ -77,7 +77,7 @@ class HeldOutEvaluator:
         t0 = time.perf_counter()
         with self.engine.full_root():
             figures = evaluate(self.parts.drafter, self.parts.targets[0], self.eval_set,
-                               self.parts.targets[0].device.type == "cuda")
+                               uses_bf16(self.train.precision, self.parts.targets[0].device))
         figures["heldout_s"] = time.perf_counter() - t0
         self.latest = dict(heldout_step=step, **figures)
         say(f"held-out at step {step} ({figures['heldout_samples']} samples): loss {figures['heldout_loss']:.3f} | "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dflash_lib.config import Config, ConfigError, TrainConfig
+from dflash_lib.config import Config, ConfigError, TrainConfig, uses_bf16
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
@@ -332,7 +332,7 @@ class Trainer:
         lr = lr_at(p.step, p.total_steps, tc)
         noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(p.batches_done, tc))
         res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,
-                         self.device.type == "cuda", self.guard, p.step + 1, self.filler)
+                         uses_bf16(tc.precision, self.device), self.guard, p.step + 1, self.filler)
         p.position = (items[-1].epoch, items[-1].step + 1)
         read = sum(it.last_shard for it in items)  # sampler steps
         p.batches_done += read
