@@ -106,7 +106,7 @@ class TargetCache:
         feats = None
         if features:  # hidden_states[i + 1] = output of decoder layer i
             feats = torch.cat([out.hidden_states[i + 1][0] for i in t.layer_ids], dim=-1)  # (T, F*H)
-        return TargetStep(feats, t.lm_head(out.last_hidden_state[0]))  # last_hidden_state is final-normed
+        return TargetStep(feats, t.logits(out.last_hidden_state[0]))  # last_hidden_state is final-normed
 
     def crop(self, length: int) -> None:
         """Keep positions 0 .. length-1."""

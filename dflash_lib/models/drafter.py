@@ -48,9 +48,19 @@ def drafter_shape(hf: Any) -> DrafterShape:
     Qwen3 layers of the target's hidden size; a config with no dense width (intermediate_size missing or 0, only
     moe_intermediate_size) gets 3 x hidden_size, the Qwen3 ratio (8B: 12288 / 4096)."""
     hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
-    dense = int(getattr(hf, "intermediate_size", 0) or 0) or 3 * hidden
-    return DrafterShape(num_heads=heads, num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-                        head_dim=int(getattr(hf, "head_dim", None) or hidden // heads), intermediate_size=dense)
+    dense = int(_full_attention_value(hf, "intermediate_size") or 0) or 3 * hidden
+    return DrafterShape(num_heads=heads, num_kv_heads=int(_full_attention_value(hf, "num_key_value_heads") or heads),
+                        head_dim=int(_full_attention_value(hf, "head_dim") or hidden // heads), intermediate_size=dense)
+
+
+def _full_attention_value(hf: Any, name: str) -> Any:
+    """`hf.name`, or None when absent; for a config whose layers differ (gemma-4's `per_layer_config`), the value
+    of its first full-attention layer (the drafter's layers attend over the whole context)."""
+    per_layer = getattr(hf, "per_layer_config", None)
+    if per_layer:
+        kinds = list(getattr(hf, "layer_types", None) or [])
+        return getattr(per_layer[kinds.index("full_attention") if "full_attention" in kinds else 0], name, None)
+    return getattr(hf, name, None)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class DrafterConfig:
         hf = target.model.config
         shape = drafter_shape(hf)
         rope = getattr(hf, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope)  # per layer kind (gemma): the full-attention layers' base
         return cls(
             hidden_size=target.hidden_size, num_layers=cfg.drafter_layers, **dataclasses.asdict(shape),
             vocab_size=target.vocab_size,

@@ -17,6 +17,7 @@ mask: LOG.md, 2026-11-29, second session).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.cache_utils import KVSharingDict
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -88,7 +90,8 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
     """The target's config for training, refusing what `TargetModel.from_model_config` would refuse before
     loading a weight: a named shape (no weights), a local folder whose config.json `local_hf_config` refuses,
-    that is not a causal LM (no `AutoModelForCausalLM` class for its model_type) or that holds no safetensors.
+    that is not a causal LM (no `AutoModelForCausalLM` class for its model_type), that `refuse_unrunnable`
+    refuses, or that holds no safetensors.
     Reads config.json only: `train()` calls it before it makes a run folder."""
     if cfg.target in NAMED_SHAPES:
         raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
@@ -98,8 +101,32 @@ def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig
         if type(hf_cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError(f"target {cfg.target!r}: model_type {hf_cfg.model_type!r} has no causal LM in "
                               f"transformers {transformers.__version__} (not a decoder-only language model)")
+        refuse_unrunnable(hf_cfg, f"target {cfg.target!r} ({hf_cfg.model_type})", cfg.loss)
         weight_files(cfg.target)
     return hf_cfg
+
+
+def refuse_unrunnable(hf_cfg: transformers.PretrainedConfig, name: str, loss: str = "ce") -> None:
+    """ConfigError in one line naming `name` and the missing piece when the config (no weight needed) asks for
+    what the target cannot run exactly per document: a layer kind outside LAYER_KINDS, chunked or bidirectional
+    attention, soft-capped attention logits; or, for a loss that reads the target's distribution (`loss` kl,
+    ce+kl), soft-capped final logits (the shared LM head's logits are not capped in the loss)."""
+    unrun = sorted(set(getattr(hf_cfg, "layer_types", None) or ["full_attention"]) - set(LAYER_KINDS))
+    if unrun:
+        raise ConfigError(f"{name}: layer types {unrun} are not run by our per-document attention (it runs "
+                          f"{list(LAYER_KINDS)})")
+    if getattr(hf_cfg, "attention_chunk_size", None):
+        raise ConfigError(f"{name}: chunked attention (attention_chunk_size {hf_cfg.attention_chunk_size}) is not "
+                          "run by our per-document attention")
+    if getattr(hf_cfg, "use_bidirectional_attention", None):
+        raise ConfigError(f"{name}: bidirectional attention (use_bidirectional_attention "
+                          f"{hf_cfg.use_bidirectional_attention!r}) is not a causal target")
+    if getattr(hf_cfg, "attn_logit_softcapping", None):
+        raise ConfigError(f"{name}: soft-capped attention logits (attn_logit_softcapping "
+                          f"{hf_cfg.attn_logit_softcapping}) are not run by our per-document attention")
+    if loss != "ce" and getattr(hf_cfg, "final_logit_softcapping", None):
+        raise ConfigError(f"{name}: loss {loss!r} reads the target's distribution, whose final logits are soft-capped "
+                          f"(final_logit_softcapping {hf_cfg.final_logit_softcapping}); train with loss 'ce'")
 
 
 def weight_files(directory: str | Path) -> list[str]:
@@ -159,7 +186,8 @@ IMPLEMENTATION = {"sdpa": SDPA_VARLEN, "flash": "flash_attention_2"}  # backend 
 # flash-attn: transformers' own integration, which passes a layer's sliding window w to the varlen kernel as
 # window_size (w - 1, w - 1) with causal=True, i.e. the keys i - w < j <= i, as ours; flash-attn 2 has no
 # attention sinks (transformers drops them without a word), so `TargetModel` refuses a target with sinks there.
-LAYER_KINDS = ("full_attention", "sliding_attention")  # the `config.layer_types` our attention runs exactly
+# the `config.layer_types` the target runs exactly: attention per document, linear attention one document at a time
+LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 REFUSED_KWARGS = ("softcap",)  # settings an attention module may pass that our attention does not implement
 SCORE_BUDGET = 1 << 24  # attention scores one windowed or sink chunk materialises at most (elements)
 
@@ -170,9 +198,9 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                           s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """A Hugging Face attention function: causal attention over each [start, end) segment of one flattened sequence.
 
-    query (1, Hq, N, D), key and value (1, Hkv, N, D) (grouped-query heads are shared, not copied) ->
-    ((1, N, Hq, D), None). Slots outside every segment (padding) get zeros. The attention module passes its own
-    `sliding_window` w (a query at i sees the keys j of its document with i - w < j <= i: transformers'
+    query (1, Hq, N, D), key (1, Hkv, N, D), value (1, Hkv, N, Dv) (grouped-query heads are shared, not copied;
+    MLA's values are narrower than its keys) -> ((1, N, Hq, Dv), None). Slots outside every segment (padding) get
+    zeros. The attention module passes its own `sliding_window` w (a query at i sees the keys j of its document with i - w < j <= i: transformers'
     `sliding_window_overlay`) and `s_aux` (gpt-oss' attention sinks: one logit per head, (Hq,), added to the
     softmax denominator only). Called without `dflash_segments` (the wrapped model used directly, e.g.
     `generate`) it attends under the mask transformers built (`sdpa_mask` is registered for this implementation).
@@ -187,7 +215,7 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
             return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                    dropout=dropout, **kwargs)
         return attention_with_sinks(query, key, value, attention_mask, scaling, s_aux).transpose(1, 2), None
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, N, Hq, D)
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])  # (1, N, Hq, Dv)
     for s, e in dflash_segments:
         o = document_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, sliding_window,
                                s_aux)  # (1, Hq, e - s, D)
@@ -197,7 +225,8 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                        sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention within ONE document: query (1, Hq, L, D), key and value (1, Hkv, L, D) -> (1, Hq, L, D).
+    """Causal attention within ONE document: query (1, Hq, L, D), key (1, Hkv, L, D), value (1, Hkv, L, Dv) ->
+    (1, Hq, L, Dv).
 
     `sliding_window` w: a query at i sees keys i - w < j <= i. `sinks` (Hq,): a per-head logit in the softmax
     denominator. Full causal attention is one SDPA call; a window that bites, or sinks, run in query chunks over
@@ -210,7 +239,7 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     span = L if window is None else min(L, 2 * window)  # keys one chunk sees: its own plus the window before it
     chunk = max(1, min(L if window is None else window, SCORE_BUDGET // (Hq * span)))
-    out = torch.empty_like(query)  # (1, Hq, L, D)
+    out = query.new_empty(*query.shape[:3], value.shape[3])  # (1, Hq, L, Dv)
     for a in range(0, L, chunk):
         b = min(L, a + chunk)
         lo = 0 if window is None else max(0, a - window + 1)  # the first key any query of the chunk sees
@@ -231,7 +260,7 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """Softmax attention with one sink logit per head (gpt-oss' eager attention, computed the same way):
     query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D), `mask` True where a key is seen (broadcast to
     (B, Hq, Lq, Lk)), an additive float mask, or None (causal, the queries being the last Lq positions),
-    sinks (Hq,) -> (B, Hq, Lq, D). The sink takes its share of the softmax and contributes no value."""
+    sinks (Hq,) -> (B, Hq, Lq, Dv) (value's width). The sink takes its share of the softmax and contributes no value."""
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     scale = D ** -0.5 if scaling is None else scaling
@@ -246,7 +275,7 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     logits = logits - logits.amax(dim=-1, keepdim=True)  # as gpt-oss does: no overflow in bf16
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(value.dtype)  # the sink's column dropped
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs.reshape(B, Hkv, Hq // Hkv, Lq, Lk), value)
-    return out.reshape(B, Hq, Lq, D)
+    return out.reshape(B, Hq, Lq, value.shape[3])
 
 
 ALL_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, sdpa_varlen_attention)
@@ -278,13 +307,7 @@ class TargetModel(torch.nn.Module):
         if base is None or not all(hasattr(base, n) for n in needed):
             raise ConfigError(f"target {type(model).__name__}: expected a decoder base model with {needed}")
         cfg = model.config
-        unrun = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]) - set(LAYER_KINDS))
-        if unrun:
-            raise ConfigError(f"target {type(model).__name__}: layer types {unrun} are not run by our per-document "
-                              f"attention (it runs {list(LAYER_KINDS)})")
-        if getattr(cfg, "attention_chunk_size", None):
-            raise ConfigError(f"target {type(model).__name__}: chunked attention (attention_chunk_size "
-                              f"{cfg.attention_chunk_size}) is not run by our per-document attention")
+        refuse_unrunnable(cfg, f"target {type(model).__name__}")
         if backend == "flash" and any(name.endswith(".sinks") for name, _ in model.named_parameters()):
             raise ConfigError(f"target {type(model).__name__}: attention sinks are not run by flash-attn 2's varlen "
                               "kernel (transformers would drop them); use attn_backend 'sdpa'")
@@ -307,6 +330,10 @@ class TargetModel(torch.nn.Module):
         self.embed_tokens: torch.nn.Embedding = model.get_input_embeddings()
         self.lm_head: torch.nn.Linear = model.get_output_embeddings()
         self.name_or_path = str(getattr(cfg, "_name_or_path", "") or "")
+        kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.layer_kinds: list[str] = kinds  # per decoder layer: full_attention | sliding_attention | linear_attention
+        self.rotary_per_kind = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+        self.shares_kv = "shared_kv_states" in inspect.signature(type(base.layers[0]).forward).parameters
 
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", device: torch.device | str = "cpu",
@@ -387,10 +414,17 @@ class TargetModel(torch.nn.Module):
         scatter = index is not None and not flat  # back into the slots: the padding slots are never written
         feats = (h.new_zeros(R * T, self.num_features * H) if scatter
                  else h.new_empty(h.shape[1], self.num_features * H))  # (R*T or N, F*H)
-        rope = self.base.rotary_emb(h, pos)  # cos, sin: (1, N, head_dim)
+        ropes = self._rotary(h, pos)  # per layer kind: cos, sin (1, N, head_dim)
+        per_layer = self._per_layer_inputs(ids, h)  # gemma's per-layer embeddings (1, N, L, P), else None
         extra = self._varlen_kwargs(real)  # the documents as segments: no mask is ever built
+        if self.shares_kv:  # gemma: later layers may reuse an earlier layer's keys/values (whole sequence, per kind)
+            extra["shared_kv_states"] = KVSharingDict()
         for i, layer in enumerate(self.base.layers[:upto]):
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, **extra)
+            kind = self.layer_kinds[i]
+            kw = dict(extra, per_layer_input=per_layer[:, :, i]) if per_layer is not None else extra
+            args = dict(attention_mask=None, position_ids=pos, position_embeddings=ropes.get(kind, ropes[None]), **kw)
+            h = (self._per_document(layer, h, real.segments, args) if kind == "linear_attention"
+                 else layer(h, **args))
             h = h[0] if isinstance(h, tuple) else h  # transformers 4 layers return (hidden, router logits, ...)
             for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
                 if layer_id == i:
@@ -399,6 +433,40 @@ class TargetModel(torch.nn.Module):
                     else:
                         feats[:, f * H:(f + 1) * H] = h[0]
         return (feats if flat else feats.view(R, T, -1)), h[0]
+
+    def _rotary(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary cos, sin (1, N, head_dim) of positions `pos` (1, N): under None for a model with one
+        rotary embedding, under each layer kind for one whose rotary takes the kind (gemma: sliding layers rotate
+        with their own base)."""
+        if not self.rotary_per_kind:
+            return {None: self.base.rotary_emb(h, pos)}
+        kinds = {k for k in self.layer_kinds if k != "linear_attention"}
+        return {None: None, **{k: self.base.rotary_emb(h, pos, k) for k in kinds}}
+
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """Gemma's per-layer embeddings of `ids` (1, N) (its own two functions): (1, N, layers, P), or None for a
+        model without them."""
+        if not getattr(self.base, "hidden_size_per_layer_input", None):
+            return None
+        return self.base.project_per_layer_inputs(h, self.base.get_per_layer_inputs(ids, h))
+
+    @staticmethod
+    def _per_document(layer: torch.nn.Module, h: torch.Tensor, segments: Sequence[tuple[int, int]],
+                      args: dict[str, Any]) -> torch.Tensor:
+        """A linear-attention layer (gated delta net: a causal convolution and a recurrent state) over each
+        document [start, end) of `h` (1, N, H) ALONE, so that no state crosses a document boundary; slots outside
+        every segment (fixed-shape padding) keep their input. Transformers' own layer runs each document."""
+        out = h.clone()
+        cos, sin = args["position_embeddings"] or (None, None)
+        for s, e in segments:
+            part = dict(args, position_ids=args["position_ids"][:, s:e],
+                        position_embeddings=None if cos is None else (cos[:, s:e], sin[:, s:e]))
+            part.pop("dflash_segments", None)
+            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                part.pop(k, None)
+            o = layer(h[:, s:e], **part)
+            out[:, s:e] = o[0] if isinstance(o, tuple) else o
+        return out
 
     @torch.no_grad()
     def features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
@@ -449,7 +517,14 @@ class TargetModel(torch.nn.Module):
         feats, last = self._run_layers(ids, pos, self.segments(torch.zeros(ids.shape, dtype=torch.long)),
                                        self.num_layers)  # one document, no padding: last is (T, H)
         last = self.base.norm(last[logits_from:])  # (T - logits_from, H)
-        return TargetStep(feats[0], self.lm_head(last))
+        return TargetStep(feats[0], self.logits(last))
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (..., V) of final-normed states (..., H): the LM head, soft-capped as the model's
+        own forward caps them (gemma's final_logit_softcapping c: c * tanh(z / c))."""
+        z = self.lm_head(final)
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return z if not cap else cap * torch.tanh(z / cap)
 
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
