@@ -246,3 +246,22 @@ def test_an_unrunnable_config_is_refused_before_any_weight_is_read(tmp_path):
         assert "\n" not in str(e.value) and str(folder) in str(e.value)
     with pytest.raises(ConfigError, match="no model.safetensors"):  # a runnable config reaches the weights' check
         trainable_target_config(ModelConfig(target=str(tmp_path / "1")))
+
+
+def test_the_drafter_embeds_gemma_blocks_as_the_engine_does(family):
+    """vLLM's DFlash drafter embeds its block with the target's embedding rows, without gemma's sqrt(hidden) scale
+    (the target's own model applies that): ours too, whatever the target's embedding module multiplies."""
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+
+    name, directory, _ = family
+    cfg = ModelConfig(target=str(directory), num_features=1, target_layer_ids=[1], mask_id=5)
+    target = TargetModel.from_model_config(cfg)
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(cfg, target), target, attention="dense")
+    ids = torch.tensor([3, 5, 11])
+    rows = target.embed_tokens.weight[ids]
+    torch.testing.assert_close(drafter._embed(ids), rows, atol=0, rtol=0)
+    scaled = target.embed_tokens(ids)
+    if name == "gemma4":  # the module scales, the engine's drafter does not
+        torch.testing.assert_close(scaled, rows * 32 ** 0.5, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(scaled, rows, atol=0, rtol=0)

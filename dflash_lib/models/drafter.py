@@ -220,12 +220,17 @@ class DFlashDrafter(nn.Module):
         """The target's frozen LM head on drafter states, in the head's dtype (bf16 head, fp32 drafter)."""
         return self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's frozen embedding ROWS of `ids` (...,) -> (..., H), as vLLM's DFlash drafter embeds: never
+        the target's own embedding module, whose scale (gemma's sqrt(hidden)) the engine's drafter does not apply."""
+        return torch.nn.functional.embedding(ids, self.target.embed_tokens.weight)
+
     def _layers(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
                 attend: Attend, checkpointing: int = 0) -> torch.Tensor:
         """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states; the first
         `checkpointing` layers are recomputed in the backward."""
         dtype = self.fc.weight.dtype
-        x = self.target.embed_tokens(block_ids).to(dtype)  # (Q, H)
+        x = self._embed(block_ids).to(dtype)  # (Q, H)
         rope_q = self.rotary(block_pos, dtype)  # (Q, d) each
         rope_ctx = self.rotary(ctx_pos, dtype)  # (C, d) each
         for i, layer in enumerate(self.layers):
@@ -374,7 +379,7 @@ class DFlashDrafter(nn.Module):
         cache.reserve(a + B, len(self.layers), cache.keys[0], cache.values[0])
         dtype = self.fc.weight.dtype
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            x = self.target.embed_tokens(block_ids.to(dev)).to(dtype)  # (B, H)
+            x = self._embed(block_ids.to(dev)).to(dtype)  # (B, H)
             rope_q = self.rotary(a + torch.arange(B, device=dev), dtype)  # (B, d) each
             no_ctx = x.new_zeros(0, x.shape[1])  # the context enters through the cache, not the layer
             rope_none = (rope_q[0][:0], rope_q[1][:0])
