@@ -198,9 +198,16 @@ def test_a_sharded_folder_loads_the_same_target(family, tmp_path):
 
 @pytest.mark.slow
 def test_train_smoke_from_the_family_folder(family, tmp_path):
+    from dflash_lib.doctor import diagnose
+
     _, directory, _ = family
     drafter = train_two_steps(directory, tmp_path / "run")
     assert drafter["hidden_size"] == 32 and drafter["num_target_layers"] == 4
+    report = diagnose(tmp_path / "run" / "drafter", directory, {"doctor_samples": 2})
+    # every rule of the export passes; the chat-template rule alone fails, naming what this weights-only folder
+    # lacks (the engines render prompts with the target's own template)
+    assert report.failed() == ["chat_template"], report.lines()
+    assert "chat_template" in report.lines()[-1] and "into the target folder" in report.lines()[-1]
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
