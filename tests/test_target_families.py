@@ -272,3 +272,29 @@ def test_the_drafter_embeds_gemma_blocks_as_the_engine_does(family):
         torch.testing.assert_close(scaled, rows * 32 ** 0.5, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(scaled, rows, atol=0, rtol=0)
+
+
+def test_a_qwen3_5_vision_language_folder_runs_its_text_model_alone(tmp_path):
+    """Qwen3.5 checkpoints are vision-language wrappers (`model_type` qwen3_5, the text weights under
+    model.language_model.*): the target is the text model alone, its config the text config (what the dry run,
+    the refusals and the drafter read), its features those of the wrapper's own language model."""
+    from dflash_lib.models.target import local_hf_config
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    cfg = transformers.Qwen3_5Config(text_config=FAMILIES["qwen3_5"]().to_dict(), vision_config=vision)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        wrapper = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+        for p in wrapper.parameters():
+            p.data.normal_(0.0, 0.3 if p.dim() > 1 else 0.5)
+    wrapper.save_pretrained(tmp_path)
+    text = local_hf_config(tmp_path)
+    assert type(text).__name__ == "Qwen3_5TextConfig" and text.layer_types == HYBRID["layer_types"]
+    target = _load(tmp_path, num_features=2, target_layer_ids=[0, 1])
+    assert not any("visual" in n for n, _ in target.model.named_parameters())
+    doc = _docs([2 * WINDOW + 3], seed=4)[0]
+    with torch.no_grad():
+        hs = wrapper.model.language_model(torch.as_tensor(doc[0])[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target.features(collate_padded([doc], 0))[0],
+                               torch.cat([hs[1][0], hs[2][0]], dim=-1), atol=1e-5, rtol=0)

@@ -72,8 +72,8 @@ def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
 
 
 def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
-    """The config of the local Hugging Face model folder `directory` (its config.json; no weight is read).
-    ConfigError naming the file when it is missing, is not a JSON object, or names a model_type that this
+    """The config of the local Hugging Face model folder `directory` (its config.json; no weight is read), the
+    text model's for a vision-language wrapper. ConfigError naming the file when it is missing, is not a JSON object, or names a model_type that this
     transformers does not know."""
     path = Path(directory) / "config.json"
     doc = read_json_object(path, f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)")
@@ -82,9 +82,15 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
         raise ConfigError(f"{path}: model_type {model_type!r} is not a model type transformers "
                           f"{transformers.__version__} knows (a newer transformers, or not a causal LM folder?)")
     try:
-        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        cfg = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:  # what transformers raises for a config it cannot build
         raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
+    # a vision-language wrapper (Qwen3.5's checkpoints: the text weights under model.language_model.*): its text
+    # model's config, so that the causal LM is the text model alone and the vision tower's weights are never built
+    text = cfg.get_text_config()
+    if text is not cfg:
+        text._name_or_path = cfg._name_or_path
+    return text
 
 
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
