@@ -124,6 +124,9 @@ class ModelConfig:
     target_layers: int = 4  # tiny target: decoder layers
     hidden_size: int = 64  # tiny target: hidden size (the drafter always matches the target)
     drafter_layers: int = 1  # draft decoder layers (paper: 5)
+    drafter_layer_types: list[str] = field(default_factory=list)  # per drafter layer "full_attention" |
+    # "sliding_attention" (causal in its block, `drafter_window` positions back: vLLM's DFlash rule); empty = all full
+    drafter_window: int = 0  # sliding drafter layers: a query at p sees keys at p - w < j <= p (0 = no sliding layer)
     num_features: int = 2  # target layers fused into the context (paper: 5)
     block_size: int = 8  # tokens per drafted block, anchor included (paper: 16)
     num_anchors: int = 64  # anchors per sequence per step (paper: 512)
@@ -153,9 +156,29 @@ class ModelConfig:
         checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
+        check_drafter_layer_types(self.drafter_layer_types, self.drafter_window, self.drafter_layers)
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+
+
+DRAFTER_LAYER_KINDS = ("full_attention", "sliding_attention")  # ModelConfig.drafter_layer_types
+
+
+def check_drafter_layer_types(kinds: list[str], window: int, layers: int) -> None:
+    """Refuse drafter layer kinds (`drafter_layer_types`, one per drafter layer or none) and a `drafter_window`
+    that do not go together, naming the parameter: a sliding layer needs a window >= 1, a window a sliding layer."""
+    bad = [k for k in kinds if k not in DRAFTER_LAYER_KINDS]
+    if bad:
+        raise ConfigError(f"drafter_layer_types {bad} are not drafter layer kinds {list(DRAFTER_LAYER_KINDS)}")
+    if kinds and len(kinds) != layers:
+        raise ConfigError(f"drafter_layer_types names {len(kinds)} layers but drafter_layers is {layers}")
+    sliding = "sliding_attention" in kinds
+    if sliding and window < 1:
+        raise ConfigError(f"drafter_layer_types has sliding layers: drafter_window must be >= 1, got {window}")
+    if window and not sliding:
+        raise ConfigError(f"drafter_window {window} is set but no drafter layer is sliding_attention "
+                          "(drafter_layer_types)")
 
 
 PRECISIONS = ("auto", "bf16", "fp32")  # TrainConfig.precision

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping
+from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping, window_mask
 from dflash_lib.models.layout import attention_work, block_groups, build_layout
 from tiny_models import BLOCK, HIDDEN, MASK, VOCAB, tiny_drafter, tiny_target
 
@@ -341,3 +342,86 @@ def test_flex_runs_under_bf16_autocast_with_mixed_input_dtypes(target, drafter):
     drafter.attention = "dense"
     assert torch.isfinite(out["flex"]).all()
     assert float((out["flex"] - out["blocks"]).abs().max()) < 0.05 * float(out["blocks"].abs().max())
+
+
+# -- sliding drafter layers (vLLM's DFlash rule: causal in the block, the window over positions) ------------------
+
+SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)  # a window shorter than
+# the documents, so it bites on the context; longer than a block (4), so the block part is causal only
+
+
+@pytest.fixture(scope="module")
+def sliding(target) -> DFlashDrafter:
+    return tiny_drafter(target, ce_chunk_blocks=2, **SLIDING)
+
+
+def test_a_sliding_query_sees_exactly_its_window_by_brute_force(target, sliding):
+    """The inference forward of one block, sliding layer by layer, equals attending key by key to the set the
+    rule names, each query alone: context positions p - w < j < anchor and block positions anchor .. p."""
+    from dflash_lib.models.layers import apply_rotary
+
+    docs = _docs([17], seed=5)
+    feats = target.features(collate_padded(docs, 0))[0]  # (17, F*H)
+    anchor, w = 11, SLIDING["sliding_window"]
+    ids = torch.tensor([int(docs[0][0][anchor])] + [MASK] * (B - 1))
+    layer = sliding.layers[0]
+    attn = layer.self_attn
+    with torch.no_grad():
+        ctx = sliding.fuse(feats[:anchor])  # (a, H)
+        x = layer.input_layernorm(sliding._embed(ids))  # (B, H)
+        pos_q, pos_c = anchor + torch.arange(B), torch.arange(anchor)
+        mask = window_mask(pos_q, torch.cat([pos_c, pos_q]), w)  # what every backend and the decoder use
+
+        def masked(q, kc, vc, kb, vb):
+            return F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), attn_mask=mask,
+                                                  enable_gqa=True)
+
+        got = attn(x, ctx, sliding.rotary(pos_q, torch.float32), sliding.rotary(pos_c, torch.float32), masked)
+        q = attn.q_norm(attn.q_proj(x).view(B, 4, 8)).transpose(0, 1).unsqueeze(0)
+        q = apply_rotary(q, *sliding.rotary(pos_q, torch.float32))
+        kc, vc = attn._kv(ctx, sliding.rotary(pos_c, torch.float32))
+        kb, vb = attn._kv(x, sliding.rotary(pos_q, torch.float32))
+        k, v = torch.cat([kc, kb], 2), torch.cat([vc, vb], 2)  # (1, 2, a + B, 8)
+        keys = torch.cat([pos_c, pos_q])
+        rows = []
+        for i in range(B):  # one query at a time over exactly the keys it may see
+            p = anchor + i
+            seen = [j for j in range(anchor + B) if p - w < int(keys[j]) <= p]
+            assert seen == [j for j in range(anchor + B) if (j < anchor and j > p - w) or anchor <= j <= p]
+            o = F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, seen], v[:, :, seen],
+                                               enable_gqa=True)  # (1, 4, 1, 8)
+            rows.append(o[0, :, 0].reshape(-1))
+        want = attn.o_proj(torch.stack(rows))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("backend", ["dense", "blocks", "flex"])
+def test_every_backend_with_sliding_layers_equals_per_block_inference(target, sliding, backend, packed):
+    docs = _docs(LENGTHS, seed=3)
+    batch = _batch(docs, packed)
+    layout = build_layout(batch, sliding.sample_anchors(batch, torch.Generator().manual_seed(1)), "blocks")
+    feats = target.features(batch)
+    got = _run(sliding, backend, batch, feats, layout)
+    ref = _per_block_reference(sliding, batch, feats, layout)
+    assert float((got - ref).abs().max()) < 1e-5
+    full = tiny_drafter(target, ce_chunk_blocks=2)  # the same weights, every layer full: the window bites
+    assert float((_run(full, backend, batch, feats, layout) - got).abs().max()) > 1e-3
+
+
+def test_sliding_gradients_equal_dense_and_the_cached_decoder_equals_one_forward(target, sliding):
+    docs = _docs(LENGTHS, seed=4)
+    batch = _batch(docs, True)
+    layout = build_layout(batch, sliding.sample_anchors(batch, torch.Generator().manual_seed(2)), "blocks")
+    feats = target.features(batch)
+    loss_d, grads_d = _run(sliding, "dense", batch, feats, layout, grad=True)
+    loss_b, grads_b = _run(sliding, "blocks", batch, feats, layout, grad=True)
+    assert float(abs(loss_d - loss_b)) < 1e-5
+    assert all(float((grads_d[n] - grads_b[n]).abs().max()) < 1e-5 for n in grads_d)
+    doc_feats = target.features(collate_padded(docs[4:], 0))[0]  # (23, F*H)
+    cache = sliding.context_cache()
+    sliding.extend_context(cache, doc_feats[:15])
+    ids = torch.tensor([int(docs[4][0][15])] + [MASK] * (B - 1))
+    with torch.no_grad():
+        torch.testing.assert_close(sliding.draft_logits_cached(cache, ids), sliding.draft_logits(doc_feats, 15, ids),
+                                   atol=1e-5, rtol=0)

@@ -48,6 +48,10 @@ def test_cli_strings_are_parsed_by_field_type():
         ({"lr": "1e9"}, "lr must be in (0, 1], got 1000000000.0"),  # a typo, not a learning rate
         ({"lr": 0.0}, "lr must be in (0, 1], got 0.0"),
         ({"precision": "fp16"}, "precision must be one of ['auto', 'bf16', 'fp32'], got 'fp16'"),
+        ({"drafter_layer_types": ["sliding_attention"]}, "drafter_window must be >= 1, got 0"),
+        ({"drafter_window": 4}, "drafter_window 4 is set but no drafter layer is sliding_attention"),
+        ({"drafter_layer_types": ["full_attention"] * 2}, "names 2 layers but drafter_layers is 1"),
+        ({"drafter_layer_types": ["local"]}, "drafter_layer_types ['local'] are not drafter layer kinds"),
     ],
 )
 def test_bad_parameters_are_refused_naming_the_key(params, message):
@@ -71,7 +75,9 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "prompts_from": "humaneval", "enable_thinking": "on", "engine": "vllm",
                "engine_url": "http://127.0.0.1:1"}
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
-OTHER_VALUE |= {"precision": "bf16"}
+OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
+COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3}}  # window >= 1
+# needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 
@@ -96,9 +102,11 @@ def test_hash_changes_with_any_setting():
     assert set(flat) == set(C.FLAT_FIELDS)
     hashes = {base.hash()}
     for key, value in flat.items():
-        changed = C.from_params({key: _other(key, value)}, base)  # a ConfigError here names the key
-        assert [k for k, v in changed.to_params().items() if v != flat[k]] == [key]
-        assert changed.hash() != base.hash(), f"{key} does not enter the hash"
+        here = C.from_params(COUPLED[key], base) if key in COUPLED else base  # a key valid only beside another
+        value = here.to_params()[key]
+        changed = C.from_params({key: _other(key, value)}, here)  # a ConfigError here names the key
+        assert [k for k, v in changed.to_params().items() if v != here.to_params()[k]] == [key]
+        assert changed.hash() != here.hash(), f"{key} does not enter the hash"
         hashes.add(changed.hash())
     assert len(hashes) == len(flat) + 1  # no two single changes collide either
 

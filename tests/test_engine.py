@@ -174,6 +174,34 @@ def test_served_greedy_answers_and_acceptance_equal_ours_per_prompt(served):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~30 s)
+def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
+    """A drafter whose layer is `sliding_attention` with a window of 6 (shorter than the answers: it bites),
+    trained here and exported in fp32: vLLM serves it with our answers and exactly our cycles (greedy fp32), so
+    its causal-in-block, windowed attention is ours; the same weights as a full-attention layer draft otherwise."""
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+
+    target, _, _, server = served
+    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "layer_types": ["sliding_attention"],
+                           "sliding_window": 6})
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, target)
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    export_drafter(drafter, tmp_path / "sliding", torch.float32)
+    prompts = TRAINED[:4]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    report = served_acceptance(server.spec.target, str(tmp_path / "sliding"), [ServedSet("trained", prompts,
+                               ours.outputs, ours.cycle_log)], 4, NEW, python=str(server.python), log_dir=tmp_path,
+                               plain=False)
+    (row,) = report.rows
+    assert row.ok and row.outputs_equal == 4 and row.served_tau == pytest.approx(ours.tau, abs=1e-12), report.lines
+    assert 1.3 < ours.tau < 3.7  # it drafts: some positions accepted, not all
+    full = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "layer_types": [], "sliding_window": 0}), target)
+    full.load_state_dict(drafter.state_dict())
+    assert acceptance_length(target, full, prompts, NEW).cycle_log != ours.cycle_log
+
+
+@pytest.mark.engine
 def test_stop_ids_end_the_served_answer_as_ours(served):
     """A stop id ends the answer, included, never before min_new_tokens: the same ids as our decoding."""
     target, drafter, client, _ = served

@@ -308,3 +308,32 @@ def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path
     shutil.rmtree(exported)
     with pytest.raises(ConfigError, match="is not a folder"):
         build_parts(cfg, torch.device("cpu"))
+
+
+def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tmp_path):
+    """Sliding drafter layers: config.json holds `layer_types` (per layer) and `sliding_window` (the window
+    vLLM's DFlash reads when dflash_config.swa_window_size is absent), the reload is the same drafter, and a
+    config vLLM would read otherwise (no window, causal / use_swa overrides) is refused in one line."""
+    base = _drafter(target).cfg
+    cfg = DrafterConfig(**{**base.to_dict(), "layer_types": ["sliding_attention", "full_attention"],
+                           "sliding_window": 6})
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, target)
+    export_drafter(drafter, tmp_path, torch.float32)
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert doc["layer_types"] == ["sliding_attention", "full_attention"] and doc["sliding_window"] == 6
+    assert doc["use_sliding_window"] is True and "swa_window_size" not in doc["dflash_config"]
+    loaded = read_drafter(tmp_path, target)
+    assert loaded.cfg == drafter.cfg and loaded.cfg.layer_windows == [6, 0]
+    torch.testing.assert_close(_logits(loaded, target), _logits(drafter, target), rtol=0, atol=0)
+    assert float((_logits(_drafter(target), target) - _logits(drafter, target)).abs().max()) > 1e-4
+    for bad, why in [({"sliding_window": None}, "sliding_window is None"),
+                     ({"dflash_config": {**doc["dflash_config"], "causal": True}}, "dflash_config.causal"),
+                     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types")]:
+        (tmp_path / "config.json").write_text(json.dumps({**doc, **bad}))
+        with pytest.raises(ConfigError, match=why) as e:
+            read_drafter(tmp_path, target)
+        assert "\n" not in str(e.value)
+    full = json.loads(json.dumps(doc).replace('"sliding_attention"', '"full_attention"'))
+    (tmp_path / "config.json").write_text(json.dumps({**full, "sliding_window": None}))
+    assert read_drafter(tmp_path, target).cfg.layer_windows == [0, 0]  # all full: no window needed

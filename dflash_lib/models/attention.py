@@ -5,7 +5,9 @@ Every backend takes, for one micro-batch in the flat layout of `layout.py`:
     (the batch's real tokens; all R*T slots for an every-slot layout);
     kb, vb (1, kv, Q, d) block keys/values; grouped-query heads are shared (enable_gqa), never copied,
 and returns (1, h, Q, d). A query of block i sees context slots of its document with position < anchor_i and
-all of block i.
+all of block i. A sliding layer (`window` w > 0, vLLM's DFlash rule for `sliding_attention` drafter layers) sees
+of those only the keys at positions p - w < j <= p of its own position p: causal within its block, the window
+over the context.
 
 - `dense`: one SDPA call under the full boolean (Q, C + Q) mask. The reference the others are tested against;
   its work and its mask grow with the whole batch, so it is for tests and small batches.
@@ -51,6 +53,13 @@ def dense_mask(layout: DraftLayout) -> torch.Tensor:
     return torch.cat([ctx, blk.unsqueeze(1) == blk.unsqueeze(0)], dim=1)
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(Q, K) bool: key position k_pos[j] is within the sliding window of query position q_pos[i], i.e.
+    q - w < k <= q (positions: document-local ints; (Q,) and (K,))."""
+    d = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (Q, K)
+    return (d >= 0) & (d < window)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -60,8 +69,11 @@ def unmasked_attend(q, kc, vc, kb, vb) -> torch.Tensor:
     return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), None)
 
 
-def dense_attend(layout: DraftLayout) -> Attend:
-    mask = dense_mask(layout)  # built once, shared by every layer
+def dense_attend(layout: DraftLayout, window: int = 0) -> Attend:
+    mask = dense_mask(layout)  # built once, shared by every layer of the kind
+    if window:
+        q_pos = layout.block_pos.reshape(-1)  # (Q,)
+        mask = mask & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window)
 
     def attend(q, kc, vc, kb, vb):
         return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
@@ -74,19 +86,25 @@ def _run_attention(q, kc, vc, kb, vb, mask) -> torch.Tensor:
     return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
 
 
-def blocks_attend(layout: DraftLayout) -> Attend:
+def blocks_attend(layout: DraftLayout, window: int = 0) -> Attend:
     g = layout.groups
     if g is None:
         raise ValueError("the blocks backend needs a layout built with attention='blocks' (block groups)")
     B = layout.block_size
+    runs = []  # (query slice, context slice, mask) of each run, the masks built once for every layer of the kind
+    q_pos = layout.block_pos.reshape(-1)  # (Q,)
+    for i in range(g.count):
+        qs = slice(g.first[i] * B, (g.first[i] + g.size[i]) * B)
+        cs = slice(g.ctx_start[i], g.ctx_start[i] + g.ctx_len[i])
+        mask = g.mask[g.offset[i]:g.offset[i + 1]].view(g.size[i] * B, g.ctx_len[i] + g.size[i] * B)
+        if window:
+            mask = mask & window_mask(q_pos[qs], torch.cat([layout.ctx_pos[cs], q_pos[qs]]), window)
+        runs.append((qs, cs, mask))
 
     def attend(q, kc, vc, kb, vb):
         outs = []
         recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kc, vc, kb, vb))
-        for i in range(g.count):
-            qs = slice(g.first[i] * B, (g.first[i] + g.size[i]) * B)
-            cs = slice(g.ctx_start[i], g.ctx_start[i] + g.ctx_len[i])
-            mask = g.mask[g.offset[i]:g.offset[i + 1]].view(g.size[i] * B, g.ctx_len[i] + g.size[i] * B)
+        for qs, cs, mask in runs:
             args = (q[:, :, qs], kc[:, :, cs], vc[:, :, cs], kb[:, :, qs], vb[:, :, qs], mask)
             # Recomputed in the backward: only views of the layer's q/k/v are kept, never a run's own copy of
             # its context keys (runs overlap: kept, those copies would sum to several times the context).
@@ -97,15 +115,17 @@ def blocks_attend(layout: DraftLayout) -> Attend:
     return attend
 
 
-def flex_block_mask(layout: DraftLayout, compile_mask: bool):
-    """FlexAttention BlockMask of the micro-batch over keys [C context entries ; Q block queries]."""
+def flex_block_mask(layout: DraftLayout, compile_mask: bool, window: int = 0):
+    """FlexAttention BlockMask of the micro-batch over keys [C context entries ; Q block queries] (a sliding
+    layer's with `window` w > 0)."""
     from torch.nn.attention.flex_attention import create_block_mask  # only the flex backend needs it (heavy)
 
     B, n, Q = layout.block_size, layout.num_blocks, layout.num_queries
     C = int(layout.ctx_doc.shape[0])
     dev = layout.block_doc.device
     key_doc = torch.cat([layout.ctx_doc, torch.full((Q,), -2, dtype=torch.long, device=dev)])  # (C+Q,)
-    key_pos = torch.cat([layout.ctx_pos, torch.zeros(Q, dtype=torch.long, device=dev)])
+    q_pos = layout.block_pos.reshape(-1)  # (Q,)
+    key_pos = torch.cat([layout.ctx_pos, q_pos])
     key_blk = torch.cat([torch.full((C,), -1, dtype=torch.long, device=dev),
                          torch.arange(Q, device=dev) // B])
     q_doc, q_anchor = layout.block_doc, layout.anchor_pos
@@ -114,7 +134,11 @@ def flex_block_mask(layout: DraftLayout, compile_mask: bool):
         blk = torch.clamp(qi // B, max=n - 1)  # create_block_mask pads Q and KV up to its tile: clamp
         kk = torch.clamp(ki, max=C + Q - 1)
         ctx = (key_doc[kk] == q_doc[blk]) & (key_pos[kk] < q_anchor[blk])
-        return ctx | (key_blk[kk] == blk)
+        seen = ctx | (key_blk[kk] == blk)
+        if window:
+            d = q_pos[torch.clamp(qi, max=Q - 1)] - key_pos[kk]
+            seen = seen & (d >= 0) & (d < window)
+        return seen
 
     return create_block_mask(mask_mod, None, None, Q, C + Q, device=dev, _compile=compile_mask)
 
@@ -122,12 +146,12 @@ def flex_block_mask(layout: DraftLayout, compile_mask: bool):
 _COMPILED_FLEX = None
 
 
-def flex_attend(layout: DraftLayout) -> Attend:
+def flex_attend(layout: DraftLayout, window: int = 0) -> Attend:
     from torch.nn.attention.flex_attention import flex_attention  # only the flex backend needs it (heavy)
 
     global _COMPILED_FLEX
     cuda = layout.block_doc.device.type == "cuda"
-    block_mask = flex_block_mask(layout, compile_mask=cuda)
+    block_mask = flex_block_mask(layout, compile_mask=cuda, window=window)
     fn = flex_attention
     if cuda:  # eager FlexAttention on CUDA is a slow reference; the compiled kernel is the real one
         if _COMPILED_FLEX is None:
@@ -145,16 +169,17 @@ def flex_attend(layout: DraftLayout) -> Attend:
     return attend
 
 
-def make_attend(layout: DraftLayout, backend: str) -> Attend:
-    """The attention of every drafter layer for this micro-batch (masks built once here, not per layer)."""
+def make_attend(layout: DraftLayout, backend: str, window: int = 0) -> Attend:
+    """The attention of every drafter layer of one kind for this micro-batch (masks built once here, not per
+    layer): full layers (`window` 0), or sliding layers of `window` w positions."""
     if layout.num_blocks == 0:
         raise ValueError("make_attend: the layout has no block")
     if backend == "dense":
-        return dense_attend(layout)
+        return dense_attend(layout, window)
     if backend == "blocks":
-        return blocks_attend(layout)
+        return blocks_attend(layout, window)
     if backend == "flex":
-        return flex_attend(layout)
+        return flex_attend(layout, window)
     raise ValueError(f"unknown drafter attention backend {backend!r}; known: {list(BACKENDS)}")
 
 

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_lib.config import ConfigError, ModelConfig, check_loss_settings, reads_final_states
+from dflash_lib.config import (ConfigError, ModelConfig, check_drafter_layer_types, check_loss_settings,
+                               reads_final_states)
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
-from dflash_lib.models.attention import Attend, make_attend, resolve_attention, unmasked_attend
+from dflash_lib.models.attention import Attend, make_attend, resolve_attention, window_mask
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
 from dflash_lib.models.layout import DraftLayout, build_layout
 from dflash_lib.models.loss import DrafterLoss, LossSpec, weighted_loss
@@ -87,8 +88,11 @@ class DrafterConfig:
     kl_temperature: float = 1.0  # T of the KL term
     position_weight: str = "decay"  # "decay" | "dpace"
     dpace_alpha: float = 0.5  # D-PACE smoothing, in [0, 1]
+    layer_types: list[str] = dataclasses.field(default_factory=list)  # per layer; empty = all full_attention
+    sliding_window: int = 0  # sliding layers: keys at p - w < j <= p of a query at p (0 = none)
 
     def __post_init__(self) -> None:
+        check_drafter_layer_types(self.layer_types, self.sliding_window, self.num_layers)
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_id < self.vocab_size:
@@ -120,6 +124,12 @@ class DrafterConfig:
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def layer_windows(self) -> list[int]:
+        """Per layer: its sliding window (positions), 0 for a full-attention layer."""
+        kinds = self.layer_types or ["full_attention"] * self.num_layers
+        return [self.sliding_window if k == "sliding_attention" else 0 for k in kinds]
+
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", target: TargetModel) -> "DrafterConfig":
         """Attention shape and MLP width by `drafter_shape`, RoPE base from the target, the rest from `cfg`."""
@@ -136,6 +146,7 @@ class DrafterConfig:
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 1_000_000.0))),
             loss=cfg.loss, kl_weight=cfg.kl_weight, kl_temperature=cfg.kl_temperature,
             position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha,
+            layer_types=list(cfg.drafter_layer_types), sliding_window=cfg.drafter_window,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +179,19 @@ class DraftContextCache:
             nv[:, :, :self.length] = ov[:, :, :self.length]
             self.keys.append(nk)
             self.values.append(nv)
+
+
+def _window_attend(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> Attend:
+    """Inference attention of one block: every key of [context ; block] (positions `k_pos`) for a full layer
+    (`window` 0), those at p - w < j <= p of a query at p (`q_pos`) for a sliding one."""
+    mask = window_mask(q_pos, k_pos, window) if window else None
+
+    def attend(q, kc, vc, kb, vb):
+        k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
 
 
 class DFlashDrafter(nn.Module):
@@ -226,14 +250,16 @@ class DFlashDrafter(nn.Module):
         return torch.nn.functional.embedding(ids, self.target.embed_tokens.weight)
 
     def _layers(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-                attend: Attend, checkpointing: int = 0) -> torch.Tensor:
-        """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states; the first
-        `checkpointing` layers are recomputed in the backward."""
+                attends: dict[int, Attend], checkpointing: int = 0) -> torch.Tensor:
+        """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states; `attends`
+        by window (0 = full layers, `cfg.layer_windows`); the first `checkpointing` layers are recomputed in the
+        backward."""
         dtype = self.fc.weight.dtype
         x = self._embed(block_ids).to(dtype)  # (Q, H)
         rope_q = self.rotary(block_pos, dtype)  # (Q, d) each
         rope_ctx = self.rotary(ctx_pos, dtype)  # (C, d) each
-        for i, layer in enumerate(self.layers):
+        for i, (layer, window) in enumerate(zip(self.layers, self.cfg.layer_windows)):
+            attend = attends[window]
             if i < checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_ctx, attend, use_reentrant=False)
             else:
@@ -294,9 +320,11 @@ class DFlashDrafter(nn.Module):
         if layout.num_blocks == 0:
             return torch.zeros(0, self.cfg.hidden_size, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         ctx = self.fuse(self.context_features(features, layout))  # (C, H)
-        attend = make_attend(layout, self.attention_backend())
+        backend = self.attention_backend()
+        attends = {w: make_attend(layout, backend, w) if w else make_attend(layout, backend)
+                   for w in set(self.cfg.layer_windows)}
         return self._layers(layout.block_ids.reshape(-1), layout.block_pos.reshape(-1), ctx, layout.ctx_pos,
-                            attend, self.checkpointing)
+                            attends, self.checkpointing)
 
     def block_logits(self, batch: Batch, features: torch.Tensor, work: Anchors | DraftLayout) -> torch.Tensor:
         """All logits of a training forward, (n, B, V) in layout order: for tests (holds n*B x V floats)."""
@@ -324,8 +352,9 @@ class DFlashDrafter(nn.Module):
 
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
-        """Per-block inference forward for one document: no mask, the context is exactly the positions
-        0 .. anchor_pos-1 and the block sees itself fully. Runs under bf16 autocast on CUDA.
+        """Per-block inference forward for one document: the context is exactly the positions 0 .. anchor_pos-1
+        and the block sees itself fully (no mask), a sliding layer only the keys at p - w < j <= p of a query at p
+        (`_window_attend`). Runs under bf16 autocast on CUDA.
 
         features (>= anchor_pos, F*H) of the document; block_ids (B,) -> logits (B, V).
         """
@@ -335,7 +364,9 @@ class DFlashDrafter(nn.Module):
             ctx_pos = torch.arange(anchor_pos, device=dev)  # (a,)
             B = block_ids.shape[0]
             block_pos = anchor_pos + torch.arange(B, device=dev)  # (B,)
-            h = self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, unmasked_attend)  # (B, H)
+            keys = torch.cat([ctx_pos, block_pos])  # (a + B,) positions of [context ; block]
+            attends = {w: _window_attend(block_pos, keys, w) for w in set(self.cfg.layer_windows)}
+            h = self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, attends)  # (B, H)
             return self._head(h).float()
 
     @torch.no_grad()
@@ -383,15 +414,18 @@ class DFlashDrafter(nn.Module):
             rope_q = self.rotary(a + torch.arange(B, device=dev), dtype)  # (B, d) each
             no_ctx = x.new_zeros(0, x.shape[1])  # the context enters through the cache, not the layer
             rope_none = (rope_q[0][:0], rope_q[1][:0])
-            for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-                def attend(q, kc, vc, kb, vb, keys=keys, values=values):
+            q_pos = a + torch.arange(B, device=dev)  # (B,)
+            masks = {w: window_mask(q_pos, torch.arange(a + B, device=dev), w) if w else None
+                     for w in set(self.cfg.layer_windows)}
+            for layer, keys, values, w in zip(self.layers, cache.keys, cache.values, self.cfg.layer_windows):
+                def attend(q, kc, vc, kb, vb, keys=keys, values=values, mask=masks[w]):
                     # The block's keys/values go in the slots after the context (scratch: the next extend
                     # overwrites them), so the queries attend one contiguous prefix view, nothing is copied.
                     keys[:, :, a:a + B] = kb
                     values[:, :, a:a + B] = vb
                     k, v = keys[:, :, :a + B], values[:, :, :a + B]  # (1, kv, a+B, d) views
                     gqa = q.shape[1] != k.shape[1]
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
                 x = layer(x, no_ctx, rope_q, rope_none, attend)
             return self._head(self.norm(x)).float()

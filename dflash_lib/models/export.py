@@ -76,8 +76,10 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "rope_parameters": rope,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": int(max_position_embeddings),
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "initializer_range": cfg.initializer_range, "use_cache": True, "use_sliding_window": False,
-        "sliding_window": None, "max_window_layers": L, "layer_types": ["full_attention"] * L,
+        "initializer_range": cfg.initializer_range, "use_cache": True,
+        # sliding layers (vLLM's DFlash: causal in the block, the window from `sliding_window`); all full: none
+        "use_sliding_window": bool(cfg.sliding_window), "sliding_window": cfg.sliding_window or None,
+        "max_window_layers": L, "layer_types": list(cfg.layer_types) or ["full_attention"] * L,
         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
         "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(cfg.target_layer_ids),
         "dflash_config": {"mask_token_id": cfg.mask_id, "target_layer_ids": list(cfg.target_layer_ids),
@@ -204,11 +206,16 @@ def read_doc(directory: str | Path) -> dict[str, Any]:
     if ARCHITECTURE not in (doc.get("architectures") or []):
         raise ConfigError(f"{path}: architectures {doc.get('architectures')!r} does not name {ARCHITECTURE}")
     unsupported = {"model_type": (doc.get("model_type"), "qwen3"), "attention_bias": (doc.get("attention_bias", False), False),
-                   "hidden_act": (doc.get("hidden_act", "silu"), "silu"),
-                   "use_sliding_window": (doc.get("use_sliding_window", False), False)}
+                   "hidden_act": (doc.get("hidden_act", "silu"), "silu")}
     kinds = set(doc.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        unsupported["layer_types"] = (sorted(kinds), ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        unsupported["layer_types"] = (sorted(kinds), ["full_attention", "sliding_attention"])
+    if "sliding_attention" in kinds and not doc.get("sliding_window"):
+        raise ConfigError(f"{path}: layer_types has sliding_attention layers but sliding_window is "
+                          f"{doc.get('sliding_window')!r} (their window in positions)")
+    if (doc.get("dflash_config") or {}).get("causal") is not None or (doc.get("dflash_config") or {}).get("use_swa"):
+        raise ConfigError(f"{path}: dflash_config.causal / use_swa are not supported (this drafter implements "
+                          "vLLM's default: sliding layers causal in their block, full layers not)")
     rope_type = (doc.get("rope_parameters") or doc.get("rope_scaling") or {}).get("rope_type", "default")
     unsupported["rope_type"] = (rope_type, "default")
     for key, (got, want) in unsupported.items():
@@ -240,10 +247,19 @@ def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> DrafterConf
             block_size=int(dc.get("block_size", doc.get("block_size", 0))), mask_id=int(dc["mask_token_id"]),
             rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 1_000_000.0))),
+            **_layer_kinds(doc),
             **{k: v for k, v in (dc.get("training") or {}).items() if k in TRAINING_KEYS},
         )
     except KeyError as e:
         raise ConfigError(f"{where}: required field {e.args[0]!r} is missing") from None
+
+
+def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
+    """DrafterConfig's layer_types and sliding_window from a config.json: none for an all-full drafter."""
+    kinds = [str(k) for k in doc.get("layer_types") or []]
+    if "sliding_attention" not in kinds:
+        return {}
+    return dict(layer_types=kinds, sliding_window=int(doc["sliding_window"]))
 
 
 def check_target(cfg: DrafterConfig, target: "TargetModel", where: str) -> None:

@@ -433,9 +433,9 @@ def _flex_standin(tally: dict[str, int]):
     """Route the drafter's `flex` backend to `_FlexAllocations` (plus the block mask's tile tables) meanwhile."""
     real = drafter_module.make_attend
 
-    def make_attend(layout, backend):
+    def make_attend(layout, backend, window=0):
         if backend != "flex":
-            return real(layout, backend)
+            return real(layout, backend, window)
         Q, C = layout.num_queries, int(layout.ctx_doc.shape[0])
         qt, kt = -(-Q // FLEX_TILE), -(-(C + Q) // FLEX_TILE)
         dev = layout.block_doc.device
