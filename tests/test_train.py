@@ -69,7 +69,7 @@ def test_lr_schedule_shape(total, ratio, floor):
 
 
 def test_training_feeds_blocks_masked_at_the_configured_noise(tmp_path, data):
-    """What the drafter is fed, seen at the target's embedding (which embeds the blocks): with blocks of 4 tokens,
+    """What the drafter is fed, seen where it embeds its blocks (the target's embedding rows): with blocks of 4 tokens,
     noise = 1 masks all 3 positions after the anchor, noise = 1/3 exactly one of them (plus the positions past a
     document's end, always MASK: a few blocks near the end). metrics.jsonl records the noise of every step."""
     store, lengths = data
@@ -79,18 +79,21 @@ def test_training_feeds_blocks_masked_at_the_configured_noise(tmp_path, data):
         mask_id, B = config.model.mask_id, config.model.block_size
         fed = []  # (n, B) token ids of the blocks embedded for the drafter
 
-        def keep_blocks(module, args):
-            if (args[0] == mask_id).any():  # the corpus (ids < 2000) never holds MASK: these are drafter blocks
-                fed.append(args[0].detach().reshape(-1, B).clone())
+        embed = drafter._embed
 
-        handle = target.embed_tokens.register_forward_pre_hook(keep_blocks)
+        def keep_blocks(ids, embed=embed, fed=fed):
+            if (ids == mask_id).any():  # the corpus (ids < 2000) never holds MASK: these are drafter blocks
+                fed.append(ids.detach().reshape(-1, B).clone())
+            return embed(ids)
+
+        drafter._embed = keep_blocks
         sampler = ListSampler([list(range(i, i + 4)) for i in range(0, len(store), 4)])
         parts = TrainingParts(store, lengths, sampler, [target], drafter, pad_id=0, packed=False, row_len=0,
                               edges=[30, 45, 60])
         try:
             run_training(config, parts, tmp_path / f"noise{masked}")
         finally:
-            handle.remove()
+            del drafter._embed
         rows = [json.loads(line) for line in (tmp_path / f"noise{masked}" / "metrics.jsonl").read_text().splitlines()]
         assert [r["noise"] for r in rows] == [pytest.approx(noise)] * 2
         blocks = torch.cat(fed)  # (n, B)
