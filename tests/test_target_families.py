@@ -42,8 +42,8 @@ FAMILIES = {
     # reusing an earlier one's keys and values, soft-capped final logits
     "gemma4": lambda: transformers.Gemma4TextConfig(
         **SHAPE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=QWEN3_VOCAB, num_kv_shared_layers=1, global_head_dim=16,
-        final_logit_softcapping=30.0),
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=QWEN3_VOCAB, num_kv_shared_layers=1,
+        global_head_dim=16, final_logit_softcapping=30.0),
     # MLA (DeepSeek-V3 shapes: Kimi-K2.5, GLM-5): low-rank queries and keys/values, values narrower than keys
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **{**SHAPE, "num_key_value_heads": 4, "head_dim": 4}, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,

@@ -73,8 +73,8 @@ def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
 
 def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
     """The config of the local Hugging Face model folder `directory` (its config.json; no weight is read), the
-    text model's for a vision-language wrapper. ConfigError naming the file when it is missing, is not a JSON object, or names a model_type that this
-    transformers does not know."""
+    text model's for a vision-language wrapper. ConfigError naming the file when it is missing, is not a JSON
+    object, or names a model_type that this transformers does not know."""
     path = Path(directory) / "config.json"
     doc = read_json_object(path, f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)")
     model_type = doc.get("model_type")
@@ -206,10 +206,11 @@ def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     query (1, Hq, N, D), key (1, Hkv, N, D), value (1, Hkv, N, Dv) (grouped-query heads are shared, not copied;
     MLA's values are narrower than its keys) -> ((1, N, Hq, Dv), None). Slots outside every segment (padding) get
-    zeros. The attention module passes its own `sliding_window` w (a query at i sees the keys j of its document with i - w < j <= i: transformers'
-    `sliding_window_overlay`) and `s_aux` (gpt-oss' attention sinks: one logit per head, (Hq,), added to the
-    softmax denominator only). Called without `dflash_segments` (the wrapped model used directly, e.g.
-    `generate`) it attends under the mask transformers built (`sdpa_mask` is registered for this implementation).
+    zeros. The attention module passes its own `sliding_window` w (a query at i sees the keys j of its document
+    with i - w < j <= i: transformers' `sliding_window_overlay`) and `s_aux` (gpt-oss' attention sinks: one logit
+    per head, (Hq,), added to the softmax denominator only). Called without `dflash_segments` (the wrapped model
+    used directly, e.g. `generate`) it attends under the mask transformers built (`sdpa_mask` is registered for
+    this implementation).
     A setting in REFUSED_KWARGS (e.g. gemma's `softcap`) is refused rather than silently ignored.
     """
     refused = {k: kwargs[k] for k in REFUSED_KWARGS if kwargs.get(k) is not None}
@@ -266,7 +267,8 @@ def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """Softmax attention with one sink logit per head (gpt-oss' eager attention, computed the same way):
     query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D), `mask` True where a key is seen (broadcast to
     (B, Hq, Lq, Lk)), an additive float mask, or None (causal, the queries being the last Lq positions),
-    sinks (Hq,) -> (B, Hq, Lq, Dv) (value's width). The sink takes its share of the softmax and contributes no value."""
+    sinks (Hq,) -> (B, Hq, Lq, Dv) (value's width). The sink takes its share of the softmax and contributes no
+    value."""
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     scale = D ** -0.5 if scaling is None else scaling
