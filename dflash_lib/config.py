@@ -220,12 +220,14 @@ class PipelineConfig:
     target_workers: int = 1  # target-model worker threads (one per device on GPU)
     hs_queue: int = 2  # q_hs capacity (hidden-state batches waiting for the drafter)
     target_threads: int = 0  # torch intra-op threads of each CPU target worker thread (0 = torch's default)
+    target_cache_gib: float = 0.0  # host memory (GiB) for the target's features per sample, reused every later epoch
+    # instead of a forward (train.feature_cache: many epochs of a small corpus); 0 = off
     queue_timeout_s: float = 5.0  # a stage waiting longer than this re-checks for a failure elsewhere
     close_timeout_s: float = 30.0  # close() waits this long (seconds) for all stage threads before reporting one stuck
 
     def __post_init__(self) -> None:
         _bounded(self, positive=("prefetch", "queue_timeout_s", "close_timeout_s", "target_workers", "hs_queue"),
-                 non_negative=("target_threads",))
+                 non_negative=("target_threads", "target_cache_gib"))
 
 
 @dataclass
@@ -417,6 +419,11 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     evaluate: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.pipeline.target_cache_gib > 0 and self.train.target_parallel == "fsdp":
+            raise ConfigError("pipeline.target_cache_gib needs a target that is not sharded (target_parallel fsdp "
+                              "runs its forward as collectives on every rank): set it to 0 or target_parallel replicate")
 
     def to_params(self) -> dict[str, Any]:
         """Flat {key: value} of every field (the notebook / CLI view)."""

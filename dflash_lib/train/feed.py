@@ -28,6 +28,7 @@ from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.plan.buckets import bucket_of
+from dflash_lib.train.feature_cache import FeatureCache, as_context, context_rows, real_slots, to_real
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
 
@@ -244,8 +245,8 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
 
 
 def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
-                        threads: int = 0, streams: bool | None = None,
-                        passes_per_step: int = 0) -> list[Callable[[Collated], Item]]:
+                        threads: int = 0, streams: bool | None = None, passes_per_step: int = 0,
+                        cache: FeatureCache | None = None) -> list[Callable[[Collated], Item]]:
     """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
     on CPU several threads share one) and hands its features to `main_device`.
 
@@ -263,7 +264,14 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
     passes_per_step > 0: the target is a `target_shard.ShardedTarget`, whose feature passes are collectives. The
     one worker (more are refused) runs exactly that many passes per sampler step, a filler where the rank has no
     batch (an item whose samples all failed validation, fewer shards than the most any rank takes), each after
-    the ranks' handshake (`ShardedTarget.turn`), and leaves the handshake when its stage ends (`leave`)."""
+    the ranks' handshake (`ShardedTarget.turn`), and leaves the handshake when its stage ends (`leave`).
+
+    cache: a batch whose samples are all in it takes its features from it (no target forward); the target's
+    features of every other batch are stored in it (with the final-normed states of every real token for loss kl).
+    Refused with a sharded target (a rank skipping its forward would leave the others' collectives waiting)."""
+    if passes_per_step > 0 and cache is not None:
+        raise ConfigError("pipeline.target_cache_gib needs a target that is not sharded (target_parallel fsdp runs "
+                          "its forward as collectives on every rank): set it to 0 or target_parallel replicate")
     if passes_per_step > 0 and n_workers != 1:
         raise ConfigError(f"a sharded target runs one target worker per rank (its passes are collectives, in one "
                           f"order on every rank), got pipeline.target_workers={n_workers}")
@@ -295,14 +303,15 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                     if main_device != target.device:
                         on.enter_context(torch.cuda.stream(hand_over))
                 segments = target.segments(c.batch.doc_ids)  # from the host doc_ids: no device read
-                dev_batch = c.batch.to(target.device, non_blocking=True)
                 rows = None if c.layout is None else c.layout.target_rows  # (u,): loss kl / ce+kl only
-                final = None
-                if rows is None:
-                    feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
-                else:  # every layer, the final norm at the u rows: (C, F*H), (u, H)
-                    feats, final = target.context_features_and_final(dev_batch, rows, segments)
-                if target.device != main_device:
+                hit = None if cache is None else cache.lookup(c.batch, rows is not None)
+                if hit is not None:
+                    feats, final = _from_cache(hit, c.batch, rows, segments.runs_padding, main_device)
+                    dev_batch = c.batch.to(main_device, non_blocking=True)
+                else:
+                    dev_batch = c.batch.to(target.device, non_blocking=True)
+                    feats, final = _target_forward(target, c.batch, dev_batch, rows, segments, cache)
+                if hit is None and target.device != main_device:
                     dev_batch = c.batch.to(main_device, non_blocking=True)
                     feats = feats.to(main_device, non_blocking=True)
                     final = None if final is None else final.to(main_device, non_blocking=True)
@@ -335,6 +344,37 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
         return run_paired
 
     return [worker(targets[w % len(targets)]) for w in range(n_workers)]
+
+
+def _target_forward(target: Any, batch: Batch, dev_batch: Batch, rows: torch.Tensor | None, segments: Any,
+                    cache: FeatureCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's features of `batch` (C, F*H) and, with `rows` (u,) (loss kl), the final-normed states there
+    (u, H); stored in `cache` (every real token's final states with them) when one is given."""
+    final = every = None
+    if rows is None:
+        feats = target.context_features(dev_batch, segments)  # (C, F*H): never the padded slots
+    elif cache is None:  # every layer, the final norm at the u rows: (C, F*H), (u, H)
+        feats, final = target.context_features_and_final(dev_batch, rows, segments)
+    else:  # the final norm at every real token, for the cache; the u rows taken from it
+        pad = segments.runs_padding
+        feats, every = target.context_features_and_final(dev_batch, context_rows(batch, pad), segments)
+        final = every[to_real(rows, batch, pad).to(every.device)]
+    if cache is not None:
+        real = feats[real_slots(batch).to(feats.device)] if segments.runs_padding else feats
+        cache.store(batch, real, every)
+    return feats, final
+
+
+def _from_cache(hit: tuple[torch.Tensor, torch.Tensor | None], batch: Batch, rows: torch.Tensor | None,
+                runs_padding: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A cached batch's (C, F*H) context features and (u, H) final states at `rows`, on `device`."""
+    real, every = hit
+    pin = device.type == "cuda"
+    feats = as_context(real.pin_memory() if pin else real, batch, runs_padding).to(device, non_blocking=True)
+    if rows is None or every is None:
+        return feats, None
+    final = every[to_real(rows, batch, runs_padding)]
+    return feats, (final.pin_memory() if pin else final).to(device, non_blocking=True)
 
 
 def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float]) -> tuple[list[Item], float, bool]:

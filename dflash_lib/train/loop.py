@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,6 +47,7 @@ from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
 from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
 from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_states, rank_shards
+from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
@@ -207,6 +208,7 @@ class RunSummary(JsonRecord):
     heldout_blocks: int | None = omitted()  # anchor blocks scored
     heldout_samples: int | None = omitted()  # held-out samples evaluated
     heldout_s: float | None = omitted()  # seconds the evaluation took
+    target_cache: dict[str, int] | None = omitted()  # this rank's `feature_cache.CacheStats` (pipeline.target_cache_gib)
 
 
 class Trainer:
@@ -241,6 +243,8 @@ class Trainer:
         self.stop = stop if stop is not None else StopRequest()
         self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
         self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.engine, self.main)
+        gib = config.pipeline.target_cache_gib
+        self.cache = FeatureCache(int(gib * 2**30)) if gib > 0 else None  # the target's features per sample
         if resume is not None:
             self.load(Path(resume))
 
@@ -318,7 +322,8 @@ class Trainer:
         sharded = parts.target_parallel == "fsdp"  # its passes are collectives: one worker, as many on every rank
         workers = make_target_workers(parts.targets, 1 if sharded else cfg.pipeline.target_workers, self.device,
                                       cfg.pipeline.target_threads, passes_per_step=per_step_passes(
-                                          parts.data_shards, self.dist.world_size) if sharded else 0)
+                                          parts.data_shards, self.dist.world_size) if sharded else 0,
+                                      cache=self.cache)
         source = epoch_batches(parts.sampler, self.max_batches, p.position, p.batches_done, self.shards,
                                parts.lengths, cfg.train.accum_tokens, parts.data_shards)
         return Pipeline(source, collate, workers, cfg.pipeline, pin_memory=self.device.type == "cuda",
@@ -427,6 +432,10 @@ class Trainer:
                 f"run the same command again to resume")
         if skips.total:
             say(skips.summary())
+        if self.cache is not None:
+            c = self.cache.stats
+            say(f"target feature cache: {c.hit_batches} of {c.hit_batches + c.miss_batches} batches without a target "
+                f"forward; {c.samples} samples held ({c.bytes / 2**30:.2f} GiB), {c.refused} refused (budget full)")
         return summary
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -512,6 +521,7 @@ class Trainer:
             heldout_fraction=heldout.fraction if heldout is not None else 0.0,
             heldout_count=len(heldout.heldout) if heldout is not None else 0,
             **self.heldout.latest,
+            **({} if self.cache is None else {"target_cache": asdict(self.cache.stats)}),
         )
 
 
