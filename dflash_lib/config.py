@@ -378,6 +378,8 @@ class EvalConfig:
     engine_url: str = ""  # a running server (http://HOST:PORT) already serving the target with this drafter: used
     # as it is (no start, no plain run)
     engine_start_timeout_s: float = 600.0  # seconds the engine may take to answer /health once started
+    engine_rounds: int = 3  # where the engine's speedup is measured, each prompt set is decoded this many times on
+    # each engine (with and without the drafter): tokens/s from the median round, the speedup's range per round
 
     def __post_init__(self) -> None:
         _positive("prompts", self.prompts)
@@ -400,6 +402,7 @@ class EvalConfig:
                               f"{self.sampled_temperature!r}")
         _choice("engine", self.engine, ENGINES)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
+        _positive("engine_rounds", self.engine_rounds)
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"engine_url must start with http:// or https://, got {self.engine_url!r}")
         for name in ("run", "drafter"):

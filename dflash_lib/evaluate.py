@@ -735,7 +735,7 @@ def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_
         c.model.target, str(folder), passes, setup.drafter.cfg.block_size, c.regenerate.max_new_tokens,
         setup.stop_ids, setup.min_new_tokens, "float32" if setup.target.device.type == "cpu" else "bfloat16",
         c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor,
-        plain, log_name)
+        plain, log_name, c.evaluate.engine_rounds)
     for report in reports:
         say(served_table(report))
         for line in report.lines:

@@ -89,8 +89,48 @@ def test_served_rows_judge_exactly_when_greedy_fp32_and_by_three_standard_errors
     table = served_table(ServedReport("py", "0.32.0", "float32", True, 0.0, [row, bad], [], "")).splitlines()
     assert table[0] == "engine vLLM 0.32.0 (float32, temperature 0)"
     assert table[2].split() == ["heldout", "(thinking", "off)", "2.750", "2.750", "30.0", "15.0", "2.00x",
-                                "0.75/0.75", "0.50/0.50", "0.50/0.50"]
-    assert table[3].split()[3:9] == ["2.750", "1.000", "30.0", "-", "-", "0.75/0.00"]
+                                "2.00-2.00x", "0.75/0.75", "0.50/0.50", "0.50/0.50"]
+    assert table[3].split()[3:10] == ["2.750", "1.000", "30.0", "-", "-", "-", "0.75/0.00"]
+
+
+class _Clock:
+    """A fake engine client whose decodings take the seconds given, in order."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = list(seconds), 0
+
+    def complete(self, *a, **k):
+        return [0]
+
+    def decode(self, prompts, *a, **k):
+        self.calls += 1
+        return ServedDecode([[1] * 10 for _ in prompts], SpecCounters(self.calls, 0, 0, ()), [], self.seconds.pop(0))
+
+
+def test_timed_rounds_take_each_sets_median_and_the_pooled_speedup_its_range():
+    """Two sets, 3 rounds on each engine: every set is decoded once (answers and counters kept), then timed again
+    round after round; its seconds are the median of its rounds; the pooled speedup is total tokens over total
+    median seconds with vs without, its range the per-round pooled speedups."""
+    from dflash_lib.serve.measure import ServedPass, _decode_all, pooled_speedup
+
+    sets = [ServedSet("a", [[1], [2]], [], []), ServedSet("b", [[3]], [], [])]
+    fast = _Clock([1.0, 0.5, 1.2, 0.8, 1.1, 0.5])  # a, b, then round 2: a, b, round 3: a, b
+    slow = _Clock([2.0, 1.0, 2.0, 1.0, 2.2, 1.0])
+    with_d = _decode_all(fast, ServedPass(sets), 10, (), 0, rounds=3)
+    without = _decode_all(slow, ServedPass(sets), 10, (), 0, rounds=3)
+    assert [d.round_seconds for d in with_d] == [(1.0, 1.2, 1.1), (0.5, 0.8, 0.5)]
+    assert [d.seconds for d in with_d] == [1.1, 0.5] and [d.counters.drafts for d in with_d] == [1, 2]
+    assert fast.calls == 6
+    speedup, span = pooled_speedup(with_d, without)
+    assert speedup == pytest.approx((30 / 1.6) / (30 / 3.0))  # medians: a 1.1 + b 0.5 vs a 2.0 + b 1.0
+    assert span == pytest.approx([3.0 / 2.0, 3.2 / 1.6])  # rounds: 3.0/1.5, 3.0/2.0, 3.2/1.6
+    s = ServedSet("a", [[1], [2]], [[1] * 10] * 2, [[(1, 1)] * 10] * 2)
+    row = judge(s, with_d[0], 4, False, False, without[0])
+    assert row.served_round_s == [1.0, 1.2, 1.1] and row.plain_round_s == [2.0, 2.0, 2.2]
+    assert row.speedup_range == pytest.approx([2.0 / 1.2, 2.0 / 1.0])
+    assert row.served_speedup == pytest.approx(2.0 / 1.1) and row.served_tokens == row.plain_tokens == 20
+    one = _decode_all(_Clock([1.0, 2.0]), ServedPass(sets), 10, (), 0, rounds=1)
+    assert [d.round_seconds for d in one] == [(), ()] and [d.seconds for d in one] == [1.0, 2.0]
 
 
 def test_evaluate_refuses_the_engine_without_a_target_folder_before_loading(tmp_path):

@@ -277,7 +277,7 @@ def test_report_shows_the_sampled_evaluation_and_the_doctor(demo_tree, tmp_path)
 def _served_report(temperature: float = 0.0) -> dict:
     """A served record as `serve.measure` writes it: a row judged from a cycle log and the engine's counters."""
     from dflash_lib.serve.client import ServedDecode, SpecCounters
-    from dflash_lib.serve.measure import ServedReport, ServedSet, judge, verdict_line
+    from dflash_lib.serve.measure import ServedReport, ServedSet, judge, pooled_speedup, verdict_line
 
     ours = ServedSet("heldout (thinking off)", [[1, 2]], [[5, 6, 7, 8, 9]], [[(2, 3), (5, 2)]])
     counters = SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_position=(2, 1, 0))
@@ -286,7 +286,9 @@ def _served_report(temperature: float = 0.0) -> dict:
     plain = ServedDecode([[5, 6, 7, 8, 9]], none, [none], 1.0)
     row = judge(ours, engine, 4, temperature == 0, temperature > 0, plain)
     line = verdict_line(row, temperature == 0, [], "EXPORT", "TARGET")
-    return ServedReport("python", "0.32.0", "float32", temperature == 0, temperature, [row], [line], "x.log").to_json()
+    speedup, span = pooled_speedup([engine], [plain])
+    return ServedReport("python", "0.32.0", "float32", temperature == 0, temperature, [row], [line], "x.log", speedup,
+                        span).to_json()
 
 
 def test_report_shows_the_served_drafter_beside_ours(demo_tree, tmp_path):
@@ -302,8 +304,9 @@ def test_report_shows_the_served_drafter_beside_ours(demo_tree, tmp_path):
     assert len(tables) == 2 and "Served by vLLM 0.32.0 at temperature 0 (final drafter)" in page
     cells = re.findall(r"<td>([^<]*)</td>", tables[0][:tables[0].index("</table>")])
     # ours 2.5 tokens per cycle (3 and 2); the engine's 2 drafts accepted 3 of 6: 2.5; 10 vs 5 tokens/s
-    assert cells == ["heldout (thinking off)", "2.500", "2.500", "10.0", "5.0", "2.00x",
-                     "1.00/1.00 0.50/0.50 0.00/0.00", "PASS"]
+    assert cells == ["heldout (thinking off)", "2.500", "2.500", "10.0", "5.0", "2.00x", "2.00-2.00x",
+                     "1.00/1.00 0.50/0.50 0.00/0.00", "PASS", "every set", "", "", "", "", "2.00x", "2.00-2.00x", "",
+                     ""]
     assert "PASS served heldout (thinking off): served tau 2.500 vs ours 2.500" in page
     with pytest.raises(DemoReportError, match=r"evaluation\['served'\]\['rows'\]\[0\]: keys \['ok'\] missing"):
         write_demo_summary(tmp_path, summary_rows(), {**entry, "served": {

@@ -72,7 +72,8 @@ class ServedDecode:
     outputs: list[list[int]]  # the generated token ids of each prompt
     counters: SpecCounters  # the engine's counters over the whole decoding
     per_prompt: list[SpecCounters]  # the same, per prompt
-    seconds: float  # wall time of the requests
+    seconds: float  # wall time of the requests (the median of `round_seconds` when the set was timed again)
+    round_seconds: tuple[float, ...] = ()  # wall time of each timed decoding of the same prompts (() = this one only)
 
     @property
     def tokens(self) -> int:

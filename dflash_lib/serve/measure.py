@@ -6,7 +6,8 @@ not fall below ours by more than 3 standard errors. docs/serving.md, "The engine
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -51,6 +52,11 @@ class ServedRow(JsonRecord):
     plain_tokens_per_s: float | None  # the same engine without the drafter, same prompts (None: not measured)
     served_speedup: float | None  # served_tokens_per_s / plain_tokens_per_s
     ok: bool  # no train/serve gap beyond the bound (and, when exact, equal answers and counts)
+    served_tokens: int = 0  # output tokens of one decoding of the set with the drafter
+    plain_tokens: int | None = None  # the same without the drafter
+    served_round_s: list[float] | None = None  # seconds of each timed decoding with the drafter (tokens/s: the median)
+    plain_round_s: list[float] | None = None  # the same without the drafter
+    speedup_range: list[float] | None = None  # [lowest, highest] speedup of one round with vs the same round without
 
 
 @dataclass
@@ -65,6 +71,8 @@ class ServedReport(JsonRecord):
     rows: list[ServedRow]  # one per prompt set
     lines: list[str]  # one PASS/FAIL line per row (the gap alarm)
     log: str  # the engine's log file ("" for a running server)
+    speedup: float | None = None  # every set together: tokens/s with over without the drafter (`pooled_speedup`)
+    speedup_range: list[float] | None = None  # [lowest, highest] of the same per timed round
 
 
 def tokens_per_cycle(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
@@ -111,11 +119,38 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
     else:
         ok = not served_tau < tau - bound
     plain_rate = plain.tokens_per_s if plain is not None else None
+    rounds = _round_speedups([served], [plain]) if plain is not None else []
     return ServedRow(name=row_set.name, prompts=len(row_set.prompts), tau=tau, served_tau=served_tau,
                      per_position=per_position, served_per_position=served.counters.acceptance, cycles=cycles,
                      served_drafts=int(served.counters.drafts), bound=bound, outputs_equal=equal,
                      served_tokens_per_s=served.tokens_per_s, plain_tokens_per_s=plain_rate,
-                     served_speedup=served.tokens_per_s / plain_rate if plain_rate else None, ok=ok)
+                     served_speedup=served.tokens_per_s / plain_rate if plain_rate else None, ok=ok,
+                     served_tokens=served.tokens, plain_tokens=None if plain is None else plain.tokens,
+                     served_round_s=list(served.round_seconds or (served.seconds,)),
+                     plain_round_s=None if plain is None else list(plain.round_seconds or (plain.seconds,)),
+                     speedup_range=[min(rounds), max(rounds)] if rounds else None)
+
+
+def _round_speedups(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]) -> list[float]:
+    """Per timed round r: (tokens / seconds of round r with the drafter) over the same without it, every set of
+    `served` / `plain` (paired) together."""
+    def rounds(d: ServedDecode) -> tuple[float, ...]:
+        return d.round_seconds or (d.seconds,)
+
+    n = min(len(rounds(d)) for d in [*served, *plain])
+    with_s = [sum(rounds(d)[r] for d in served) for r in range(n)]
+    without_s = [sum(rounds(d)[r] for d in plain) for r in range(n)]
+    tokens, plain_tokens = sum(d.tokens for d in served), sum(d.tokens for d in plain)
+    return [tokens / a / (plain_tokens / b) for a, b in zip(with_s, without_s) if a > 0 and b > 0]
+
+
+def pooled_speedup(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]) -> tuple[float, list[float]]:
+    """Every set together: (total tokens / total median seconds with the drafter over the same without it,
+    [lowest, highest] of the per-round speedups)."""
+    rate = sum(d.tokens for d in served) / sum(d.seconds for d in served)
+    plain_rate = sum(d.tokens for d in plain) / sum(d.seconds for d in plain)
+    rounds = _round_speedups(served, plain)
+    return rate / plain_rate, [min(rounds), max(rounds)]
 
 
 def verdict_line(row: ServedRow, exact: bool, suspects: Sequence[str], export: str, target: str) -> str:
@@ -136,12 +171,25 @@ def _cause(suspects: Sequence[str], export: str, target: str) -> str:
 
 
 def _decode_all(client: EngineClient, served: "ServedPass", max_new_tokens: int, stop_ids: Sequence[int],
-                min_new_tokens: int) -> list[ServedDecode]:
+                min_new_tokens: int, rounds: int = 1) -> list[ServedDecode]:
+    """Each set decoded (the counters read around it); with `rounds` > 1, every set decoded that many times in
+    all, round after round, each set's seconds the median of its rounds (the answers and counters: the first)."""
     sets = served.sets
     if sets and sets[0].prompts:  # first-request overheads out of the timings
         client.complete(sets[0].prompts[0], min(max_new_tokens, 8))
-    return [client.decode(s.prompts, max_new_tokens, served.temperature, served.top_p, served.seed, stop_ids,
-                          min_new_tokens) for s in sets]
+
+    def once(s: ServedSet) -> ServedDecode:
+        return client.decode(s.prompts, max_new_tokens, served.temperature, served.top_p, served.seed, stop_ids,
+                             min_new_tokens)
+
+    first = [once(s) for s in sets]
+    if rounds <= 1:
+        return first
+    times = [[d.seconds] for d in first]
+    for _ in range(rounds - 1):  # round after round: a slow spell of the machine falls on every set alike
+        for t, s in zip(times, sets):
+            t.append(once(s).seconds)
+    return [replace(d, seconds=statistics.median(t), round_seconds=tuple(t)) for d, t in zip(first, times)]
 
 
 @dataclass
@@ -171,23 +219,25 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
                  max_new_tokens: int, stop_ids: Sequence[int] = (), min_new_tokens: int = 0, dtype: str = "float32",
                  python: str | None = None, url: str = "", log_dir: str | Path = ".", start_timeout_s: float = 600.0,
                  doctor: Callable[[], Sequence[str]] | None = None, plain: bool = True,
-                 log_name: str = "engine") -> list[ServedReport]:
+                 log_name: str = "engine", rounds: int = 1) -> list[ServedReport]:
     """Serve `drafter_dir` on `target_dir` (one engine start) and decode every pass's prompts, one at a time;
     then (`plain`) the target alone on the same prompts for the engine's own speedup (a second start). One report
     per pass. `url`: a server already running (with this drafter): used as it is, no plain run. `doctor`: called
     once when a row fails, the doctor's failing rules (named by the FAIL lines). Logs: `log_dir`/`log_name`.log
-    and `log_name`-plain.log."""
+    and `log_name`-plain.log. `rounds`: with the plain run, each set is timed that many times on each engine (the
+    speedups from the median round, their range per round)."""
     everything = [p for s in passes for p in s.sets for p in p.prompts]
     longest = max((len(p) for p in everything), default=0) + max_new_tokens + block_size
     spec = EngineSpec(target_dir, drafter_dir, dtype=dtype, max_model_len=max(256, longest), max_num_seqs=1)
     log = Path(log_dir) / f"{log_name}.log"
     failure, version = "", "?"  # failure: the engine started but failed a request: a FAIL line, no rows
     served: list[list[ServedDecode]] = []
+    timed = max(1, rounds) if plain and not url else 1
     with (EngineServer(spec, log, python, start_timeout_s) if not url else _Running(url)) as server:
         client = EngineClient(server.url)
         try:
             version = client.version()
-            served = [_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens) for s in passes]
+            served = [_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens, timed) for s in passes]
         except RuntimeError as e:
             failure, served = " ".join(str(e).split())[:300], []
         finally:
@@ -200,7 +250,8 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
                           start_timeout_s) as server_alone:
             client = EngineClient(server_alone.url)
             try:
-                alone = [list(_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens)) for s in passes]
+                alone = [list(_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens, timed))
+                         for s in passes]
             finally:
                 client.close()
     rows = [[judge(s, d, block_size, not p.temperature > 0 and dtype == "float32", p.temperature > 0, a)
@@ -209,7 +260,10 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
     bad = bool(failure) or not all(r.ok for pass_rows in rows for r in pass_rows)
     suspects = list(doctor()) if doctor is not None and bad else []
     reports = []
-    for p, pass_rows in zip(passes, rows):
+    for p, pass_rows, done, plain_done in zip(passes, rows, served or [[] for _ in passes], alone):
+        pooled = None
+        if done and all(d is not None for d in plain_done):
+            pooled = pooled_speedup(done, [d for d in plain_done if d is not None])
         exact = not p.temperature > 0 and dtype == "float32"
         lines = [verdict_line(r, exact, suspects, drafter_dir, target_dir) + (
             "" if r.ok else known_fault(version, p.temperature)) for r in pass_rows]
@@ -217,7 +271,9 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
             lines.append(f"FAIL served: the engine failed a request ({failure}); "
                          + _cause(suspects, drafter_dir, target_dir))
         reports.append(ServedReport(engine=where, version=version, dtype=dtype, exact=exact,
-                                    temperature=p.temperature, rows=pass_rows, lines=lines, log=log_file))
+                                    temperature=p.temperature, rows=pass_rows, lines=lines, log=log_file,
+                                    speedup=None if pooled is None else pooled[0],
+                                    speedup_range=None if pooled is None else pooled[1]))
     return reports
 
 
@@ -243,7 +299,7 @@ class _Running:
 
 def served_table(report: ServedReport) -> str:
     """Served vs in-process per set: tau, per-position acceptance, the engine's tokens/s and speedup."""
-    head = (f"{'served by':<32} {'tau':>6} {'served':>7} {'tok/s':>8} {'plain':>8} {'speedup':>8}  "
+    head = (f"{'served by':<32} {'tau':>6} {'served':>7} {'tok/s':>8} {'plain':>8} {'speedup':>8} {'rounds':>11}  "
             "per position ours / served")
     lines = [f"engine vLLM {report.version} ({report.dtype}, temperature {report.temperature:g})", head]
     for r in report.rows:
@@ -251,5 +307,21 @@ def served_table(report: ServedReport) -> str:
         speed = f"{r.served_speedup:7.2f}x" if r.served_speedup is not None else f"{'-':>8}"
         pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.per_position, r.served_per_position))
         lines.append(f"{r.name[:32]:<32} {r.tau:6.3f} {r.served_tau:7.3f} {r.served_tokens_per_s:8.1f} {plain} "
-                     f"{speed}  {pos}")
+                     f"{speed} {range_text(r.speedup_range):>11}  {pos}")
+    if report.speedup is not None:
+        lines.append(f"{'every set':<32} {'':>6} {'':>7} {'':>8} {'':>8} {report.speedup:7.2f}x "
+                     f"{range_text(report.speedup_range):>11}  ({rounds_text(report)})")
     return "\n".join(lines)
+
+
+def range_text(span: Sequence[float] | None) -> str:
+    """'1.02-1.11x' for a [lowest, highest] speedup; '-' without one."""
+    return "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}x"
+
+
+def rounds_text(report: ServedReport) -> str:
+    """How the speedups were timed: rounds, tokens."""
+    n = max((len(r.served_round_s or ()) for r in report.rows), default=0)
+    tokens = sum(r.served_tokens for r in report.rows)
+    return (f"{n} timed round{'s' if n != 1 else ''} of {tokens} tokens on each engine, one prompt at a time: the "
+            f"median round's tokens/s, the range per round")
