@@ -80,6 +80,49 @@ def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
     assert dryrun.flex_tiles(layout) == want > 0
 
 
+@pytest.mark.parametrize("window", [1, 3, 40])
+def test_a_sliding_layers_flex_tiles_equal_the_tiles_of_its_windowed_mask(window):
+    """The tiles a sliding layer's block mask keeps: those of the dense mask AND the window (brute force over every
+    query and key); fewer than the full layer's for a narrow window, as many once the window covers every document."""
+    from dflash_lib.models.attention import dense_mask, window_mask
+    from dflash_lib.models.layout import build_layout
+
+    cfg = _tiny(num_anchors=40, block_size=8, token_budget=900, max_len=300)
+    worst = dryrun.worst_packed_batch(cfg, block_budget=None)
+    batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
+    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB),
+                                      dryrun.StepSettings("flex", True), fake=True)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+    q_pos = layout.block_pos.reshape(-1)
+    mask = dense_mask(layout) & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window)  # (Q, C + Q)
+    Q, K = mask.shape
+    t = dryrun.FLEX_TILE
+    padded = torch.zeros(-(-Q // t) * t, -(-K // t) * t, dtype=torch.bool)
+    padded[:Q, :K] = mask
+    want = int(padded.reshape(Q // t + (Q % t > 0), t, -1, t).any(dim=(1, 3)).sum())
+    assert dryrun.flex_tiles(layout, window=window) == want > 0
+    assert want < dryrun.flex_tiles(layout) if window < 40 else want <= dryrun.flex_tiles(layout)  # 128-key tiles
+    assert dryrun.flex_tiles(layout, window=10_000) == dryrun.flex_tiles(layout)
+
+
+def test_a_sliding_drafters_flex_flops_count_each_layer_kinds_tiles():
+    """One sliding (window 3) and one full drafter layer on the flex path: the attention FLOPs are the full
+    layer's tiles plus the sliding layer's, each 4 x heads x head_dim per pair forward and 2.5 times that backward."""
+    from dflash_lib.models.layout import build_layout
+
+    cfg = _tiny(target_layers=2, num_features=1, drafter_layers=2, token_budget=512, max_len=256,
+                drafter_layer_types=["sliding_attention", "full_attention"], drafter_window=3)
+    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=2, vocab_size=VOCAB),
+                                      dryrun.StepSettings("flex", False), fake=True)
+    batch = dryrun.host_batch(dryrun.worst_bucket_batch(0, 0, 256, cfg, block_budget=200), VOCAB, cfg.model.mask_id)
+    fig = dryrun.measure_step(models, batch, seed=0)
+    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+    full, sliding = (dryrun.flex_tiles(layout, window=w) * dryrun.FLEX_TILE ** 2 for w in (0, 3))
+    assert 0 < sliding < full
+    c = models.drafter.cfg
+    assert fig.flops["drafter_attention"] == 4 * c.num_heads * c.head_dim * (full + sliding) * (1 + 2.5)
+
+
 def test_flex_attention_flops_are_those_of_the_kept_tiles():
     """The flex stand-in's FLOPs: per layer, 4 x heads x head_dim per (query, key) pair of the 128 x 128 tiles the
     block mask keeps (2 matmuls) in the forward, 2.5 times that in the backward (5 matmuls)."""

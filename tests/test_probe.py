@@ -135,15 +135,17 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
 
 
 def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
-    """A probe times training alone: the demo preset checkpoints and evaluates periodically; no probe does."""
+    """A probe times training alone, target included: the demo preset checkpoints, evaluates periodically and
+    caches the target's features; no probe does."""
     from dflash_lib.config import preset
     from dflash_lib.lab.probe import PROBES, strategy_config
 
     base = preset("demo")
-    assert base.train.eval_every > 0 and base.train.ckpt_every > 0
+    assert base.train.eval_every > 0 and base.train.ckpt_every > 0 and base.pipeline.target_cache_gib > 0
     for strategy in PROBES:
         cfg = strategy_config(base, strategy, steps=30, stop_at_step=10)
         assert (cfg.train.eval_every, cfg.train.ckpt_every, cfg.train.steps, cfg.train.stop_at_step) == (0, 0, 30, 10)
+        assert cfg.pipeline.target_cache_gib == 0
         assert cfg.train.eval_samples == base.train.eval_samples  # the end-of-run evaluation is left as it was
 
 

@@ -62,13 +62,13 @@ class StrategyProbe:
 
 def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int = 0) -> Config:
     """`base` with the strategy and probe length replaced (everything else, budget included, identical), no
-    periodic checkpoint and no periodic held-out evaluation (`eval_every` 0): a probe measures training
-    throughput, and an evaluation inside the probe (the demo preset's every 20 steps) would distort it."""
+    periodic checkpoint, no periodic held-out evaluation (`eval_every` 0) and no target feature cache: a probe
+    measures training throughput, target included; an evaluation inside it would distort it."""
     if strategy not in PROBES:
         raise ConfigError(f"strategy {strategy!r} is not one of {list(PROBES)}")
     sampler = dict(strategy="bucketed", static_shapes=True) if strategy == "static" else dict(strategy=strategy)
-    return from_params({**sampler, "steps": steps, "ckpt_every": 0, "eval_every": 0, "stop_at_step": stop_at_step},
-                       base)
+    return from_params({**sampler, "steps": steps, "ckpt_every": 0, "eval_every": 0, "stop_at_step": stop_at_step,
+                        "target_cache_gib": 0.0}, base)
 
 
 def predicted_efficiency(config: Config, sampler: Any, lengths: np.ndarray, edges: Sequence[int]) -> float:

@@ -34,7 +34,7 @@ Where a fake-mode figure differs from a real CUDA run, and how it is accounted f
 - FlexAttention has no CPU backward, not even under fake tensors. For `flex` the dry run stands in an op with
   FlexAttention's allocations (out, logsumexp, the backward's dq, dk, dv and row sums, the block mask's int32
   tile tables) and counts the FLOPs of the 128 x 128 tiles the block mask keeps (computed on the host from the
-  layout, exactly as `create_block_mask` would mark them). A compiled `create_block_mask` on CUDA never builds
+  layout, exactly as `create_block_mask` would mark them; a sliding drafter layer's: those its window keeps). A compiled `create_block_mask` on CUDA never builds
   the dense (Q, K) grid, so none is counted.
 - The `dense` backend on CUDA runs the memory-efficient SDPA kernel, which pads a copy of the additive mask to a
   multiple of 16 keys: one (Q, K) bf16 mask per call is added as `kernel_allowance`.
@@ -384,10 +384,11 @@ def _attention_flops(counter: FlopCounterMode) -> int:
     return sum(v for op, v in counter.get_flop_counts().get("Global", {}).items() if "attention" in str(op))
 
 
-def flex_tiles(layout: Any, tile: int = FLEX_TILE) -> int:
+def flex_tiles(layout: Any, tile: int = FLEX_TILE, window: int = 0) -> int:
     """(query tile, key tile) pairs of 128 x 128 that FlexAttention's block mask keeps for this layout: a tile is
     computed when one of its queries may see one of its keys. Keys are [the C context entries ; the n*B block
-    queries] (attention.flex_block_mask). Host numpy on the host layout."""
+    queries] (attention.flex_block_mask); `window` w > 0: a sliding layer's (query position p sees p - w < j <= p).
+    Host numpy on the host layout."""
     B, n = layout.block_size, layout.num_blocks
     ctx_doc = layout.ctx_doc.numpy()
     C, Q = len(ctx_doc), n * B
@@ -400,10 +401,15 @@ def flex_tiles(layout: Any, tile: int = FLEX_TILE) -> int:
     hi = lo + anchor
     grid = np.zeros((-(-Q // tile), -(-(C + Q) // tile)), dtype=bool)  # (query tiles, key tiles)
     for i in range(n):
-        qt = slice((i * B) // tile, (i * B + B - 1) // tile + 1)
-        if hi[i] > lo[i]:
-            grid[qt, lo[i] // tile:(hi[i] - 1) // tile + 1] = True
-        grid[qt, (C + i * B) // tile:(C + i * B + B - 1) // tile + 1] = True  # ... and its own block
+        for qt in range((i * B) // tile, (i * B + B - 1) // tile + 1):  # the block's queries in this query tile
+            j0 = max(0, qt * tile - i * B)  # the first of them: it sees the most context
+            start = lo[i] + (max(0, int(anchor[i]) + j0 - window + 1) if window else 0)
+            if hi[i] > start:
+                grid[qt, start // tile:(hi[i] - 1) // tile + 1] = True
+    blocks = np.arange(n) * B  # ... and its own block: every pair of it (window: j - w < k <= j)
+    for j in range(B):
+        for k in range(max(0, j - window + 1), j + 1) if window else range(B):
+            grid[(blocks + j) // tile, (C + blocks + k) // tile] = True
     return int(grid.sum())
 
 
@@ -429,13 +435,14 @@ class _FlexAllocations(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _flex_standin(tally: dict[str, int]):
+def _flex_standin(tally: dict[int, dict[str, int]]):
     """Route the drafter's `flex` backend to `_FlexAllocations` (plus the block mask's tile tables) meanwhile."""
     real = drafter_module.make_attend
 
     def make_attend(layout, backend, window=0):
         if backend != "flex":
             return real(layout, backend, window)
+        calls = tally.setdefault(window, {"forward": 0, "backward": 0})  # per window (0: full layers)
         Q, C = layout.num_queries, int(layout.ctx_doc.shape[0])
         qt, kt = -(-Q // FLEX_TILE), -(-(C + Q) // FLEX_TILE)
         dev = layout.block_doc.device
@@ -447,7 +454,7 @@ def _flex_standin(tally: dict[str, int]):
             if torch.is_autocast_enabled(q.device.type):  # FlexAttention's autocast rule: q, k, v cast to its dtype
                 dtype = torch.get_autocast_dtype(q.device.type)
                 q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            return _FlexAllocations.apply(q, k, v, tally)
+            return _FlexAllocations.apply(q, k, v, calls)
 
         return attend
 
@@ -535,7 +542,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     # add its own memory to the peak.
     tracker = StepMemTracker()
     tracker.track_external(target, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
-    flex = {"forward": 0, "backward": 0}
+    flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     first = CommTally()  # the all-gathers of the first pass: a model's first one starts with nothing gathered
     t0 = time.perf_counter()
     with models.context, tracker, first, _flex_standin(flex), warnings.catch_warnings():
@@ -551,14 +558,15 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
 
     tally = _FlopTally(drafter.cfg.vocab_size)
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
-    flex = {"forward": 0, "backward": 0}
+    flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     comm = CommTally()
     with models.context, _flex_standin(flex), comm:
         step(lambda name: counters[name])
     flex_flops = 0
-    if flex["forward"]:
-        per_forward = 4 * drafter.cfg.num_heads * drafter.cfg.head_dim * pairs["computed"]  # 2 matmuls per pair
-        flex_flops = int(per_forward * flex["forward"] + 2.5 * per_forward * flex["backward"])  # backward: 5
+    for window, calls in flex.items():  # per layer kind: the tiles its block mask keeps
+        computed = pairs["computed"] if not window else float(flex_tiles(layout, window=window) * FLEX_TILE ** 2)
+        per_forward = 4 * drafter.cfg.num_heads * drafter.cfg.head_dim * computed  # 2 matmuls per pair
+        flex_flops += int(per_forward * calls["forward"] + 2.5 * per_forward * calls["backward"])  # backward: 5
     sdpa = _attention_flops(counters["drafter"]) + _attention_flops(counters["backward"])
     drafter_total = counters["drafter"].get_total_flops() + counters["backward"].get_total_flops()
     flops = dict(target_forward=counters["target"].get_total_flops(), drafter_layers=drafter_total - sdpa - tally.head,
