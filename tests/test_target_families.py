@@ -124,6 +124,53 @@ def test_the_kv_cache_decoder_equals_one_forward(family):
     torch.testing.assert_close(torch.cat([first.features, rest.features]), whole.features, atol=bound, rtol=0)
 
 
+def test_the_kv_cache_decoder_drops_rejected_positions_exactly(family):
+    """A verification of 4 tokens, then a crop keeping 0 or 2 of them (a linear layer's state, a sliding layer past
+    its window: restored and run again), then 3 more tokens: the logits of one forward over what was kept."""
+    from dflash_lib.models.acceptance import TargetCache
+
+    name, directory, _ = family
+    target = _load(directory, num_features=1, target_layer_ids=[2])
+    ids = torch.as_tensor(_docs([2 * WINDOW + 12], seed=3)[0][0])
+    prefix, verify, after = ids[:2 * WINDOW], ids[2 * WINDOW:2 * WINDOW + 4], ids[2 * WINDOW + 4:2 * WINDOW + 7]
+    bound = 1e-4 if "linear_attention" in target.layer_kinds else 1e-5
+    for kept in (0, 2):
+        cache = TargetCache(target)
+        cache.forward(prefix)
+        cache.forward(verify)
+        cache.crop(len(prefix) + kept)
+        assert cache.length == len(prefix) + kept
+        got = cache.forward(after)
+        whole = target.step(torch.cat([prefix, verify[:kept], after]))
+        torch.testing.assert_close(got.logits, whole.logits[-3:], atol=10 * bound, rtol=0)
+        torch.testing.assert_close(got.features, whole.features[-3:], atol=bound, rtol=0)
+
+
+class _HalfRight:
+    """A drafter whose first draft is the target's greedy token and the others wrong: every cycle accepts one."""
+
+    def __init__(self, sequence, block=4):
+        self.sequence, self.block = sequence, block
+
+    def draft(self, features, anchor_pos, anchor_token):
+        true = int(self.sequence[anchor_pos + 1])
+        return [true] + [(true + 1 + k) % 1000 for k in range(self.block - 2)]
+
+
+def test_speculative_decoding_equals_greedy_on_every_family(family):
+    """Our in-process speculative decoding over the family's cache (a crop after every verification) gives the
+    target's greedy answer token for token."""
+    from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+
+    name, directory, _ = family
+    target = _load(directory, num_features=1, target_layer_ids=[2])
+    prompt = [int(t) for t in _docs([WINDOW + 5], seed=4)[0][0]]
+    greedy = greedy_decode(target, [prompt], 2 * WINDOW).outputs[0]
+    result = acceptance_length(target, _HalfRight(prompt + greedy), [prompt], 2 * WINDOW)
+    assert result.outputs[0] == greedy
+    assert set(result.histogram) == {2} and result.cycles == (2 * WINDOW - 1 + 1) // 2  # one draft accepted a cycle
+
+
 @pytest.mark.parametrize("window,sinks", [(None, True), (3, False), (3, True), (40, True)])
 def test_document_attention_is_the_masked_softmax_it_names(window, sinks):
     """Window w: query i sees keys i - w < j <= i; a sink adds exp(s_h) to head h's denominator; chunked so that

@@ -24,6 +24,7 @@ features as one growing tensor instead.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections import Counter
@@ -80,7 +81,9 @@ class DecodeResult:
 
 class TargetCache:
     """The target over its own Hugging Face KV cache, for one sequence: each `forward` runs only the tokens it
-    is given, at the positions after those already cached; `crop` drops rejected positions."""
+    is given, at the positions after those already cached; `crop` drops rejected positions. A cache that cannot
+    drop positions (a linear-attention layer's recurrent state, a sliding layer past its window) is copied before
+    each forward after the first, and `crop` restores that copy and runs the kept tokens again."""
 
     def __init__(self, target: TargetModel):
         self.target = target
@@ -91,17 +94,29 @@ class TargetCache:
         params = inspect.signature(target.base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self.length = 0  # positions held
+        self._before: tuple[Any, int, torch.Tensor] | None = None  # (cache copy, its length, the ids run since)
+
+    def _croppable(self) -> bool:
+        """Every layer of the cache drops positions exactly (plain keys and values; transformers 4's cache has
+        no layer objects and holds only those)."""
+        return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(self.cache, "layers", ()))
+
+    def _run(self, ids: torch.Tensor, past: int, features: bool) -> Any:
+        dev, T = self.target.device, ids.shape[0]
+        pos = torch.arange(past, past + T, device=dev)  # (T,)
+        kwargs: dict[str, Any] = {self._cache_kw: self.cache}  # transformers builds each layer kind's mask
+        return self.target.base(input_ids=ids.to(dev).reshape(1, T), position_ids=pos.reshape(1, T), use_cache=True,
+                                output_hidden_states=features, **kwargs)
 
     def forward(self, ids: torch.Tensor, features: bool = True) -> TargetStep:
         """ids (T,) at positions length .. length+T-1 -> features (T, F*H) (None when not asked) and next-token
         logits (T, V); the cache then holds length+T positions."""
         t = self.target
-        dev = t.device
         T, past = ids.shape[0], self.length
-        pos = torch.arange(past, past + T, device=dev)  # (T,)
-        kwargs: dict[str, Any] = {self._cache_kw: self.cache}  # transformers builds each layer kind's mask
-        out = t.base(input_ids=ids.to(dev).reshape(1, T), position_ids=pos.reshape(1, T), use_cache=True,
-                     output_hidden_states=features, **kwargs)
+        self._before = None
+        if past and not self._croppable():  # what `crop` restores
+            self._before = (copy.deepcopy(self.cache), past, ids)
+        out = self._run(ids, past, features)
         self.length = past + T
         feats = None
         if features:  # hidden_states[i + 1] = output of decoder layer i
@@ -109,10 +124,19 @@ class TargetCache:
         return TargetStep(feats, t.logits(out.last_hidden_state[0]))  # last_hidden_state is final-normed
 
     def crop(self, length: int) -> None:
-        """Keep positions 0 .. length-1."""
-        if length < self.length:
+        """Keep positions 0 .. length-1 (at least those held before the latest `forward`)."""
+        if length >= self.length:
+            return
+        if self._before is None:
             self.cache.crop(length - self.length)  # negative: drop that many (transformers 4 and 5 alike)
-            self.length = length
+        else:
+            self.cache, past, ids = self._before
+            if length < past:
+                raise ValueError(f"crop to {length} positions: only the latest forward's (from {past}) can be dropped")
+            if length > past:
+                self._run(ids[:length - past], past, features=False)
+        self._before = None
+        self.length = length
 
 
 class _CachedDrafting:
