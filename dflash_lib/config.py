@@ -744,3 +744,41 @@ def qwen3_235b_a22b() -> Config:
 PRESETS["qwen3-32b"] = qwen3_32b
 PRESETS["qwen3-30b-a3b"] = qwen3_30b_a3b
 PRESETS["qwen3-235b-a22b"] = qwen3_235b_a22b
+
+QWEN3_5_MASK = 248319  # the last of Qwen3.5's 248,320 embedding rows: the vocabulary is padded past the tokenizer's
+# ids, so the model never produces it (the doctor checks the MASK against a real folder)
+
+
+def _qwen3_5_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
+    """The paper recipe (`qwen3_8b`) for a Qwen3.5 / Qwen3.6 hybrid's published shapes (models/shapes.py): its
+    five feature layers by the layer-id rule, the MASK an unused embedding row of its vocabulary."""
+    return from_params({"target_layer_ids": target_layer_ids, "mask_id": QWEN3_5_MASK},
+                       _paper_recipe_for(target, target_layer_ids))
+
+
+def qwen3_5_9b() -> Config:
+    """The paper recipe for Qwen3.5-9B's shapes (32 layers, 24 of them gated delta net, hidden 4096): features of
+    layers [1, 8, 15, 22, 29]."""
+    return _qwen3_5_recipe_for("qwen3.5-9b", [1, 8, 15, 22, 29])
+
+
+def qwen3_6_27b() -> Config:
+    """The paper recipe for Qwen3.6-27B's shapes (64 layers, 48 gated delta net, hidden 5120): features of layers
+    [1, 16, 31, 46, 61]."""
+    return _qwen3_5_recipe_for("qwen3.6-27b", [1, 16, 31, 46, 61])
+
+
+def qwen3_5_35b_a3b() -> Config:
+    """The paper recipe for Qwen3.5-35B-A3B's shapes (40 MoE layers, 30 gated delta net, hidden 2048): features of
+    layers [1, 10, 19, 28, 37]; a dense drafter of the target's width."""
+    return _qwen3_5_recipe_for("qwen3.5-35b-a3b", [1, 10, 19, 28, 37])
+
+
+def qwen3_5_122b_a10b() -> Config:
+    """The paper recipe for Qwen3.5-122B-A10B's shapes (48 MoE layers, 36 gated delta net, hidden 3072): features
+    of layers [1, 12, 23, 34, 45]; its bf16 weights (~230 GiB) fit no single GPU: `-p target_parallel fsdp`."""
+    return _qwen3_5_recipe_for("qwen3.5-122b-a10b", [1, 12, 23, 34, 45])
+
+
+PRESETS.update({"qwen3.5-9b": qwen3_5_9b, "qwen3.6-27b": qwen3_6_27b, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
+                "qwen3.5-122b-a10b": qwen3_5_122b_a10b})

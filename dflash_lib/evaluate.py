@@ -63,7 +63,7 @@ from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_dra
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord, omitted
 from dflash_lib.serve.measure import ServedPass, ServedReport, ServedSet, serve_passes, served_table
-from dflash_lib.serve.server import engine_python
+from dflash_lib.serve.server import engine_dtype, engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
 from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
@@ -722,7 +722,8 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
 def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_dir: Path, log_name: str,
                   plain: bool, say: Say = _stderr) -> list[ServedReport]:
     """`serve.measure.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
-    our target ran (fp32 on the CPU: greedy must then agree exactly); the doctor names the suspects of a FAIL.
+    our target ran (fp32 on the CPU: greedy must then agree exactly; `engine_dtype`: bf16 for a linear-attention
+    target, which vLLM's CPU build runs in bf16 only); the doctor names the suspects of a FAIL.
     Prints each pass's table and verdict lines."""
     c = setup.config
 
@@ -733,7 +734,7 @@ def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_
         f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / (log_name + '.log')})"))
     reports = serve_passes(
         c.model.target, str(folder), passes, setup.drafter.cfg.block_size, c.regenerate.max_new_tokens,
-        setup.stop_ids, setup.min_new_tokens, "float32" if setup.target.device.type == "cpu" else "bfloat16",
+        setup.stop_ids, setup.min_new_tokens, engine_dtype(c.model.target, setup.target.device.type == "cpu"),
         c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor,
         plain, log_name, c.evaluate.engine_rounds)
     for report in reports:

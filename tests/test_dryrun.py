@@ -274,10 +274,15 @@ def test_qwen3_8b_preset_is_the_paper_recipe():
 
 @pytest.mark.parametrize("name,layers,hidden,billions", [("qwen3-8b", 36, 4096, 8.19), ("qwen3-32b", 64, 5120, 32.76),
                                                           ("qwen3-30b-a3b", 48, 2048, 30.53),
-                                                          ("qwen3-235b-a22b", 94, 4096, 235.09)])
+                                                          ("qwen3-235b-a22b", 94, 4096, 235.09),
+                                                          # the text models (the vision tower and MTP layer aside)
+                                                          ("qwen3.5-9b", 32, 4096, 8.954), ("qwen3.6-27b", 64, 5120, 26.896),
+                                                          ("qwen3.5-35b-a3b", 40, 2048, 34.661),
+                                                          ("qwen3.5-122b-a10b", 48, 3072, 122.112)])
 def test_larger_presets_are_the_paper_recipe_on_the_published_shapes(name, layers, hidden, billions):
     """Each preset: qwen3-8b's recipe, the target's own five feature layers by the layer-id rule, and published
-    shapes whose parameter count is the model card's (built on the meta device)."""
+    shapes whose parameter count is the model card's (built on the meta device; Qwen3.5 / 3.6: the size in the
+    name, their cards giving no exact count)."""
     import transformers
 
     from dflash_lib.models.shapes import NAMED_SHAPES

@@ -163,6 +163,53 @@ def test_the_server_flags_serve_the_drafter_with_block_size_minus_one_drafts(tmp
     assert "--speculative-config" not in EngineSpec(str(tmp_path / "t")).args(8000)
 
 
+_SHAPE = dict(vocab_size=V, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, intermediate_size=256)  # heads of 32: the CPU build's attention serves none narrower
+
+
+def _family_folder(path: Path, family: str = "qwen3_next") -> Path:
+    """A tiny target of `family`, random (seeded) and saved. qwen3_next: 3 gated-delta-net layers then a full one,
+    linear key and value heads of 64 (the CPU build's kernel refuses 32), 4 experts all routed to every token (in
+    bf16 a top-k router's near ties flip experts, and the answers part at once; vLLM needs the MoE). gemma4: sliding (window 8) and
+    full layers alternating, per-layer embeddings, the last layer reusing another's keys and values, soft-capped
+    logits."""
+    import transformers
+
+    if family == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            **_SHAPE, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
+            num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    else:
+        cfg = transformers.Gemma4TextConfig(
+            **_SHAPE, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=16, vocab_size_per_layer_input=V, num_kv_shared_layers=1, global_head_dim=64,
+            final_logit_softcapping=30.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        for p in model.parameters():  # layers far from identity: the answers depend on every layer
+            p.data.normal_(0.0, 0.3 if p.dim() > 1 else 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_linear_attention_target_is_served_in_bf16_without_prefix_caching(tmp_path):
+    from dflash_lib.serve.server import engine_dtype, linear_attention_target
+
+    target, drafter = check_models()
+    export_drafter(drafter, tmp_path / "d", torch.float32)
+    target.model.save_pretrained(tmp_path / "qwen3")
+    hybrid = _family_folder(tmp_path / "next")
+    assert linear_attention_target(hybrid) and not linear_attention_target(tmp_path / "qwen3")
+    assert not linear_attention_target(tmp_path / "nothing")
+    assert (engine_dtype(hybrid, True), engine_dtype(tmp_path / "qwen3", True)) == ("bfloat16", "float32")
+    assert engine_dtype(tmp_path / "qwen3", on_cpu=False) == "bfloat16"
+    assert "--no-enable-prefix-caching" in EngineSpec(str(hybrid), str(tmp_path / "d")).args(8000)
+    assert "--no-enable-prefix-caching" not in EngineSpec(str(hybrid)).args(8000)  # the target alone caches
+    assert "--no-enable-prefix-caching" not in EngineSpec(str(tmp_path / "qwen3"), str(tmp_path / "d")).args(8000)
+
+
 # -- with the real engine ----------------------------------------------------------------------------------------
 
 def _engine_or_skip() -> Path:
@@ -239,6 +286,56 @@ def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
     full = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "layer_types": [], "sliding_window": 0}), target)
     full.load_state_dict(drafter.state_dict())
     assert acceptance_length(target, full, prompts, NEW).cycle_log != ours.cycle_log
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~40 s)
+@pytest.mark.parametrize("family, dtype", [("qwen3_next", "bfloat16"), ("gemma4", "float32")])
+def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, tmp_path):
+    """A drafter trained here on the target's greedy answers, served by vLLM's CPU build. gemma-4 (sliding windows,
+    per-layer embeddings, shared keys and values, soft-capped logits) in fp32: our answers and exactly our cycles.
+    Qwen3-Next in bf16 (the build's gated-delta-net kernel has no fp32): this random target's bf16 answers part from
+    its fp32 ones at near ties within a few tokens on most prompts (the engine's answers with the drafter are its
+    own bf16 greedy ones: lossless), so the rule is the gap alarm's on the prompts whose answers agree: served tau
+    within 3 standard errors of ours there."""
+    from dflash_lib.config import ModelConfig
+    from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+    from dflash_lib.serve.server import engine_dtype
+
+    python = _engine_or_skip()
+    folder = _family_folder(tmp_path / "target", family)
+    assert engine_dtype(folder, on_cpu=True) == dtype
+    mc = ModelConfig(target=str(folder), num_features=2, target_layer_ids=[0, 2], drafter_layers=1,
+                     block_size=4, mask_id=V - 1, num_anchors=64)
+    target = TargetModel.from_model_config(mc, device="cpu")
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(mc, target), target)
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    export_drafter(drafter, tmp_path / "drafter", torch.float32)
+    prompts = TRAINED[:8]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    assert ours.outputs == [target.greedy(p, NEW) for p in prompts]  # our decoding over the family's cache
+    assert 1.3 < ours.tau < 4.0  # it drafts
+    spec = EngineSpec(str(folder), str(tmp_path / "drafter"), dtype=dtype, max_model_len=256, max_num_seqs=1,
+                      kv_cache_gib=0.25)
+    with EngineServer(spec, tmp_path / "engine.log", python=str(python)) as server:
+        client = EngineClient(server.url)
+        got = client.decode(prompts, NEW)
+        client.close()
+    same = [i for i in range(len(prompts)) if got.outputs[i] == ours.outputs[i]]
+    if dtype == "float32":
+        assert same == list(range(len(prompts)))
+    assert len(same) >= 3, f"{len(same)} of {len(prompts)} served answers equal ours"
+    pick = lambda xs: [xs[i] for i in same]  # noqa: E731
+    counters = [got.per_prompt[i] for i in same]
+    summed = SpecCounters(sum(c.drafts for c in counters), sum(c.draft_tokens for c in counters),
+                          sum(c.accepted for c in counters),
+                          tuple(sum(c.per_position[k] for c in counters) for k in range(3)))
+    row = judge(ServedSet(family, pick(prompts), pick(ours.outputs), pick(ours.cycle_log)),
+                ServedDecode(pick(got.outputs), summed, counters, got.seconds), 4, exact=dtype == "float32",
+                sampled=False, plain=None)
+    assert row.ok and row.served_tau > 1.3, verdict_line(row, dtype == "float32", [], "export", family)
+    print(verdict_line(row, dtype == "float32", [], "export", family), f"({len(same)}/{len(prompts)} answers equal)")
 
 
 @pytest.mark.engine

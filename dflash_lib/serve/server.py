@@ -57,6 +57,27 @@ def drafter_block_size(export_dir: str | Path) -> int:
     return block
 
 
+LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # gated delta net
+
+
+def linear_attention_target(target: str | Path) -> bool:
+    """The target folder's config (a vision-language wrapper's text config) has linear-attention layers (Qwen3.5,
+    Qwen3-Next: gated delta net between full attention). False for a folder without a readable config.json."""
+    try:
+        doc = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+    return "linear_attention" in (text.get("layer_types") or ()) or text.get("model_type") in LINEAR_ATTENTION_TYPES
+
+
+def engine_dtype(target: str | Path, on_cpu: bool) -> str:
+    """The dtype to serve `target` in, matching our decoding where the engine can: float32 on CPU (greedy then
+    agrees exactly), bfloat16 on GPUs and for a linear-attention target on CPU (vLLM's CPU gated-delta-net kernel
+    runs bf16 only: "CPU GDN attention requires BF16", vllm 0.32 `mamba/ops/cpu/gdn_attention.py`)."""
+    return "float32" if on_cpu and not linear_attention_target(target) else "bfloat16"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What the server serves and how (vLLM's own flags, written out by `args`)."""
@@ -94,6 +115,8 @@ class EngineSpec:
         spec = self.speculative_config()
         if spec is not None:
             out += ["--speculative-config", json.dumps(spec)]
+            if linear_attention_target(self.target):  # prefix caching puts the recurrent state in vLLM's "align"
+                out.append("--no-enable-prefix-caching")  # mode, whose copy kernel is Triton's: none on CPU
         return out + list(self.extra)
 
 
