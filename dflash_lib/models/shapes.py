@@ -51,7 +51,7 @@ def qwen3_235b_a22b_config() -> transformers.Qwen3MoeConfig:
 # a quarter of which the rotary runs (theta 1e7), linear key / value heads of 128, a causal conv of 4, the 248,320-row
 # vocabulary, 262,144 positions, untied. Sources (the Hub's own config.json was not reachable from here; each value
 # agrees in several copies): the model cards, copies of each text_config (unsloth/Qwen3.5-9B,
-# Intel/Qwen3.6-27B-int4-mlx-AutoRound), transformers' docs (qwen3_5_moe.md: 35B-A3B) and engines' tests pinned to
+# Intel/Qwen3.6-27B-int4-mlx-AutoRound), transformers' Qwen3.5-MoE docs (35B-A3B) and engines' tests pinned to
 # the official revisions; LOG.md (2026-12-04, issue 39) lists them.
 QWEN3_5_VOCAB = 248320
 _QWEN3_5_COMMON = dict(vocab_size=QWEN3_5_VOCAB, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
