@@ -61,22 +61,31 @@ def test_fake_step_matches_a_real_step(attention, checkpointing):
         assert real.kernel_allowance > 0
 
 
-def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
-    from dflash_lib.models.attention import dense_mask
+def _packed_flex_layout():
+    """The flex layout of a worst packed row of a tiny config (blocks of 8, 40 anchors a document)."""
     from dflash_lib.models.layout import build_layout
 
     cfg = _tiny(num_anchors=40, block_size=8, token_budget=900, max_len=300)
-    worst = dryrun.worst_packed_batch(cfg, block_budget=None)
-    batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
+    batch = dryrun.host_batch(dryrun.worst_packed_batch(cfg, block_budget=None), VOCAB, cfg.model.mask_id)
     models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB),
                                       dryrun.StepSettings("flex", True), fake=True)
-    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
-    mask = dense_mask(layout)  # (Q, C + Q)
+    return build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+
+
+def _mask_tiles(mask: torch.Tensor) -> int:
+    """Brute force: the FLEX_TILE x FLEX_TILE tiles of a (Q, K) bool mask holding at least one True."""
     Q, K = mask.shape
     t = dryrun.FLEX_TILE
     padded = torch.zeros(-(-Q // t) * t, -(-K // t) * t, dtype=torch.bool)
     padded[:Q, :K] = mask
-    want = int(padded.reshape(Q // t + (Q % t > 0), t, -1, t).any(dim=(1, 3)).sum())
+    return int(padded.reshape(Q // t + (Q % t > 0), t, -1, t).any(dim=(1, 3)).sum())
+
+
+def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
+    from dflash_lib.models.attention import dense_mask
+
+    layout = _packed_flex_layout()
+    want = _mask_tiles(dense_mask(layout))  # (Q, C + Q)
     assert dryrun.flex_tiles(layout) == want > 0
 
 
@@ -85,21 +94,10 @@ def test_a_sliding_layers_flex_tiles_equal_the_tiles_of_its_windowed_mask(window
     """The tiles a sliding layer's block mask keeps: those of the dense mask AND the window (brute force over every
     query and key); fewer than the full layer's for a narrow window, as many once the window covers every document."""
     from dflash_lib.models.attention import dense_mask, window_mask
-    from dflash_lib.models.layout import build_layout
 
-    cfg = _tiny(num_anchors=40, block_size=8, token_budget=900, max_len=300)
-    worst = dryrun.worst_packed_batch(cfg, block_budget=None)
-    batch = dryrun.host_batch(worst, VOCAB, cfg.model.mask_id)
-    models = dryrun.build_step_models(cfg, tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB),
-                                      dryrun.StepSettings("flex", True), fake=True)
-    layout = build_layout(batch, models.drafter.sample_anchors(batch, torch.Generator().manual_seed(0)), "flex")
+    layout = _packed_flex_layout()
     q_pos = layout.block_pos.reshape(-1)
-    mask = dense_mask(layout) & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window)  # (Q, C + Q)
-    Q, K = mask.shape
-    t = dryrun.FLEX_TILE
-    padded = torch.zeros(-(-Q // t) * t, -(-K // t) * t, dtype=torch.bool)
-    padded[:Q, :K] = mask
-    want = int(padded.reshape(Q // t + (Q % t > 0), t, -1, t).any(dim=(1, 3)).sum())
+    want = _mask_tiles(dense_mask(layout) & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window))
     assert dryrun.flex_tiles(layout, window=window) == want > 0
     assert want < dryrun.flex_tiles(layout) if window < 40 else want <= dryrun.flex_tiles(layout)  # 128-key tiles
     assert dryrun.flex_tiles(layout, window=10_000) == dryrun.flex_tiles(layout)

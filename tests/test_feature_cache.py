@@ -15,6 +15,7 @@ from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel, tiny_qwen3_config
 from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import Collated, Work, make_target_workers
+from tests.test_loss_kl import _docs
 from tests.test_train import run_loop
 from tests.tiny_models import HIDDEN, VOCAB, tiny_drafter
 
@@ -22,16 +23,6 @@ from tests.tiny_models import HIDDEN, VOCAB, tiny_drafter
 def _target(gather: bool) -> TargetModel:
     hf = tiny_qwen3_config(hidden_size=HIDDEN, num_layers=4, vocab_size=VOCAB)
     return TargetModel.from_hf_config(hf, 2, dtype=torch.float64, seed=0, gather=gather)
-
-
-def _docs(lengths=(21, 13, 9, 17), seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        mask = np.ones(n, dtype=np.uint8)
-        mask[:3] = 0
-        out.append((rng.integers(0, VOCAB - 1, n), mask))
-    return out
 
 
 def _collated(drafter, batch, seed=0):
@@ -66,7 +57,7 @@ def test_a_cached_batch_gets_a_fresh_forwards_features_without_running_the_targe
     target = _target(gather)
     counted = _Counting(target)
     drafter = tiny_drafter(target, loss=loss).to(torch.float64)
-    docs = _docs()
+    docs = _docs((21, 13, 9, 17))
     cache = FeatureCache(2**30)
     cached = make_target_workers([counted], 1, torch.device("cpu"), cache=cache)[0]
     plain = make_target_workers([target], 1, torch.device("cpu"))[0]
@@ -95,7 +86,7 @@ def test_a_cached_batch_gets_a_fresh_forwards_features_without_running_the_targe
 def test_the_budget_bounds_what_is_kept():
     target = _target(True)
     drafter = tiny_drafter(target).to(torch.float64)
-    docs = _docs()
+    docs = _docs((21, 13, 9, 17))
     width = 2 * HIDDEN * 8  # features per token: 2 layers x hidden, float64
     cache = FeatureCache(width * (21 + 13))  # room for docs 0 and 1 only
     worker = make_target_workers([target], 1, torch.device("cpu"), cache=cache)[0]
