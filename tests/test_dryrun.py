@@ -339,3 +339,59 @@ def test_measure_plan_gives_every_bucket_its_measured_peak():
     assert all(0 < r.drafter_queries <= block_budget for r in records)
     params_gib = (2 * 151936 * 64 * 2) / 2**30  # at least the bf16 embedding and LM head of the tiny target
     assert all(r.peak_gib > params_gib and r.fits for r in records)
+
+
+def _hybrid_config():
+    """A tiny Qwen3.5 text config: gated-delta-net layers (4 key heads grouped under 8 value heads) between full
+    attention layers."""
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=8)
+
+
+def test_the_chunk_rule_flops_are_the_reference_rules_matmuls_plus_its_triangular_solves():
+    """`chunk_rule_flops` against transformers' own torch rule counted by FlopCounterMode (its matmuls: Q K^T and
+    K K^T per chunk, the state read, update and output), plus what its triangular solves do uncounted: the inverse
+    (c^3 / 3 multiply-adds) and its products with the keys and values (w, u)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from dflash_lib.models.linear_attention import CHUNK, chunk_rule_flops
+
+    rule = getattr(modeling_qwen3_5.torch_chunk_gated_delta_rule, "dflash_original",
+                   modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    n, heads, dk, dv = 3 * CHUNK, 2, 16, 8
+    q, k, v = torch.randn(1, n, heads, dk), torch.randn(1, n, heads, dk), torch.randn(1, n, heads, dv)
+    g, beta = -torch.rand(1, n, heads), torch.rand(1, n, heads)
+    with FlopCounterMode(display=False) as counter:
+        rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    c = CHUNK
+    solves = 2 * c * c * dk + 2 * c * c * dv + 2 * c ** 3 // 3
+    assert chunk_rule_flops(dk, dv) == counter.get_total_flops() // (3 * heads) + solves
+
+
+def test_a_hybrid_targets_linear_layers_are_priced_as_their_cuda_kernel_runs(monkeypatch):
+    """A Qwen3.5-shaped target in the dry run: every linear-attention layer it runs costs one call of the
+    flash-linear-attention stand-in over all documents (their chunks, each document's last one whole, x value heads
+    x `chunk_rule_flops`), and a padded batch costs what its documents cost in one row without padding."""
+    from dflash_lib.data.batch import collate_packed, collate_padded
+    from dflash_lib.models import linear_attention
+
+    cfg = _tiny(target_layers=4, num_features=2, drafter_layers=1)
+    hf = _hybrid_config()
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, VOCAB - 1, n), np.arange(n) >= 2) for n in (60, 20, 70)]
+    padded, unpadded = collate_padded(docs, 0), collate_packed(docs, 0, row_len=150)
+    models = dryrun.build_step_models(cfg, hf, dryrun.StepSettings("blocks", False), fake=True)
+    figures = {name: dryrun.measure_step(models, b) for name, b in (("padded", padded), ("unpadded", unpadded))}
+    assert figures["padded"].flops == figures["unpadded"].flops
+    assert figures["padded"].memory["activations"] == figures["unpadded"].memory["activations"] > 0
+    monkeypatch.setattr(linear_attention, "chunk_rule_flops", lambda dk, dv: 0)
+    without = dryrun.measure_step(models, padded).flops["target_forward"]
+    kinds = models.target.layer_kinds[:max(models.target.layer_ids) + 1]
+    chunks = 1 + 1 + 2  # 60, 20 and 70 tokens in chunks of 64
+    per_layer = chunks * 8 * (2 * 64 * 64 * (3 * 16 + 2 * 8) + 6 * 64 * 16 * 8 + 2 * 64 ** 3 // 3)  # 8 value heads
+    assert kinds.count("linear_attention") >= 1
+    assert figures["padded"].flops["target_forward"] - without == kinds.count("linear_attention") * per_layer

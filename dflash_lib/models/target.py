@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
+from dflash_lib.models import linear_attention
 from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
 from dflash_lib.rundir import read_json_object
@@ -340,6 +341,12 @@ class TargetModel(torch.nn.Module):
         self.name_or_path = str(getattr(cfg, "_name_or_path", "") or "")
         kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.layer_kinds: list[str] = kinds  # per decoder layer: full_attention | sliding_attention | linear_attention
+        if "linear_attention" in kinds:  # its convolution and delta rule, run per document (`linear_attention`)
+            if self.device.type == "cuda" and not linear_attention.HAS_FLA:
+                raise ConfigError(f"target {type(model).__name__}: its linear-attention layers run on CUDA through "
+                                  "flash-linear-attention's varlen kernel: pip install flash-linear-attention")
+            linear_attention.install(importlib.import_module(type(base.layers[kinds.index("linear_attention")]
+                                                                  .linear_attn).__module__))
         self.rotary_per_kind = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
         self.shares_kv = "shared_kv_states" in inspect.signature(type(base.layers[0]).forward).parameters
 
@@ -427,12 +434,13 @@ class TargetModel(torch.nn.Module):
         extra = self._varlen_kwargs(real)  # the documents as segments: no mask is ever built
         if self.shares_kv:  # gemma: later layers may reuse an earlier layer's keys/values (whole sequence, per kind)
             extra["shared_kv_states"] = KVSharingDict()
+        linear = self._linear_kwargs(real, h.shape[1]) if "linear_attention" in self.layer_kinds[:upto] else {}
         for i, layer in enumerate(self.base.layers[:upto]):
             kind = self.layer_kinds[i]
             kw = dict(extra, per_layer_input=per_layer[:, :, i]) if per_layer is not None else extra
+            kw = dict(kw, **linear) if kind == "linear_attention" else kw
             args = dict(attention_mask=None, position_ids=pos, position_embeddings=ropes.get(kind, ropes[None]), **kw)
-            h = (self._per_document(layer, h, real.segments, args) if kind == "linear_attention"
-                 else layer(h, **args))
+            h = layer(h, **args)
             h = h[0] if isinstance(h, tuple) else h  # transformers 4 layers return (hidden, router logits, ...)
             for f, layer_id in enumerate(self.layer_ids):  # a repeated id fills every slice it names
                 if layer_id == i:
@@ -458,23 +466,12 @@ class TargetModel(torch.nn.Module):
             return None
         return self.base.project_per_layer_inputs(h, self.base.get_per_layer_inputs(ids, h))
 
-    @staticmethod
-    def _per_document(layer: torch.nn.Module, h: torch.Tensor, segments: Sequence[tuple[int, int]],
-                      args: dict[str, Any]) -> torch.Tensor:
-        """A linear-attention layer (gated delta net: a causal convolution and a recurrent state) over each
-        document [start, end) of `h` (1, N, H) ALONE, so that no state crosses a document boundary; slots outside
-        every segment (fixed-shape padding) keep their input. Transformers' own layer runs each document."""
-        out = h.clone()
-        cos, sin = args["position_embeddings"] or (None, None)
-        for s, e in segments:
-            part = dict(args, position_ids=args["position_ids"][:, s:e],
-                        position_embeddings=None if cos is None else (cos[:, s:e], sin[:, s:e]))
-            part.pop("dflash_segments", None)
-            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-                part.pop(k, None)
-            o = layer(h[:, s:e], **part)
-            out[:, s:e] = o[0] if isinstance(o, tuple) else o
-        return out
+    def _linear_kwargs(self, real: RealTokens, n: int) -> dict[str, Any]:
+        """A linear-attention layer's arguments (`linear_attention`): the documents tiling the sequence run (n
+        tokens), and on CUDA the same as cu_seqlens for flash-linear-attention."""
+        cu = real.cu_seqlens.to(self.device, non_blocking=True) if self.device.type == "cuda" else None
+        return {linear_attention.DOCUMENTS: linear_attention.tiling(real.segments, n),
+                linear_attention.CU_SEQLENS: cu}
 
     @torch.no_grad()
     def features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:

@@ -78,6 +78,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 import dflash_lib.models.drafter as drafter_module
+from dflash_lib.models import linear_attention
 from dflash_lib.config import Config, ConfigError, from_params, reads_final_states
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
@@ -465,6 +466,46 @@ def _flex_standin(tally: dict[int, dict[str, int]]):
         drafter_module.make_attend = real
 
 
+def _chunk_rule_allocations(tally: dict[str, int]) -> Callable:
+    """flash-linear-attention's chunked delta rule over every document at once (what a hybrid target's linear
+    layers run on CUDA) as its forward's allocations without its math: the grouped q, k repeated to the value heads,
+    their l2-normed copies and inverse norms, the cumulative gates, the chunk matrix A (fp32, then inverted in the
+    input dtype), w, u, the per-chunk states h (chunks, Hv, dk, dv), the new values and the output; its FLOPs
+    (`chunk_rule_flops` per chunk and value head, a document's last chunk whole) added to `tally`."""
+
+    def rule(query, key, value, g, beta, documents, cu_seqlens, fallback, **kwargs):
+        (_, n, hv, dv), dk, dt, dev = value.shape, key.shape[-1], value.dtype, value.device
+        chunks = sum(-(-(e - s) // linear_attention.CHUNK) for s, e in documents)
+        empty = lambda *shape, dtype=dt: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
+        repeated = [empty(1, n, hv, dk) for _ in range(2)] if hv != key.shape[2] else []  # noqa: F841
+        normed = [empty(1, n, hv, dk) for _ in range(2)] + [empty(1, n, hv, dtype=torch.float32) for _ in range(2)]  # noqa: F841
+        gates = empty(1, n, hv, dtype=torch.float32)  # noqa: F841
+        a = empty(1, n, hv, linear_attention.CHUNK, dtype=torch.float32)
+        inverse = empty(1, n, hv, linear_attention.CHUNK)  # noqa: F841
+        del a
+        w, u = empty(1, n, hv, dk), empty(1, n, hv, dv)  # noqa: F841
+        states, new_values = empty(1, chunks, hv, dk, dv), empty(1, n, hv, dv)  # noqa: F841
+        out = empty(1, n, hv, dv)  # written while all of the above are alive; they go when the kernel returns
+        tally["flops"] += chunks * hv * linear_attention.chunk_rule_flops(dk, dv)
+        return out
+
+    return rule
+
+
+@contextlib.contextmanager
+def _linear_attention_standin(tally: dict[str, int]):
+    """Run a hybrid target's linear-attention layers as CUDA runs them meanwhile: one padded convolution over the
+    documents, and `_chunk_rule_allocations` for flash-linear-attention's kernel (it has no CPU or fake-tensor form)."""
+    conv, rule = linear_attention.varlen_causal_conv, linear_attention.varlen_rule
+    linear_attention.varlen_causal_conv = lambda x, w, b, act, documents, *_, **__: \
+        linear_attention.padded_causal_conv(x, w, b, act, documents)
+    linear_attention.varlen_rule = _chunk_rule_allocations(tally)
+    try:
+        yield
+    finally:
+        linear_attention.varlen_causal_conv, linear_attention.varlen_rule = conv, rule
+
+
 @dataclass
 class StepFigures:
     """One measured training step."""
@@ -545,7 +586,9 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     first = CommTally()  # the all-gathers of the first pass: a model's first one starts with nothing gathered
     t0 = time.perf_counter()
-    with models.context, tracker, first, _flex_standin(flex), warnings.catch_warnings():
+    linear = {"flops": 0}  # the linear-attention stand-in's FLOPs (counted in the second pass)
+    with models.context, tracker, first, _flex_standin(flex), _linear_attention_standin(linear), \
+            warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Module is None")  # MemTracker: a module gone before its backward
         step(lambda name: contextlib.nullcontext())
     seconds = time.perf_counter() - t0
@@ -560,7 +603,8 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
     flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     comm = CommTally()
-    with models.context, _flex_standin(flex), comm:
+    linear["flops"] = 0
+    with models.context, _flex_standin(flex), _linear_attention_standin(linear), comm:
         step(lambda name: counters[name])
     flex_flops = 0
     for window, calls in flex.items():  # per layer kind: the tiles its block mask keeps
@@ -569,7 +613,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
         flex_flops += int(per_forward * calls["forward"] + 2.5 * per_forward * calls["backward"])  # backward: 5
     sdpa = _attention_flops(counters["drafter"]) + _attention_flops(counters["backward"])
     drafter_total = counters["drafter"].get_total_flops() + counters["backward"].get_total_flops()
-    flops = dict(target_forward=counters["target"].get_total_flops(), drafter_layers=drafter_total - sdpa - tally.head,
+    flops = dict(target_forward=counters["target"].get_total_flops() + linear["flops"], drafter_layers=drafter_total - sdpa - tally.head,
                  drafter_attention=sdpa + flex_flops, head_ce=tally.head)
     return StepFigures(int(snap["Total"]), memory, flops, allowance, pairs, seconds, dict(comm.bytes),
                        first.bytes.get("all_gather", 0) + comm.bytes.get("all_gather", 0))
