@@ -109,6 +109,20 @@ def test_a_packed_row_equals_its_documents_alone(family):
         torch.testing.assert_close(feats[batch.doc_ids == d], alone, atol=1e-5 * scale, rtol=0)
 
 
+def test_fixed_shapes_run_the_padding_apart_from_the_documents(family):
+    """With gather off (`static_shapes`) every slot of a padded batch runs, the padding as runs of its own: the
+    documents' features equal those of the gathered real tokens (no window, convolution or state reaches from a
+    padding run into a document), zero on the padding."""
+    name, directory, _ = family
+    gathered = _load(directory, num_features=2, target_layer_ids=[1, 3])
+    every = TargetModel(gathered.model, gathered.layer_ids, gathered.backend, gather=False)
+    batch = collate_padded(_docs([WINDOW + 7, 5, 2 * WINDOW + 3], seed=5), 0)
+    want, got = gathered.features(batch), every.features(batch)
+    scale = float(want.abs().max()) if name in RTOL else 1.0
+    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=0)
+    assert not got[batch.doc_ids < 0].any()
+
+
 def test_the_kv_cache_decoder_equals_one_forward(family):
     """The evaluation's `TargetCache` (transformers' own masks over its KV cache, windows and sinks included)
     gives the logits and features of one forward over the whole sequence."""
@@ -357,3 +371,15 @@ def test_a_qwen3_5_vision_language_folder_runs_its_text_model_alone(tmp_path):
         hs = wrapper.model.language_model(torch.as_tensor(doc[0])[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(target.features(collate_padded([doc], 0))[0],
                                torch.cat([hs[1][0], hs[2][0]], dim=-1), atol=1e-5, rtol=0)
+
+
+def test_a_hybrid_target_on_cuda_without_flash_linear_attention_is_refused_in_one_line(monkeypatch):
+    """On CUDA the linear-attention layers run flash-linear-attention's varlen kernel: without the package the
+    target is refused at construction, naming it (the per-document torch rule would be correct but crawl)."""
+    from dflash_lib.models import linear_attention
+
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3_5"]())
+    monkeypatch.setattr(linear_attention, "HAS_FLA", False)
+    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda")))
+    with pytest.raises(ConfigError, match="linear-attention layers run on CUDA.*pip install flash-linear-attention"):
+        TargetModel(model, [1])

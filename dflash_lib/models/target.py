@@ -193,7 +193,7 @@ IMPLEMENTATION = {"sdpa": SDPA_VARLEN, "flash": "flash_attention_2"}  # backend 
 # flash-attn: transformers' own integration, which passes a layer's sliding window w to the varlen kernel as
 # window_size (w - 1, w - 1) with causal=True, i.e. the keys i - w < j <= i, as ours; flash-attn 2 has no
 # attention sinks (transformers drops them without a word), so `TargetModel` refuses a target with sinks there.
-# the `config.layer_types` the target runs exactly: attention per document, linear attention one document at a time
+# the `config.layer_types` the target runs exactly: attention per document, linear attention per document too
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 REFUSED_KWARGS = ("softcap",)  # settings an attention module may pass that our attention does not implement
 SCORE_BUDGET = 1 << 24  # attention scores one windowed or sink chunk materialises at most (elements)
