@@ -14,6 +14,7 @@ import inspect
 import io
 import json
 import math
+import os
 import textwrap
 import tokenize
 import types
@@ -135,6 +136,9 @@ class ModelConfig:
     ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory); 0 = one unchunked pass
     target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the docs/dflash.md rule
     attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
+    target_engine: str = "local"  # "local": the target runs in the trainer; "vllm": vLLM serves it and hands over
+    # its feature layers per document (docs/scale.md; its engine_python and start timeout are evaluate's)
+    target_engine_url: str = ""  # target_engine vllm: a running server started with our connector ("" = start one)
     drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
@@ -152,6 +156,12 @@ class ModelConfig:
         _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
                  non_negative=("ce_chunk_blocks", "gamma"))
         _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
+        _choice("target_engine", self.target_engine, TARGET_ENGINES)
+        if self.target_engine_url and self.target_engine != "vllm":
+            raise ConfigError(f"target_engine_url {self.target_engine_url!r} is set but target_engine is "
+                              f"{self.target_engine!r}: set target_engine vllm")
+        if self.target_engine_url and not self.target_engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"target_engine_url must start with http:// or https://, got {self.target_engine_url!r}")
         _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
         checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
@@ -163,6 +173,7 @@ class ModelConfig:
 
 
 DRAFTER_LAYER_KINDS = ("full_attention", "sliding_attention")  # ModelConfig.drafter_layer_types
+TARGET_ENGINES = ("local", "vllm")  # ModelConfig.target_engine
 
 
 def check_drafter_layer_types(kinds: list[str], window: int, layers: int) -> None:
@@ -411,6 +422,22 @@ class EvalConfig:
                 raise ConfigError(f"{name} {value!r} has leading or trailing spaces")
 
 
+def check_served_target(config: "Config") -> None:
+    """Refuse, before an engine starts, what a target served by vLLM (`target_engine vllm`) cannot do, naming the
+    parameter: a target that is not a local folder, a loss reading the target's distribution, fixed shapes (the
+    engine runs real tokens only), a sharded local target."""
+    m = config.model
+    if not os.path.isdir(m.target):
+        raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {m.target!r}")
+    if m.loss != "ce":
+        raise ConfigError(f"target_engine vllm trains with loss 'ce' only, got loss {m.loss!r}: the engine hands over "
+                          "the feature layers, not the target's final distribution")
+    if config.sampler.static_shapes:
+        raise ConfigError("target_engine vllm runs the real tokens only: static_shapes must be false")
+    if config.train.target_parallel == "fsdp":
+        raise ConfigError("target_engine vllm holds no target layers to shard: target_parallel must not be fsdp")
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -424,6 +451,8 @@ class Config:
     evaluate: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.model.target_engine == "vllm":
+            check_served_target(self)
         if self.pipeline.target_cache_gib > 0 and self.train.target_parallel == "fsdp":
             raise ConfigError("pipeline.target_cache_gib needs a target that is not sharded (target_parallel fsdp "
                               "runs its forward as collectives on every rank): set it to 0 or target_parallel replicate")

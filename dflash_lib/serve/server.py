@@ -24,6 +24,8 @@ ENGINE_VENV = REPO_ROOT / ".venv-engine"  # `make engine`
 ENGINE_PYTHON_ENV = "DFLASH_ENGINE_PYTHON"  # a Python whose vllm is the engine (the user's own on GPUs)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the CLI's package-name lookup
 STOP_GRACE_S = 30.0  # seconds between SIGTERM and SIGKILL of the server's process group
+PLUGINS = Path(__file__).resolve().parent / "engine_plugins"  # modules the engine imports (its PYTHONPATH)
+HIDDEN_STATES_CONNECTOR = "DFlashHiddenStatesConnector"  # engine_plugins/dflash_hidden_states.py
 
 
 def engine_python(given: str | None = None) -> Path:
@@ -92,11 +94,17 @@ class EngineSpec:
     token_ids: bool = True  # prompts and answers as token ids, no tokenizer; False: the folder's tokenizer and chat
     # template serve text too (the chat endpoint `regenerate --backend openai` uses)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more server flags, verbatim
+    hidden_states: tuple[int, ...] = ()  # vLLM's aux layer ids (`served_target.engine_layer_ids`) whose hidden
+    # states each request writes to `hidden_states_dir` (vLLM's extract_hidden_states + our connector); no drafter
+    hidden_states_dir: str = ""
 
     def speculative_config(self) -> dict[str, Any] | None:
         """DFlash with K = B - 1 drafted tokens per step (None without a drafter), sampled drafts at T > 0 judged
         by the standard rule min(1, p/q), as our speculative sampling (vLLM's default "greedy" drafts its argmax
         and accepts it with probability p(argmax q): another rule, another acceptance)."""
+        if self.hidden_states:
+            return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(self.hidden_states)}}}
         if self.drafter is None:
             return None
         k = drafter_block_size(self.drafter) - 1
@@ -117,6 +125,10 @@ class EngineSpec:
             out += ["--speculative-config", json.dumps(spec)]
             if linear_attention_target(self.target):  # prefix caching puts the recurrent state in vLLM's "align"
                 out.append("--no-enable-prefix-caching")  # mode, whose copy kernel is Triton's: none on CPU
+        if self.hidden_states:
+            out += ["--kv-transfer-config", json.dumps({
+                "kv_connector": HIDDEN_STATES_CONNECTOR, "kv_connector_module_path": "dflash_hidden_states",
+                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self.hidden_states_dir}})]
         return out + list(self.extra)
 
 
@@ -171,6 +183,8 @@ class EngineServer:
         cmd = [str(self.python), "-m", SERVER_MODULE, *self.spec.args(self.port)]
         # the engine's venv only: our packages (another transformers) stay out
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if self.spec.hidden_states:  # our connector, and nothing else of ours
+            env["PYTHONPATH"] = str(PLUGINS)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             out.write(("$ " + " ".join(cmd) + "\n").encode())

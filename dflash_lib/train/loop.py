@@ -28,6 +28,7 @@ counted in `empty_batches`). A whole epoch of such reads, or a run of nothing el
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +44,7 @@ from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.models.target import trainable_target_config
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
 from dflash_lib.rundir import JsonRecord, omitted, write_json
+from dflash_lib.serve.hidden_states import target_engine_url
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
 from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
@@ -565,13 +567,22 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
     try:
         data = load_training_data(config)  # a bad source fails here, before any run folder is made
-        trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
+        served = config.model.target_engine == "vllm"
+        if not served:
+            trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
+        elif dist.world_size > 1 and not config.model.target_engine_url:
+            raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
+                              "address as -p target_engine_url")
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
-        parts = build_parts(config, dist.device, point.data_shards, data)
-        with StopRequest() as stop:
-            return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
-                                stop=stop, sinks=sinks)
+        with contextlib.ExitStack() as on:
+            url = on.enter_context(target_engine_url(config, run_dir, dist.device)) if served else ""
+            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url)
+            if served:
+                on.callback(parts.targets[0].close)
+            with StopRequest() as stop:
+                return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
+                                    stop=stop, sinks=sinks)
     finally:
         if owned:
             distributed.destroy()

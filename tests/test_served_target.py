@@ -1,0 +1,194 @@
+"""The target served by vLLM (`-p target_engine vllm`, `serve/hidden_states.py`): layer numbering, the refusals
+before an engine starts, the client's checks of the engine's files (a stand-in server: a missing, corrupt or
+mismatched file is retried, then stops the run), and with the real engine (vLLM's CPU build): features equal
+`TargetModel`'s, a training run from the engine has the local run's losses."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_lib.config import ConfigError, from_params, preset
+from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids
+from dflash_lib.serve.server import PLUGINS, EngineSpec
+
+
+def test_our_layer_i_is_the_engines_aux_id_i_plus_one_sorted_once():
+    """vLLM counts layer boundaries (aux id 0 = the embeddings): our layer i's output is its id i + 1, and its file
+    holds the ids in ascending order, each once."""
+    assert engine_layer_ids([1, 9, 17, 25, 33]) == [2, 10, 18, 26, 34]
+    assert engine_layer_ids([5, 0, 5]) == [1, 6]
+
+
+def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_path):
+    spec = EngineSpec(str(tmp_path), hidden_states=(1, 3), hidden_states_dir=str(tmp_path / "hs"))
+    args = spec.args(8000)
+    speculative = json.loads(args[args.index("--speculative-config") + 1])
+    assert speculative == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                           "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}}}
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "DFlashHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert (PLUGINS / (kv["kv_connector_module_path"] + ".py")).is_file()
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path / "hs")}
+    assert "--kv-transfer-config" not in EngineSpec(str(tmp_path)).args(8000)
+
+
+@pytest.mark.parametrize("params,says", [
+    ({"target": "nowhere"}, "serves a LOCAL model folder"),
+    ({"loss": "kl"}, "loss 'ce' only, got loss 'kl'"),
+    ({"static_shapes": True}, "static_shapes must be false"),
+    ({"target_parallel": "fsdp"}, "target_parallel must not be fsdp")])
+def test_what_a_served_target_cannot_do_is_refused_by_the_config(tmp_path, params, says):
+    base = {"target": str(tmp_path), "target_engine": "vllm"}
+    with pytest.raises(ConfigError, match=says):
+        from_params({**base, **params}, preset("smoke"))
+
+
+def test_an_engine_url_without_the_engine_is_refused():
+    with pytest.raises(ConfigError, match="target_engine_url 'http://x:1' is set but target_engine is 'local'"):
+        from_params({"target_engine_url": "http://x:1"}, preset("smoke"))
+
+
+class _Engine:
+    """A stand-in server: each completion writes the prompt's 'hidden states' (token id + layer, per hidden unit)
+    to a file and names it; `faults` (consumed in order) spoil the next files: no file, bad bytes, other ids."""
+
+    def __init__(self, out: Path, layers: int, hidden: int, faults: list[str]):
+        self.out, self.layers, self.hidden, self.faults, self.calls = out, layers, hidden, list(faults), 0
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["max_tokens"] == 1 and request.url.path == "/v1/completions"
+        ids = body["prompt"]
+        path = self.out / (body["kv_transfer_params"]["name"] + ".safetensors")
+        with self.lock:
+            self.calls += 1
+            fault = self.faults.pop(0) if self.faults else ""
+        states = torch.tensor(ids, dtype=torch.float32)[:, None, None] + torch.arange(self.layers)[None, :, None]
+        states = states.expand(-1, -1, self.hidden).contiguous()
+        if fault == "corrupt":
+            path.write_bytes(b"not a safetensors file")
+        elif fault != "missing":
+            save_file({"hidden_states": states, "token_ids": torch.tensor(ids[:-1] if fault == "ids" else ids)},
+                      str(path))
+        return httpx.Response(200, json={"kv_transfer_params": {"hidden_states_path": str(path)}})
+
+
+def _client(tmp_path, faults, monkeypatch):
+    import dflash_lib.serve.hidden_states as hs
+
+    monkeypatch.setattr(hs, "FILE_WAIT_S", 0.2)
+    engine = _Engine(tmp_path, 2, 3, faults)
+    return HiddenStatesClient("http://engine", "m", 2, 3, concurrency=1, transport=httpx.MockTransport(engine)), engine
+
+
+def test_the_client_reads_each_documents_file_checks_it_and_deletes_it(tmp_path, monkeypatch):
+    client, engine = _client(tmp_path, [], monkeypatch)
+    got = client.fetch([[5, 6, 7], [9]])
+    assert [tuple(g.shape) for g in got] == [(3, 2, 3), (1, 2, 3)]
+    assert got[0][:, 1, 0].tolist() == [6.0, 7.0, 8.0] and got[1][0, 0, 2] == 9.0
+    assert not list(tmp_path.iterdir())  # read once, deleted
+
+
+@pytest.mark.parametrize("fault", ["missing", "corrupt", "ids"])
+def test_a_missing_or_wrong_file_is_asked_again_then_stops_with_a_clear_error(tmp_path, monkeypatch, fault):
+    client, engine = _client(tmp_path, [fault], monkeypatch)
+    assert client.fetch([[1, 2, 3]])[0].shape == (3, 2, 3) and engine.calls == 2  # the retry was good
+    client, engine = _client(tmp_path, [fault, fault], monkeypatch)
+    with pytest.raises(RuntimeError, match=r"no usable hidden states for a document of 3 tokens after 2 tries"):
+        client.fetch([[1, 2, 3]])
+
+
+# -- with the real engine ----------------------------------------------------------------------------------------
+
+LAYERS = [1, 3]  # the tiny target's feature layers (of 4)
+RUN = {"steps": 20, "target_layer_ids": LAYERS, "num_features": 2, "limit": 120}
+
+
+def _tiny_target(root: Path, family: str) -> Path:
+    """A tiny random target of `family` (qwen3, or qwen3_moe: 4 experts, 2 a token) on Qwen3's vocabulary, saved;
+    head_dim 32 (the CPU build has no kernel for 16)."""
+    import transformers
+
+    from dflash_lib.models.target import QWEN3_VOCAB
+
+    shape = dict(vocab_size=QWEN3_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, intermediate_size=128)
+    cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else
+           transformers.Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        for p in model.parameters():  # layers far from identity: every feature layer matters
+            p.data.normal_(0.0, 0.1 if p.dim() > 1 else 0.5)
+    model.save_pretrained(root / family)
+    return root / family
+
+
+@pytest.fixture(scope="module")
+def served_target(request, tmp_path_factory):
+    """(family, target folder, engine url): a tiny target saved, and vLLM's CPU build started by the trainer's own
+    code (`target_engine_url`) in fp32, writing the hidden states of LAYERS."""
+    from dflash_lib.serve.hidden_states import target_engine_url
+    from test_engine import _engine_or_skip
+
+    _engine_or_skip()
+    root = tmp_path_factory.mktemp("served_target")
+    folder = _tiny_target(root, request.param)
+    config = from_params({**RUN, "target": str(folder), "target_engine": "vllm"}, preset("smoke"))
+    with target_engine_url(config, root / "run", torch.device("cpu")) as url:
+        yield request.param, folder, url
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("served_target", ["qwen3", "qwen3_moe"], indirect=True)
+def test_features_from_the_engine_equal_the_local_targets(served_target):
+    """The engine's hidden states of a padded batch's documents, as the trainer's context, equal `TargetModel`'s
+    forward of them in fp32 within 2e-6 of the features' magnitude (another kernel order: measured 2.7e-7 for
+    Qwen3); its embedding and LM head are the folder's."""
+    from dflash_lib.config import ModelConfig
+    from dflash_lib.data.batch import collate_padded
+    from dflash_lib.models import TargetModel
+    from dflash_lib.serve.hidden_states import ServedTarget
+
+    _, folder, url = served_target
+    local = TargetModel.from_model_config(ModelConfig(target=str(folder), target_layer_ids=LAYERS, num_features=2))
+    served = ServedTarget(folder, LAYERS, url, "cpu", torch.float32)
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, 150_000, n), np.ones(n, bool)) for n in (37, 5, 120, 64)]
+    batch = collate_padded(docs, 0)  # a row each, padded: the real tokens gathered
+    try:
+        want, got = local.context_features(batch), served.context_features(batch)
+    finally:
+        served.close()
+    assert got.shape == want.shape == (226, 2 * 64) and want.abs().max() > 1.0
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    assert torch.equal(served.embed_tokens.weight, local.embed_tokens.weight)
+    assert torch.equal(served.lm_head.weight, local.lm_head.weight)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
+def test_training_from_the_engine_has_the_local_runs_losses(served_target, tmp_path):
+    """20 smoke steps with the target served (the same engine, by its url) and with it local: the same losses
+    within 1e-6 relative (the features' fp32 kernel order: measured 8e-8 for Qwen3)."""
+    from dflash_lib.__main__ import main
+
+    _, folder, url = served_target
+    losses = {}
+    for name, extra in (("local", []), ("served", ["-p", "target_engine", "vllm", "-p", "target_engine_url", url])):
+        args = [a for k, v in RUN.items() for a in ("-p", k, json.dumps(v) if isinstance(v, list) else str(v))]
+        assert main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / name), "-p", "target", str(folder),
+                     *args, *extra]) == 0
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["local"]) == 20
+    np.testing.assert_allclose(losses["served"], losses["local"], rtol=1e-6)
