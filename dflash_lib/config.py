@@ -14,7 +14,6 @@ import inspect
 import io
 import json
 import math
-import os
 import textwrap
 import tokenize
 import types
@@ -427,8 +426,9 @@ def check_served_target(config: "Config") -> None:
     parameter: a target that is not a local folder, a loss reading the target's distribution, fixed shapes (the
     engine runs real tokens only), a sharded local target."""
     m = config.model
-    if not os.path.isdir(m.target):
-        raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {m.target!r}")
+    if m.target == "tiny":
+        raise ConfigError("target_engine vllm serves a LOCAL model folder (or, in the dry run, a named shape), got "
+                          "target 'tiny'")
     if m.loss != "ce":
         raise ConfigError(f"target_engine vllm trains with loss 'ce' only, got loss {m.loss!r}: the engine hands over "
                           "the feature layers, not the target's final distribution")

@@ -395,3 +395,35 @@ def test_a_hybrid_targets_linear_layers_are_priced_as_their_cuda_kernel_runs(mon
     per_layer = chunks * 8 * (2 * 64 * 64 * (3 * 16 + 2 * 8) + 6 * 64 * 16 * 8 + 2 * 64 ** 3 // 3)  # 8 value heads
     assert kinds.count("linear_attention") >= 1
     assert figures["padded"].flops["target_forward"] - without == kinds.count("linear_attention") * per_layer
+
+
+def test_a_served_target_leaves_the_rank_the_drafter_its_embedding_and_head_and_the_features(tmp_path):
+    """`-p target_engine vllm` in the dry run: the rank runs no target layer (target FLOPs 0, the drafter's the
+    same), holds only the target's embedding and LM head of its weights, and receives the features (C x F x H in
+    bf16) the engine hands over."""
+    from dflash_lib.data.batch import collate_padded
+
+    hf = tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB)
+    hf.save_pretrained(tmp_path)  # a folder: the served target's config
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, VOCAB - 1, n), np.arange(n) >= 2) for n in (60, 20, 33)]
+    batch = collate_padded(docs, 0)
+    settings = dryrun.StepSettings("blocks", False)
+    figures, models = {}, {}
+    for engine in ("local", "vllm"):
+        cfg = _tiny(target_layers=4, num_features=2, drafter_layers=1, target=str(tmp_path), target_engine=engine)
+        models[engine] = dryrun.build_step_models(cfg, hf, settings, fake=True)
+        figures[engine] = dryrun.measure_step(models[engine], batch)
+    local, served = figures["local"], figures["vllm"]
+    assert served.flops["target_forward"] == 0 < local.flops["target_forward"]
+    assert {k: v for k, v in served.flops.items() if k != "target_forward"} == \
+        {k: v for k, v in local.flops.items() if k != "target_forward"}
+    target, shared = models["local"].target, 2 * VOCAB * 64 * 2  # embedding and LM head, bf16
+    assert models["vllm"].held == [models["vllm"].target.embed_tokens, models["vllm"].target.lm_head]
+    assert local.memory["parameters"] - served.memory["parameters"] == \
+        sum(p.numel() for p in target.parameters()) * 2 - shared
+    cfg = _tiny(target_layers=4, num_features=2, drafter_layers=1, target=str(tmp_path), target_engine="vllm")
+    worst = dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)
+    (result,) = dryrun.measure_batches(cfg, [worst], settings, 80.0, ranks=dryrun.Ranks(1, "served"))
+    assert result.figures.comm["hidden_states"] == sum(worst.lengths) * 2 * 64 * 2  # C x F x H, bf16
+    assert result.target_bytes == shared  # what the rank holds of the target

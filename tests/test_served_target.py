@@ -41,7 +41,7 @@ def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_pa
 
 
 @pytest.mark.parametrize("params,says", [
-    ({"target": "nowhere"}, "serves a LOCAL model folder"),
+    ({"target": "tiny"}, "serves a LOCAL model folder"),
     ({"loss": "kl"}, "loss 'ce' only, got loss 'kl'"),
     ({"static_shapes": True}, "static_shapes must be false"),
     ({"target_parallel": "fsdp"}, "target_parallel must not be fsdp")])
@@ -49,6 +49,15 @@ def test_what_a_served_target_cannot_do_is_refused_by_the_config(tmp_path, param
     base = {"target": str(tmp_path), "target_engine": "vllm"}
     with pytest.raises(ConfigError, match=says):
         from_params({**base, **params}, preset("smoke"))
+
+
+def test_a_served_target_that_is_no_folder_is_refused_before_a_run_folder(tmp_path):
+    from dflash_lib.train.loop import train
+
+    config = from_params({"target": "qwen3-8b", "target_engine": "vllm"}, preset("smoke"))  # the dry run's shape
+    with pytest.raises(ConfigError, match="serves a LOCAL model folder, got target 'qwen3-8b'"):
+        train(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_engine_url_without_the_engine_is_refused():

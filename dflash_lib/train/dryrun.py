@@ -140,15 +140,16 @@ class Ranks:
     """The ranks the step runs on (`--world-size`) and how the frozen target is laid over them."""
 
     world_size: int = 1  # data-parallel ranks (GPUs), each running its own worst batch
-    target_parallel: str = "replicate"  # "replicate" (whole target on every rank) | "fsdp" (FSDP2 per layer)
+    target_parallel: str = "replicate"  # "replicate" (whole target on every rank) | "fsdp" (FSDP2 per layer) |
+    # "served" (`target_engine vllm`: an engine elsewhere runs it; a rank holds its embedding and LM head only)
     link_gbs: float = NVLINK4_GBS  # per-GPU interconnect bandwidth, one direction (GB/s)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.link_gbs <= 0:
             raise ConfigError(f"world size must be >= 1 and link bandwidth > 0, got {self.world_size}, "
                               f"{self.link_gbs} GB/s")
-        if self.target_parallel not in ("replicate", "fsdp"):
-            raise ConfigError(f"target_parallel must be replicate or fsdp here, got {self.target_parallel!r}")
+        if self.target_parallel not in ("replicate", "fsdp", "served"):
+            raise ConfigError(f"target_parallel must be replicate, fsdp or served here, got {self.target_parallel!r}")
 
     @property
     def sharded(self) -> bool:
@@ -268,6 +269,13 @@ class StepModels:
     features: Callable[..., torch.Tensor] | None = None  # the FSDP2-sharded feature pass; None = the target's own
     features_and_final: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # its loss kl pass; None: own
     balanced_experts: int = 0  # MoE experts modules run by the balanced-routing stand-in (train/balanced_experts.py)
+    served: bool = False  # `target_engine vllm`: the features arrive from the engine; the rank holds embedding and head
+
+    @property
+    def held(self) -> list[torch.nn.Module]:
+        """What a rank holds of the target: all of it (its shards when sharded), or the served target's shared
+        embedding and LM head."""
+        return [self.target.embed_tokens, self.target.lm_head] if self.served else [self.target]
 
     @property
     def context(self) -> contextlib.AbstractContextManager:
@@ -305,6 +313,9 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
     ids = mc.target_layer_ids or None
     mode = FakeTensorMode() if fake else None
     features, features_and_final, balanced = None, None, 0
+    served = mc.target_engine == "vllm"
+    if served and (not fake or mesh is not None):
+        raise ConfigError("a served target (target_engine vllm) is measured in fake mode and never sharded")
     if fake:
         target = TargetModel.fake(hf_cfg, mc.num_features, ids, mode, "cpu", settings.target_dtype)
         balanced = install_balanced_experts(target.model)
@@ -318,6 +329,10 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
 
                 def features_and_final(batch: Batch, rows: torch.Tensor, segments: Any):  # loss kl: every layer
                     return root(lambda: target.context_features_and_final(batch, rows, segments))
+        if served:
+            def features(batch: Batch, segments: Any) -> torch.Tensor:  # the engine's, copied onto the device
+                return torch.empty(segments.num_real, target.num_features * target.hidden_size,
+                                   dtype=settings.target_dtype, device=target.device)
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)
@@ -330,7 +345,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return StepModels(target, drafter, opt, params, settings, mode, features, features_and_final, balanced)
+    return StepModels(target, drafter, opt, params, settings, mode, features, features_and_final, balanced, served)
 
 
 # -- measurement ---------------------------------------------------------------------------------------------------
@@ -582,7 +597,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     # Memory and FLOPs in two passes: FlopCounterMode's module tracker buffers gradients in its hooks and would
     # add its own memory to the peak.
     tracker = StepMemTracker()
-    tracker.track_external(target, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
+    tracker.track_external(*models.held, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
     flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     first = CommTally()  # the all-gathers of the first pass: a model's first one starts with nothing gathered
     t0 = time.perf_counter()
@@ -653,6 +668,7 @@ class BatchRecord(JsonRecord):
     all_gather_gib: float = 0.0  # the sharded target's all-gathers of one step, full buffers (GiB per rank)
     grad_reduce_gib: float = 0.0  # the drafter's gradient all-reduce of one step (GiB per rank, fp32)
     comm_s: float = 0.0  # of step_s: the collectives at the stated link bandwidth (`Ranks.comm_seconds`)
+    hidden_states_gib: float = 0.0  # a served target: the features the engine hands this rank per step (GiB)
 
 
 @dataclass
@@ -684,7 +700,8 @@ class BatchResult:
                     kernel_allowance_gib=round(f.kernel_allowance / GIB, 2), step_s=round(self.step_s, 3),
                     ktok_s=round(self.world_size * sum(w.lengths) / self.step_s / 1000.0, 1),
                     all_gather_gib=round(f.comm.get("all_gather", 0) / GIB, 3),
-                    grad_reduce_gib=round(f.comm.get("all_reduce", 0) / GIB, 3), comm_s=round(self.comm_s, 3))
+                    grad_reduce_gib=round(f.comm.get("all_reduce", 0) / GIB, 3), comm_s=round(self.comm_s, 3),
+                    hidden_states_gib=round(f.comm.get("hidden_states", 0) / GIB, 3))
 
 
 def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepSettings, device_gib: float,
@@ -699,7 +716,7 @@ def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepS
     with fake_process_group(ranks.world_size) if ranks.sharded else contextlib.nullcontext() as mesh:
         models = build_step_models(config, target_hf_config(config.model), settings, fake, config.train.seed, mesh)
         grads = 4 * sum(p.numel() for p in models.params) if ranks.world_size > 1 else 0  # fp32 gradient bytes
-        held = local_bytes(list(models.target.parameters()))
+        held = local_bytes([p for m in models.held for p in m.parameters()])
         runs = LayerRuns(models.target.base.layers, ranks.world_size)
         out = []
         for w in worst:
@@ -708,6 +725,9 @@ def measure_batches(config: Config, worst: Sequence[WorstBatch], settings: StepS
                 fig = measure_step(models, batch, config.train.seed)
             if grads:
                 fig.comm["all_reduce"] = fig.comm.get("all_reduce", 0) + grads
+            if models.served:  # the features the engine hands over, in the target's dtype (not a collective)
+                fig.comm["hidden_states"] = sum(w.lengths) * models.target.num_features * models.target.hidden_size \
+                    * settings.target_dtype.itemsize
             need = reserve.required_bytes(fig.peak_bytes, fig.kernel_allowance)
             comm_s = ranks.comm_seconds(fig.comm)
             out.append(BatchResult(w, fig, need, need <= device_gib * GIB,
@@ -843,7 +863,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
     hf = target_hf_config(mc)
     weights = target_footprint(hf, torch.bfloat16).weights
     parallel, _ = resolve_target_parallel(config.train.target_parallel, weights, int(device_gib * GIB), world_size)
-    ranks = Ranks(world_size, parallel, link_gbs)
+    ranks = Ranks(world_size, "served" if mc.target_engine == "vllm" else parallel, link_gbs)
     settings = for_cuda(config)
     if attention is not None:
         settings = dataclasses.replace(settings, attention=attention)
@@ -892,13 +912,17 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
 
 def _ranks_words(ranks: Ranks) -> str:
     if ranks.world_size == 1:
-        return "one rank"
+        return "one rank" + ("; the target served by an engine (target_engine vllm): this rank holds its embedding and "
+                             "LM head and receives the features" if ranks.target_parallel == "served" else "")
     words = (f"rank 0 of {ranks.world_size}; the drafter replicated (DDP), its fp32 gradients all-reduced once "
              "per step")
     if ranks.sharded:
         words += ("; the target FSDP2-sharded per decoder layer under torch's fake process group (real "
                   "fully_shard: 1/N shards, the running and the prefetched layer gathered), embedding and LM head "
                   "whole on every rank; all-gathers counted from the collectives the step issued")
+    if ranks.target_parallel == "served":
+        words += ("; the target served by an engine on other GPUs (target_engine vllm): a rank holds its embedding "
+                  "and LM head, runs no target layer, and receives the features (hidden_states_gib a step)")
     return words + "; ring collectives"
 
 
@@ -948,6 +972,10 @@ def format_report(report: DryRunReport) -> str:
     lines.append(f"projection: {a.gpu} at {a.mfu:.0%} MFU of {a.peak_tflops:g} TFLOP/s, links {a.link_gbs:g} GB/s "
                  f"per GPU; {a.eta}")
     lines.append(f"ranks: {a.ranks}; MoE: {a.experts}")
+    served = max(b.hidden_states_gib for b in [*r.buckets, r.packed])
+    if served:
+        lines.append(f"served target: up to {served:.2f} GiB of features a step to each rank from the engine (their "
+                     "transfer is not in the step time; the engine's GPUs run the target's forward)")
     lines.append(f"ETA of {e.epochs:g} epochs over {e.corpus_samples:,} samples ({e.corpus}): bucketed "
                  f"{e.days['bucketed']:.2f} days, packed {e.days['packed']:.2f} days; over the paper's "
                  f"{e.paper_samples:,}: bucketed {e.paper_days['bucketed']:.1f} days, packed "

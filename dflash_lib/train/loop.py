@@ -570,6 +570,8 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
         served = config.model.target_engine == "vllm"
         if not served:
             trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
+        elif not Path(config.model.target).is_dir():
+            raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {config.model.target!r}")
         elif dist.world_size > 1 and not config.model.target_engine_url:
             raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
                               "address as -p target_engine_url")
