@@ -154,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--fresh", action="store_true",
                     help="delete the run folder's checkpoints and outputs and start over (same as -p fresh true)")
 
+    cap = sub.add_parser("capture", help="the target's feature layers of a token store, served by vLLM, written once "
+                         "into a cache folder that `train -p hidden_cache` reads (resumable)")
+    cap.add_argument("--preset", default="default", help="a named preset or a preset file (.json)")
+    cap.add_argument("--out", required=True, help="the cache folder (a killed capture resumes into it)")
+    cap.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
+
     demo = sub.add_parser("demo", help="the whole study on the bundled corpus: a real target (SmolLM2-135M-Instruct) "
                           "and a small drafter")
     demo.add_argument("--preset", default="demo")
@@ -255,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             print(execute(args.notebook, _params(args.param), preset_name=args.preset, tag=args.tag))
         elif args.cmd == "train":
             return _train(args)
+        elif args.cmd == "capture":
+            from dflash_lib.serve.hidden_cache import run_capture
+
+            from dflash_lib.rundir import load_config
+
+            doc = run_capture(load_config(_params(args.param), args.preset), args.out)
+            print(json.dumps({"cache": args.out, "samples": doc["samples"], "shards": len(doc["shards"]),
+                              "tokens": sum(s["tokens"] for s in doc["shards"])}))
         elif args.cmd == "demo":
             from dflash_lib.lab.demo import run_demo
 

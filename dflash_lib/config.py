@@ -138,6 +138,8 @@ class ModelConfig:
     target_engine: str = "local"  # "local": the target runs in the trainer; "vllm": vLLM serves it and hands over
     # its feature layers per document (docs/scale.md; its engine_python and start timeout are evaluate's)
     target_engine_url: str = ""  # target_engine vllm: a running server started with our connector ("" = start one)
+    hidden_cache: str = ""  # a folder `capture` wrote: the target's features read from it, no target forward (with
+    # target_engine vllm the engine serves what it lacks); "" = none
     drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
@@ -427,7 +429,7 @@ def check_served_target(config: "Config") -> None:
     engine runs real tokens only), a sharded local target."""
     m = config.model
     if m.target == "tiny":
-        raise ConfigError("target_engine vllm serves a LOCAL model folder (or, in the dry run, a named shape), got "
+        raise ConfigError("a served or cached target (target_engine vllm, hidden_cache) is a LOCAL model folder (or, in the dry run, a named shape), got "
                           "target 'tiny'")
     if m.loss != "ce":
         raise ConfigError(f"target_engine vllm trains with loss 'ce' only, got loss {m.loss!r}: the engine hands over "
@@ -451,7 +453,7 @@ class Config:
     evaluate: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.model.target_engine == "vllm":
+        if self.model.target_engine == "vllm" or self.model.hidden_cache:
             check_served_target(self)
         if self.pipeline.target_cache_gib > 0 and self.train.target_parallel == "fsdp":
             raise ConfigError("pipeline.target_cache_gib needs a target that is not sharded (target_parallel fsdp "

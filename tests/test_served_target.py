@@ -41,7 +41,7 @@ def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_pa
 
 
 @pytest.mark.parametrize("params,says", [
-    ({"target": "tiny"}, "serves a LOCAL model folder"),
+    ({"target": "tiny"}, "is a LOCAL model folder"),
     ({"loss": "kl"}, "loss 'ce' only, got loss 'kl'"),
     ({"static_shapes": True}, "static_shapes must be false"),
     ({"target_parallel": "fsdp"}, "target_parallel must not be fsdp")])
@@ -201,3 +201,104 @@ def test_training_from_the_engine_has_the_local_runs_losses(served_target, tmp_p
         losses[name] = [r["loss"] for r in rows if "loss" in r]
     assert len(losses["local"]) == 20
     np.testing.assert_allclose(losses["served"], losses["local"], rtol=1e-6)
+
+
+# -- the cache: captured once, read for many epochs --------------------------------------------------------------
+
+class _Store:
+    """A token store of `n` documents of 3..12 tokens (ids only), as `capture` reads one."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.docs = [rng.integers(0, 1000, int(k)).astype(np.uint32) for k in rng.integers(3, 13, n)]
+        self.lengths = np.array([len(d) for d in self.docs])
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return self.docs[i], np.ones(len(self.docs[i]), np.uint8)
+
+
+def _fetch(calls: list[int], fail_after: int = -1):
+    """A stand-in engine: hidden states (len, 3 aux layers, H=2) that are functions of the token ids; raises
+    (a killed capture) once `fail_after` requests have been answered."""
+    def fetch(documents):
+        if 0 <= fail_after <= len(calls):
+            raise KeyboardInterrupt("killed")
+        calls.append(len(documents))
+        return [torch.tensor(d, dtype=torch.float32)[:, None, None] * torch.tensor([1.0, 10.0, 100.0])[None, :, None]
+                + torch.tensor([0.0, 0.5])[None, None, :] for d in documents]
+    return fetch
+
+
+def _identity(**changes):
+    from dflash_lib.serve.hidden_cache import CacheIdentity
+
+    base = dict(target="/t", target_config_sha256="abc", layer_ids=(0, 2), hidden_size=2, dtype="float32",
+                store_key="k1")
+    return CacheIdentity(**{**base, **changes})
+
+
+def test_a_killed_capture_resumes_without_a_duplicate_or_a_missing_sample(tmp_path, monkeypatch):
+    """Shards of 4 samples; the capture is killed in its third shard and run again: every sample once, each
+    document's features are its rows of the feature layers (aux 0 and 2 of 3), only the missing shards asked for."""
+    import dflash_lib.serve.hidden_cache as hc
+
+    monkeypatch.setattr(hc, "SHARD_SAMPLES", 4)
+    store, pick = _Store(10), torch.tensor([0, 2])
+    calls: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        hc.capture(store, _identity(), tmp_path, _fetch(calls, fail_after=2), pick, say=lambda _: None, progress=False)
+    assert calls == [4, 4] and [s["shard"] for s in hc.read_manifest(tmp_path)["shards"]] == [0, 1]
+    assert not hc.read_manifest(tmp_path)["complete"]
+    with pytest.raises(ConfigError, match="not a complete hidden-states cache"):
+        hc.HiddenCache(tmp_path)
+    hc.capture(store, _identity(), tmp_path, _fetch(calls), pick, say=lambda _: None, progress=False)
+    assert calls == [4, 4, 2]  # the last shard only
+    cache = hc.HiddenCache(tmp_path)
+    assert len(cache.index) == len({hc.token_key(d) for d in store.docs}) == 10
+    for doc in store.docs:
+        want = torch.tensor(doc, dtype=torch.float32)[:, None] * torch.tensor([1.0, 1.0, 100.0, 100.0])[None] + \
+            torch.tensor([0.0, 0.5, 0.0, 0.5])[None]
+        torch.testing.assert_close(cache.get(doc), want, rtol=0, atol=0)
+    assert cache.get(np.array([5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5], np.uint32)) is None
+
+
+@pytest.mark.parametrize("change,says", [({"layer_ids": (1, 2)}, "another layer ids"),
+                                         ({"store_key": "k2"}, "another store key"),
+                                         ({"target_config_sha256": "def"}, "another target config sha256")])
+def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp_path, change, says):
+    import dflash_lib.serve.hidden_cache as hc
+
+    hc.capture(_Store(3), _identity(), tmp_path, _fetch([]), torch.tensor([0, 2]), say=lambda _: None, progress=False)
+    with pytest.raises(ConfigError, match=says) as e:
+        _identity(**change).refuse_other(hc.HiddenCache(tmp_path).identity, tmp_path)
+    assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)
+    with pytest.raises(ConfigError, match=says):  # capturing into it again, too
+        hc.capture(_Store(3), _identity(**change), tmp_path, _fetch([]), torch.tensor([0, 2]), progress=False)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
+def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, tmp_path, capsys):
+    """`capture` through the engine, then 20 smoke steps from the cache alone (no engine): the local run's losses
+    within 1e-6 relative, as from the engine online; the bytes per token printed first."""
+    from dflash_lib.__main__ import main
+
+    _, folder, url = served_target
+    args = [a for k, v in RUN.items() for a in ("-p", k, json.dumps(v) if isinstance(v, list) else str(v))]
+    common = ["--preset", "smoke", "-p", "target", str(folder), *args]
+    assert main(["capture", *common, "-p", "target_engine", "vllm", "-p", "target_engine_url", url,
+                 "--out", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers x 64 in float32 = 512 bytes a token" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["samples"] > 0 and summary["tokens"] > 0
+    losses = {}
+    for name, extra in (("local", []), ("cached", ["-p", "hidden_cache", str(tmp_path / "cache")])):
+        assert main(["train", *common, "--run-dir", str(tmp_path / name), *extra]) == 0
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["local"]) == 20
+    np.testing.assert_allclose(losses["cached"], losses["local"], rtol=1e-6)

@@ -115,7 +115,7 @@ class ServedTarget:
     backend = "engine"
 
     def __init__(self, folder: str | Path, layer_ids: Sequence[int], url: str, device: torch.device | str,
-                 dtype: torch.dtype, concurrency: int = 8, timeout_s: float = 600.0) -> None:
+                 dtype: torch.dtype, concurrency: int = 8, timeout_s: float = 600.0, cache: Any = None) -> None:
         hf = local_hf_config(folder)
         self.model = SimpleNamespace(config=hf)  # what the drafter reads of a target model: its config
         self.num_layers, self.hidden_size = int(hf.num_hidden_layers), int(hf.hidden_size)
@@ -133,8 +133,9 @@ class ServedTarget:
         self.embed_tokens = torch.nn.Embedding.from_pretrained(embed.to(self._device, dtype), freeze=True)
         self.lm_head = torch.nn.Linear(self.hidden_size, head.shape[0], bias=False, device=self._device, dtype=dtype)
         self.lm_head.weight = torch.nn.Parameter(head.to(self._device, dtype), requires_grad=False)
+        self.cache = cache  # a `hidden_cache.HiddenCache` read first; the engine (`url`, "" = none) for the rest
         self.client = HiddenStatesClient(url, str(Path(folder).resolve()), len(aux), self.hidden_size, concurrency,
-                                         timeout_s)
+                                         timeout_s) if url else None
 
     @property
     def device(self) -> torch.device:
@@ -150,9 +151,16 @@ class ServedTarget:
         real = self.segments(batch.doc_ids) if segments is None else segments
         ids = batch.input_ids.reshape(-1).cpu()
         ids = ids if real.index is None else ids[real.index]
-        states = self.client.fetch([ids[s:e].tolist() for s, e in real.segments])  # (len, layers, H) each
-        feats = torch.cat([st[:, self.pick].reshape(st.shape[0], -1) for st in states]) if states else \
-            torch.zeros(0, self.num_features * self.hidden_size)
+        docs = [ids[s:e] for s, e in real.segments]
+        got = [None if self.cache is None else self.cache.get(d) for d in docs]  # (len, F*H) each, or None
+        missing = [i for i, g in enumerate(got) if g is None]
+        if missing and self.client is None:
+            raise RuntimeError(f"{self.cache.path}: a document of {len(docs[missing[0]])} tokens is not in the cache "
+                               "(captured from another token store?) and no engine serves the target")
+        if missing:
+            for i, st in zip(missing, self.client.fetch([docs[i].tolist() for i in missing])):  # (len, layers, H)
+                got[i] = st[:, self.pick].reshape(st.shape[0], -1)
+        feats = torch.cat(got) if got else torch.zeros(0, self.num_features * self.hidden_size)
         return feats.to(self._device, self.dtype, non_blocking=True)
 
     def context_features_and_final(self, *args, **kwargs):
@@ -160,7 +168,8 @@ class ServedTarget:
                           "hand over yet: train with loss 'ce' or target_engine 'local'")
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
 @contextlib.contextmanager

@@ -197,14 +197,15 @@ def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: in
 
 
 def build_parts(config: Config, device: torch.device, data_shards: int = 0,
-                data: TrainingData | None = None, target_url: str = "") -> TrainingParts:
+                data: TrainingData | None = None, target_url: str = "", cache: Any = None) -> TrainingParts:
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
     by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it, decided
     from the target's config before a weight is read: `target_shard.plan_target`) builds the target on the host
     and shards its decoder layers onto the device (`target_shard.load_sharded_target`) before the drafter is
-    built on it. `target_url`: the engine serving the target (`target_engine vllm`, `serve.hidden_states`)."""
+    built on it. `target_url`: the engine serving the target (`target_engine vllm`, `serve.hidden_states`);
+    `cache`: an opened `serve.hidden_cache.HiddenCache` read first (`hidden_cache`)."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
@@ -219,16 +220,17 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                               torch.cuda.device_count()))]
     else:
         devices = [device]
-    plan = plan_target(target_hf_config(config.model), "replicate" if target_url else config.train.target_parallel,
+    served = bool(target_url) or cache is not None
+    plan = plan_target(target_hf_config(config.model), "replicate" if served else config.train.target_parallel,
                        dist.world_size, dtype, device_memory_bytes(device))
     # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
     # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
     gather = not config.sampler.static_shapes
-    if target_url:  # the engine runs the target; the trainer holds its embedding and LM head only
+    if served:  # the engine runs the target (or ran it: the cache); the trainer holds its embedding and LM head
         ids = config.model.target_layer_ids or feature_layer_ids(int(target_hf_config(config.model).num_hidden_layers),
                                                                      config.model.num_features)
         runs_on = ServedTarget(config.model.target, ids, target_url, device, dtype,
-                               concurrency=max(1, config.pipeline.target_workers) * 4)
+                               concurrency=max(1, config.pipeline.target_workers) * 4, cache=cache)
         targets = [runs_on]
     elif plan.parallel == "fsdp":
         runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,

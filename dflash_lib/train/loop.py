@@ -44,6 +44,7 @@ from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.models.target import trainable_target_config
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
 from dflash_lib.rundir import JsonRecord, omitted, write_json
+from dflash_lib.serve.hidden_cache import open_cache
 from dflash_lib.serve.hidden_states import target_engine_url
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
@@ -567,20 +568,22 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
     try:
         data = load_training_data(config)  # a bad source fails here, before any run folder is made
-        served = config.model.target_engine == "vllm"
-        if not served:
+        served, cache = config.model.target_engine == "vllm", None
+        if not served and not config.model.hidden_cache:
             trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
         elif not Path(config.model.target).is_dir():
             raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {config.model.target!r}")
-        elif dist.world_size > 1 and not config.model.target_engine_url:
+        elif served and dist.world_size > 1 and not config.model.target_engine_url:
             raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
                               "address as -p target_engine_url")
+        if config.model.hidden_cache:  # another target's, layers' or store's cache is refused here
+            cache = open_cache(config, data.full_store.meta["key"], dist.device)
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
         with contextlib.ExitStack() as on:
             url = on.enter_context(target_engine_url(config, run_dir, dist.device)) if served else ""
-            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url)
-            if served:
+            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url, cache=cache)
+            if served or cache is not None:
                 on.callback(parts.targets[0].close)
             with StopRequest() as stop:
                 return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
