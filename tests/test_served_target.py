@@ -119,7 +119,7 @@ def test_a_missing_or_wrong_file_is_asked_again_then_stops_with_a_clear_error(tm
 # -- with the real engine ----------------------------------------------------------------------------------------
 
 LAYERS = [1, 3]  # the tiny target's feature layers (of 4)
-RUN = {"steps": 20, "target_layer_ids": LAYERS, "num_features": 2, "limit": 120}
+RUN = {"steps": 20, "target_layer_ids": LAYERS, "num_features": 2, "limit": 50}  # 20 steps: 2+ epochs
 
 
 def _tiny_target(root: Path, family: str) -> Path:
@@ -188,12 +188,14 @@ def test_features_from_the_engine_equal_the_local_targets(served_target):
 @pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
 def test_training_from_the_engine_has_the_local_runs_losses(served_target, tmp_path):
     """20 smoke steps with the target served (the same engine, by its url) and with it local: the same losses
-    within 1e-6 relative (the features' fp32 kernel order: measured 8e-8 for Qwen3)."""
+    within 1e-6 relative (the features' fp32 kernel order: measured 8e-8 for Qwen3); served with its features
+    kept after their first request (`target_cache_gib`: epochs after the first ask the engine nothing) too."""
     from dflash_lib.__main__ import main
 
     _, folder, url = served_target
     losses = {}
-    for name, extra in (("local", []), ("served", ["-p", "target_engine", "vllm", "-p", "target_engine_url", url])):
+    engine = ["-p", "target_engine", "vllm", "-p", "target_engine_url", url]
+    for name, extra in (("local", []), ("served", engine), ("kept", [*engine, "-p", "target_cache_gib", "1"])):
         args = [a for k, v in RUN.items() for a in ("-p", k, json.dumps(v) if isinstance(v, list) else str(v))]
         assert main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / name), "-p", "target", str(folder),
                      *args, *extra]) == 0
@@ -201,6 +203,9 @@ def test_training_from_the_engine_has_the_local_runs_losses(served_target, tmp_p
         losses[name] = [r["loss"] for r in rows if "loss" in r]
     assert len(losses["local"]) == 20
     np.testing.assert_allclose(losses["served"], losses["local"], rtol=1e-6)
+    np.testing.assert_allclose(losses["kept"], losses["local"], rtol=1e-6)
+    kept = json.loads((tmp_path / "kept" / "summary.json").read_text())["target_cache"]
+    assert kept["hit_batches"] > 0 and kept["samples"] > 0  # later epochs from host memory, not the engine
 
 
 # -- the cache: captured once, read for many epochs --------------------------------------------------------------
