@@ -23,7 +23,7 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
             MFU = (FLOPs per real token, counted by torch.utils.flop_counter.FlopCounterMode over one full step) x
             tokens/s / 989 TFLOP/s (H200 dense bf16 peak), the peak memory (`torch.cuda.max_memory_allocated`) of
             the run and of one step on the costliest batch alone, and the dry run's prediction for that same
-            batch (`dflash_lib.train.dryrun.measure_step` in fake mode on the CPU, run BEFORE any GPU step).
+            batch (`dflash_lib.dryrun.measure_step` in fake mode on the CPU, run BEFORE any GPU step).
   pipeline  the same models and batches: a plain loop (collate -> target -> step, one thread, default stream)
             vs the Pipeline (a target worker thread on its own CUDA stream); Ktok/s of each and their ratio.
   drafting  `acceptance_length` with the bf16 target and the trained drafter (bf16 autocast) on a few prompts;
@@ -469,11 +469,11 @@ class Run:
 def dry_prediction(run: Run, batch) -> dict[str, Any]:
     """The dry run's peak for `batch` at the run's shapes, in fake mode on the CPU (before any GPU step)."""
     try:
-        from dflash_lib.train import dryrun
+        from dflash_lib import dryrun
     except Exception as e:  # noqa: BLE001 (reported, not fatal)
-        return {"available": False, "reason": f"import dflash_lib.train.dryrun: {type(e).__name__}: {e}"}
+        return {"available": False, "reason": f"import dflash_lib.dryrun: {type(e).__name__}: {e}"}
     if not all(hasattr(dryrun, n) for n in ("StepSettings", "build_step_models", "measure_step")):
-        return {"available": False, "reason": "dflash_lib.train.dryrun lacks StepSettings/build_step_models/measure_step"}
+        return {"available": False, "reason": "dflash_lib.dryrun lacks StepSettings/build_step_models/measure_step"}
     t0 = time.perf_counter()
     settings = dryrun.StepSettings(attention="flex", checkpointing=True, target_dtype=torch.bfloat16, autocast=True)
     cfg = run.config()

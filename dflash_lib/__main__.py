@@ -293,11 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError) as e:  # ConfigError is a ValueError; safetensors raises OSError/ValueError
                 raise ConfigError(f"export {args.src}: {' '.join(str(e).split())}") from None
         elif args.cmd == "dryrun":
-            from dflash_lib.train.dryrun import run_cli
+            from dflash_lib.dryrun import run_cli
 
             return run_cli(args, _params(args.param))
         elif args.cmd == "plan":
-            from dflash_lib.train.search import run_cli as plan
+            from dflash_lib.dryrun.search import run_cli as plan
 
             return plan(args, _params(args.param))
         elif args.cmd == "doctor":

@@ -65,7 +65,7 @@ class BucketConfig:
     cost_from: str = ""  # a notebook-03 run folder (cost_model.json): optimize under its fitted quadratic cost
     bucket_grid: int = 64  # batch_max: candidate edge positions; exact when the distinct lengths are fewer
     k_distance: float = 0.02  # choose k: the smallest k whose predicted efficiency is within this of packing
-    device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and the plan (`train.search`) are for
+    device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and the plan (`dryrun.search`) are for
 
     def __post_init__(self) -> None:
         _choice("objective", self.objective, ("edge", "batch_max"))

@@ -10,7 +10,7 @@ import torch
 from dflash_lib.config import ConfigError, from_params
 from dflash_lib.data.batch import collate_packed
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.train import dryrun
+from dflash_lib import dryrun
 from dflash_lib.train.build import drafter_checkpointing
 
 VOCAB, MASK, H, LAYERS = 300, 299, 32, 3

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_lib.config import ConfigError, from_params
-from dflash_lib.train import dryrun
-from dflash_lib.train.fake_ranks import fake_process_group
+from dflash_lib import dryrun
+from dflash_lib.dryrun.fake_ranks import fake_process_group
 from dflash_lib.train.target_shard import shard_layers
 
 VOCAB = 1000
@@ -83,7 +83,7 @@ def test_the_prefetch_chain_gathers_the_layers_of_the_pass_once_per_pass(final):
 
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import TargetModel, tiny_qwen3_config
-    from dflash_lib.train.fake_ranks import CommTally
+    from dflash_lib.dryrun.fake_ranks import CommTally
     from dflash_lib.train.target_shard import pass_depth, shard_layers
 
     target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB), 2,
@@ -118,7 +118,9 @@ def test_the_dry_run_reports_what_a_prefetch_past_the_pass_gathers_and_holds(two
     all-gathers are the same layers as before (the held one is not gathered again)."""
     cfg, worst, settings, out, per_layer = two_ranks
     assert out["fsdp"].idle_gather_bytes == 0 and out["replicate"].idle_gather_bytes == 0
-    monkeypatch.setattr(dryrun, "shard_layers", _prefetch_every_layer)
+    from dflash_lib.dryrun import step as step_module
+
+    monkeypatch.setattr(step_module, "shard_layers", _prefetch_every_layer)  # where build_step_models looks it up
     none = dryrun.Reserve(reserve_gib=0.0, fragmentation=0.0)
     bad = dryrun.measure_batches(cfg, worst, settings, 80.0, reserve=none, ranks=dryrun.Ranks(2, "fsdp"))[0]
     assert bad.idle_gather_bytes == per_layer[2]

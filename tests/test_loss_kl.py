@@ -219,7 +219,7 @@ def test_dry_run_counts_the_kl_work():
     target rows and rows-of-scored indices, and (m,)-sized float vectors (at most 16 bytes per scored position)."""
     from dflash_lib.config import from_params
     from dflash_lib.models.layout import build_layout
-    from dflash_lib.train import dryrun
+    from dflash_lib import dryrun
 
     V, H = 8000, 64
     hf = tiny_qwen3_config(hidden_size=H, num_layers=4, vocab_size=V)

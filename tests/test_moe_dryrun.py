@@ -18,8 +18,8 @@ from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.drafter import DrafterShape, drafter_shape
 from dflash_lib.models.export import export_drafter, read_drafter
-from dflash_lib.train import dryrun
-from dflash_lib.train.balanced_experts import balanced_counts, grouped_mm_flops, install_balanced_experts
+from dflash_lib import dryrun
+from dflash_lib.dryrun.balanced_experts import balanced_counts, grouped_mm_flops, install_balanced_experts
 
 VOCAB, H, I_MOE, E, K, LAYERS = 512, 32, 16, 8, 2, 4
 

@@ -1,4 +1,4 @@
-"""The plan (`train.search`): the chosen candidate fits its full dry run, faster ones were refused for memory,
+"""The plan (`dryrun.search`): the chosen candidate fits its full dry run, faster ones were refused for memory,
 pruning never skips a candidate that fits (brute force), the projection prices the dry run's counted FLOPs,
 preset files round-trip into train's and notebook 04's config, exit codes and the nothing-fits message.
 Device sizes come from measured peaks, so the constraints bind at any tiny shape."""
@@ -20,7 +20,8 @@ from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.lab.runs import notebook_config, resolve_params
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import REPO_ROOT, load_config
-from dflash_lib.train import dryrun, search
+from dflash_lib import dryrun
+from dflash_lib.dryrun import search
 from dflash_lib.train.build import bucket_edges
 
 BASE = ["-p", "k", "2", "-p", "drafter_layers", "2", "-p", "token_budget", "1024"]  # smoke, 2 buckets and layers

@@ -23,6 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_lib.config import ConfigError, uses_bf16
+from dflash_lib.data import build_token_store_from_config
+from dflash_lib.models.target import feature_layer_ids, local_hf_config
+from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids, target_engine_url
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -170,10 +173,6 @@ class HiddenCache:
 def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """`python -m dflash_lib capture`: the token store of `config.data` captured through the engine serving
     `config.model.target` (`target_engine_url`, else started here, its log in out/engine/) into `out`."""
-    from dflash_lib.data import build_token_store_from_config
-    from dflash_lib.models.target import feature_layer_ids, local_hf_config
-    from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids, target_engine_url
-
     m = config.model
     if not Path(m.target).is_dir():
         raise ConfigError(f"capture serves a LOCAL model folder, got target {m.target!r}")
@@ -200,8 +199,6 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
 def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
     """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
     target, layer set, dtype or token store."""
-    from dflash_lib.models.target import feature_layer_ids, local_hf_config
-
     m = config.model
     hf = local_hf_config(m.target)
     ids = m.target_layer_ids or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)

@@ -58,7 +58,7 @@ from dflash_lib.plan.buckets import SampleCost
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import derived_block_budget
 from dflash_lib.rundir import JsonRecord, load_config, new_run_dir, write_json
-from dflash_lib.train import dryrun
+from dflash_lib import dryrun
 from dflash_lib.train.build import bucket_edges, build_sampler
 
 GIB = dryrun.GIB
