@@ -23,7 +23,8 @@ from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
 from dflash_lib.train.feed import epoch_batches
 from dflash_lib.train.heldout import HELDOUT_KEYS
-from dflash_lib.train.loop import RunSummary, run_training
+from dflash_lib.train.loop import run_training
+from dflash_lib.train.summary import RunSummary
 from dflash_lib.train.metrics import StepMetrics
 from dflash_lib.train.resume import resume_config_hash
 

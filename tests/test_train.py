@@ -21,7 +21,8 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
-from dflash_lib.train.loop import RunSummary, run_training
+from dflash_lib.train.loop import run_training
+from dflash_lib.train.summary import RunSummary
 from dflash_lib.train.metrics import BUDGET_FIGURES, StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps

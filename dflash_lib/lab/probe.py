@@ -28,7 +28,8 @@ from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObse
                                        held_out_noise, select_cost_model, throughput_rel_sd)
 from dflash_lib.plan.sampler import packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
-from dflash_lib.train.loop import RunSummary, train
+from dflash_lib.train.loop import train
+from dflash_lib.train.summary import RunSummary
 from dflash_lib.train.metrics import load_metrics
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary needs these four

@@ -29,21 +29,16 @@ counted in `empty_batches`). A whole epoch of such reads, or a run of nothing el
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from dflash_lib.config import Config, ConfigError, TrainConfig, uses_bf16
-from dflash_lib.data.batch import Batch
+from dflash_lib.config import Config, ConfigError, uses_bf16
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.models.target import trainable_target_config
-from dflash_lib.plan.sampler.budget import BatchBudget, Bound
-from dflash_lib.rundir import JsonRecord, omitted, write_json
+from dflash_lib.rundir import write_json
 from dflash_lib.serve.hidden_cache import open_cache
 from dflash_lib.serve.hidden_states import target_engine_url
 from dflash_lib.train import distributed
@@ -54,164 +49,14 @@ from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
-from dflash_lib.train.metrics import (JsonlSink, NullSink, StepMetrics, ThroughputMeter, WandbSink, eta_seconds,
-                                      format_duration, format_log_line)
+from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds, format_duration
 from dflash_lib.train.pipeline import Pipeline
-from dflash_lib.train.resume import (CHECKPOINTS, METRICS_FILE, prepare_run_dir, resume_config_hash,
-                                     shared_new_run_dir)
+from dflash_lib.train.resume import CHECKPOINTS, prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
 from dflash_lib.train.target_shard import per_step_passes
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
-
-
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel (including papermill), where a tqdm bar replaces scrolling lines."""
-    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    return type(shell).__name__ == "ZMQInteractiveShell"
-
-
-def full_run_tokens(cfg: TrainConfig, lengths: np.ndarray) -> float:
-    """Real tokens of the full run the ETA is for: full_run_epochs x (the corpus, or `full_run_samples`
-    samples of the corpus' mean length)."""
-    per_epoch = float(lengths.sum()) if cfg.full_run_samples == 0 else cfg.full_run_samples * float(lengths.mean())
-    return cfg.full_run_epochs * per_epoch
-
-
-def batch_shape(batches: Sequence[Batch]) -> dict[str, Any]:
-    """What a step's batches cost, for the step-time cost model: rows, longest row (tokens), and the attention
-    work in tokens^2 both as dense rows (R * T^2) and per document (sum of doc_len^2, varlen kernels)."""
-    rows = sum(int(b.input_ids.shape[0]) for b in batches)
-    row_len = max(int(b.input_ids.shape[1]) for b in batches)
-    dense = sum(float(b.input_ids.shape[0]) * float(b.input_ids.shape[1]) ** 2 for b in batches)
-    varlen = sum(float(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double() ** 2).sum()) for b in batches)
-    return dict(rows=rows, row_len=row_len, attn_dense=dense, attn_varlen=varlen)
-
-
-def budget_fill(items: Sequence[Item], budget: BatchBudget | None) -> dict[str, float]:
-    """How full a step's micro-batches (this rank's `items`) are in each budget of `budget` (their sampler's rule),
-    for the metrics row: token_fill, query_fill (means of `BatchBudget.fill`; a batch's queries are its drafter
-    blocks x block size), and bound_tokens, bound_blocks (the share of the batches whose plan says that budget
-    closed them; left out when the plan does not say). {} without a budget or a batch."""
-    live = [it for it in items if it.batch is not None]
-    if budget is None or not live:
-        return {}
-    tokens, queries = [], []
-    for it in live:
-        b = it.batch
-        lengths = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).numpy()  # (D,) document tokens
-        n_queries = None if it.layout is None else int(it.layout.block_ids.numel())  # blocks x block size
-        t, q = budget.fill(lengths, None if n_queries is None else [n_queries], int(b.input_ids.shape[1]))
-        tokens.append(t)
-        queries.append(q)
-    out = {"token_fill": float(np.mean(tokens))}
-    if all(q is not None for q in queries):
-        out["query_fill"] = float(np.mean(queries))
-    known = [Bound(it.bound) for it in live if it.bound >= 0]
-    if known:
-        out["bound_tokens"] = float(np.mean([Bound.TOKENS in w for w in known]))
-        if budget.blocks is not None:
-            out["bound_blocks"] = float(np.mean([Bound.BLOCKS in w for w in known]))
-    return out
-
-
-class RunLog:
-    """Where the loop reports, on rank 0: the metric sinks (metrics.jsonl, wandb, the caller's), a progress bar
-    in a notebook, and `say` for log lines (the bar's write, else `print0`). Other ranks write nothing."""
-
-    def __init__(self, config: Config, run_dir: Path, main: bool, total_steps: int, done_steps: int,
-                 extra_sinks: Sequence[Any] = ()) -> None:
-        from tqdm.auto import tqdm  # only the progress bar needs it
-
-        r = config.run
-        self.sinks = [JsonlSink(run_dir / METRICS_FILE), WandbSink(r.wandb_mode, r.wandb_project, run_dir,
-                      config.to_dict(), run_dir.name), *extra_sinks] if main else [NullSink()]
-        self.bar = tqdm(total=total_steps, initial=done_steps, unit="step", disable=not (main and in_notebook()))
-        self.say: Callable[[str], None] = self.bar.write if not self.bar.disable else distributed.print0
-
-    def log(self, metrics: StepMetrics, step: int, line: bool) -> None:
-        """One step's `metrics` to every sink (as its metrics.jsonl row) and the bar; `line`: also as a log line."""
-        row = metrics.to_json()
-        for sink in self.sinks:
-            sink.log(row, step)
-        self.bar.update(1)
-        if line:
-            self.say(format_log_line(row))
-
-    def close(self) -> None:
-        self.bar.close()
-        for sink in self.sinks:
-            sink.close()
-
-
-@dataclass
-class RunSummary(JsonRecord):
-    """A training run in figures, as this invocation leaves it: its summary.json (`to_json`), what `train` returns.
-    Throughput and time figures are this invocation's; step, token, loss and skip figures the whole run's."""
-
-    run_dir: str  # the trainer's run folder
-    config_hash: str  # `Config.hash()` of the run's config (config.json records the same)
-    resume_hash: str  # the hash a checkpoint must carry for this config to resume from it
-    strategy: str  # sampler strategy: sorted | random | bucketed | packed
-    world_size: int  # ranks of this invocation
-    data_shards: int  # batches per sampler step, shared by the ranks (fixed by the run's first invocation)
-    parallel: str  # engine: single | ddp | fsdp
-    device: str  # rank 0's torch device
-    steps: int  # optimizer steps done
-    planned_steps: int  # optimizer steps the lr schedule is planned for
-    empty_batches: int  # sampler steps read with nothing to score on any rank (no update, not a step)
-    complete: bool  # the run reached its end (False: stopped by `stop_at_step` or a signal)
-    stop_reason: str | None  # why it stopped early; None when complete
-    resumed_from_step: int  # the step this invocation resumed from; 0 when it started the run
-    checkpoint: str | None  # the newest checkpoint folder; None when none was written
-    last_epoch: int | None  # epoch of the last step; None without a step
-    real_tokens: int  # document tokens trained on, all ranks
-    padded_tokens: int  # token slots paid for, padding included, all ranks
-    padding_efficiency: float  # real_tokens / padded_tokens
-    final_loss: float | None  # the last step's training loss (nats); None without a step
-    mean_loss: float | None  # mean of the steps' finite losses (nats)
-    final_acc: float | None  # the last step's top-1 accuracy
-    mean_acc: float | None  # mean of the steps' accuracies
-    final_eal: float | None  # the last step's expected acceptance length (tokens, the marginal-product estimate)
-    bad_steps: int  # steps whose loss was not finite (update skipped)
-    # How full the batches were in each budget over the whole run: the means of rank 0's metrics rows (`StepMetrics`
-    # fields of the same names); None when no step had the figure (no budget, no block budget, a plan that did not
-    # say which budget closed its batches):
-    token_fill: float | None  # token cost / token budget (padding counted, as the budget counts it)
-    query_fill: float | None  # drafter query tokens / block budget
-    bound_tokens: float | None  # share of the micro-batches the token budget closed
-    bound_blocks: float | None  # share of the micro-batches the block budget closed (a batch both closed: in both)
-    skipped_samples: dict[str, int]  # reason -> samples left out by validation, every rank
-    skipped_sample_examples: dict[str, list[str]]  # reason -> the first such samples' store indices (as text)
-    data_records: dict[str, Any] | None  # the token store's records read, kept and skipped by reason with their
-    # first locations (`LoadReport.counts`, the line printed at the start); None for a store without a report
-    steady: bool  # the throughput's steady-state detector fired
-    steady_start_step: int | None  # first step of the steady window; None before steady state
-    steady_ktok_s: float | None  # real-token throughput since steady_start_step (thousand tokens / second)
-    ktok_s_last_window: float | None  # the last step's rolling-window throughput (thousand tokens / second)
-    data_wait_pct: float | None  # % of this invocation's loop wall time spent waiting for data, at the last step
-    steady_data_wait_pct: float | None  # the same over the steady window
-    full_run_epochs: float  # epochs of the full run the ETA is for
-    full_run_tokens: float  # real tokens of that full run
-    full_run_eta_s: float | None  # seconds the full run takes at the steady (else the last window's) throughput
-    full_run_eta: str  # the same in words ("5.1d"), " (provisional: no steady state)" appended before steady state
-    setup_s: float  # seconds before the trainer: data, run folder, models and sampler built
-    loop_s: float  # seconds of the training loop
-    wall_s: float  # seconds of the invocation: setup, then the trainer up to this summary
-    final_tau_inbatch: float | None  # the last step's EXACT in-batch acceptance length (tokens)
-    heldout_fraction: float  # share of the corpus held out of training (`dflash_lib.data.split`); 0 without a split
-    heldout_count: int  # samples held out
-    # The latest held-out evaluation (`StepMetrics.heldout_*`); absent when the run evaluated none:
-    heldout_step: int | None = omitted()  # the optimizer step it followed
-    heldout_loss: float | None = omitted()  # cross-entropy (nats)
-    heldout_acc: float | None = omitted()  # top-1 accuracy
-    heldout_acc_per_pos: list[float] | None = omitted()  # (B-1,) accuracy per draft position
-    heldout_tau: float | None = omitted()  # EXACT acceptance length (tokens)
-    heldout_eal_marginal: float | None = omitted()  # marginal-product estimate of it (tokens)
-    heldout_blocks: int | None = omitted()  # anchor blocks scored
-    heldout_samples: int | None = omitted()  # held-out samples evaluated
-    heldout_s: float | None = omitted()  # seconds the evaluation took
-    target_cache: dict[str, int] | None = omitted()  # this rank's `feature_cache.CacheStats` (pipeline.target_cache_gib)
+from dflash_lib.train.summary import RunLog, RunSummary, batch_shape, budget_fill, full_run_tokens
 
 
 class Trainer:

@@ -69,12 +69,12 @@ class StepMetrics(JsonRecord):
     bad_steps: int  # steps with a non-finite loss since the run began
     skipped_samples: int  # samples left out by validation since the run began, all ranks
     skipped_tokens: int  # tokens of this step's samples left out by validation, all ranks
-    # The step's batch shape, for the step-time cost model (`loop.batch_shape`); absent when this rank ran no batch:
+    # The step's batch shape, for the step-time cost model (`summary.batch_shape`); absent when this rank ran no batch:
     rows: int | None = omitted()  # rows of this rank's micro-batches
     row_len: int | None = omitted()  # longest row (tokens)
     attn_dense: float | None = omitted()  # attention work of whole rows, sum of R x T^2 (tokens^2)
     attn_varlen: float | None = omitted()  # attention work per document, sum of doc_len^2 (tokens^2)
-    # How full this rank's micro-batches are in each budget (`plan.sampler.budget.BatchBudget`, `loop.budget_fill`);
+    # How full this rank's micro-batches are in each budget (`plan.sampler.budget.BatchBudget`, `summary.budget_fill`);
     # absent when this rank ran no batch or its sampler fills by no budget:
     token_fill: float | None = omitted()  # mean token cost / token budget (padding counted, as the budget counts it)
     query_fill: float | None = omitted()  # mean drafter query tokens / block budget; absent without a block budget
