@@ -1,13 +1,11 @@
-"""Command line: `python -m dflash_lib [--debug] COMMAND ...`, COMMAND one of run, train, demo, demo-target,
-evaluate, export, doctor, regenerate, dryrun, plan, params (see README). Wherever a preset name goes, a preset file
-does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
+"""Command line: `python -m dflash_lib [--debug] COMMAND ...`; `COMMAND --help` for its options, README for the docs.
 
-A user error (a bad setting, data or bucket request, a missing file: `user_errors()`) ends in ONE line
-`error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a peer) in one line and exit 1;
-anything else is a bug and keeps its traceback. `--debug` shows the traceback of every error.
+Data and training: regenerate, run (a notebook into runs/<id>/), train, capture, params. Sizing: dryrun, plan.
+Serving: export, evaluate, doctor, engine-check. The study on the bundled corpus: demo, demo-target. Wherever a
+preset name goes, a preset file does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
 
-Each command imports its stage when it runs (the package's only function-local imports): `--help` and a
-mistyped argument answer without loading torch.
+A user error ends in ONE line `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a
+peer) in one line and exit 1; anything else is a bug and keeps its traceback (`--debug`: every traceback).
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ from pathlib import Path
 
 from dflash_lib.config import SECTION_CLASSES, ConfigError, params_table
 from dflash_lib.lab.runs import notebook_names
+
+# Each command imports its stage when it runs (the package's only function-local imports): --help loads no torch.
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

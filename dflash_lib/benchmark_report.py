@@ -1,15 +1,9 @@
 """Acceptance per benchmark, as the paper's table, and broken down by context length, turn and thinking mode.
 
-Everything here is computed from the decodings `evaluate.decode` ran, one `GroupDecode` per (prompt set,
-thinking mode, turn): the drafting cycles of each prompt (`AcceptanceResult.cycle_log`: the context length when
-the cycle drafted, the tokens it produced), its outputs and wall-clock seconds, and the plain greedy baseline's.
-
-- A cycle that produced k tokens accepted k-1 drafts (plus the target's own token): tau over any set of cycles is
-  the mean of k, so the overall tau is the cycle-weighted mean of the rows' taus.
-- Context-length bins: [0, 256), [256, 512), ..., [4096, 8192), [8192, inf) tokens (`CONTEXT_EDGES`), of the
-  context a cycle drafted from (prompt + output so far); only the bins that hold a cycle are listed.
-- tokens/s of a row: its output tokens over its seconds (prefills included); speedup: over the baseline's tokens/s
-  for the same prompts.
+Computed from the decodings `evaluate.decode` ran, one `GroupDecode` per (prompt set, thinking mode, turn): each
+prompt's drafting cycles (`AcceptanceResult.cycle_log`), outputs and seconds, and the greedy baseline's. A cycle
+that produced k tokens accepted k-1 drafts, so tau over any set of cycles is the mean of k; context bins:
+`CONTEXT_EDGES`. The report's fields: docs/evaluation.md, "The report".
 """
 
 from __future__ import annotations

@@ -2,36 +2,9 @@
 
     python -m dflash_lib doctor EXPORT_DIR --target DIR [-p source CORPUS] [-p doctor_samples N] [-p KEY V]
 
-prints one line per rule, `PASS name: ...`, `FAIL name: what is wrong -> the fix` or `N/A name: why the rule does
-not apply` (the chat-template rule for a target whose tokenizer is a dflash_lib mapped vocabulary, e.g. the demo
-target's: no engine serves one, so there is no serving template to compare with), and exits 1 when a rule fails
-(0 otherwise). For a notebook: `diagnose(...)` returns the same `DoctorReport`. Nothing is loaded but
-config files, the safetensors header and the tokenizers, and the weights file is hashed: no model is built.
-
-The rules (docs/serving.md, "Doctor", says why each one exists):
-    architecture        architectures == ["DFlashDraftModel"] and model_type "qwen3": what the engines dispatch on
-    hidden_act          "silu" (the drafter's MLP; an engine builds whatever the config names)
-    hidden_size         the drafter's hidden size == the target's (fc and the shared embedding/LM head)
-    vocab_size          the drafter's vocab_size == the target's (its embedding and LM head are the target's)
-    block_size          top level and/or dflash_config.block_size, an integer >= 2; both present must agree
-    target_layer_ids    dflash_config.target_layer_ids present, distinct, in range of the target's layers, and
-                        num_target_layers == the target's layer count
-    engine_layer_ids    the 0-based target layers each engine reads are the same: SGLang takes
-                        dflash_config.target_layer_ids; vLLM takes eagle_aux_hidden_state_layer_ids (layer
-                        boundaries: minus 1) when present, else target_layer_ids (since its DFlash fix; as
-                        boundaries, one layer too low, before it)
-    mask_token_id       dflash_config.mask_token_id an embedding row of the target (0 <= id < its vocab_size)
-    weights             every tensor the config implies, with its shape (fc.weight (H, n*H), hidden_norm, norm,
-                        each layer's norms, attention and MLP), and no other (from the safetensors header)
-    no_embedding        no embed_tokens / lm_head tensor: the engines share the target's
-    dtype               torch_dtype a known dtype and every stored tensor in it
-    trained_as          what the engines read equals what training fixed, as our export recorded it
-                        (dflash_config.training.trained_as): target_layer_ids, mask_token_id, both block sizes, and
-                        model.safetensors' SHA-256; N/A for a folder without that record (a published drafter)
-    chat_template       N corpus conversations rendered as TRAINING did (the recorded tokenizer, template and
-                        thinking mode) and by the TARGET folder's own tokenizer + chat template (transformers'
-                        apply_chat_template, enable_thinking from the same thinking mode), whole conversation and
-                        the generation prompt of its last answer, compared token for token
+prints `PASS`, `FAIL ... -> the fix` or `N/A` per rule, exit 1 when one fails; `diagnose(...)` returns the
+`DoctorReport`. Config files, the safetensors header and the tokenizers are read, no model is built. The rules and
+why each exists: docs/serving.md, "Doctor: will the engines serve it as it was trained?".
 """
 
 from __future__ import annotations

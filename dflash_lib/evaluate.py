@@ -2,33 +2,10 @@
 
     python -m dflash_lib evaluate --drafter DIR [--target DIR|tiny] [-p prompts N] [-p max_new_tokens M] [-p KEY V]
 
-DIR is a saved drafter folder or a trainer run folder (its `drafter/`; the run's recorded config is then the
-base that `-p` overrides, so `--target tiny` rebuilds the run's own tiny target and data settings, and without
-`--target` the run's recorded target is used). A drafter that does not fit the target is refused before the
-target is built, the message naming each shape that differs (hidden size, target layers, fused features). Decodes N
-prompts greedily with the target's and the drafter's KV caches (`models.acceptance`), then the same prompts with
-the target alone (the baseline), and checks the two outputs agree; at `-p temperature` > 0 both sample instead
-(speculative sampling, `models.sampling`) and the outputs are not compared. Prints a summary to stderr and, as the LAST
-stdout line, one JSON object (`DecodeReport`). For a notebook: `evaluate(...)` returns the same record, and
-`evaluate_run(...)` measures every checkpoint of a run, its untrained drafter and its final one (notebook 05:
-`RunEvaluation`).
-
-Prompts: the first N samples of the held-out split of the configured token store (`-p source`, `tokenizer`,
-`template`, `max_len`: the store training read), in the split's hash order, so they are the samples the trainer
-never trained on and the first ones its held-out evaluation scores. The split is the trainer's
-(`split.split_store` with `heldout_fraction`); for a trainer run folder it is the run's own `heldout.json`,
-each sample's hash checked against the store built now. A prompt is its sample's tokens before the first
-loss-masked (assistant) token: the conversation up to and including the assistant generation prompt, exactly
-as the template rendered it for training (no re-tokenization). Samples without an assistant token are passed
-over, and so is a prompt equal to one already taken (decoding it again measures nothing new: a third of the
-bundled corpus's samples start with an assistant turn, so their prompt is the generation prompt alone).
-`prompt_source` in the report says which split and which samples.
-
-Benchmark prompts (`-p prompts_from heldout,humaneval,mt-bench,FILE.jsonl`, `dflash_lib.data.benchmarks`): each
-set's first N questions, rendered by the configured tokenizer and template in each thinking mode of
-`-p enable_thinking`; a later turn is asked after the target's own answer (`next_turn`, from the baseline's greedy
-decoding, so every drafter gets the same turn-2 prompts). The report holds one row per set x thinking mode and the
-breakdowns by context length, turn and thinking mode (`dflash_lib.benchmark_report`, docs/evaluation.md).
+DIR: a saved drafter or a trainer run folder. `evaluate(...)` decodes with the drafter (`models.acceptance`,
+`models.sampling`) and the target alone: `DecodeReport`, the last stdout line; `evaluate_run(...)` every checkpoint
+of a run. docs/serving.md, "Measuring a drafter: speculative decoding on held-out prompts"; benchmark prompts
+(`-p prompts_from`): docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Response regeneration: the target answers every assistant turn of a corpus again (DFlash trains on what the
 target would say, docs/dflash.md).
 
-For each conversation of `source` (any reader format), turn by turn, each assistant turn is replaced by the
-target's answer to the conversation so far (later turns see the regenerated answers). Turns after the last
-assistant turn are dropped (nothing answers them). An assistant turn before any user turn answers no prompt:
-it is kept verbatim, or its record skipped (`regen_leading_assistant`); no backend is ever asked for it.
-Output: JSONL, one record per conversation, in source order, in the `messages` format `load_conversations` reads:
-
-    {"id": ..., "record": <source index>, "messages": [{"role", "content"}...],
-     "regen": {"finish": ["stop" | "length" | ...], "truncated": bool, "refused": bool, "leading_kept": int,
-               "completion_tokens": int, "source_tokens": int, "answer_tokens": int}}
-
-Two backends answer a batch of prompts: `LocalBackend` (the target in-process: prompts rendered with the data
-template, batched `generate` with a KV cache) and `OpenAIBackend` (any chat-completions server: SGLang, vLLM),
-with bounded concurrency and retries. Resume: every record is appended with ONE write of its whole line; on a
-rerun the records already in OUT are skipped and a torn last line (a kill mid-write) is cut off and redone.
-A record the backend still cannot answer after its retries goes to `<OUT stem>.rejects.jsonl` with its error
-and the run goes on (`regen_on_error skip`) or stops there (`abort`); rejected records are not in OUT, so a rerun
-tries each of them again, once (one that succeeds is appended after the others: out of source order), and the
-rejects file keeps only those still failing.
-A report (counts, rejects, mean answer length before/after in tokens, time, `status` running | stopped |
-complete | failed with its error) is written to `<OUT stem>.report.json`.
+`regenerate` rewrites each conversation of `source` turn by turn through a backend, `LocalBackend` (the target
+in-process, batched `generate`) or `OpenAIBackend` (a chat-completions server: SGLang, vLLM), into JSONL in the
+`messages` format, resumable, with `<OUT stem>.rejects.jsonl` and `<OUT stem>.report.json` beside it. Options,
+resume and rejects: docs/data.md, "Regenerate the data with your target".
 """
 
 from __future__ import annotations
@@ -300,6 +284,7 @@ def _plan(conv: Conversation, max_turns: int) -> _Work:
     assistant = [i for i, (role, _) in enumerate(turns) if role == "assistant"]  # (readers guarantee one)
     leading = leading_assistant_turns(conv)
     todo = assistant[leading:][:max_turns] if max_turns else assistant[leading:]
+    # turns after the last assistant turn answered are dropped: nothing answers them
     return _Work(conv, turns[: (todo or assistant)[-1] + 1], todo, leading)
 
 

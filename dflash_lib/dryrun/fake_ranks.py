@@ -1,18 +1,10 @@
 """The dry run on N ranks without N devices: torch's FAKE process group, the frozen target sharded by FSDP2 as
 the trainer shards it on N GPUs, and the bytes every collective moves.
 
-`fake_process_group(N)` makes this process rank 0 of an N-rank group whose collectives return at once without
-moving data (`torch.testing._internal.distributed.fake_pg`, the group torch ships for exactly this); under
-`FakeTensorMode` every tensor FSDP2 allocates still has its real shape. So `target_shard.shard_layers` (the
-trainer's FSDP2 wrapping: `fully_shard` on each decoder layer of the target, parameters resharded after each
-layer's forward, the next layer's all-gather issued before the current layer runs) leaves rank 0 holding what a rank holds on N GPUs: 1/N of each
-layer's weights (dim-0 shards, padded to a multiple of N rows), plus the full all-gather buffers of the layer
-running and of the one prefetched, as the memory tracker sees them. The embedding and the LM head stay whole on
-every rank: the drafter calls them in its own forward and backward, outside the target's.
-
-`CommTally` counts what the collectives of a step move, per kind, in bytes of the full (gathered or reduced)
-buffer: all-gather output, reduce-scatter input, all-reduce tensor. `LayerRuns` counts the gathered bytes of the
-decoder layers that ran: all-gathers beyond them were prefetched for a layer that never runs.
+`fake_process_group(N)` makes this process rank 0 of an N-rank group whose collectives return at once, so
+`target_shard.shard_layers` under `FakeTensorMode` leaves it holding what a rank holds on N GPUs; `CommTally`
+counts each collective's bytes, `LayerRuns` the gathered bytes of the layers that ran. What it measures:
+docs/scale.md, "Larger targets on several GPUs: `dryrun --world-size`".
 """
 
 from __future__ import annotations

@@ -2,39 +2,9 @@
 
     python -m dflash_lib plan --preset qwen3-8b --device-gib 80 [--world-size N] [--mfu 0.4] [-p K V]... [--out DIR]
 
-Candidates: token budgets on a ladder around the base's (`TOKEN_LADDER`, rounded to a multiple of 64, at least
-max_len), for each the block budgets `BLOCK_FRACTIONS` of its derived one (drafter query tokens: what the
-drafter's activations scale with; a fraction below one document's queries is left out) and 0..L checkpointed
-drafter layers (the first ones).
-
-Projection (`FlopModel`): every batch of the candidate's epoch-0 plan for the config's strategy (the real
-sampler, bucket edges recomputed for the candidate's budgets, sharded for the world size) is priced by FLOPs at
-the stated MFU of the H200's peak, with per-unit coefficients derived from the fake FLOP counts of the base's
-dry run: the target per real token and per squared document token (its attention; least squares over the worst
-batches), the drafter's layers per context slot and per query (least squares over the
-worst batches), its attention per query x context token, the LM head + CE per query, and the recomputation of
-a checkpointed layer as the measured difference between one batch counted with every layer checkpointed and
-with none. A sampler step costs its slowest rank's batch; an optimizer step adds the fused AdamW's and the
-gradient norm's memory traffic (`OPTIMIZER_BYTES_PER_PARAMETER` x the drafter's parameters at `HBM_TB_S`).
-What the projection ignores: MFU does not depend on the batch's size or shape (small batches run below it, so
-the ladder's low end is flattered), anchors are priced at the end of their
-documents (as the dry run's worst batches; real anchors see shorter contexts: an upper bound), the host
-pipeline, data loading and communication are free. With FLOPs as the price, the micro-batch's size barely
-matters: nearly all of a candidate's gain is the recomputation its unchecked layers save.
-
-Fit: memory is monotone (more tokens, more queries, fewer checkpointed layers never need less), so
-`Candidate.needs_at_least` orders them. The base is dry-run in full first (every bucket's worst batch and the
-packed row) to find its memory-worst batch kind; then the candidates are walked from the fastest projected
-down: one that needs at least what a misfit needed is pruned unmeasured, the others get ONE fake memory step of
-that batch kind. Once one fits, every candidate projected within `TIE` of it is checked the same way (the FLOP
-model cannot tell them apart), and those that fit are proven by the full dry run (`dryrun.measure_batches`) in
-the order of `preference` (the optimizer step kept, then the larger micro-batch); the first proven is chosen, a
-batch that does not fit rejects its candidate and the walk goes on.
-
-The optimizer step does not change silently: a base with `accum_tokens` keeps it; a base without one (one
-micro-batch per step) gives candidates with a smaller token budget `accum_tokens` = the base micro-batch's mean real
-tokens, so their steps hold at least as many. A larger micro-batch makes a larger step: every row says its real
-tokens per optimizer step, and the report says the chosen one's change plainly (`PlanReport.step_change`).
+`candidates` (`TOKEN_LADDER` x `BLOCK_FRACTIONS` x checkpointed drafter layers) projected by `FlopModel`, walked
+fastest first: pruned (`Candidate.needs_at_least`), checked on one fake memory step, proven by the full dry run;
+`PlanReport` is plan.json. docs/scale.md, "The plan: the fastest settings that fit, proven by the dry run".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """`make demo`: the study's notebooks executed in order on the bundled corpus, each a papermill run.
 
-Every notebook gets a run folder of its own; a `runs/<id>_demo/` folder records the chain (`chain.json`: which
-notebook ran in which folder, with what parameters), `summary.json` (the per-strategy figures of the throughput
-probe under `strategies`, notebook 05's evaluation of the training run under `evaluation`), and `report.html`:
-one self-contained page with both summaries, the key figures and links to every run.
-
-Parameters a notebook receives: the preset's values of the names it declares, then `overrides` (every notebook
-that accepts a name gets it: a notebook that builds its config from a preset takes every config field, e.g. a
-target and tokenizer made by a first step for the whole chain), then what its CHAIN link derives from the folders
-of the notebooks before it.
-
-The chain's first step gives it a target (`run_demo(target=...)`): "real" (the demo preset's: SmolLM2-135M-Instruct,
-`lab.real_target`, converted once from its pip package), "trained" (a small Qwen3 trained on the corpus over a
-shrunk vocabulary, `lab.demo_target`, for tests and smoke runs) or "preset" (the preset's own, random unless
-`target` is set). With "real" or "trained" it also writes the target's own answers to first user turns (cached
-next to it; the real target's through vLLM's chat endpoint when the engine is installed): notebooks 01-03 run on
-the bundled corpus under the target's tokenizer, notebook 04 trains the drafter on those answers (buckets planned
-for them) and notebook 05 decodes held-out prompts of them.
+`run_demo(target=...)` first gives the chain a target, "real" (SmolLM2-135M-Instruct, `lab.real_target`),
+"trained" (`lab.demo_target`, for tests and smoke runs) or "preset" (the preset's own), and the target's answers;
+then each notebook of `CHAIN` runs in a run folder of its own, and `runs/<id>_demo/` gets `chain.json`,
+`summary.json` and `report.html`. Parameters: docs/runs.md, "Running notebooks headlessly"; what it measures:
+docs/data.md, "The demo's target: SmolLM2-135M-Instruct from a pip package, and its own answers".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """The demo's target: a small Qwen3 causal LM TRAINED on the corpus, over a shrunk vocabulary, built once and cached.
 
-A random target gives the drafter nothing to learn (its frozen LM head maps any feature to noise over 151,936 ids,
-so the drafter's loss sits at ln(151936) ~ 11.9). `ensure_demo_target(cfg)` returns a folder that is BOTH a Hugging
-Face Qwen3 model folder (`-p target DIR`, read by `target.load_pretrained`) AND a mapped tokenizer folder
-(`-p tokenizer DIR`, `data.tokenizers.MappedTokenizer`), built in these steps:
-
-1. the base token store of `cfg.data` (`build_token_store_from_config`), its TRAINING split only
-   (`split.split_store` with `cfg.data.heldout_fraction`): held-out samples stay unseen by the target too;
-2. the vocabulary: the `vocab_size - 2` most frequent base ids of the training split (the chat template's special
-   tokens, eos and pad always kept), every other id -> one UNK id, one more id reserved as the drafter's MASK;
-3. a Qwen3ForCausalLM of `cfg.model.hidden_size` x `cfg.model.target_layers` (tied embeddings) trained with
-   next-token cross-entropy on random windows of the training stream (every token is input, user text too), the
-   labels those the drafter trains on (assistant tokens, the store's loss mask) except UNK (see next_token_loss),
-   AdamW, linear warmup then cosine, seeded (same machine and threads -> same weights);
-4. `training.json` (steps, tokens, seconds, loss first -> last, held-out loss before -> after, vocabulary
-   coverage), written last.
-
-The folder lives under `<cache_dir>/<key>/` (default: `demo_targets/` next to the token-store cache), `key` a hash
-of every setting that decides its content; it is built under a temporary name and renamed when complete, so a
-killed build never leaves a folder that looks cached.
+`ensure_demo_target(cfg)` returns a folder that is both a Hugging Face Qwen3 folder (`-p target DIR`) and a mapped
+tokenizer (`-p tokenizer DIR`, `data.tokenizers.MappedTokenizer`), under `<cache_dir>/<key>/` (`default_cache_dir`,
+`key` a hash of every setting that decides it); `ensure_demo_answers` writes its answers. Vocabulary, training
+and what it learns: docs/data.md, "The small trained target (tests, `--preset smoke`, `demo --target trained`)".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Acceptance length tau by real speculative decoding (draft a block, verify, accept) on KV caches: greedy, or
-speculative sampling at temperature > 0 (`models.sampling`).
+"""Acceptance length tau by real speculative decoding on KV caches (`acceptance_length`): per cycle the drafter
+drafts a block, the target verifies it in one forward, and the cycle keeps the accepted run plus the target's next
+token: greedy (the output is the target's own greedy decoding, token for token) or, at temperature > 0, by
+speculative sampling (`models.sampling`). `greedy_decode` is the plain baseline it is timed against.
 
-Per cycle, with the sequence so far s_0 .. s_{L-1} (s_{L-1} the last accepted token, not yet seen by the
-target): the drafter drafts d_1 .. d_{B-1} from [s_{L-1}, MASK ...] at positions L-1 .. L+B-2 with the target
-features of s_0 .. s_{L-2}; the target runs once over [s_{L-1}, d_1 .. d_{B-1}] and its greedy next tokens
-t_1 .. t_B verify the draft: the leading run of d_i == t_i is accepted, plus the bonus token t_{n+1}. So the
-output is the target's own greedy decoding, token for token.
-
-At temperature T > 0 the same cycle samples instead (`models.sampling`): d_k is drawn from q_k, the drafter's
-distribution at slot k (its logits through the same temperature, top_p and stop-id masking as the target's), and
-the target's p_1 .. p_B (from the same verification forward) accept or resample by the speculative-sampling rule,
-so the output is distributed exactly as the target's own sampling (`greedy_decode` at the same T and top_p). A
-drafter that only returns tokens (`draft` / `draft_cached`, no logits) counts as a point mass at its draft.
-
-Both models keep caches, so a cycle's work does not grow with the prefix (only attention reads it):
-- the target: its Hugging Face KV cache (`TargetCache`); a cycle runs exactly the B new tokens, then the cache
-  is cropped back to the accepted ones;
-- the drafter: every layer's keys/values of the context (`DFlashDrafter.extend_context`), extended with the
-  features of the n+1 tokens each cycle verified; the block of B tokens is the only thing its layers run.
-A drafter without a context cache (only `draft(features, anchor_pos, anchor_token)`) gets the accepted
-features as one growing tensor instead.
+The cycle, its positions and the two models' caches: docs/dflash.md, "Acceptance length tau"; tau, speedup and
+sampling as `evaluate` reports them: docs/serving.md, "Measuring a drafter: speculative decoding on held-out prompts".
 """
 
 from __future__ import annotations

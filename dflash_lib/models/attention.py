@@ -1,23 +1,10 @@
-"""The drafter's attention backends: block queries over [document context ; own block], by the docs/dflash.md rules.
+"""The drafter's attention backends, `dense` (the reference), `blocks`, `flex` and `auto`: block queries over
+[document context ; own block] for one micro-batch in the flat layout of `layout.py`, under the visibility rule of
+docs/dflash.md ("One training step"; sliding layers: "The drafter"). `make_attend` builds one layer kind's
+attention once per micro-batch, its masks shared by every layer of the kind.
 
-Every backend takes, for one micro-batch in the flat layout of `layout.py`:
-    q (1, h, Q, d) block queries; kc, vc (1, kv, C, d) context keys/values of the layout's C context entries
-    (the batch's real tokens; all R*T slots for an every-slot layout);
-    kb, vb (1, kv, Q, d) block keys/values; grouped-query heads are shared (enable_gqa), never copied,
-and returns (1, h, Q, d). A query of block i sees context slots of its document with position < anchor_i and
-all of block i. A sliding layer (`window` w > 0, vLLM's DFlash rule for `sliding_attention` drafter layers) sees
-of those only the keys at positions p - w < j <= p of its own position p: causal within its block, the window
-over the context.
-
-- `dense`: one SDPA call under the full boolean (Q, C + Q) mask. The reference the others are tested against;
-  its work and its mask grow with the whole batch, so it is for tests and small batches.
-- `blocks` (any device, trains on CPU): runs of consecutive blocks of one document (`layout.BlockGroups`), each
-  one SDPA call over its document's context prefix up to its last anchor plus its own blocks. Exact (same
-  softmax over the same visible keys); work ~ what the mask allows (`layout.attention_work`).
-- `flex` (CUDA; forward also on CPU): FlexAttention with a block mask built from (document, position) over the
-  flat layout: packed rows attend in place, tiles no query may see are skipped. `create_block_mask` is built once
-  per micro-batch with H=None, indices clamped (it rounds lengths up to its 128 tile), compiled on CUDA.
-- `auto`: flex on CUDA, blocks elsewhere.
+What each backend computes, where it runs and what it costs: docs/scale.md, "The drafter's attention and the step
+on the device".
 """
 
 from __future__ import annotations
@@ -30,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_lib.models.layout import DraftLayout
 
+# attend(q (1, h, Q, d), kc, vc (1, kv, C, d), kb, vb (1, kv, Q, d)) -> (1, h, Q, d); GQA heads shared, never copied
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("dense", "blocks", "flex")
 

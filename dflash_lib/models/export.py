@@ -1,24 +1,10 @@
-"""The drafter on disk: the Hugging Face folder that SGLang, vLLM and the z-lab DFlash code load (docs/serving.md,
-"Export for serving"). It is the ONLY drafter format: `export_drafter` writes it (fp32 for a training run: nothing lost
-for fine-tuning; bf16 for serving), and `read_drafter` / `-p init_from` read either.
+"""The drafter on disk: the Hugging Face folder (config.json, model.safetensors, README.md) that SGLang, vLLM and
+the z-lab DFlash code load, and the ONLY drafter format. `export_drafter` writes it (fp32 for a training run:
+nothing lost for fine-tuning; bf16 for serving), `export_folder` exports a run folder or checkpoint, and
+`read_drafter` / `init_from` (`-p init_from`) read ours and published drafters alike.
 
-    config.json        Qwen3 fields of the DRAFTER (hidden_size, intermediate_size, num_hidden_layers = draft
-                       layers, heads, head_dim, rms_norm_eps, rope_theta + rope_parameters, vocab_size = the
-                       target's, ...), architectures ["DFlashDraftModel"], model_type "qwen3", block_size,
-                       num_target_layers, torch_dtype, eagle_aux_hidden_state_layer_ids (= target_layer_ids + 1:
-                       the layer-boundary indices vLLM builds before its DFlash fix read, docs/serving.md "Doctor"),
-                       dflash_config {mask_token_id, target_layer_ids (always explicit), block_size, training
-                       {...}}. `dflash_config.training` is ours: what the trainer needs to resume fine-tuning
-                       (gamma, num_anchors, ce_chunk_blocks, initializer_range) and what it was trained for
-                       (target, template, tokenizer, thinking, corpus, source), and `trained_as`: the layer
-                       ids, MASK id, block size and weights SHA-256 the export wrote (the doctor's `trained_as`
-                       rule); loading never requires it.
-    model.safetensors  the trainable weights only, Qwen3 names: fc.weight (H, F*H), hidden_norm.weight (H,),
-                       norm.weight (H,), layers.{i}.{input,post_attention}_layernorm.weight,
-                       layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
-                       layers.{i}.mlp.{gate,up,down}_proj.weight. No embedding or LM head: the target's are used.
-    README.md          for people: the target it was trained for and with which chat template.
-Feature i is the output of 0-based target decoder layer target_layer_ids[i] (HF hidden_states[id + 1]).
+The files and their fields: docs/serving.md, "Export for serving"; the rules a folder is checked by (`trained_as`
+among them): docs/serving.md, "Doctor: will the engines serve it as it was trained?".
 """
 
 from __future__ import annotations

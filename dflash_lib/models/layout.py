@@ -1,25 +1,10 @@
 """What the drafter computes for one micro-batch, laid out on the HOST before the step.
 
-A `DraftLayout` is built from the host copy of a batch and its anchors (numpy/CPU tensors, in the feed stage)
-and moved to the device once (`to(device, non_blocking=True)`). The step on the device then runs tensor ops
-only: every shape, offset and index it needs is already here, so it makes no device-to-host sync and runs
-unchanged under `FakeTensorMode` (the dry run).
-
-Flat layout, the same for padded and packed batches (no padding block, no padding to the longest document):
-- context: the C real tokens of the batch, row-major (`ctx_index` into the R*T slots, `ctx_doc`, `ctx_pos`), so
-  every document is contiguous and no padding slot is fused, projected or attended: the order of the target's
-  gather (`masks.real_tokens`), whose flat features the drafter takes as they are. `every_slot` (the
-  `static_shapes` setting: fixed shapes) keeps all R*T slots instead, padding slots with doc -1 (C = R*T);
-- blocks: the n real blocks of the batch in document order, then anchor order; query i*B + k is position k of
-  block i, at document-local position anchor_i + k;
-- scored: the m positions with a loss weight > 0, as flat indices into the n*B queries;
-- target rows (loss kl, ce+kl only): the u distinct context entries j - 1 whose target next-token distribution is
-  the KL reference of a scored label at j, and for each scored position its row among them.
-
-A query of block i sees the context slots of its own document at positions STRICTLY below anchor_i and every
-position of block i (docs/dflash.md). `groups` cuts each document's blocks into runs of consecutive blocks for the
-`blocks` attention backend: a run attends to the context prefix its last anchor needs plus its own blocks, so the
-attention work stays close to what the mask allows (see `attention.py`).
+`build_layout` turns a host batch and its anchors into a `DraftLayout` (the real blocks, their positions, the
+scored positions and labels, the context as the batch's real tokens in row-major order, the `blocks` backend's runs
+and the loss kl target rows), moved to the device once: the step then makes no device-to-host sync and runs
+unchanged under `FakeTensorMode` (the dry run). Why: docs/scale.md, "The drafter's attention and the step on the
+device"; the visibility rule: docs/dflash.md, "One training step"; no padding computed: docs/batching.md.
 """
 
 from __future__ import annotations

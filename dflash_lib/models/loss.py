@@ -1,14 +1,10 @@
 """The drafter's loss: LM head + cross-entropy in chunks, decay-weighted, normalised by a given weight sum.
 
-Only scored positions (weight > 0) go through the LM head, a chunk of positions at a time. The head is frozen
-(shared with the target), so the gradient of each position's CE with respect to its hidden state,
-(softmax - onehot) @ W, is computed in the same pass as the CE and kept (n x H floats); the backward only scales
-it. Neither pass ever holds more than one chunk of logits (chunk x vocab floats), and the LM head runs twice per
-position (logits, gradient), not three times as under activation checkpointing (LOG.md, 2026-11-29).
-
-Loss kl / ce+kl (docs/dflash.md) runs the same head on the target's final hidden states at the scored labels'
-predicting positions, next to the drafter's logits chunk by chunk, with the gradient of both terms in one matmul;
-D-PACE (`dpace_weights`) multiplies the position weights by detached weights made from the drafter's confidence.
+Only scored positions go through the frozen head, a chunk at a time, with the gradient of each position's term
+computed in the same pass and kept, so the backward only scales it. Loss kl / ce+kl runs the same head on the
+target's final hidden states beside the drafter's logits; D-PACE (`dpace_weights`) reweights positions by the
+drafter's confidence. All of it: docs/dflash.md, "One training step" (Loss) and "Losses beyond the paper: the
+target's distribution, and D-PACE weights".
 """
 
 from __future__ import annotations

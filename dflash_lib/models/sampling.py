@@ -1,21 +1,10 @@
-"""Sampling at temperature T > 0 with nucleus (top_p) truncation, and speculative sampling's accept/resample rule
-(Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.
-2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
+"""Sampling at temperature T > 0 with nucleus (top_p) truncation (`sampling_probs`, `draw`), and speculative
+sampling's accept/resample rule for one drafted block (`block_rule`, `speculative_step`), exact whatever the
+drafter's q_k, DFlash's slots drafted in one parallel pass included; every draw from one CPU `torch.Generator`.
 
-One block of B tokens: the drafter proposes d_1 .. d_{B-1}, d_k drawn from q_k (its distribution at draft slot
-k); the target's verification forward over [pending, d_1 .. d_{B-1}] gives p_1 .. p_B (p_k conditions on
-d_1 .. d_{k-1}). Slot k = 1, 2, .. is accepted with probability min(1, p_k(d_k) / q_k(d_k)); at the first rejected
-slot the token is drawn from norm(max(0, p_k - q_k)) instead; when all B-1 are accepted, the bonus token is drawn
-from p_B. Every token so produced is distributed exactly as p_k given the tokens before it, whatever q_k is.
-
-DFlash drafts all B-1 slots in ONE parallel pass from [anchor, MASK ...]: q_k is the marginal of slot k given the
-context, not conditioned on d_1 .. d_{k-1}, and the slots are drawn independently. The rule stays exact: its
-proof at slot k needs only that, given the context and the accepted d_1 .. d_{k-1}, d_k is distributed as the
-q_k the rule divides by, which holds because d_k was drawn from q_k independently of the other slots and of the
-acceptance draws. A worse q_k costs acceptance, never correctness.
-
-All randomness comes from one `torch.Generator` on the CPU (uniforms drawn there and moved to the models'
-device), so the same seed gives the same tokens on CPU and CUDA up to floating-point ties in a cumulative sum.
+The rule, why it stays exact, and its tests: docs/serving.md, "Sampling: `-p temperature T -p top_p P`". Sources:
+Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling".
 """
 
 from __future__ import annotations

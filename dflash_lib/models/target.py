@@ -1,17 +1,10 @@
 """The frozen target LLM: selected hidden layers for the drafter, plus next-token logits for verification.
 
-`TargetModel` wraps a Hugging Face causal LM (a base model exposing `embed_tokens`, `layers`, `norm`,
-`rotary_emb`: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and gpt-oss are tested), a local folder loaded by
-transformers itself (`load_pretrained`). It runs the decoder layers itself so that it can stop after the last
-layer the drafter needs and never applies the LM head to every position. It runs the REAL tokens only: the non-padding
-slots of the batch are gathered into one sequence whose segments are the documents (`masks.real_tokens`, on the
-host), attended with flash-attn's varlen kernel on CUDA, else with one causal SDPA call per document
-(`sdpa_varlen_attention`), each layer with its own attention module's sliding window and attention sinks.
-The trainer hands the drafter those flat real-token features as they are
-(`context_features`, the drafter's context); `features` scatters them back into the (R, T, F*H) slots, zeros on
-padding. So a batch costs the target what its documents cost alone, whatever its padding: linear layers per real
-token, attention the sum over documents of len^2, never R * T^2 (a packed row against a block-diagonal
-mask: LOG.md, 2026-11-29, second session).
+`TargetModel` wraps a local Hugging Face causal LM that transformers loads itself (`load_pretrained`) and runs the
+decoder layers itself: up to the deepest layer the drafter reads, over the batch's REAL tokens only, gathered into
+one sequence whose segments are the documents (`context_features`: the drafter's context as it is). Which families
+run and what is refused: docs/data.md, "Your own data, tokenizer and model"; what a batch then costs the target:
+docs/batching.md, "What padding still costs".
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
-"""Bucket boundaries for length-aware batching: the cost model, EXACTLY optimal edges, the two baselines we
-compare against and the choice of k (the worst-case fit check: `fit`). numpy only.
+"""Bucket boundaries for length-aware batching: the cost of a sample, EXACTLY optimal edges under the "edge"
+(static shapes) and "batch_max" (random batches padded to their longest) objectives, with or without the drafter's
+block budget, the two baselines we compare against and the choice of k (the worst-case fit check: `fit.py`). numpy
+only, on the histogram of distinct lengths; `BucketPlan.exact` says whether a plan is proven optimal ("batch_max"
+above `grid` distinct lengths is optimal among grid edges only).
 
-Units and conventions (see docs/batching.md):
-- Lengths are tokens. Bucket i holds lengths in (edges[i-1], edges[i]]; the first bucket starts above 0 and
-  edges[-1] == max_len.
-- Cost of one sample g(l) = l ("linear") or l + l^2/q ("quadratic", attention's share; q in tokens). A token
-  budget T is in the same units (tokens when linear) and INCLUDES padding. Bucket i's batch size is
-  b_i = floor(T / g(edges[i])), rounded down to a multiple of `multiple` (never below 1).
-- Objective "edge": every sample is padded to its bucket's upper edge (K static shapes).
-  Objective "batch_max": the bucket is shuffled and cut into batches of b_i (the last one partial); each batch
-  is padded to its longest member. Every chunk of a uniform shuffle is a uniform random subset, so the expected
-  padded cost is (n - r) E_b[g(max)] + r E_r[g(max)] with r = n mod b, and E_b[g(max)] =
-  sum_t g(v_t) (C(N_t, b) - C(N_{t-1}, b)) / C(n, b) over the bucket's distinct lengths v_t (N_t = members
-  <= v_t): the hypergeometric law of the maximum, evaluated in log space, exact to float64 rounding.
-- Work is on the histogram of distinct lengths (M values, plus max_len), never on the N samples.
-- Which to use: "edge" for static shapes; "batch_max" predicts what BucketedShuffleSampler's fill rule pays
-  (random batches padded to their longest member), which "edge" under-predicts.
-- Both budgets (given the samples' drafter `queries` and a `block_budget` B, in query tokens): a bucket's batch
-  size is also capped at B // its costliest sample's queries, and a bucket is priced by what its batches hold of
-  each budget: its padded cost plus its drafter queries Q_k at T / B token-budget units each (a batch full in
-  queries costs what a batch full in tokens costs). The queries are the same whatever the edges; what the edges
-  change is the padding, which "edge" (static shapes) pays as computed slots, and "batch_max" as room in the
-  token budget, whose fill sets the steps where tokens bind (the target and the drafter's context compute the
-  real tokens only). Pricing a bucket by max(padded cost, queries), the
-  batches it needs, was tried and chose worse edges: LOG.md, 2026-12-02.
-
-Exactness: "edge" is solved by dynamic programming with divide-and-conquer (the cost obeys the quadrangle
-inequality), O(k M log M), always exact. "batch_max" has no monotone structure; its DP is O(k G^2) over G
-candidate edge positions with every bucket cost exact. It is exact (optimal over every boundary set) when
-the distinct lengths number at most `grid`; above that the candidates are a count-quantile + uniform-length
-grid and the result is optimal among grid edges (BucketPlan.exact says which).
+Units, the objectives, their dynamic programs and why they are exact: docs/batching.md, "The objective".
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """A step-time model calibrated on measured steps:
 seconds = a + b * computed slots + r * real + c * attention + e * blocks (+ d * new shape).
 
-The reference run predicted throughput from padding efficiency alone and missed (docs/dflash.md), because a step
-also pays a fixed cost (kernel launches, optimizer, host sync), a per-token cost on every slot its kernels
-compute, and a quadratic attention cost that grows with row length. Fitting those terms on probe steps lets any
-strategy, or any set of bucket edges, be priced without running it.
-
-A batch is priced by its real tokens and its drafter queries (anchor blocks): the target runs the real tokens
-of a batch only, whatever its layout (`models/target.py`). Its padding slots are priced only when the batch asks
-for a padded kernel (`BatchShape.padded_kernel`, the `static_shapes` setting: fixed shapes, every slot computed).
-
-Terms of one step (one forward + backward of one batch of R rows x T token slots):
-- a: seconds per step (always fitted).
-- b: seconds per computed token slot (`BatchShape.computed_slots`): dense work over the slots the kernels run
-  (linear layers, MLPs), R * T for a padded kernel, the real tokens otherwise.
-- r: seconds per real (document) token: work that follows the documents whatever the kernels (collation,
-  per-document attention calls, gathers over document tokens). It differs from b only on padded kernels.
-- c: seconds per attention unit: the sum over attention blocks of len^2 (tokens^2). Per document (sum of
-  doc_len^2) with varlen attention, R * T^2 for padded kernels over whole rows, T^2 per packed row when the
-  backend cannot do varlen.
-- e: seconds per anchor block the drafter scores (its LM head + cross-entropy over the whole vocabulary): this
-  grows with the number of DOCUMENTS in a step (anchors per document are capped), not with its tokens, so a
-  strategy that puts many short documents in a step pays more per token. Only when observations carry blocks.
-- d: seconds paid the first time a run meets a new (R, T) shape (kernel selection, autotuning, allocator
-  growth, recompiles).
-
-Which of b, r, c, e, d a fit uses is chosen by held-out error (`select_cost_model`): every strategy in turn is
-predicted from a fit on the others (leave-one-out) and the term set with the lowest mean error wins. Because
-that choice itself looks at the held-out strategies, the choice is also repeated inside each fold (nested
-leave-one-out), which gives the honest estimate of how well an unseen strategy is predicted.
-
-Probe noise against model error (`held_out_noise`): a held-out error is also moved by which steps happened to be
-measured, in the held-out strategy and in the strategies the fit saw. Resampling the steps of every strategy
-(bootstrap) and repeating the fold's fit and prediction gives the spread of the held-out error that noise alone
-makes; an error within twice that spread is not evidence against the model, the part beyond it is.
-
-numpy only: the fit is a non-negative least squares over at most six columns, solved exactly by trying every
-support set (2^6 small solves) instead of pulling in scipy.
+`BatchShape` describes a batch (real tokens, drafter blocks, padding slots only for a padded kernel), `fit_cost_model`
+fits the terms (non-negative least squares, numpy only), `select_cost_model` chooses them by nested leave-one-out
+error across strategies, and `held_out_noise` gives the part of that error probe noise alone makes. What each term
+stands for and how to read the errors: docs/batching.md, "The step-time cost model".
 """
 
 from __future__ import annotations

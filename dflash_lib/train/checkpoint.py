@@ -1,34 +1,10 @@
 """Crash-safe distributed checkpoints on `torch.distributed.checkpoint` (DCP): every rank writes its own shard.
 
-On disk, one checkpoint is one directory `ckpt-<step:08d>/` in a checkpoint folder:
-```
-ckpt-00000120/
-  dcp/            DCP: .metadata + __<rank>_<i>.distcp, the TENSORS of the state, each rank writing its part
-                  (FSDP shards are disjoint; replicated DDP tensors are spread over the ranks by DCP's dedup)
-  objects.pt      the rest of the state (numbers, strings, lists, dicts; torch.save by rank 0, read weights_only)
-  rank-<r>.pt     each rank's own state (its RNG streams), saved alongside by that rank
-  manifest.json   the completion marker, written LAST: format, step, config hash, world size, size and sha256
-                  of every file above (each rank hashes the files it wrote), JSON meta
-```
-What DCP does: lay the tensors out and reshard them on load (a checkpoint of W ranks loads at any world size,
-DDP or FSDP), fsync its files, stage an async save in host memory. What this module adds: the non-tensor state
-without pickles, a manifest with checksums, and atomic commits. A save writes everything into a hidden temp
-directory in the same folder (named by rank 0, shared by all ranks); once every rank is done, rank 0 writes the
-manifest, renames the directory to `ckpt-<step>` and fsyncs the folder: a reader sees either the whole checkpoint
-or none of it, a folder without its manifest is skipped, and `kill -9` at any moment leaves the previous ones
-untouched. Older checkpoints are deleted only after the new one is durable. With `async_save` DCP writes the
-tensors in a background thread; `PendingSave.wait()` (the trainer calls it at the next save and at the end)
-commits.
-
-Loads verify sizes and checksums first (`find_latest`). `load_checkpoint` reads a whole checkpoint as plain
-tensors in one process (export); `load_into` reads the tensors in place into a template of this run's sharding.
-Nothing is ever unpickled: objects and rank files are read with `torch.load(weights_only=True)`. Every rank must
-see the same folder (a shared filesystem across nodes).
-
-Every global random stream (python `random`, numpy's global state, torch CPU, torch CUDA on every device) is
-captured and restored with `capture_rng` / `restore_rng`, as uint8 tensors and JSON strings (exact for numpy's
-128-bit integers) that a weights_only checkpoint holds. The anchors are drawn from generators seeded per step,
-so no generator of the trainer's own needs saving.
+One checkpoint is `ckpt-<step:08d>/` (`dcp/` the tensors, `objects.pt` the rest of the state, `rank-<r>.pt` each
+rank's RNG streams, `manifest.json` with checksums, written last), committed by a rename. `TrainingCheckpoints`
+saves and loads for the trainer, `find_latest` verifies, `load_checkpoint` reads a whole one as plain tensors
+(export), `load_into` into this run's sharding; `capture_rng` / `restore_rng` carry every global random stream.
+Atomic commits, async saves, nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations

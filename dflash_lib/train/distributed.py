@@ -1,16 +1,10 @@
 """torch.distributed glue: one process or a torchrun group, behind the same few calls, and torch's own engines.
 
-`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; set
-alike by --standalone and by c10d rendezvous across nodes) and joins a process group (gloo on CPU, NCCL on CUDA)
-whose collectives give up after `timeout_s`, so a dead peer makes the others fail with a DistributedError
-instead of hanging. Without torchrun it is a single process and every collective is a no-op. Call sites stay the
-same either way: `all_reduce_sum`, `all_gather_bytes`, `is_main`, `print0`, `barrier`, `destroy`, and the
-trainer's few on top of them: `all_reduce_floats`, `any_rank`, `gather_states` (and `rank_shards`, which data
-shards a rank reads).
-
-`wrap_drafter` puts the drafter on an `Engine`: DistributedDataParallel (default) or FSDP2 (`fully_shard`); the
-frozen target is never part of it (replicated on every rank, or sharded on a group of its own: `target_shard`). `checkpoint_group` is a gloo group for checkpoint
-collectives whose timeout is sized for the save (`checkpoint_timeout_s`), not for a training step.
+`init_distributed` joins torchrun's group (gloo on CPU, NCCL on CUDA; a collective that times out raises
+DistributedError instead of hanging); without torchrun every collective is a no-op, so the call sites
+(`all_reduce_sum`, `any_rank`, `barrier`, `print0`, ...) stay the same. `wrap_drafter` puts the drafter on an
+`Engine` (DDP or FSDP2; never the frozen target: `target_shard`); `checkpoint_group` is a gloo group whose timeout
+is sized for a save. Engines, timeouts, what is guaranteed: docs/scale.md, "Several GPUs and several nodes".
 """
 
 from __future__ import annotations

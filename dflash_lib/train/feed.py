@@ -1,16 +1,11 @@
 """What feeds the training loop: sampler positions -> work items -> validated batches -> target features.
 
-    epoch_batches (Work: epoch, step, shard, indices) -> make_collate (Collated: Batch or None, skipped samples)
+    epoch_batches (Work) -> make_collate (Collated: Batch or None, skipped samples)
     -> make_target_workers (Item: batch + target features) -> the trainer
 
-Every item carries its sampler position (epoch, step within the epoch), so the trainer knows exactly which
-batches it has CONSUMED even though the pipeline reads ahead; a checkpoint records that position and a resume
-starts the source there. Samples that fail `validate_sample` (token id outside the vocabulary, empty, a loss mask
-with no assistant token, ...) are left out of their batch and reported with the item, so only consumed skips
-are counted.
-
-Bad samples are skipped and counted, never allowed to crash (or silently poison) a long run: the skip
-counts and the bad-step guard are in `state`.
+Every item carries its sampler position (what a checkpoint records as consumed); samples that fail
+`validate_sample` are left out of their batch and counted, never crash a run: docs/architecture.md, "The training
+pipeline", and docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The held-out evaluations inside a training run: which ranks run them, when, and what the run keeps of them.
 
-Rank 0 records the split (data/split.py) in heldout.json and evaluates ALL the held-out samples every
-`eval_every` steps and after the run's last step (not on a stop: a resumed run then logs exactly the rows of an
-uninterrupted one). The other ranks never evaluate, except under FSDP (of the drafter, or of the target:
-`target_parallel` fsdp), where every rank runs the same evaluation because each layer's forward all-gathers its
-shards.
-
-One evaluation (`build_eval_set`, `evaluate`): the first `eval_samples` held-out samples in hash order,
-batched once (fixed batches within the token budget) with anchors drawn once from a reserved seed
-(`EVAL_SHARD`), fed all MASK (noise 1, as at inference). Every evaluation therefore runs the same blocks and
-the figures of two evaluations are comparable.
+`HeldOutEvaluator`: rank 0 (every rank under FSDP) records the split in heldout.json and evaluates every
+`eval_every` steps and after the last step, never on a stop. `build_eval_set` batches the first `eval_samples`
+held-out samples once, anchors from a reserved seed (`EVAL_SHARD`), every block fed MASK, so every `evaluate`
+scores the same blocks. The settings and figures: docs/runs.md, "Training outside notebooks".
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
-"""`train(config, run_dir) -> summary`: the drafter training loop. `Trainer.run` reads top to bottom:
-
-    batch in       sampler -> collate, validate, anchors and drafter layout on the host -> the target's
-                   features in worker threads (`feed`, `pipeline`); micro-batches accumulated to `accum_tokens`
-    drafter step   global weight sum -> loss/backward per micro-batch -> clip -> AdamW at `schedule.lr_at`
-                   (`step.train_step`)
-    metrics        log line, metrics.jsonl (`metrics.StepMetrics` rows), wandb (`RunLog`); held-out evaluations
-                   (`heldout`)
-    checkpoint     every `ckpt_every` steps, on a stop and at the end (`checkpoint.TrainingCheckpoints`)
-    stop           planned steps done, `stop_at_step`, or SIGTERM/SIGINT on any rank (after the current step)
-    -> drafter/ + summary.json (`RunSummary`)
-
-What the loop runs on is built elsewhere: `build.build_parts` (data, sampler, target, drafter),
-`resume.prepare_run_dir` (resume, start or refuse), `distributed.wrap_drafter` (DDP, FSDP2 or one process).
-On CUDA: the target runs in bf16, the drafter under bf16 autocast with fp32 weights, batches are pinned and
-copied non-blocking, AdamW is fused.
-
-Crash safety: a checkpoint holds everything the trajectory depends on: drafter weights, AdamW state, every
-global RNG and the loop's `state.Progress` (step, GLOBAL data position, guard, skip and token counters).
-`train()` on a folder holding a checkpoint of the same config resumes from it and continues with exactly the
-batches and anchors an uninterrupted run would have used (`dflash_lib.train.resume` says when a folder resumes).
-
-Steps are numbered from 1 in logs (step 1 = the first optimizer step); the schedules take the 0-based index.
-A read whose batches hold nothing to score on any rank (every sample failed validation, or has no anchor block to
-score) is NOT a step: no update, no metrics row, the step counter and the lr stay; its data is consumed (and
-counted in `empty_batches`). A whole epoch of such reads, or a run of nothing else, fails with NothingTrainedError.
+"""`train(config, run_dir) -> summary`: the drafter training loop. `Trainer.run` reads top to bottom: batch in
+(`feed`, `pipeline`), drafter step (`step.train_step`), metrics and held-out evaluations (`metrics`, `heldout`),
+checkpoint (`checkpoint.TrainingCheckpoints`), stop (planned steps, `stop_at_step`, SIGTERM/SIGINT on any rank),
+then drafter/ and summary.json (`RunSummary`). What it runs on is built by `build.build_parts`,
+`resume.prepare_run_dir` and `distributed.wrap_drafter`. Exact resume, precision, empty reads and stops:
+docs/runs.md, "Training outside notebooks" and "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
@@ -182,6 +162,7 @@ class Trainer:
         no rank scored a token (the step's global weight sum is 0, the same on every rank): no update was made
         and no step is counted, only the data consumed; NothingTrainedError after a whole epoch of those."""
         tc, p = self.config.train, self.progress
+        # steps are numbered from 1 in logs (this one is p.step + 1); the schedules take the 0-based index
         lr = lr_at(p.step, p.total_steps, tc)
         noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(p.batches_done, tc))
         res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,

@@ -1,15 +1,8 @@
 """Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row), the console log line, the metrics.jsonl
-and wandb sinks, throughput, data wait and ETA.
+and wandb sinks, throughput, data wait and ETA (`SteadyStateDetector`, `ThroughputMeter`).
 
-Stdlib only in the loop (wandb is imported lazily, and only when a sink is not disabled; pandas only by
-`load_metrics`, a run's metrics.jsonl as a frame for the notebooks and evaluation). Every timing takes an injected
-clock (a callable returning seconds) so tests drive it with a synthetic one.
-
-ETA convention: an ETA is the time (seconds) to process the remaining REAL tokens at the STEADY-STATE
-throughput. Before the `SteadyStateDetector` declares steady state it uses the throughput of the last window
-instead and is provisional: the log line shows it as `ETA ~5.1d` (steady: `ETA 5.1d`; no estimate yet:
-`ETA --`). The log line's `eta_s` is the trainer's ETA of THIS invocation (to `steps` or `stop_at_step`); the
-full run's is `full_run_eta_s` (see `loop.run_training`).
+Stdlib only in the loop (wandb is imported lazily, pandas only by `load_metrics`); every timing takes an injected
+clock, so tests drive it with a synthetic one. The log line and the ETA: docs/runs.md, "Training outside notebooks".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The CSP training pipeline: sampler -> collate -> N target workers -> the drafter trainer (the caller).
 
-Every arrow is a bounded FIFO, every stage a thread:
-
     sampler ──q_idx──► collate ──q_pre[w]──► target[w] ──q_hs[w]──► caller (for item in pipeline)
 
-Batch `s` (0-based, in sampler order) goes to worker `s % N` and the caller reads worker `s % N`'s output queue
-for item `s`, so the output order is the sampler order whatever the workers' speeds.
-
-Failure model: a stage that raises records (stage name, exception) and aborts every queue. Aborting wakes every
-blocked `put`/`get` at once (condition variables, not sleep-polling), so all stages stop and the caller's next
-`next()` raises `PipelineError("stage 'target[1]' failed: ...")` chained to the original exception within
-milliseconds. `close()` aborts, drops what is queued and joins every thread.
-
-A worker callable with a `leave()` method has it called in its own thread when its stage ends (end of stream,
-abort or failure); a stage raising `Stopped` aborts every queue without recording a failure (another rank's feed
-stopped: `target_shard`).
-
-Threads only: torch releases the GIL inside its kernels, so a target worker and the drafter step overlap; and
-collation costs a small fraction of a CPU step (benchmarks/pipeline.py prints both; LOG.md, 2026-11-29), so a
-process pool for it would not pay for its pickling.
+Every arrow a `BoundedQueue`, every stage a thread; items come out in sampler order, and a stage that fails aborts
+every queue so that the caller's next `next()` raises `PipelineError`. Order, failure model, why threads:
+docs/architecture.md, "The training pipeline".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """What a training run finds in its run folder decides whether it resumes, starts, or refuses.
 
-    checkpoints/ckpt-<step>/ of this config      -> resume from the newest one that verifies (at any world size:
-                                                    DCP reshards, the data position is global)
-    a checkpoint of another config               -> CheckpointMismatchError (never mix two runs)
-    no trainer output at all                     -> start at step 0
-    only the traces of a run of THIS config that died before its first checkpoint (config.json with the same
-    resume hash, metrics.jsonl, wandb/, a checkpoints/ without a checkpoint) -> start at step 0 over them
-    other trainer outputs without a checkpoint (a summary.json or drafter/, another config's config.json,
-    metrics.jsonl without config.json)           -> ConfigError naming the differing settings: use fresh=True
-                                                    (--fresh) or another folder (only another folder when it is
-                                                    not a training run: --fresh would not clear it)
-A training run folder is one whose config.json the trainer wrote, or that holds a checkpoint (`is_training_run`).
-Files the trainer does not write (a notebook run's executed notebook, params.json, figures) are neither
-inspected nor touched: a notebook may train into its own run folder. env.json is rewritten by every run.
-`fresh=True` first deletes what a training run owns (RUN_OUTPUTS), and refuses a non-empty folder that is not
-a training run (a notebook's run folder, a user's folder): it never deletes what another program wrote.
-On resume, metrics.jsonl keeps only the rows up to the checkpoint's step, so that the rows appended next make
-it the true trajectory of the run (an interrupted run may have logged steps past its last checkpoint).
-`prepare_run_dir` applies all this under torchrun (rank 0 decides, every rank gets the verdict) and records the
-run's config.json and env.json; `shared_new_run_dir` makes a new run folder whose path every rank shares.
+`find_resume_point`: resume from the newest verified checkpoint of this config (at any world size), start at
+step 0, or refuse (CheckpointMismatchError, ConfigError: use --fresh or another folder); `prepare_run_dir` applies
+it under torchrun (rank 0 decides) and records config.json and env.json; `clear_run_dir` is `--fresh`;
+`shared_new_run_dir` a new folder every rank shares; `export_source` the export command's run-folder half.
+Which folder does what: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations

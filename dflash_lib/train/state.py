@@ -1,19 +1,10 @@
 """Where a training run stands: the counters its loop advances every step (the same on every rank) and the
 trainer state a checkpoint records of them, so that a resumed run continues exactly where it stood.
 
-Besides the step (the lr schedule is a function of it) and the GLOBAL data position, the state carries the
-bad-step guard, the throughput meter's token counts, every rank's skipped samples (merged) and the sampler's
-fingerprint (a resume on other data or sampler settings is refused). Anchors need no state: each micro-batch's
-draw is seeded by its sampler position. `SkipCounter` tallies skipped samples by reason (`feed.validate_sample`)
-for the run summary; `BadStepGuard` skips optimizer steps whose loss is not finite and aborts after too many
-in a row.
-
-Graceful stop (`StopRequest`): SIGTERM and SIGINT become a request that the training loop honours at the next
-step boundary. The first signal only sets `requested` (and says so on stderr): the loop finishes the step it is in, saves a
-checkpoint, closes the pipeline and returns normally, so the command exits 0 and a rerun resumes. A second
-signal aborts at once (KeyboardInterrupt) for a user who will not wait; checkpoint writes are atomic, so even
-that leaves the last good checkpoint intact. Handlers can only be installed from the main thread; anywhere
-else `StopRequest` stays inert and leaves the process's handlers alone.
+`Progress` (step, GLOBAL data position, sampler fingerprint, counters), `SkipCounter` (skipped samples by reason),
+`BadStepGuard` (a non-finite loss skips its step, too many in a row abort) and `StopRequest` (SIGTERM/SIGINT: finish
+the step, checkpoint, exit 0; a second signal aborts; inert off the main thread). What a stop and a resume do:
+docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations

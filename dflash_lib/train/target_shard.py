@@ -1,52 +1,10 @@
 """The frozen target sharded over the ranks with FSDP2 (`-p target_parallel fsdp`), for a target too large to sit
 whole on every GPU beside the drafter.
 
-What is sharded: each decoder layer is one `fully_shard` unit (its weights 1/W per rank), all-gathered in its
-forward and resharded right after it (`reshard_after_forward=True`); each layer's forward prefetches the next
-layer's all-gather EXPLICITLY (`set_modules_to_forward_prefetch`), so on CUDA the all-gather of layer i+1 runs
-while layer i computes. `embed_tokens`, the final norm and `lm_head` stay replicated: the drafter shares the
-embedding and the LM head and calls them on its own, outside any target forward. Their cost per rank is
-(V x H) x 2 (untied) in the target's dtype, e.g. 2 x 151936 x 4096 x 2 bytes = 2.5 GB for Qwen3-235B-A22B beside
-its 1/W share of ~470 GB of layers.
-
-Loading (`load_sharded_target`): the choice is made BEFORE a weight is read (`plan_target`: the parameter count
-of the model built on the meta device from its config, times the training dtype's size). Under fsdp each rank
-builds the target on the HOST in the training dtype (a local folder is read by transformers as memory maps of its
-safetensors: the ranks of a node share the page cache; the tiny target is random), then `fully_shard` wraps the
-layers one at a time: it moves the layer's parameters to the mesh's device (`_move_states_to_device`), copies
-this rank's 1/W of each into a shard of its own (`FSDPParam._init_sharded_param`) and puts the shard in place of
-the parameter, so the full copy on the device is freed as the call returns (nothing else holds it). The device
-never holds more than the shards, one full layer and, moved last, the replicated parts
-(`sharded_load_peak_bytes`). The drafter is built after, on the target whose embedding and LM head are then on
-the device.
-
-`TargetModel` calls its layers one by one, not through a root forward. FSDP2 hooks each unit's own `forward`, so
-the layers all-gather and reshard when called directly; the root unit (`_FeatureForward`, whose subtree is the
-decoder layers only, so it holds no parameter of its own) is entered around every feature pass, which is what
-lets FSDP2 initialise the layers as one tree with one set of streams.
-
-Collectives must pair across ranks. A forward's all-gathers carry the layers' weights, never the batch: every
-feature pass all-gathers the same layers in the same order, whatever its tokens (up to the deepest feature layer
-under loss ce; EVERY layer under loss kl / ce+kl, whose passes also give the final-normed states at the scored
-rows, `context_features_and_final`: a sharded target built for it runs every layer in every pass, a filler's and
-a bare `context_features` call's too, so no pass of one rank meets a shorter one on another). So the ranks stay
-paired as long as (1) every rank runs the same NUMBER of feature passes, and (2) a rank never interleaves two
-passes. (1): the
-feed runs `ceil(D / W)` passes per sampler step on every rank (a filler, a 1-token document, for a shard the rank
-does not have or a batch whose samples all failed validation: `feed.make_target_workers`), the zero-weight filler
-item of a multi-rank run is built on every rank, and under a sharded target every rank runs the held-out
-evaluation. (2): a lock around each pass (the feed thread's passes and the held-out evaluation's, in the trainer
-thread).
-
-Process groups: the passes run in the FEED thread while the drafter's DDP/FSDP reductions run in the trainer
-thread. Two threads issuing collectives on one group can enqueue them in another order on each rank (a deadlock,
-and NCCL requires one order per group), so the target gets a group of its own (`dist.new_group`, created by every
-rank in the same order when the parts are built, before any other thread starts) and its DeviceMesh is made
-from it. A second, gloo, group carries the feed's stop handshake: before each pass the ranks' feed threads agree
-to go on (one float, max-reduced), and a feed thread that leaves (end of stream, the trainer closing the
-pipeline, a failure) says so once, so the other ranks' feed threads stop at the same pass instead of waiting for
-an all-gather that never comes. One feed thread per rank (`pipeline.target_workers` 1): two would issue passes
-in an order of their own.
+`shard_layers`: each decoder layer a `fully_shard` unit, resharded after its forward, the next one prefetched;
+embedding, final norm and LM head replicated. `load_sharded_target` builds it on the host and shards it layer by
+layer (`plan_target` decides first); `ShardedTarget` runs as many feature passes on every rank, one at a time, on a
+group of its own: docs/scale.md, "A target too large to sit whole beside the drafter: `-p target_parallel fsdp`".
 """
 
 from __future__ import annotations

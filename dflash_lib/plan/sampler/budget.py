@@ -1,14 +1,9 @@
-"""When is a batch full, kept apart from the samplers that decide the order. Two constraints:
-- TokenBudget (the target's cost, padding counted): n samples whose longest has m tokens cost n * g(m) (g from
-  dflash_lib.plan.buckets).
-- BlockBudget (the drafter's cost): the drafter's memory and work follow its query tokens, anchors x block_size
-  per document, not the target's tokens; a batch's query tokens are the SUM over its samples. A bucket of short
-  documents gives nearly every assistant token an anchor, so the token budget alone does not bound it.
+"""When is a batch full, kept apart from the samplers that decide the order: `TokenBudget` (the target's cost,
+padding counted), `BlockBudget` (the drafter's query tokens) and `BatchBudget`, the one rule every sampler fills by:
+a batch takes samples until the next one would pass either budget, and records which did (`Bound`).
+`fill_in_order` applies it along a sequence, `PackedSampler` per row, `fixed_batch_sizes` to a bucket's worst batch.
 
-`BatchBudget` is the one rule every sampler fills by: a batch takes samples until the next one would pass the
-token budget OR the block budget, whichever comes first, and records which one did (`Bound`). `fill_in_order`
-is that rule over a sequence (sorted, random, bucketed, length-grouped batches), `PackedSampler` applies it per
-row, `fixed_batch_sizes` to a bucket's worst batch (static shapes).
+Why two budgets and how each sampler uses them: docs/batching.md, "The objective" and "The samplers".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Randomness and efficiency of batches, for any sampler: cheap, no model needed.
+"""Randomness and efficiency of batches, for any sampler: cheap, no model needed. Batches are an EpochPlan, a
+(indices, offsets) CSR pair or a list of index lists; lengths are tokens.
 
-Batches may be given as an EpochPlan (its batches, every rank's, step-major), a (indices, offsets) CSR pair, or
-a list of index lists. All lengths are tokens. With several ranks, `randomness` judges optimizer steps (the
-world_size batches of one step together, EpochPlan.step_csr), since one update averages over all of them.
-- padding_efficiency: real tokens / padded tokens (each batch padded to its longest member).
-- packing_efficiency: real tokens / the slots of the packed rows (`data.batch.packed_row_len`).
-- cobatch_recurrence: of the sample pairs batched together in one epoch (and both present in the next), the
-  fraction batched together again in the next. 1.0 = frozen batches; ~(b-1)/(n_k-1) reshuffling in buckets.
-- lag1_correlation: Pearson correlation of consecutive batches' mean (or max) length.
-- bucket_mix_kl: KL(mix of the last `tail` of the batches || mix of the whole epoch), buckets by batch maximum.
-- budget_use: how full a sampler's batches are in its token and block budgets, and the share each budget closed.
+Efficiency: `padding_efficiency`, `packing_efficiency`, `budget_use` (how full each budget is, which one closed).
+Randomness: `cobatch_recurrence`, `lag1_correlation`, `bucket_mix_kl`, and `randomness`, the three for one
+sampler between two epochs. What they measure and what good values are: docs/batching.md, "Measuring randomness
+without a model".
 """
 
 from __future__ import annotations
@@ -136,6 +131,7 @@ def randomness(sampler: EpochBatchSampler, edges: Sequence[int], epoch: int = 0,
                ) -> RandomnessStats:
     """The three randomness figures of any sampler, from its plans of `epoch` and `epoch + 1`."""
     a = sampler.epoch_plan(epoch)
+    # per optimizer step (every rank's batch of the step together): one update averages over all of them
     csr_a = a.step_csr()
     csr_b = sampler.epoch_plan(epoch + 1).step_csr()
     return RandomnessStats(cobatch_recurrence(csr_a, csr_b, len(sampler.lengths)),
