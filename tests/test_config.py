@@ -76,8 +76,11 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "engine_url": "http://127.0.0.1:1"}
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
-COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3}}  # window >= 1
-# needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults
+OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
+COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
+           # needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults
+           "target_engine": {"target": "models/t"}, "hidden_cache": {"target": "models/t"},  # a served target: a
+           "target_engine_url": {"target": "models/t", "target_engine": "vllm"}}  # folder, the url its engine's
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 
