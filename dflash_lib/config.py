@@ -2,13 +2,16 @@
 
 Notebook parameters and `-p KEY VALUE` pairs are FLAT (papermill wants flat literals); every flat key is the
 name of exactly one field in one section below, so `from_params` can validate and place it. Unknown keys and
-wrong types are refused with a `ConfigError` naming the key.
+wrong types are refused with a `ConfigError` naming the key. A field with a fixed set of values is typed
+`Literal[...]` (its values show in `python -m dflash_lib params`). Not pydantic: its ValidationError is several lines
+per field and would need translating back into these one-line errors; the checks it would replace are shorter.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import inspect
 import io
@@ -20,7 +23,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 
 class ConfigError(ValueError):
@@ -34,17 +37,16 @@ class DataConfig:
     # flat parameters setting `target` to a folder that ships a tokenizer and not `tokenizer` use that folder's
     template: str = "chatml"  # chat template name (see dflash_lib.data.templates)
     max_len: int = 3072  # tokens per sample after rendering; longer samples follow `policy`
-    policy: str = "truncate"  # "truncate" (cut at max_len) or "drop" (skip, counted)
+    policy: Literal["truncate", "drop"] = "truncate"  # samples over max_len: cut at max_len, or dropped (counted)
     limit: int = 0  # read at most this many conversations (0 = all)
     cache_dir: str = ".cache/token_stores"  # token stores are cached here under a settings hash
     workers: int = 2  # tokenizer threads
-    thinking: str = "off"  # Qwen3 think blocks: "off" (non-thinking serving: empty block, untrained) | "on" | "keep"
+    thinking: Literal["off", "on", "keep"] = "off"  # Qwen3 think blocks: "off" (non-thinking serving: empty block, untrained), "on", "keep"
     heldout_fraction: float = 0.01  # share of samples held out of training, chosen by a hash of each sample's
     # tokens (dflash_lib.data.split: stable across runs and corpus order); 0 = none
 
     def __post_init__(self) -> None:
-        _choice("policy", self.policy, ("truncate", "drop"))
-        _choice("thinking", self.thinking, ("off", "on", "keep"))
+        _check_choices(self)
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         _positive("max_len", self.max_len)
@@ -58,8 +60,8 @@ class BucketConfig:
     k: int = 6  # number of buckets for the chosen plan
     k_min: int = 1  # smallest k in the efficiency-vs-k sweep
     k_max: int = 12  # largest k in the sweep
-    objective: str = "edge"  # "edge" (pad to bucket edge) or "batch_max" (expected max of a random batch)
-    cost: str = "linear"  # per-sample cost g(l): "linear" = l, "quadratic" = l + l^2/q
+    objective: Literal["edge", "batch_max"] = "edge"  # "edge" (pad to bucket edge) or "batch_max" (expected max of a random batch)
+    cost: Literal["linear", "quadratic"] = "linear"  # per-sample cost g(l): "linear" = l, "quadratic" = l + l^2/q
     q: float = 0.0  # quadratic cost scale in tokens (0 = unset; required when cost == "quadratic")
     multiple: int = 1  # round per-bucket batch sizes down to a multiple of this (kernel shapes)
     cost_from: str = ""  # a notebook-03 run folder (cost_model.json): optimize under its fitted quadratic cost
@@ -68,8 +70,7 @@ class BucketConfig:
     device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and the plan (`dryrun.search`) are for
 
     def __post_init__(self) -> None:
-        _choice("objective", self.objective, ("edge", "batch_max"))
-        _choice("cost", self.cost, ("linear", "quadratic"))
+        _check_choices(self)
         _bounded(self, positive=("k", "k_min", "multiple", "bucket_grid", "device_gib"))
         if not 0.0 <= self.k_distance < 1.0:
             raise ConfigError(f"k_distance must be in [0, 1), got {self.k_distance}")
@@ -81,7 +82,7 @@ class BucketConfig:
 
 @dataclass
 class SamplerConfig:
-    strategy: str = "bucketed"  # "sorted" | "random" | "bucketed" | "packed"
+    strategy: Literal["sorted", "random", "bucketed", "packed"] = "bucketed"  # how batches are formed
     token_budget: int = 16384  # tokens per batch INCLUDING padding (packed: most tokens per row)
     edges: list[int] = field(default_factory=list)  # bucket upper edges; empty = optimal for the data
     plan: str = ""  # a plan.json written by notebook 02; overrides edges when set
@@ -97,7 +98,7 @@ class SamplerConfig:
     # objective prices exactly)
 
     def __post_init__(self) -> None:
-        _choice("strategy", self.strategy, ("sorted", "random", "bucketed", "packed"))
+        _check_choices(self)
         if self.static_shapes and self.strategy not in ("bucketed", "packed"):
             raise ConfigError(f"static_shapes needs strategy 'bucketed' or 'packed', got strategy {self.strategy!r}")
         _positive("token_budget", self.token_budget)
@@ -108,8 +109,15 @@ class SamplerConfig:
             raise ConfigError(f"edges must be strictly ascending, got {self.edges}")
 
 
-LOSSES = ("ce", "kl", "ce+kl")  # ModelConfig.loss
-POSITION_WEIGHTS = ("decay", "dpace")  # ModelConfig.position_weight
+Loss = Literal["ce", "kl", "ce+kl"]
+PositionWeight = Literal["decay", "dpace"]
+DrafterLayerKind = Literal["full_attention", "sliding_attention"]
+TargetEngine = Literal["local", "vllm"]
+Precision = Literal["auto", "bf16", "fp32"]
+Engine = Literal["none", "vllm"]
+LOSSES, POSITION_WEIGHTS = typing.get_args(Loss), typing.get_args(PositionWeight)  # the allowed values, as tuples
+DRAFTER_LAYER_KINDS, TARGET_ENGINES = typing.get_args(DrafterLayerKind), typing.get_args(TargetEngine)
+PRECISIONS, ENGINES = typing.get_args(Precision), typing.get_args(Engine)
 
 
 def reads_final_states(loss: str) -> bool:
@@ -124,8 +132,8 @@ class ModelConfig:
     target_layers: int = 4  # tiny target: decoder layers
     hidden_size: int = 64  # tiny target: hidden size (the drafter always matches the target)
     drafter_layers: int = 1  # draft decoder layers (paper: 5)
-    drafter_layer_types: list[str] = field(default_factory=list)  # per drafter layer "full_attention" |
-    # "sliding_attention" (causal in its block, `drafter_window` positions back: vLLM's DFlash rule); empty = all full
+    drafter_layer_types: list[DrafterLayerKind] = field(default_factory=list)  # one per drafter layer; a sliding
+    # layer is causal in its block, `drafter_window` positions back (vLLM's DFlash rule); empty = all full
     drafter_window: int = 0  # sliding drafter layers: a query at p sees keys at p - w < j <= p (0 = no sliding layer)
     num_features: int = 2  # target layers fused into the context (paper: 5)
     block_size: int = 8  # tokens per drafted block, anchor included (paper: 16)
@@ -134,36 +142,34 @@ class ModelConfig:
     gamma: float = 0.0  # loss decay w_k = exp(-(k-1)/gamma); 0 = the paper's value for the block size
     ce_chunk_blocks: int = 64  # blocks per LM-head + CE chunk (bounds peak memory); 0 = one unchunked pass
     target_layer_ids: list[int] = field(default_factory=list)  # target layers fused; empty = the docs/dflash.md rule
-    attn_backend: str = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
-    target_engine: str = "local"  # "local": the target runs in the trainer; "vllm": vLLM serves it and hands over
+    attn_backend: Literal["auto", "sdpa", "flash"] = "auto"  # "auto" = flash-attn varlen for the target on CUDA when importable, else "sdpa"
+    target_engine: TargetEngine = "local"  # "local": the target runs in the trainer; "vllm": vLLM serves it and hands over
     # its feature layers per document (docs/scale.md; its engine_python and start timeout are evaluate's)
     target_engine_url: str = ""  # target_engine vllm: a running server started with our connector ("" = start one)
     hidden_cache: str = ""  # a folder `capture` wrote: the target's features read from it, no target forward (with
     # target_engine vllm the engine serves what it lacks); "" = none
-    drafter_attention: str = "auto"  # "auto" (flex on CUDA, blocks elsewhere) | "flex" | "blocks" | "dense" (reference)
+    drafter_attention: Literal["auto", "flex", "blocks", "dense"] = "auto"  # "auto": flex on CUDA, blocks elsewhere; "dense": the reference
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)
     init_from: str = ""  # a saved or exported drafter folder to start from instead of random weights ("" = random)
-    loss: str = "ce"  # drafter loss per scored position: "ce" (the paper) | "kl" (T^2 KL(target || drafter)) | "ce+kl"
+    loss: Loss = "ce"  # drafter loss per scored position: "ce" (the paper), "kl" (T^2 KL(target || drafter)), their sum
     kl_weight: float = 1.0  # ce+kl: lambda in ce + lambda * T^2 * KL_T (docs/dflash.md); unused by ce and kl
     kl_temperature: float = 1.0  # T softening both distributions of the KL term (scaled by T^2); > 0
-    position_weight: str = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma) | "dpace" (D-PACE, docs/dflash.md)
+    position_weight: PositionWeight = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma), "dpace" (D-PACE, docs/dflash.md)
     dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         check_loss_settings(self)
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
                  non_negative=("ce_chunk_blocks", "gamma"))
-        _choice("attn_backend", self.attn_backend, ("auto", "sdpa", "flash"))
-        _choice("target_engine", self.target_engine, TARGET_ENGINES)
         if self.target_engine_url and self.target_engine != "vllm":
             raise ConfigError(f"target_engine_url {self.target_engine_url!r} is set but target_engine is "
                               f"{self.target_engine!r}: set target_engine vllm")
         if self.target_engine_url and not self.target_engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"target_engine_url must start with http:// or https://, got {self.target_engine_url!r}")
-        _choice("drafter_attention", self.drafter_attention, ("auto", "flex", "blocks", "dense"))
         checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
@@ -173,8 +179,6 @@ class ModelConfig:
                               f"but num_features is {self.num_features}")
 
 
-DRAFTER_LAYER_KINDS = ("full_attention", "sliding_attention")  # ModelConfig.drafter_layer_types
-TARGET_ENGINES = ("local", "vllm")  # ModelConfig.target_engine
 
 
 def check_drafter_layer_types(kinds: list[str], window: int, layers: int) -> None:
@@ -191,9 +195,6 @@ def check_drafter_layer_types(kinds: list[str], window: int, layers: int) -> Non
     if window and not sliding:
         raise ConfigError(f"drafter_window {window} is set but no drafter layer is sliding_attention "
                           "(drafter_layer_types)")
-
-
-PRECISIONS = ("auto", "bf16", "fp32")  # TrainConfig.precision
 
 
 def uses_bf16(precision: str, device: Any) -> bool:
@@ -256,9 +257,9 @@ class TrainConfig:
     noise: float = 1.0  # fraction of block positions masked (1.0 = the paper)
     log_every: int = 1  # print a log line every N steps
     ckpt_every: int = 0  # checkpoint every N steps (0 = only at the end)
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 elsewhere) | "bf16" (the target's weights in bf16, the
-    # drafter under bf16 autocast over fp32 weights, on any device: CPUs with AVX512-BF16 / AMX run it faster) | "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the run trains ("auto": cuda when available)
+    precision: Precision = "auto"  # "auto": bf16 on CUDA, fp32 elsewhere; "bf16": the target's weights in bf16, the
+    # drafter under bf16 autocast over fp32 weights, on any device (CPUs with AVX512-BF16 / AMX run it faster)
     seed: int = 0  # model init and anchor generator seed
     probe_steps: int = 30  # notebook 03: training steps per strategy in the throughput probe
     probe_rounds: int = 1  # notebook 03: chunks each probe is trained in, the strategies taking turns (drift control)
@@ -269,14 +270,15 @@ class TrainConfig:
     fresh: bool = False  # delete the run folder's checkpoints and start over instead of resuming
     dist_timeout_s: float = 60.0  # seconds a torch.distributed collective waits for a peer before failing
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
-    parallel: str = "ddp"  # under torchrun: "ddp" (DistributedDataParallel) | "fsdp" (FSDP2, a unit per drafter layer)
-    target_parallel: str = "auto"  # under torchrun: the frozen target "replicate" (whole on every rank) | "fsdp"
-    # (FSDP2, a unit per decoder layer: train.target_shard) | "auto" (fsdp when its weights exceed 1/3 of a GPU)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # the drafter under torchrun: DistributedDataParallel, or FSDP2 with a unit per layer
+    target_parallel: Literal["replicate", "fsdp", "auto"] = "auto"  # the frozen target under torchrun: whole on every rank, or
+    # FSDP2 with a unit per decoder layer (train.target_shard); "auto": fsdp when its weights exceed 1/3 of a GPU
     async_ckpt: bool = False  # checkpoints staged in host memory, written in the background, committed at the next save
     eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
     eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _non_negative("steps", self.steps)
         _positive("probe_steps", self.probe_steps)
         _positive("probe_rounds", self.probe_rounds)
@@ -284,10 +286,6 @@ class TrainConfig:
             raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("parallel", self.parallel, ("ddp", "fsdp"))
-        _choice("target_parallel", self.target_parallel, ("replicate", "fsdp", "auto"))
         if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
             raise ConfigError(f"lr must be in (0, 1], got {self.lr}")
         _bounded(self, positive=("log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),
@@ -296,19 +294,19 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    wandb_mode: str = "offline"  # "offline" | "online" | "disabled" (tests use disabled)
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # tests use disabled
     wandb_project: str = "dflash-lab"  # wandb project name
     out_dir: str = ""  # where a notebook writes its outputs ("" = the current run folder)
 
     def __post_init__(self) -> None:
-        _choice("wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        _check_choices(self)
 
 
 @dataclass
 class RegenerateConfig:
     """`python -m dflash_lib regenerate`: the target answers every assistant turn again (see regenerate.py)."""
 
-    backend: str = "local"  # "local" (the target in-process, batched generate) | "openai" (a chat-completions server)
+    backend: Literal["local", "openai"] = "local"  # the target in-process (batched generate), or a chat-completions server
     max_new_tokens: int = 1024  # tokens generated per assistant turn at most (beyond: finish_reason "length");
     # also each held-out prompt's answer in `evaluate` and notebook 05 (the same quantity: one answer's length)
     min_new_tokens: int = 0  # the end-of-turn token is masked out of an answer's first N tokens (Hugging Face's
@@ -326,16 +324,14 @@ class RegenerateConfig:
     retries: int = 5  # openai: retries of a request after a transport error, 429, 500, 502, 503 or 504
     retry_backoff_s: float = 1.0  # openai: wait before the first retry (seconds), doubled for each next one
     request_timeout_s: float = 600.0  # openai: seconds one request may take
-    regen_leading_assistant: str = "keep"  # an assistant turn before any user turn answers no prompt: "keep" it
-    # verbatim (the later turns are regenerated) | "skip" the whole record (counted in the report)
-    regen_on_error: str = "skip"  # a record still failing after its retries: "skip" = list it in <OUT stem>.rejects
-    # .jsonl and go on (one bad prompt must not stop a long run; a rerun retries it) | "abort" = stop the run there
+    regen_leading_assistant: Literal["keep", "skip"] = "keep"  # an assistant turn before any user turn answers no prompt:
+    # keep it verbatim (the later turns are regenerated), or skip the whole record (counted in the report)
+    regen_on_error: Literal["skip", "abort"] = "skip"  # a record still failing after its retries: skip = list it in <OUT stem>.rejects
+    # .jsonl and go on (one bad prompt must not stop a long run; a rerun retries it); abort = stop the run there
     regenerated: str = ""  # notebook 01: a file written by `regenerate` from `source` (lengths before vs after)
 
     def __post_init__(self) -> None:
-        _choice("backend", self.backend, ("local", "openai"))
-        _choice("regen_leading_assistant", self.regen_leading_assistant, ("keep", "skip"))
-        _choice("regen_on_error", self.regen_on_error, ("skip", "abort"))
+        _check_choices(self)
         _positive("max_new_tokens", self.max_new_tokens)
         _non_negative("min_new_tokens", self.min_new_tokens)
         if self.min_new_tokens > self.max_new_tokens:
@@ -353,9 +349,6 @@ class RegenerateConfig:
         _positive("request_timeout_s", self.request_timeout_s)
         if not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url must start with http:// or https://, got {self.base_url!r}")
-
-
-ENGINES = ("none", "vllm")  # `evaluate.engine`
 
 
 @dataclass
@@ -384,7 +377,7 @@ class EvalConfig:
     # this temperature against plain sampling (the regenerate section's top_p, sample_seed): tau as serving at T > 0
     # sees it; 0 = not (nor when it equals `temperature`: the main evaluation is that one)
     # -- the serving engine in the loop (dflash_lib.serve, docs/serving.md)
-    engine: str = "none"  # "vllm": the same prompts also served by vLLM (the target folder + the drafter): served tau
+    engine: Engine = "none"  # "vllm": the same prompts also served by vLLM (the target folder + the drafter): served tau
     # per set and position beside ours, the engine's speedup, the train/serve gap verdict; "none": not
     engine_python: str = ""  # the Python whose vllm runs the engine ("" = $DFLASH_ENGINE_PYTHON, else .venv-engine)
     engine_url: str = ""  # a running server (http://HOST:PORT) already serving the target with this drafter: used
@@ -394,6 +387,7 @@ class EvalConfig:
     # each engine (with and without the drafter): tokens/s from the median round, the speedup's range per round
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _positive("prompts", self.prompts)
         _positive("doctor_samples", self.doctor_samples)
         _non_negative("decode_threads", self.decode_threads)
@@ -412,7 +406,6 @@ class EvalConfig:
         if not (math.isfinite(self.sampled_temperature) and self.sampled_temperature >= 0):
             raise ConfigError(f"sampled_temperature must be a finite number >= 0 (0 = no sampled evaluation), got "
                               f"{self.sampled_temperature!r}")
-        _choice("engine", self.engine, ENGINES)
         _positive("engine_start_timeout_s", self.engine_start_timeout_s)
         _positive("engine_rounds", self.engine_rounds)
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
@@ -469,6 +462,20 @@ class Config:
     def hash(self) -> str:
         """Stable short hash of every setting (used to refuse resuming a run with another config)."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_choices(section: Any) -> None:
+    """Refuse a field of `section` typed `Literal[...]` whose value the type does not list, naming the field."""
+    for name, allowed in _choices(type(section)).items():
+        _choice(name, getattr(section, name), allowed)
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """{field: its allowed values} for the `Literal[...]` fields of a section dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -541,7 +548,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_name(typ: Any) -> str:
-    return typ.__name__ if isinstance(typ, type) and not typing.get_args(typ) else str(typ).replace("typing.", "")
+    """A field type as `params` shows it, without spaces: `int`, `list[int]`, a choice as `'a'|'b'`."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) is Literal:
+        return "|".join(repr(a) for a in args)
+    if args:
+        return f"{typing.get_origin(typ).__name__}[{','.join(_type_name(a) for a in args)}]"
+    return typ.__name__ if isinstance(typ, type) else str(typ).replace("typing.", "")
 
 
 def params_table(section: str = "") -> str:
@@ -572,7 +585,7 @@ def coerce(key: str, value: Any) -> Any:
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ConfigError(f"unknown parameter {key!r}{hint}")
     typ = FLAT_FIELDS[key][1]
-    if isinstance(value, str) and typ is not str:
+    if isinstance(value, str) and typ is not str and typing.get_origin(typ) is not Literal:  # a choice is a string
         value = _parse_literal(key, value)
     return _check_type(key, value, typ)
 
@@ -588,6 +601,8 @@ def _parse_literal(key: str, text: str) -> Any:
 
 def _check_type(key: str, value: Any, typ: Any) -> Any:
     origin = typing.get_origin(typ)
+    if origin is Literal:  # the value's type here; whether the section allows it, in its __post_init__
+        origin, typ = None, type(typing.get_args(typ)[0])
     if origin in (list, types.GenericAlias) or typ is list:
         (inner,) = typing.get_args(typ) or (Any,)
         if not isinstance(value, (list, tuple)):

@@ -151,3 +151,19 @@ def test_params_table_lists_every_field_with_its_type_default_and_comment():
         f.name for f in dataclasses.fields(C.TrainConfig)}
     with pytest.raises(C.ConfigError, match="unknown section 'trian'; sections: data, buckets, sampler"):
         C.params_table("trian")
+
+
+def test_choices_are_literal_types_shown_in_params_and_checked_by_value():
+    rows = {line.split()[0]: line for line in C.params_table().splitlines() if line.startswith("  ")}
+    assert rows["policy"].split()[1:3] == ["'truncate'|'drop'", '"truncate"']
+    assert rows["drafter_layer_types"].split()[1] == "list['full_attention'|'sliding_attention']"
+    assert C.coerce("policy", "drop") == "drop" and C.coerce("thinking", "on") == "on"  # a CLI string, not JSON
+    with pytest.raises(C.ConfigError, match="parameter 'policy' must be str, got int: 5"):
+        C.from_params({"policy": 5})
+    # every Literal field refuses a value outside its type, naming the field and the allowed values
+    for cls in C.SECTION_CLASSES.values():
+        for name, allowed in C._choices(cls).items():
+            with pytest.raises(C.ConfigError) as e:
+                C.from_params({name: "nope"})
+            assert str(e.value) == f"{name} must be one of {list(allowed)}, got 'nope'"
+    assert C.LOSSES == ("ce", "kl", "ce+kl") and C.PRECISIONS == ("auto", "bf16", "fp32")
