@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -22,11 +21,11 @@ from dflash_lib.models.loss import leading_run_stats, weighted_loss
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
 from dflash_lib.train.feed import epoch_batches
-from dflash_lib.train.heldout import HELDOUT_KEYS
 from dflash_lib.train.loop import run_training
 from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import StepMetrics
+from dflash_lib.train.metrics import HELDOUT_KEYS, StepMetrics
 from dflash_lib.train.resume import resume_config_hash
+from run_folder import metrics_rows as rows_of
 
 
 def random_store(n: int, seed: int = 0, lo: int = 12, hi: int = 60) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -139,8 +138,8 @@ def test_loss_path_reports_exact_tau_and_keeps_the_marginal_estimate():
     out = weighted_loss(hidden, head, hand_layout(labels, scored_mask), 0, None)
     assert out.tau == pytest.approx((3 + 1 + 4 + 2) / 4)  # runs 2, 0, 3, 1
     assert out.acc_per_pos == pytest.approx([0.75, 0.75, 0.75])
-    assert out.eal_marginal == out.eal == pytest.approx(expected_acceptance([0.75, 0.75, 0.75]))
-    assert out.eal_marginal != pytest.approx(out.tau)  # errors correlate within blocks: the estimate differs
+    assert out.eal == pytest.approx(expected_acceptance([0.75, 0.75, 0.75]))
+    assert out.eal != pytest.approx(out.tau)  # errors correlate within blocks: the estimate differs
     stats = out.stats()
     assert stats[-2:].tolist() == [10.0, 4.0]  # tau_sum, blocks appended last
 
@@ -183,10 +182,6 @@ def tiny_config(**params):
     return from_params({**base, **params}, preset("smoke"))
 
 
-def rows_of(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_eval_rows_every_n_steps_and_the_split_in_the_run_folder(tmp_path):
     store = random_store(48)
     config = tiny_config(eval_every=2, steps=5)
@@ -197,20 +192,21 @@ def test_eval_rows_every_n_steps_and_the_split_in_the_run_folder(tmp_path):
     evaluated = [r["step"] for r in rows if "heldout_tau" in r]
     assert evaluated == [2, 4, 5]  # every 2 steps and the last
     for r in rows:
-        assert 1.0 <= r["tau_inbatch"] <= 4 and r["eal_marginal"] == r["eal"]
+        assert 1.0 <= r["tau_inbatch"] <= 4 and r["eal"] == pytest.approx(expected_acceptance(r["acc_per_pos"]))
         if r["step"] in evaluated:
             assert set(HELDOUT_KEYS) <= set(r) and r["heldout_samples"] == min(8, len(split.heldout))
             assert math.isfinite(r["heldout_loss"]) and 0 <= r["heldout_acc"] <= 1
             assert 1.0 <= r["heldout_tau"] <= 4 and len(r["heldout_acc_per_pos"]) == 3
-            assert r["heldout_eal_marginal"] == pytest.approx(expected_acceptance(r["heldout_acc_per_pos"]))
+            assert r["heldout_eal"] == pytest.approx(expected_acceptance(r["heldout_acc_per_pos"]))
     assert rows[1]["heldout_loss"] != rows[3]["heldout_loss"]  # the drafter changed between evaluations
-    assert summary.heldout_step == 5 and summary.heldout_tau == rows[-1]["heldout_tau"]
+    assert summary.heldout_step == 5 and summary.heldout.tau == rows[-1]["heldout_tau"]
     assert summary.heldout_count == len(split.heldout) > 0
     # an evaluation step's row holds every field (but the block budget's: the sampler has none), the others none
-    every = {f.name for f in fields(StepMetrics)} - {"query_fill", "bound_blocks"}
-    assert all(set(r) == (every if r["step"] in evaluated else every - set(HELDOUT_KEYS) - {"heldout_s"})
+    every = set(StepMetrics.json_keys()) - {"query_fill", "bound_blocks"}
+    assert all(set(r) == (every if r["step"] in evaluated else every - set(HELDOUT_KEYS))
                for r in rows)
-    assert set(json.loads((tmp_path / "summary.json").read_text())) == {f.name for f in fields(RunSummary)} - {
+    assert all(StepMetrics.from_json(r).to_json() == r for r in rows)  # the flat keys read back
+    assert set(json.loads((tmp_path / "summary.json").read_text())) == set(RunSummary.json_keys()) - {
         "target_cache"}  # no feature cache asked for
     assert RunSummary.from_json(tmp_path / "summary.json") == summary
     record = json.loads((tmp_path / "heldout.json").read_text())
@@ -232,7 +228,7 @@ def test_the_last_step_is_evaluated_when_the_data_ends_on_a_read_with_nothing_to
     parts.sampler = FixedBatchSampler(batches)
     summary = run_training(config, parts, tmp_path)
     assert (summary.steps, summary.empty_batches) == (len(batches) - 1, 1)
-    assert summary.heldout_step == summary.steps and math.isfinite(summary.heldout_loss)
+    assert summary.heldout_step == summary.steps and math.isfinite(summary.heldout.loss)
     assert not any("heldout_loss" in r for r in rows_of(tmp_path))  # eval_every 0: no evaluation before
 
 

@@ -6,11 +6,14 @@ import json
 import math
 import random
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-from dflash_lib.train.metrics import (JsonlSink, NullSink, SteadyStateDetector, ThroughputMeter, WandbSink,
-                                      _wandb_scalars, eta_seconds, format_duration, format_log_line)
+from dflash_lib.rundir import omitted
+from dflash_lib.train.metrics import (HELDOUT_KEYS, HeldoutFigures, JsonlSink, NullSink, SteadyStateDetector,
+                                      ThroughputMeter, WandbSink, WithHeldoutFigures, _wandb_scalars, eta_seconds,
+                                      format_duration, format_log_line)
 
 SEED_LIKE = dict(step=58, loss=1.4213, acc=0.6071, lr=1.2e-05, noise=1.0, ktok_s=25.13, data_wait_pct=0.42,
                  bucket=3, eta_s=5.1 * 86400, steady=True, q_pre=[50, 50], q_hs=[0])
@@ -81,6 +84,36 @@ def test_wandb_disabled_never_imports_wandb(monkeypatch, tmp_path):
 def test_wandb_scalars_flatten_lists_and_drop_text():
     out = _wandb_scalars({"loss": 1.0, "q_pre": [3, 4], "steady": True, "eta_s": None, "note": "x"})
     assert out == {"loss": 1.0, "q_pre/0": 3, "q_pre/1": 4, "steady": 1.0}
+
+
+@dataclass
+class FlatRow(WithHeldoutFigures):
+    step: int
+    heldout: HeldoutFigures | None = omitted()
+    bucket: int = 0
+
+
+def test_held_out_figures_are_written_flat_in_their_place_and_read_back():
+    figures = HeldoutFigures(loss=2.5, acc=0.4, acc_per_pos=[0.5, 0.25], tau=1.5, eal=1.625, blocks=4, samples=2, s=0.1)
+    doc = FlatRow(step=3, heldout=figures, bucket=1).to_json()
+    assert list(doc) == ["step", *HELDOUT_KEYS, "bucket"] == FlatRow.json_keys()
+    assert (doc["heldout_eal"], doc["heldout_acc_per_pos"], doc["heldout_s"]) == (1.625, [0.5, 0.25], 0.1)
+    assert FlatRow.from_json(doc) == FlatRow(3, figures, 1)
+    assert FlatRow(step=3).to_json() == {"step": 3, "bucket": 0} and FlatRow.from_json({"step": 3}).heldout is None
+    with pytest.raises(ValueError, match=r"FlatRow.heldout: .*missing keys \['tau'\]"):
+        FlatRow.from_json({k: v for k, v in doc.items() if k != "heldout_tau"})
+
+
+def test_files_of_the_trainer_before_the_eal_rename_read_back_under_todays_names():
+    """A row (summary.json, a checkpoint's last row) an older trainer wrote: heldout_eal_marginal is heldout_eal,
+    eal_marginal (a copy of eal) is dropped; any other unknown key is still refused."""
+    figures = HeldoutFigures(loss=2.5, acc=0.4, acc_per_pos=[0.5, 0.25], tau=1.5, eal=1.625, blocks=4, samples=2, s=0.1)
+    old = {("heldout_eal_marginal" if k == "heldout_eal" else k): v
+           for k, v in FlatRow(step=3, heldout=figures, bucket=1).to_json().items()}
+    assert "heldout_eal" not in old
+    assert FlatRow.from_json({**old, "eal_marginal": 1.625}) == FlatRow(3, figures, 1)
+    with pytest.raises(ValueError, match=r"unknown keys \['eal_typo'\]"):
+        FlatRow.from_json({**old, "eal_typo": 1.0})
 
 
 def ramp_then_noise(seed: int, ramp: int = 30, n: int = 200, noise: float = 0.05) -> list[float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +22,12 @@ from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
 from dflash_lib.train.loop import run_training
 from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import BUDGET_FIGURES, StepMetrics, format_duration
+from dflash_lib.train.metrics import BUDGET_FIGURES, HELDOUT_KEYS, StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import train_step
+from run_folder import metrics_rows
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
               "data_wait_pct", "q_pre", "q_hs", "bucket", "eta_s", "run_eta_s", "full_run_eta_s", "steady",
@@ -95,7 +95,7 @@ def test_training_feeds_blocks_masked_at_the_configured_noise(tmp_path, data):
             run_training(config, parts, tmp_path / f"noise{masked}")
         finally:
             del drafter._embed
-        rows = [json.loads(line) for line in (tmp_path / f"noise{masked}" / "metrics.jsonl").read_text().splitlines()]
+        rows = metrics_rows(tmp_path / f"noise{masked}")
         assert [r["noise"] for r in rows] == [pytest.approx(noise)] * 2
         blocks = torch.cat(fed)  # (n, B)
         assert len(blocks) >= 2 * 8 and (blocks[:, 0] < 2000).all()  # 2 steps of >= 8 blocks; anchors are real
@@ -245,7 +245,7 @@ def run_loop(tmp_path, data, **params):
 
 def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     summary, config, target = run_loop(tmp_path, data, target_workers=2)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(JSONL_KEYS <= set(r) for r in rows)
     assert all(len(r["q_pre"]) == 2 and len(r["q_hs"]) == 2 for r in rows)  # one queue per target worker
@@ -258,12 +258,12 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
     assert not summary.steady and summary.steady_ktok_s is None  # 6 steps: too short to call steady
     # the files hold exactly the records' fields, less the held-out figures (no held-out split: no evaluation) and
     # the budget figures (a list of batches fills by no budget)
-    heldout = {"heldout_step", *(f.name for f in fields(StepMetrics) if f.name.startswith("heldout_"))}
-    assert all(set(r) == {f.name for f in fields(StepMetrics)} - heldout - set(BUDGET_FIGURES) for r in rows)
+    heldout = {"heldout_step", *HELDOUT_KEYS}
+    assert all(set(r) == set(StepMetrics.json_keys()) - heldout - set(BUDGET_FIGURES) for r in rows)
     assert all(getattr(summary, k) is None for k in BUDGET_FIGURES)  # no step had them
     assert all(StepMetrics.from_json(r).to_json() == r for r in rows)
     doc = json.loads((tmp_path / "summary.json").read_text())
-    assert set(doc) == {f.name for f in fields(RunSummary)} - heldout - {"target_cache"}  # no cache asked for
+    assert set(doc) == set(RunSummary.json_keys()) - heldout - {"target_cache"}  # no cache asked for
     assert RunSummary.from_json(tmp_path / "summary.json") == summary and summary.to_json() == doc
     read_drafter(tmp_path / "drafter", target)  # the saved drafter loads back on its target
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
@@ -273,7 +273,7 @@ def test_loop_writes_metrics_summary_and_drafter(tmp_path, data, capsys):
 
 def test_loop_accumulates_by_real_tokens(tmp_path, data):
     summary, _, _ = run_loop(tmp_path, data, accum_tokens=300, steps=3)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert all(r["micro_batches"] >= 2 and r["real_tokens"] >= 300 for r in rows)  # 4 samples < 240 tokens
     assert summary.steps == 3
 
@@ -308,7 +308,7 @@ def test_log_line_eta_is_this_invocations_and_the_full_runs_is_named_apart(tmp_p
     """stop_at_step 3 of 6 planned steps: `eta_s` (the log line's ETA) runs to step 3, `run_eta_s` to step 6 and
     `full_run_eta_s` to the end of `full_run_epochs` (2) over the corpus, all at the same throughput."""
     summary, _, _ = run_loop(tmp_path, data, steps=6, stop_at_step=3)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and summary.complete is False
     done = np.cumsum([r["real_tokens"] for r in rows])  # (3,) real tokens trained after each step
     for k, (r, d) in enumerate(zip(rows, done), start=1):
@@ -331,7 +331,7 @@ def test_a_read_without_a_sample_to_train_on_is_no_step(tmp_path, data, capsys):
     row and no step; the 6 steps are trained on the other batches, on the schedule of 6 steps."""
     store, lengths = data
     summary, config, _ = run_loop(tmp_path, (silenced(store, range(4, 12)), lengths), steps=6)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["real_tokens"] > 0 and math.isfinite(r["loss"]) and not r["skipped"] for r in rows)
     assert [r["lr"] for r in rows] == pytest.approx([lr_at(s, 6, config.train) for s in range(6)])
@@ -391,7 +391,7 @@ def test_smoke_preset_leaves_a_complete_run_folder(tmp_path):
     summary = train(preset("smoke"), run_dir)
     written = {p.name for p in run_dir.iterdir()}
     assert {"config.json", "env.json", "metrics.jsonl", "summary.json", "drafter"} <= written
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     assert len(rows) == summary.steps == preset("smoke").train.steps
     assert all(JSONL_KEYS <= set(r) for r in rows)
     assert all(r["bucket"] >= 0 for r in rows)  # the smoke preset trains on buckets
@@ -413,7 +413,7 @@ def test_command_line_trains_every_strategy(tmp_path, strategy, static):
     run_dir = tmp_path / strategy
     assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "steps", "2",
                  "-p", "strategy", strategy, "-p", "static_shapes", str(static).lower()]) == 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     summary = json.loads((run_dir / "summary.json").read_text())
     smoke = preset("smoke")  # token budget 2048; block budget 4 rows x 8 anchors x 4 = 128 query tokens
@@ -447,7 +447,7 @@ def test_static_shapes_pad_every_batch_to_its_bucket_edge_within_the_budget(tmp_
     config = from_params({"static_shapes": True, "steps": 4}, preset("smoke"))
     run_dir = tmp_path / "static"
     train(config, run_dir)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     edges = bucket_edges(config, np.asarray(build_token_store_from_config(config.data, progress=False).lengths))
     sizes = static_batch_sizes(edges, config.sampler.token_budget)
     for r in rows:  # (a batch may lose rows to validation, never gain any)
@@ -500,7 +500,7 @@ def test_two_ranks_stay_in_sync(tmp_path):
     results, stdout = two_ranks(tmp_path, DDP_SCRIPT, run_dir)
     assert [r["rank"] for r in results] == [0, 1] and all(r["steps"] == 3 for r in results)
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     served = [r["real_tokens"] + r["skipped_tokens"] for r in rows]  # samples failing validation are left out
     assert served == [a + b for a, b in zip(results[0]["tokens"], results[1]["tokens"])]
     assert results[0]["tokens"] != results[1]["tokens"]  # the ranks really saw different data
@@ -557,7 +557,7 @@ def test_two_ranks_agree_that_a_sampler_step_with_nothing_to_score_is_no_step(tm
     results, stdout = two_ranks(tmp_path, DDP_EMPTY_SCRIPT, run_dir)
     assert [(r["steps"], r["empty"]) for r in results] == [(3, 1), (3, 1)]
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-12)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and not any(r["skipped"] for r in rows)
     shard0, shard1 = results[0]["step2_tokens"]  # step 2 = sampler step 2: rank 1's samples all left out
     assert rows[1]["real_tokens"] + rows[1]["skipped_tokens"] == shard0 + shard1
@@ -611,7 +611,7 @@ def test_precision_bf16_runs_the_target_in_bf16_and_the_drafter_under_autocast_o
         assert {p.dtype for p in parts.targets[0].parameters()} == {want}
         assert {p.dtype for p in parts.drafter.parameters() if p.requires_grad} == {torch.float32}
         run_training(config, parts, tmp_path / precision)
-        rows = [json.loads(line) for line in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        rows = metrics_rows(tmp_path / precision)
         assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
         first[precision] = rows[0]["loss"]
     assert first["bf16"] != first["fp32"]  # the drafter ran in bf16: not the fp32 result to the last bit

@@ -74,8 +74,6 @@ class DrafterLoss:
         """The marginal-product ESTIMATE of the acceptance length (`expected_acceptance`; biased low)."""
         return expected_acceptance(self.acc_per_pos)
 
-    eal_marginal = eal  # the same estimate under its labelled name
-
     @property
     def tau(self) -> float:
         """EXACT in-batch acceptance length: mean over blocks of 1 + the block's leading run of correct

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -26,23 +26,22 @@ from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
 from dflash_lib.train.distributed import Engine
 from dflash_lib.train.feed import anchor_seed, validate_sample
+from dflash_lib.train.metrics import HeldoutFigures
 
 EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: training shards are >= 0
-HELDOUT_KEYS = ("heldout_loss", "heldout_acc", "heldout_acc_per_pos", "heldout_tau", "heldout_eal_marginal",
-                "heldout_blocks", "heldout_samples")
 
 
 class HeldOutEvaluator:
     """The held-out evaluations of one training run on `parts` (see the module docstring): `train` gives their
     cadence, sample count and anchor seed, `token_budget` (token slots per evaluation batch, the sampler's) their
-    batches. `latest`: the latest evaluation's figures (heldout_step + HELDOUT_KEYS + heldout_s), {} before the
-    first."""
+    batches. `latest`: the latest evaluation's figures, after optimizer step `latest_step`; None before the first."""
 
     def __init__(self, train: TrainConfig, token_budget: int, parts: TrainingParts, engine: Engine,
                  main: bool) -> None:
         self.train, self.token_budget, self.parts, self.engine, self.main = train, token_budget, parts, engine, main
         self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built by `prepare`)
-        self.latest: dict[str, Any] = {}
+        self.latest: HeldoutFigures | None = None
+        self.latest_step: int | None = None
 
     def prepare(self, run_dir: Path) -> None:
         """Rank 0: record the split in run_dir/heldout.json; the evaluating ranks lay out the evaluation
@@ -65,19 +64,25 @@ class HeldOutEvaluator:
         every = self.train.eval_every
         return final or (every > 0 and step % every == 0)
 
-    def run(self, step: int, say: Callable[[str], None]) -> dict[str, Any]:
-        """The drafter on the evaluation batches now (`heldout.evaluate`, after optimizer step `step`): the
-        HELDOUT_KEYS figures and heldout_s (seconds); kept in `latest` and said in one line."""
+    def run(self, step: int, say: Callable[[str], None]) -> HeldoutFigures:
+        """The drafter on the evaluation batches now (`heldout.evaluate`, after optimizer step `step`; its `s`
+        counts the full weights' gather too): kept in `latest` and said in one line."""
         t0 = time.perf_counter()
         with self.engine.full_root():
             figures = evaluate(self.parts.drafter, self.parts.targets[0], self.eval_set,
                                uses_bf16(self.train.precision, self.parts.targets[0].device))
-        figures["heldout_s"] = time.perf_counter() - t0
-        self.latest = dict(heldout_step=step, **figures)
-        say(f"held-out at step {step} ({figures['heldout_samples']} samples): loss {figures['heldout_loss']:.3f} | "
-            f"acc {figures['heldout_acc']:.3f} | tau {figures['heldout_tau']:.3f} | "
-            f"eal_marginal {figures['heldout_eal_marginal']:.3f}")
+        figures = replace(figures, s=time.perf_counter() - t0)
+        self.latest, self.latest_step = figures, step
+        say(f"held-out at step {step} ({figures.samples} samples): loss {figures.loss:.3f} | acc {figures.acc:.3f} | "
+            f"tau {figures.tau:.3f} | eal {figures.eal:.3f}")
         return figures
+
+    def after_loop(self, step: int, stopped: bool, say: Callable[[str], None]) -> None:
+        """After the loop ended at step `step`: the evaluation after the run's last step when no step took it
+        (the data ended on reads without a step; its figures reach the summary, not a metrics row). Never on a
+        stop, nor before a step."""
+        if step > 0 and not stopped and self.latest_step != step and self.due(step, final=True):
+            self.run(step, say)
 
 
 @dataclass
@@ -117,13 +122,13 @@ def build_eval_set(store: Any, indices: Sequence[int], drafter: Any, pad_id: int
     return EvalSet(batches, layouts, chosen)
 
 
-def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> dict[str, Any]:
-    """The drafter on `eval_set` without gradients, under the training autocast: the HELDOUT_KEYS figures
-    (loss in nats and top-1 accuracy weighted as in training, acc_per_pos unweighted, tau the EXACT acceptance
-    length from each block's own flags, eal_marginal the marginal-product estimate). One device-to-host
+def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> HeldoutFigures:
+    """The drafter on `eval_set` without gradients, under the training autocast, in figures (`s`: seconds of this
+    call): loss in nats and top-1 accuracy weighted as in training, acc_per_pos unweighted, tau the EXACT
+    acceptance length from each block's own flags, eal the marginal-product estimate. One device-to-host
     transfer at the end. Global RNG streams and the drafter's train/eval mode are left as they were, so an
     evaluation never changes the training trajectory."""
-    device = target.device
+    t0, device = time.perf_counter(), target.device
     n_pos = drafter.cfg.block_size - 1
     rng, was_training = capture_rng(), drafter.training
     stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)
@@ -152,8 +157,7 @@ def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> di
     pos_correct, pos_count = host[2:2 + n_pos], host[2 + n_pos:2 + 2 * n_pos]
     tau_sum, blocks = host[2 + 2 * n_pos], host[3 + 2 * n_pos]
     acc_per_pos = [c / n if n else math.nan for c, n in zip(pos_correct, pos_count)]
-    return dict(heldout_loss=ce / weight if weight > 0 else math.nan,
-                heldout_acc=correct / weight if weight > 0 else math.nan, heldout_acc_per_pos=acc_per_pos,
-                heldout_tau=tau_sum / blocks if blocks > 0 else math.nan,
-                heldout_eal_marginal=expected_acceptance(acc_per_pos), heldout_blocks=int(blocks),
-                heldout_samples=eval_set.samples)
+    return HeldoutFigures(loss=ce / weight if weight > 0 else math.nan,
+                          acc=correct / weight if weight > 0 else math.nan, acc_per_pos=acc_per_pos,
+                          tau=tau_sum / blocks if blocks > 0 else math.nan, eal=expected_acceptance(acc_per_pos),
+                          blocks=int(blocks), samples=eval_set.samples, s=time.perf_counter() - t0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,14 +29,14 @@ from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
-from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds, format_duration
+from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import CHECKPOINTS, prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
 from dflash_lib.train.target_shard import per_step_passes
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
-from dflash_lib.train.summary import RunLog, RunSummary, batch_shape, budget_fill, full_run_tokens
+from dflash_lib.train.summary import RunLog, RunSummary, batch_shape, budget_fill, full_run_tokens, run_summary
 
 
 class Trainer:
@@ -107,16 +107,14 @@ class Trainer:
                         continue
                     p.last = record
                     if self.heldout.due(p.step, final=self._final_step(ended)):
-                        p.last = replace(p.last, **self.heldout.run(p.step, log.say))
+                        p.last = replace(p.last, heldout=self.heldout.run(p.step, log.say))
                     log.log(p.last, p.step, line=p.step % tc.log_every == 0 or p.step == p.total_steps or ended)
                     self._report_faults(items, log.say)
                     if tc.ckpt_every > 0 and p.step % tc.ckpt_every == 0:
                         self.save(log.say)
                     if ended:
                         break
-                if (p.step > 0 and self.stop_reason is None and self.heldout.latest.get("heldout_step") != p.step
-                        and self.heldout.due(p.step, final=True)):  # the data ended on reads without a step
-                    self.heldout.run(p.step, log.say)  # (its figures reach the summary, not a metrics row)
+                self.heldout.after_loop(p.step, self.stop_reason is not None, log.say)
                 if p.step > max(self.ckpts.saved_step, 0):  # the end, a stop signal or stop_at_step
                     self.save(log.say)
                 self.ckpts.finish(log.say)  # an async save commits before the run reports
@@ -207,7 +205,7 @@ class Trainer:
             eta_s=eta_seconds((end - p.step) * per_step, rate.eta_tok_s),
             run_eta_s=eta_seconds((p.total_steps - p.step) * per_step, rate.eta_tok_s),
             full_run_eta_s=eta_seconds(self.full_tokens - done, rate.eta_tok_s),
-            steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal, eal_marginal=res.eal,
+            steady=rate.steady, acc_per_pos=res.acc_per_pos, eal=res.eal,
             tau_inbatch=res.tau_inbatch, time=self.clock() - self.t_start,
             grad_norm=res.grad_norm, micro_batches=len(items), skipped=res.skipped, step_s=rate.dt_s, wait_s=wait_s,
             blocks=res.blocks, head_rows=res.head_rows,
@@ -247,7 +245,7 @@ class Trainer:
                 raise NothingTrainedError(f"trained on nothing: none of the {p.empty_batches} sampler steps read "
                                           f"had a token to score ({skips.summary()}); no drafter written")
             raise ConfigError("training ran no step: the sampler produced no batch")
-        summary = self.summary(skips)
+        summary = run_summary(self, skips)
         weights = self.engine.full_weights() if p.step > 0 else {}  # a collective under FSDP
         if self.main:
             if p.step > 0:
@@ -289,7 +287,7 @@ class Trainer:
             self.skips.load_state_dict(state["skips"])
         self.ckpts.load_rng(path, int(state.get("world_size", 1)))
 
-    # -- skips, summary -----------------------------------------------------------------------------------------------
+    # -- skips, the data report ---------------------------------------------------------------------------------------
 
     def _store_index(self, index: int) -> int:
         """The token store's index of sample `index` of the training view (the same without a held-out split)."""
@@ -312,46 +310,6 @@ class Trainer:
             rank.load_state_dict(state)
             merged.merge(rank)
         return merged
-
-    def summary(self, skips: SkipCounter | None = None) -> RunSummary:
-        """The run in figures; `skips` = every rank's skipped samples (default: this rank's)."""
-        skips = skips if skips is not None else self.skips
-        m, p, tc = self.meter, self.progress, self.config.train
-        last, steady = p.last, m.detector.steady
-        ktok_s = last.ktok_s if last is not None else None
-        tok_s = m.steady_tok_s or (ktok_s or 0.0) * 1000.0  # last window's rate without a steady state
-        full_eta = eta_seconds(self.full_tokens, tok_s)
-        heldout, data = self.parts.heldout, self.data_report()
-        return RunSummary(
-            run_dir=str(self.run_dir), config_hash=self.config.hash(), resume_hash=self.ckpts.resume_hash,
-            strategy=self.config.sampler.strategy, world_size=self.dist.world_size,
-            data_shards=p.data_shards, parallel=self.engine.kind, device=str(self.device),
-            steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
-            complete=self.stop_reason is None,
-            stop_reason=self.stop_reason, resumed_from_step=p.resumed_from,
-            checkpoint=str(self.ckpts.latest) if self.ckpts.latest else None,
-            last_epoch=last.epoch if last is not None else None,
-            real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
-            padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
-            final_loss=last.loss if last is not None else None, mean_loss=p.loss_mean.mean,
-            final_acc=last.acc if last is not None else None, mean_acc=p.acc_mean.mean,
-            final_eal=last.eal if last is not None else None, bad_steps=self.guard.total,
-            **{k: m.mean for k, m in p.budget_means.items()},
-            skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
-            data_records=data.counts() if data is not None else None,
-            steady=steady, steady_start_step=m.detector.start_step,
-            steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=ktok_s,
-            data_wait_pct=last.data_wait_pct_total if last is not None else None,
-            steady_data_wait_pct=m.steady_data_wait_pct,
-            full_run_epochs=tc.full_run_epochs, full_run_tokens=self.full_tokens, full_run_eta_s=full_eta,
-            full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
-            setup_s=self.setup_s, loop_s=m.elapsed_s, wall_s=self.setup_s + self.clock() - self.t_start,
-            final_tau_inbatch=last.tau_inbatch if last is not None else None,
-            heldout_fraction=heldout.fraction if heldout is not None else 0.0,
-            heldout_count=len(heldout.heldout) if heldout is not None else 0,
-            **self.heldout.latest,
-            **({} if self.cache is None else {"target_cache": asdict(self.cache.stats)}),
-        )
 
 
 def run_training(config: Config, parts: TrainingParts, run_dir: Path,

@@ -1,5 +1,6 @@
-"""Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row), the console log line, the metrics.jsonl
-and wandb sinks, throughput, data wait and ETA (`SteadyStateDetector`, `ThroughputMeter`).
+"""Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row) and one held-out evaluation's
+(`HeldoutFigures`, written flat), the console log line, the metrics.jsonl and wandb sinks, throughput, data wait and
+ETA (`SteadyStateDetector`, `ThroughputMeter`).
 
 Stdlib only in the loop (wandb is imported lazily, pandas only by `load_metrics`); every timing takes an injected
 clock, so tests drive it with a synthetic one. The log line and the ETA: docs/runs.md, "Training outside notebooks".
@@ -12,17 +13,72 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Self
 
 from dflash_lib.rundir import JsonRecord, omitted
 
 if TYPE_CHECKING:
     import pandas as pd
 
+
 @dataclass
-class StepMetrics(JsonRecord):
+class HeldoutFigures(JsonRecord):
+    """One held-out evaluation in figures (`heldout.evaluate`): the first `eval_samples` held-out samples
+    (`dflash_lib.data.split`) in fixed batches with fixed anchors, every block fed MASK. The files hold it flat, each
+    field as `heldout_<field>` (`HELDOUT_KEYS`), in a metrics.jsonl row and in summary.json."""
+
+    loss: float  # cross-entropy (nats per scored position), weighted as in training; NaN with nothing scored
+    acc: float  # top-1 accuracy, weighted as in training
+    acc_per_pos: list[float]  # (B-1,) top-1 accuracy per draft position after the anchor, unweighted
+    tau: float  # EXACT acceptance length (tokens): mean over blocks of 1 + the block's own leading run of correct
+    # positions from position 1; NaN with no block
+    eal: float  # marginal-product ESTIMATE of tau from acc_per_pos (tokens, `expected_acceptance`): it misses how
+    # errors correlate within a block
+    blocks: int  # anchor blocks scored
+    samples: int  # held-out samples evaluated
+    s: float  # seconds the evaluation took
+
+
+HELDOUT_KEYS = tuple(f"heldout_{f.name}" for f in fields(HeldoutFigures))  # its keys in the files
+# keys of files an older trainer wrote (summary.json, a checkpoint's last row), read under today's name; None: a
+# copy of another key, dropped
+RENAMED_KEYS = {"heldout_eal_marginal": "heldout_eal", "eal_marginal": None}
+
+
+class WithHeldoutFigures(JsonRecord):
+    """A JsonRecord whose `heldout: HeldoutFigures | None` field the JSON object holds flat: the HELDOUT_KEYS in
+    its place (none while it is None), so the files keep one flat object per row."""
+
+    @classmethod
+    def json_keys(cls) -> list[str]:
+        """Every key the JSON object can hold, in order: the fields, `heldout` as the HELDOUT_KEYS."""
+        return [k for f in fields(cls) for k in (HELDOUT_KEYS if f.name == "heldout" else (f.name,))]
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        for key, value in super().to_json().items():
+            doc.update({f"heldout_{k}": v for k, v in value.items()} if key == "heldout" else {key: value})
+        return doc
+
+    @classmethod
+    def from_json(cls, source: str | Path | Mapping[str, Any]) -> Self:
+        if isinstance(source, (str, Path)):
+            try:
+                return cls.from_json(json.loads(Path(source).read_text()))
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+        if isinstance(source, Mapping) and any(k in source for k in RENAMED_KEYS):
+            source = {RENAMED_KEYS.get(k, k): v for k, v in source.items() if RENAMED_KEYS.get(k, k) is not None}
+        if isinstance(source, Mapping) and any(k in source for k in HELDOUT_KEYS):
+            held = {k.removeprefix("heldout_"): source[k] for k in HELDOUT_KEYS if k in source}
+            source = {**{k: v for k, v in source.items() if k not in HELDOUT_KEYS}, "heldout": held}
+        return super().from_json(source)
+
+
+@dataclass
+class StepMetrics(WithHeldoutFigures):
     """One optimizer step in figures: a row of metrics.jsonl (`to_json`), the same scalars to wandb, the log line's
     source. Written by rank 0; "all ranks" figures are summed over every rank, "this rank" ones are rank 0's."""
 
@@ -48,7 +104,6 @@ class StepMetrics(JsonRecord):
     steady: bool  # the throughput's steady-state detector has fired
     acc_per_pos: list[float]  # (B-1,) top-1 accuracy per draft position after the anchor
     eal: float  # expected acceptance length from acc_per_pos (tokens): the marginal-product ESTIMATE, biased low
-    eal_marginal: float  # = eal, under the name that says what it is
     tau_inbatch: float  # EXACT in-batch acceptance length (tokens): mean over the step's blocks of 1 + the block's
     # own leading run of correct positions; NaN with no block
     time: float  # seconds since this invocation's trainer was built
@@ -74,16 +129,8 @@ class StepMetrics(JsonRecord):
     bound_tokens: float | None = omitted()  # share of the micro-batches the token budget closed (the next sample
     # would have passed it); absent when the sampler's plan does not say
     bound_blocks: float | None = omitted()  # share of the micro-batches the block budget closed (both: in both)
-    # The held-out evaluation (`heldout.evaluate`), on evaluation steps only (every `eval_every` steps and the run's
-    # last step; rank 0 evaluates the first `eval_samples` held-out samples, `dflash_lib.data.split`):
-    heldout_loss: float | None = omitted()  # cross-entropy (nats), weighted as in training
-    heldout_acc: float | None = omitted()  # top-1 accuracy, weighted as in training
-    heldout_acc_per_pos: list[float] | None = omitted()  # (B-1,) accuracy per draft position, unweighted
-    heldout_tau: float | None = omitted()  # EXACT acceptance length (tokens), from each block's own flags
-    heldout_eal_marginal: float | None = omitted()  # marginal-product estimate of it (tokens)
-    heldout_blocks: int | None = omitted()  # anchor blocks scored
-    heldout_samples: int | None = omitted()  # held-out samples evaluated
-    heldout_s: float | None = omitted()  # seconds the evaluation took
+    heldout: HeldoutFigures | None = omitted()  # the held-out evaluation (`heldout.evaluate`), written flat as
+    # HELDOUT_KEYS; on evaluation steps only (every `eval_every` steps and the run's last step)
 
 
 BUDGET_FIGURES = ("token_fill", "query_fill", "bound_tokens", "bound_blocks")  # StepMetrics' budget figures, whose

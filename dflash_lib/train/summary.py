@@ -1,11 +1,11 @@
 """What a training run reports: `RunLog` (the metric sinks, a notebook's progress bar, the log lines on rank 0),
-`RunSummary` (summary.json, the last word of a run), and the per-step figures of a step's batches (`batch_shape`,
-`budget_fill`). docs/runs.md."""
+`RunSummary` (summary.json, the last word of a run; `run_summary` reads it off the trainer), and the per-step
+figures of a step's batches (`batch_shape`, `budget_fill`). docs/runs.md."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -14,11 +14,13 @@ import numpy as np
 from dflash_lib.config import Config, TrainConfig
 from dflash_lib.data.batch import Batch
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
-from dflash_lib.rundir import JsonRecord, omitted
+from dflash_lib.rundir import omitted
 from dflash_lib.train import distributed
 from dflash_lib.train.feed import Item
-from dflash_lib.train.metrics import JsonlSink, NullSink, StepMetrics, WandbSink, format_log_line
+from dflash_lib.train.metrics import (HeldoutFigures, JsonlSink, NullSink, StepMetrics, WandbSink, WithHeldoutFigures,
+                                     eta_seconds, format_duration, format_log_line)
 from dflash_lib.train.resume import METRICS_FILE
+from dflash_lib.train.state import SkipCounter
 
 
 def in_notebook() -> bool:
@@ -101,7 +103,7 @@ class RunLog:
 
 
 @dataclass
-class RunSummary(JsonRecord):
+class RunSummary(WithHeldoutFigures):
     """A training run in figures, as this invocation leaves it: its summary.json (`to_json`), what `train` returns.
     Throughput and time figures are this invocation's; step, token, loss and skip figures the whole run's."""
 
@@ -157,14 +159,49 @@ class RunSummary(JsonRecord):
     final_tau_inbatch: float | None  # the last step's EXACT in-batch acceptance length (tokens)
     heldout_fraction: float  # share of the corpus held out of training (`dflash_lib.data.split`); 0 without a split
     heldout_count: int  # samples held out
-    # The latest held-out evaluation (`StepMetrics.heldout_*`); absent when the run evaluated none:
+    # The latest held-out evaluation; absent when the run evaluated none:
     heldout_step: int | None = omitted()  # the optimizer step it followed
-    heldout_loss: float | None = omitted()  # cross-entropy (nats)
-    heldout_acc: float | None = omitted()  # top-1 accuracy
-    heldout_acc_per_pos: list[float] | None = omitted()  # (B-1,) accuracy per draft position
-    heldout_tau: float | None = omitted()  # EXACT acceptance length (tokens)
-    heldout_eal_marginal: float | None = omitted()  # marginal-product estimate of it (tokens)
-    heldout_blocks: int | None = omitted()  # anchor blocks scored
-    heldout_samples: int | None = omitted()  # held-out samples evaluated
-    heldout_s: float | None = omitted()  # seconds the evaluation took
+    heldout: HeldoutFigures | None = omitted()  # its figures (as a metrics row holds them: flat, HELDOUT_KEYS)
     target_cache: dict[str, int] | None = omitted()  # this rank's `feature_cache.CacheStats` (pipeline.target_cache_gib)
+
+
+def run_summary(trainer: Any, skips: SkipCounter) -> RunSummary:
+    """The run in figures as `trainer` (a `loop.Trainer`: not imported, loop imports this module) leaves it now;
+    `skips` = every rank's skipped samples (`Trainer.all_skips`)."""
+    t = trainer
+    m, p, tc = t.meter, t.progress, t.config.train
+    last, steady = p.last, m.detector.steady
+    ktok_s = last.ktok_s if last is not None else None
+    tok_s = m.steady_tok_s or (ktok_s or 0.0) * 1000.0  # last window's rate without a steady state
+    full_eta = eta_seconds(t.full_tokens, tok_s)
+    heldout, data = t.parts.heldout, t.data_report()
+    return RunSummary(
+        run_dir=str(t.run_dir), config_hash=t.config.hash(), resume_hash=t.ckpts.resume_hash,
+        strategy=t.config.sampler.strategy, world_size=t.dist.world_size,
+        data_shards=p.data_shards, parallel=t.engine.kind, device=str(t.device),
+        steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
+        complete=t.stop_reason is None,
+        stop_reason=t.stop_reason, resumed_from_step=p.resumed_from,
+        checkpoint=str(t.ckpts.latest) if t.ckpts.latest else None,
+        last_epoch=last.epoch if last is not None else None,
+        real_tokens=m.real_tokens, padded_tokens=m.padded_tokens,
+        padding_efficiency=m.real_tokens / max(1, m.padded_tokens),
+        final_loss=last.loss if last is not None else None, mean_loss=p.loss_mean.mean,
+        final_acc=last.acc if last is not None else None, mean_acc=p.acc_mean.mean,
+        final_eal=last.eal if last is not None else None, bad_steps=t.guard.total,
+        **{k: mean.mean for k, mean in p.budget_means.items()},
+        skipped_samples=dict(skips.counts), skipped_sample_examples=dict(skips.examples),
+        data_records=data.counts() if data is not None else None,
+        steady=steady, steady_start_step=m.detector.start_step,
+        steady_ktok_s=tok_s / 1000.0 if steady else None, ktok_s_last_window=ktok_s,
+        data_wait_pct=last.data_wait_pct_total if last is not None else None,
+        steady_data_wait_pct=m.steady_data_wait_pct,
+        full_run_epochs=tc.full_run_epochs, full_run_tokens=t.full_tokens, full_run_eta_s=full_eta,
+        full_run_eta=format_duration(full_eta) + ("" if steady else " (provisional: no steady state)"),
+        setup_s=t.setup_s, loop_s=m.elapsed_s, wall_s=t.setup_s + t.clock() - t.t_start,
+        final_tau_inbatch=last.tau_inbatch if last is not None else None,
+        heldout_fraction=heldout.fraction if heldout is not None else 0.0,
+        heldout_count=len(heldout.heldout) if heldout is not None else 0,
+        heldout_step=t.heldout.latest_step, heldout=t.heldout.latest,
+        **({} if t.cache is None else {"target_cache": asdict(t.cache.stats)}),
+    )
