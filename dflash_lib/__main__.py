@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":
+            from dflash_lib.export import export_source
             from dflash_lib.models.export import DTYPES
-            from dflash_lib.train.resume import export_source
 
             try:
                 print(export_source(args.src, args.out_dir, DTYPES[args.dtype], force=args.force))

@@ -18,7 +18,7 @@ from dflash_lib.data.benchmarks import (HUMANEVAL_FILE, MT_BENCH_FILE, PackagedF
 from dflash_lib.data.readers import DataError
 from dflash_lib.models import acceptance_length
 from dflash_lib.models.acceptance import AcceptanceResult, DecodeResult, greedy_decode
-from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
+from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts, save_tiny_run
 
 
 REQUIRE_DATA = "DFLASH_REQUIRE_BENCH_DATA"  # set by `make test`: the packages must be there (make setup installs them)
@@ -138,7 +138,7 @@ def test_prompts_from_and_enable_thinking_are_checked():
 def test_the_second_turn_holds_the_targets_first_answer_rendered_by_the_template(template, thinking, bench_data):
     from dflash_lib.data.templates import Segment, get_template
     from dflash_lib.data.tokenizers import load_tokenizer
-    from dflash_lib.evaluate import PromptGroup, next_turn
+    from dflash_lib.data.prompts import PromptGroup, next_turn
 
     tok = load_tokenizer("qwen")
     tmpl = get_template(template, tok, thinking)
@@ -235,9 +235,8 @@ def _quiet(_: str) -> None:
 @pytest.mark.slow
 def test_evaluate_decodes_each_set_and_mt_benchs_second_turn_after_the_first_answer(tmp_path, bench_data):
     from dflash_lib.evaluate import _baseline, decode, prepare
-    from test_evaluate import _save_tiny_run
 
-    run, _ = _save_tiny_run(tmp_path)
+    run, _ = save_tiny_run(tmp_path)
     own = _write(tmp_path, [{"prompt": "Solve: 12 * 7 = ?"}, {"messages": [{"role": "user", "content": "a"},
                                                                           {"role": "user", "content": "b"}]}])
     params = {"prompts_from": f"humaneval,mt-bench,{own}", "prompts": 2, "max_new_tokens": 6,
@@ -276,9 +275,8 @@ def test_evaluate_decodes_each_set_and_mt_benchs_second_turn_after_the_first_ans
 def test_the_evaluate_command_prints_the_per_benchmark_table(tmp_path, capsys, bench_data):
     from dflash_lib.__main__ import main
     from dflash_lib.evaluate import DecodeReport
-    from test_evaluate import _save_tiny_run
 
-    run, _ = _save_tiny_run(tmp_path)
+    run, _ = save_tiny_run(tmp_path)
     args = ["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts_from", "humaneval,mt-bench",
             "-p", "prompts", "2", "-p", "max_new_tokens", "6", "-p", "decode_threads", "1"]
     assert main(args) == 0
@@ -306,7 +304,7 @@ def test_the_evaluate_command_prints_the_per_benchmark_table(tmp_path, capsys, b
 
 def test_a_missing_package_is_a_config_error_saying_what_to_install(monkeypatch):
     import dflash_lib.data.benchmarks as benchmarks
-    from dflash_lib.evaluate import prompt_sets
+    from dflash_lib.data.prompts import prompt_sets
 
     for name, attr in (("humaneval", "HUMANEVAL_FILE"), ("mt-bench", "MT_BENCH_FILE")):
         where = getattr(benchmarks, attr)

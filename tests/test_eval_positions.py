@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from dflash_lib.config import ConfigError
-from dflash_lib.evaluate import PromptGroup, check_positions, target_positions
+from dflash_lib.data.prompts import PromptGroup
+from dflash_lib.evaluate import check_positions, target_positions
 from dflash_lib.models import TargetModel, tiny_qwen3_config
+from tiny_models import save_tiny_run
 
 
 def _group(lengths: list[int], turn: int = 1) -> PromptGroup:
@@ -37,9 +39,8 @@ def test_target_positions_reads_the_targets_config():
 
 def test_the_command_refuses_before_decoding(tmp_path, capsys):
     from dflash_lib.__main__ import main
-    from test_evaluate import _save_tiny_run
 
-    run, _ = _save_tiny_run(tmp_path)  # the tiny target: 4096 positions, block size 4
+    run, _ = save_tiny_run(tmp_path)  # the tiny target: 4096 positions, block size 4
     assert main(["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts", "1", "-p", "max_new_tokens",
                  "4093", "-p", "timing_warmup", "false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

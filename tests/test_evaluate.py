@@ -13,15 +13,13 @@ import pytest
 import torch
 
 from dflash_lib.__main__ import main
-from dflash_lib.config import Config, from_params
+from dflash_lib.config import from_params
 from dflash_lib.evaluate import DecodeReport, DrafterMeasurement, RunEvaluation
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, TargetModel, acceptance_length, tiny_qwen3_config
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
-from dflash_lib.models.export import export_drafter
-from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
+from tiny_models import SMALL_STORE, decode_drafter, decode_target, overfit_on_greedy, random_prompts, save_tiny_run
 
 VOCAB, B, NEW = 256, 4, 16
-SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
@@ -204,19 +202,8 @@ def test_bf16_target_with_fp32_drafter_decodes(target):
     assert res.outputs == greedy_decode(t16, _prompts(2, seed=8), 8).outputs
 
 
-def _save_tiny_run(tmp_path) -> tuple[str, Config]:
-    """A trainer-like run folder: config.json {"config": ...} and drafter/ (a random drafter, tiny target)."""
-    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4, **SMALL_STORE})
-    tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
-    torch.manual_seed(0)
-    export_drafter(DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt),
-                   tmp_path / "drafter", torch.float32)
-    (tmp_path / "config.json").write_text(json.dumps({"config": config.to_dict()}))
-    return str(tmp_path), config
-
-
 def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
-    run, _ = _save_tiny_run(tmp_path)
+    run, _ = save_tiny_run(tmp_path)
     args = ["evaluate", "--drafter", run, "--target", "tiny", "-p", "prompts", "2", "-p", "max_new_tokens", "6",
             "-p", "timing_warmup", "false"]
     assert main(args) == 0
@@ -287,7 +274,7 @@ def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smok
     each a prefix of its sample that ends right before the sample's first loss-masked token."""
     from dflash_lib.data import build_token_store_from_config
     from dflash_lib.data.split import split_store
-    from dflash_lib.evaluate import heldout_prompts
+    from dflash_lib.data.prompts import heldout_prompts
 
     run_dir, config = smoke_run
     store = build_token_store_from_config(config.data, progress=False)
@@ -316,7 +303,7 @@ def test_prompts_are_heldout_samples_cut_before_their_first_assistant_token(smok
 
 
 def test_the_larger_heldout_fraction_advised_holds_out_twice_the_prompts():
-    from dflash_lib.evaluate import larger_fraction
+    from dflash_lib.data.prompts import larger_fraction
 
     assert larger_fraction(0.0, 3, 300) == 0.02 and larger_fraction(1e-6, 3, 1000) == 0.01  # 6 of 300, 10 of 1000
     assert larger_fraction(0.01, 8, 20) == 0.5  # none is enough: the largest above
@@ -325,7 +312,7 @@ def test_the_larger_heldout_fraction_advised_holds_out_twice_the_prompts():
 
 def test_a_run_whose_store_changed_or_without_a_split_is_refused(smoke_run, tmp_path):
     from dflash_lib.config import ConfigError
-    from dflash_lib.evaluate import heldout_prompts
+    from dflash_lib.data.prompts import heldout_prompts
 
     run_dir, config = smoke_run
     doc = json.loads((run_dir / "heldout.json").read_text())
@@ -438,7 +425,7 @@ def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, mon
     import dflash_lib.models.acceptance as acceptance
     from dflash_lib.evaluate import evaluate
 
-    run, _ = _save_tiny_run(tmp_path)
+    run, _ = save_tiny_run(tmp_path)
     seen = []
     for name in ("acceptance_length", "greedy_decode"):
         real = getattr(acceptance, name)

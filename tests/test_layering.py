@@ -1,7 +1,7 @@
 """The package's layering: one package per stage, a lower stage never imports a higher one, no import circle.
 
 Stages, bottom to top: config, rundir < data < plan < models < train, serve < evaluate (and its benchmark_report),
-regenerate, doctor, dryrun < lab < __main__.
+regenerate, doctor, export, dryrun < lab < __main__.
 Every import statement of every dflash_lib module counts (module level, TYPE_CHECKING blocks, inside
 functions); the files are parsed, nothing is imported.
 """
@@ -14,8 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "dflash_lib"
 STAGES = {"config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "train": 4, "evaluate": 5,
-          "benchmark_report": 5, "regenerate": 5, "doctor": 5, "dryrun": 5, "serve": 4, "lab": 6, "__main__": 7}
-MAX_ENTRIES = 15  # modules and packages directly under dflash_lib/ (15th: dryrun/, out of train/)
+          "benchmark_report": 5, "regenerate": 5, "doctor": 5, "export": 5, "dryrun": 5, "serve": 4, "lab": 6,
+          "__main__": 7}
+MAX_ENTRIES = 16  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/)
 
 
 def modules(root: Path) -> dict[str, Path]:

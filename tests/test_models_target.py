@@ -9,7 +9,7 @@ import torch
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel, feature_layer_ids, resolve_backend, segment_cu_seqlens, tiny_qwen3_config
-from tiny_models import train_two_steps
+from tiny_models import save_tiny_qwen3, train_two_steps
 
 VOCAB = 300
 
@@ -31,6 +31,14 @@ def test_feature_layer_rule():
     assert feature_layer_ids(28, 2) == [1, 25]
     with pytest.raises(ConfigError, match="target_layer_ids"):
         feature_layer_ids(3, 2)
+
+
+def test_configured_layer_ids_win_over_the_rule():
+    from dflash_lib.models.target import chosen_layer_ids
+
+    assert chosen_layer_ids([], 36, 5) == [1, 9, 17, 25, 33]  # none configured: the rule
+    assert chosen_layer_ids(None, 36, 1) == [18]
+    assert chosen_layer_ids((2, 7), 3, 2) == [2, 7]  # configured: as given, even where the rule would refuse
 
 
 def test_features_are_hf_hidden_states_of_the_selected_layers(target):
@@ -106,14 +114,8 @@ def test_model_config_refuses_contradictions():
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory):
     """A tiny random Qwen3 (real Qwen3 vocabulary, so the bundled corpus' ids fit) saved with save_pretrained."""
-    import transformers
-
     directory = tmp_path_factory.mktemp("qwen3_tiny")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_config(hidden_size=32, num_layers=4))
-    model.save_pretrained(directory)
-    return directory, model
+    return directory, save_tiny_qwen3(directory, seed=3, hidden_size=32, num_layers=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,6 @@
 """Benchmark prompt sets: the user turns a drafter is evaluated on, as typed records (`BenchmarkPrompt`), read
 offline: `humaneval` and `mt-bench` from data files of installed packages (found through `importlib.metadata`,
-never imported), or a FILE.jsonl of your own (`prompt_set`); `heldout` is tokens, `evaluate.heldout_prompts`.
+never imported), or a FILE.jsonl of your own (`prompt_set`); `heldout` is tokens, `data.prompts.heldout_prompts`.
 `render_prompt` renders a prompt's turns as `regenerate`'s local backend does.
 
 The sets, the FILE.jsonl shapes, why one package is installed with `--no-deps`, and how a later turn is asked:
@@ -134,7 +134,7 @@ def jsonl_prompts(source: str) -> list[BenchmarkPrompt]:
 
 def prompt_set(name: str) -> list[BenchmarkPrompt]:
     """Every prompt of a text set (humaneval, mt-bench or a FILE.jsonl) in file order. The held-out set is tokens,
-    not text: `evaluate.heldout_prompts`."""
+    not text: `data.prompts.heldout_prompts`."""
     if name == HUMANEVAL:
         return humaneval_prompts()
     if name == MT_BENCH:

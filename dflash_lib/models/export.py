@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, DataConfig, ModelConfig
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
-from dflash_lib.models.target import TargetModel, feature_layer_ids, tiny_qwen3_config
+from dflash_lib.models.target import TargetModel, chosen_layer_ids, tiny_qwen3_config
 
 ARCHITECTURE = "DFlashDraftModel"  # what the serving engines dispatch on
 CONFIG_FILE, WEIGHTS_FILE, README_FILE = "config.json", "model.safetensors", "README.md"
@@ -374,7 +374,7 @@ def export_run_weights(doc: dict[str, Any], weights: dict[str, torch.Tensor], ou
     else:
         raise ConfigError(f"{where}: its target {m.target!r} is not a local folder here (its config.json "
                           f"gives the drafter's shapes)")
-    ids = list(m.target_layer_ids) or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
+    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
     cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
     info = _training_info(hf, run_target_name(m, config.train.seed), config.data.template, source,
                           data_info(config.data))

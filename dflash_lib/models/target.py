@@ -163,6 +163,12 @@ def feature_layer_ids(num_layers: int, num_features: int) -> list[int]:
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
 
 
+def chosen_layer_ids(ids: Sequence[int] | None, num_layers: int, num_features: int) -> list[int]:
+    """The target layers whose outputs feed the drafter: the configured `ids` (`-p target_layer_ids`) when there
+    are any, else `feature_layer_ids`' rule (docs/dflash.md) for a target of `num_layers` decoder layers."""
+    return list(ids) if ids else feature_layer_ids(int(num_layers), num_features)
+
+
 def flash_attn_available() -> bool:
     """True when the `flash_attn` package is importable (it only runs on CUDA)."""
     return importlib.util.find_spec("flash_attn") is not None
@@ -357,7 +363,7 @@ class TargetModel(torch.nn.Module):
                                       backend, gather)
         hf_cfg = trainable_target_config(cfg)
         model = load_pretrained(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
-        ids = cfg.target_layer_ids or feature_layer_ids(model.config.num_hidden_layers, cfg.num_features)
+        ids = chosen_layer_ids(cfg.target_layer_ids, model.config.num_hidden_layers, cfg.num_features)
         return cls(model, ids, backend, gather)
 
     @classmethod
@@ -369,7 +375,7 @@ class TargetModel(torch.nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
-        ids = list(layer_ids) if layer_ids else feature_layer_ids(hf_cfg.num_hidden_layers, num_features)
+        ids = chosen_layer_ids(layer_ids, hf_cfg.num_hidden_layers, num_features)
         return cls(model.to(device=device, dtype=dtype), ids, backend, gather)
 
     @classmethod
@@ -380,7 +386,7 @@ class TargetModel(torch.nn.Module):
         devices only, no memory, no values (for the dry run). Use it only inside `mode`."""
         with mode, torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-        ids = list(layer_ids) if layer_ids else feature_layer_ids(hf_cfg.num_hidden_layers, num_features)
+        ids = chosen_layer_ids(layer_ids, hf_cfg.num_hidden_layers, num_features)
         return cls(model, ids, "sdpa")
 
     @property

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from dflash_lib.config import ConfigError, uses_bf16
 from dflash_lib.data import build_token_store_from_config
-from dflash_lib.models.target import feature_layer_ids, local_hf_config
+from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids, target_engine_url
 
 MANIFEST = "manifest.json"
@@ -177,7 +177,7 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
     if not Path(m.target).is_dir():
         raise ConfigError(f"capture serves a LOCAL model folder, got target {m.target!r}")
     hf = local_hf_config(m.target)
-    ids = m.target_layer_ids or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
+    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
     store = build_token_store_from_config(config.data, progress=progress)
     cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")  # the trainer's: its precision is the cache's dtype
@@ -201,7 +201,7 @@ def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache
     target, layer set, dtype or token store."""
     m = config.model
     hf = local_hf_config(m.target)
-    ids = m.target_layer_ids or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
+    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
     cache = HiddenCache(m.hidden_cache)
     CacheIdentity.of(config, ids, int(hf.hidden_size), store_key, device).refuse_other(cache.identity, cache.path)
     return cache

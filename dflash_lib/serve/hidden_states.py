@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from dflash_lib.config import ConfigError, uses_bf16
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens, real_tokens
-from dflash_lib.models.target import feature_layer_ids, local_hf_config, weight_files
+from dflash_lib.models.target import chosen_layer_ids, local_hf_config, weight_files
 from dflash_lib.serve.server import EngineServer, EngineSpec, engine_dtype
 
 FILE_WAIT_S = 60.0  # seconds a response's file may take to appear (the engine writes it in its next step)
@@ -183,7 +183,7 @@ def target_engine_url(config: Any, run_dir: Path, device: torch.device) -> Itera
         yield m.target_engine_url
         return
     hf = local_hf_config(m.target)
-    ids = m.target_layer_ids or feature_layer_ids(int(hf.num_hidden_layers), m.num_features)
+    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
     bf16 = uses_bf16(config.train.precision, device) or engine_dtype(m.target, device.type == "cpu") == "bfloat16"
     out = Path(run_dir) / "engine_hidden_states"
     out.mkdir(parents=True, exist_ok=True)

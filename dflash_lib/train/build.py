@@ -25,7 +25,7 @@ from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
-from dflash_lib.models.target import feature_layer_ids, target_hf_config
+from dflash_lib.models.target import chosen_layer_ids, target_hf_config
 from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
@@ -227,8 +227,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
     gather = not config.sampler.static_shapes
     if served:  # the engine runs the target (or ran it: the cache); the trainer holds its embedding and LM head
-        ids = config.model.target_layer_ids or feature_layer_ids(int(target_hf_config(config.model).num_hidden_layers),
-                                                                     config.model.num_features)
+        ids = chosen_layer_ids(config.model.target_layer_ids, target_hf_config(config.model).num_hidden_layers,
+                               config.model.num_features)
         runs_on = ServedTarget(config.model.target, ids, target_url, device, dtype,
                                concurrency=max(1, config.pipeline.target_workers) * 4, cache=cache)
         targets = [runs_on]

@@ -3,7 +3,7 @@
 `find_resume_point`: resume from the newest verified checkpoint of this config (at any world size), start at
 step 0, or refuse (CheckpointMismatchError, ConfigError: use --fresh or another folder); `prepare_run_dir` applies
 it under torchrun (rank 0 decides) and records config.json and env.json; `clear_run_dir` is `--fresh`;
-`shared_new_run_dir` a new folder every rank shares; `export_source` the export command's run-folder half.
+`shared_new_run_dir` a new folder every rank shares.
 Which folder does what: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
@@ -18,15 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_lib.config import Config, ConfigError
 from dflash_lib.data.split import HELDOUT_FILE
-from dflash_lib.models.export import README_FILE, WEIGHTS_FILE, export_folder, export_run_weights
 from dflash_lib.rundir import environment, new_run_dir, writable, write_json
 from dflash_lib.train import distributed
-from dflash_lib.train.checkpoint import (MANIFEST_FILE, CheckpointError, CheckpointMismatchError, find_latest,
-                                         fresh_run_dir, list_checkpoints, load_checkpoint, load_objects)
+from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, find_latest, fresh_run_dir,
+                                         list_checkpoints, load_objects)
 
 log = logging.getLogger(__name__)
 
@@ -297,57 +294,3 @@ def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
         raise kind.get(verdict["error"], ConfigError)(verdict["message"])
     return ResumePoint(None if verdict["path"] is None else Path(verdict["path"]), verdict["step"],
                        verdict["data_shards"])
-
-
-def export_checkpoint(ckpt: Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """One trainer checkpoint's drafter in the serving layout (`export_run_weights`: the run's config is in
-    the checkpoint's manifest)."""
-    try:
-        state, manifest = load_checkpoint(ckpt)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if "config" not in manifest.meta or "drafter" not in state:
-        raise ConfigError(f"checkpoint {ckpt}: no run config in its manifest or no drafter weights in its state")
-    return export_run_weights(manifest.meta["config"], state["drafter"], out_dir, dtype,
-                              f"{ckpt} (step {manifest.step})", f"checkpoint {ckpt}")
-
-
-def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
-    """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
-    unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
-    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"destination {out} exists and is not a folder")
-    where = out.resolve()
-    if where == Path(src).resolve():
-        raise ConfigError(f"destination {out} is the source itself: give another folder")
-    for inner, folder in zip([where, *where.parents], where.parents):
-        if inner.name in RUN_OUTPUTS and is_training_run(folder):
-            raise ConfigError(f"destination {out} is {inner.name} of the training run {folder}: give a folder "
-                              f"outside its own files")
-    if is_training_run(where) or (where / MANIFEST_FILE).is_file():
-        raise ConfigError(f"destination {out} is a training run folder or a checkpoint: give another folder")
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if names and not force:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        raise ConfigError(f"destination {out} is not empty (it holds {shown}): give a new or empty folder, or "
-                          f"--force to replace its {CONFIG_FILE}, {WEIGHTS_FILE} and {README_FILE}")
-
-
-def export_source(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-                  force: bool = False) -> Path:
-    """`python -m dflash_lib export SRC OUT_DIR`: SRC a trainer run folder (its newest checkpoint, else its
-    drafter/), one checkpoint folder (ckpt-<step>/), or a saved/exported drafter folder. No target weight is
-    loaded: the shapes come from the run's config (and a local target's config.json). OUT_DIR must be new or
-    empty unless `force`, and is never a run folder's own files (`check_destination`)."""
-    src = Path(src)
-    if not src.is_dir():
-        raise ConfigError(f"{src} is not a folder")
-    check_destination(out_dir, src, force)
-    if (src / MANIFEST_FILE).is_file():
-        return export_checkpoint(src, out_dir, dtype)
-    ckpts = list_checkpoints(src / "checkpoints")
-    if ckpts:
-        return export_checkpoint(ckpts[-1], out_dir, dtype)
-    return export_folder(src, out_dir, dtype)
