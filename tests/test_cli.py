@@ -19,6 +19,7 @@ from dflash_lib.data.templates import TemplateError
 from dflash_lib.plan.buckets import BucketError, BucketFitError
 from dflash_lib.plan.sampler import SamplerError
 from dflash_lib.train.pipeline import PipelineError
+from run_folder import metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -137,7 +138,7 @@ def test_a_corpus_with_fewer_lengths_than_buckets_trains_and_says_so_once(tmp_pa
     assert warnings == [f"k={k} buckets requested, but the {len(answers)} sample(s) have only {len(answers)} "
                         f"distinct length(s): planning {buckets} bucket(s), one per length, the last one up to "
                         f"max_len=512"], proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [1, 2, 3] and all(r["bucket"] < buckets for r in rows if "bucket" in r)
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir)

@@ -35,11 +35,6 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    return load_tokenizer("qwen")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Readers
 
@@ -316,33 +311,33 @@ KNOWN_IDS = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198,
 KNOWN_TRAINED = list(range(21, 29)) + [41, 42, 43]  # "Hello! How can I help?<|im_end|>", "\n\n\n4<|im_end|>"
 
 
-def test_chatml_known_conversation_exact_ids_and_mask(qwen):
+def test_chatml_known_conversation_exact_ids_and_mask(qwen_tokenizer):
     segs = ChatMLTemplate().segments(KNOWN_TURNS)
-    ids, mask = qwen.encode_segments(segs)
+    ids, mask = qwen_tokenizer.encode_segments(segs)
     assert ids.tolist() == KNOWN_IDS
     assert np.flatnonzero(mask).tolist() == KNOWN_TRAINED
-    assert qwen._qwen.encode(render(segs)) == KNOWN_IDS  # the whole string with specials allowed
-    assert qwen.decode(ids[mask.astype(bool)]) == "Hello! How can I help?<|im_end|>\n\n\n4<|im_end|>"
-    assert (qwen.eos_id, qwen.pad_id, qwen.vocab_size) == (151645, 151643, 151936)
-    assert qwen.n_vocab <= qwen.vocab_size
+    assert qwen_tokenizer._qwen.encode(render(segs)) == KNOWN_IDS  # the whole string with specials allowed
+    assert qwen_tokenizer.decode(ids[mask.astype(bool)]) == "Hello! How can I help?<|im_end|>\n\n\n4<|im_end|>"
+    assert (qwen_tokenizer.eos_id, qwen_tokenizer.pad_id, qwen_tokenizer.vocab_size) == (151645, 151643, 151936)
+    assert qwen_tokenizer.n_vocab <= qwen_tokenizer.vocab_size
 
 
 def _conversations(source: str, limit: int) -> list:
     return list(load_conversations(source, limit=limit))
 
 
-def test_real_records_whole_string_equals_segment_path_and_fast_path(qwen):
+def test_real_records_whole_string_equals_segment_path_and_fast_path(qwen_tokenizer):
     template = ChatMLTemplate()
     convs = _conversations("sharegpt", 60)
-    segs = [template.segments(tuple((r, qwen.prepare(c)) for r, c in conv.turns)) for conv in convs]
-    fast = qwen.encode_conversations(segs)  # one tiktoken call for the whole chunk
-    slow = ChatTokenizer.encode_conversations(qwen, segs)  # per text segment
+    segs = [template.segments(tuple((r, qwen_tokenizer.prepare(c)) for r, c in conv.turns)) for conv in convs]
+    fast = qwen_tokenizer.encode_conversations(segs)  # one tiktoken call for the whole chunk
+    slow = ChatTokenizer.encode_conversations(qwen_tokenizer, segs)  # per text segment
     np.testing.assert_array_equal(fast.ids, slow.ids)
     np.testing.assert_array_equal(fast.mask, slow.mask)
     np.testing.assert_array_equal(fast.lengths, slow.lengths)
     starts = np.cumsum(fast.lengths) - fast.lengths
     for i in range(0, len(convs), 7):
-        whole = qwen._qwen.encode(render(segs[i]))
+        whole = qwen_tokenizer._qwen.encode(render(segs[i]))
         assert fast.ids[starts[i]: starts[i] + fast.lengths[i]].tolist() == whole, convs[i].id
 
 
@@ -351,25 +346,25 @@ def test_real_records_whole_string_equals_segment_path_and_fast_path(qwen):
                           st.lists(st.sampled_from(list(" \n\tab1é日<|>_") + ["<|im_end|>", "  \n", "e\u0301"]),
                                    max_size=30).map("".join)),
                 min_size=1, max_size=5))
-def test_fast_path_equals_segment_path_on_any_text(qwen, turns):
+def test_fast_path_equals_segment_path_on_any_text(qwen_tokenizer, turns):
     """Including text that spells special tokens: it must stay plain text on both paths."""
     segs = [ChatMLTemplate().segments(tuple(turns)), ChatMLTemplate().segments((("user", "x"), ("assistant", "y")))]
-    fast = qwen.encode_conversations(segs)
-    slow = ChatTokenizer.encode_conversations(qwen, segs)
+    fast = qwen_tokenizer.encode_conversations(segs)
+    slow = ChatTokenizer.encode_conversations(qwen_tokenizer, segs)
     np.testing.assert_array_equal(fast.ids, slow.ids)
     np.testing.assert_array_equal(fast.mask, slow.mask)
     first = fast.ids[: fast.lengths[0]]
     assert int(np.sum(first == 151644)) == len(turns)  # one <|im_start|> per turn: no text became special
-    assert qwen.decode(first) == render(segs[0])
+    assert qwen_tokenizer.decode(first) == render(segs[0])
     trained = first[fast.mask[: fast.lengths[0]].astype(bool)]
     assert int(np.sum(trained == 151645)) == sum(r == "assistant" for r, _ in turns)
 
 
-def test_unknown_template_and_tokenizer_errors(tmp_path, qwen):
+def test_unknown_template_and_tokenizer_errors(tmp_path, qwen_tokenizer):
     with pytest.raises(DataError, match="unknown template 'nope'"):
-        get_template("nope", qwen)
+        get_template("nope", qwen_tokenizer)
     with pytest.raises(DataError, match="template 'hf' needs a local Hugging Face tokenizer"):
-        get_template("hf", qwen)
+        get_template("hf", qwen_tokenizer)
     with pytest.raises(DataError, match="no_such_dir.*not a local directory"):
         load_tokenizer(str(tmp_path / "no_such_dir"))
 
@@ -416,12 +411,13 @@ def corpus(tmp_path):
     return write_jsonl(tmp_path / "c.jsonl", [CONV_A, CONV_B, CONV_C, {"conversations": []}])
 
 
-def test_store_round_trip(tmp_path, corpus, qwen):
+def test_store_round_trip(tmp_path, corpus, qwen_tokenizer):
     store = build_token_store(str(corpus), max_len=4096, cache_dir=tmp_path / "cache", progress=False)
     assert len(store) == 3
     for i, conv in enumerate([CONV_A, CONV_B, CONV_C]):
         turns = next(c for c in load_conversations(str(corpus)) if c.id == conv["id"]).turns
-        ids, mask = qwen.encode_segments(ChatMLTemplate().segments(tuple((r, qwen.prepare(t)) for r, t in turns)))
+        segs = ChatMLTemplate().segments(tuple((r, qwen_tokenizer.prepare(t)) for r, t in turns))
+        ids, mask = qwen_tokenizer.encode_segments(segs)
         got_ids, got_mask = store[i]
         np.testing.assert_array_equal(got_ids, ids)
         np.testing.assert_array_equal(got_mask, mask)

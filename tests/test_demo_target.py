@@ -16,6 +16,7 @@ from dflash_lib.data.split import split_store
 from dflash_lib.data.tokenizers import MASK_MARKER, UNK_MARKER, MappedTokenizer, MappedVocab
 from dflash_lib.lab import demo_target as dt
 from dflash_lib.models.target import TargetModel
+from run_folder import metrics_rows
 
 # Tiny: a 32-hidden, 2-layer target, 25 steps of 512 tokens. vocab_size above the ids the training split holds,
 # so every training id is kept and an id held-out samples alone contain can only be UNK.
@@ -210,7 +211,7 @@ def test_drafter_trains_against_the_demo_target(built, tmp_path, capsys):
     cfg, folder, rec = built
     config = from_params(dict(**dt.demo_target_params(folder), steps=3, eval_samples=0), cfg)
     summary = train(config, tmp_path / "run")
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     assert math.isfinite(summary.final_loss)
     assert TOKEN_OUT_OF_VOCAB not in capsys.readouterr().out  # every id of the mapped store is in the target's range

@@ -6,11 +6,9 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from dflash_lib.train.checkpoint import CheckpointError, TrainingCheckpoints, ca
 from dflash_lib.train.feed import Item
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import filler_item, train_step
+from loopback import free_port
 from tiny_models import decode_drafter, decode_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,15 +130,9 @@ def test_two_gloo_processes_under_torchrun_sum_correctly(tmp_path: Path) -> None
     assert proc.stdout.count("printed once, by rank") == 1 and "printed once, by rank 0" in proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_pair(script: Path, mode: str) -> list[subprocess.Popen]:
     """Start 2 ranks by hand (as torchrun would, minus its agent that would kill the survivors itself)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),

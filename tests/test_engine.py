@@ -6,7 +6,6 @@ process). `make test` installs the engine and requires it (DFLASH_REQUIRE_ENGINE
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from dflash_lib.serve.check import check_models
 from dflash_lib.serve.measure import (ServedReport, ServedSet, judge, served_acceptance, served_histogram,
                                       served_table, verdict_line)
 from dflash_lib.serve.client import ServedDecode
-from tiny_models import overfit_on_greedy, random_prompts, tiny_chatml_tokenizer
+from tiny_models import (overfit_on_greedy, random_prompts, save_random_model, save_tiny_qwen3,
+                         tiny_chatml_tokenizer)
 
-REQUIRE = "DFLASH_REQUIRE_ENGINE"  # set by `make test` unless ENGINE=0: a missing engine fails instead of skipping
 NEW = 24  # tokens decoded per prompt
 TRAINED = random_prompts(16, seed=1, vocab=V)  # the prompts whose greedy answers the drafter is trained on
 
@@ -185,12 +184,7 @@ def _family_folder(path: Path, family: str = "qwen3_next") -> Path:
             **_SHAPE, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
             hidden_size_per_layer_input=16, vocab_size_per_layer_input=V, num_kv_shared_layers=1, global_head_dim=64,
             final_logit_softcapping=30.0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        for p in model.parameters():  # layers far from identity: the answers depend on every layer
-            p.data.normal_(0.0, 0.3 if p.dim() > 1 else 0.5)
-    model.save_pretrained(path)
+    save_random_model(path, cfg, spread=(0.3, 0.5))  # layers far from identity: the answers depend on every layer
     return path
 
 
@@ -212,22 +206,13 @@ def test_a_linear_attention_target_is_served_in_bf16_without_prefix_caching(tmp_
 
 # -- with the real engine ----------------------------------------------------------------------------------------
 
-def _engine_or_skip() -> Path:
-    try:
-        return engine_python()
-    except ConfigError as e:
-        if os.environ.get(REQUIRE) == "1":
-            raise
-        pytest.skip(f"no engine: {e}")
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(installed_engine_python, tmp_path_factory):
     """(target, drafter, client, server): the engine check's models (`serve.check`), the target saved as a Hugging
     Face folder with a tokenizer, the drafter trained 30 steps on the target's greedy answers to TRAINED (tau ~2.7
     of 4 on them: every draft position sometimes accepted, sometimes not) and exported in fp32, both served by the
     engine in fp32."""
-    python = _engine_or_skip()
+    python = installed_engine_python
     root = tmp_path_factory.mktemp("engine")
     target, drafter = check_models()
     target.model.save_pretrained(root / "target")
@@ -291,7 +276,8 @@ def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~40 s)
 @pytest.mark.parametrize("family, dtype", [("qwen3_next", "bfloat16"), ("gemma4", "float32")])
-def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, tmp_path):
+def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, installed_engine_python,
+                                                                   tmp_path):
     """A drafter trained here on the target's greedy answers, served by vLLM's CPU build. gemma-4 (sliding windows,
     per-layer embeddings, shared keys and values, soft-capped logits) in fp32: our answers and exactly our cycles.
     Qwen3-Next in bf16 (the build's gated-delta-net kernel has no fp32): this random target's bf16 answers part from
@@ -302,7 +288,7 @@ def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype
     from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
     from dflash_lib.serve.server import engine_dtype
 
-    python = _engine_or_skip()
+    python = installed_engine_python
     folder = _family_folder(tmp_path / "target", family)
     assert engine_dtype(folder, on_cpu=True) == dtype
     mc = ModelConfig(target=str(folder), num_features=2, target_layer_ids=[0, 2], drafter_layers=1,
@@ -352,8 +338,8 @@ def test_stop_ids_end_the_served_answer_as_ours(served):
 
 
 @pytest.mark.engine
-def test_a_refused_start_names_the_log_and_leaves_no_process(tmp_path):
-    python = _engine_or_skip()
+def test_a_refused_start_names_the_log_and_leaves_no_process(installed_engine_python, tmp_path):
+    python = installed_engine_python
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text('{"model_type": "qwen3", "architectures": ["Nope"]}')
     server = EngineServer(EngineSpec(str(tmp_path / "target")), tmp_path / "engine.log", python=str(python))
@@ -365,7 +351,7 @@ def test_a_refused_start_names_the_log_and_leaves_no_process(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
-def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(tmp_path, capsys):
+def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(installed_engine_python, tmp_path, capsys):
     """What `make engine` runs after installing: one greedy answer equal to the target's, drafted. Then the
     server is stopped: no process its log names (the API server, the engine core, its worker) is left, and
     nothing answers on its port."""
@@ -376,7 +362,7 @@ def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(tmp_path,
     from dflash_lib.__main__ import main
     from dflash_lib.serve.server import group_alive
 
-    python = _engine_or_skip()
+    python = installed_engine_python
     assert main(["engine-check", "--python", str(python), "--log", str(tmp_path / "engine.log")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("engine ok: vLLM 0.") and "16 greedy tokens equal to the target's" in line
@@ -501,7 +487,7 @@ def test_a_planted_export_fault_is_what_the_real_engine_shows_and_the_doctor_nam
 
 @pytest.mark.engine
 @pytest.mark.slow  # an engine start with the real target's tokenizer (~35 s), its conversion once per machine
-def test_regenerate_through_the_real_server_equals_local_greedy(tmp_path):
+def test_regenerate_through_the_real_server_equals_local_greedy(installed_engine_python, tmp_path):
     """`regenerate --backend openai` against vLLM's chat endpoint serving the demo's REAL target
     (SmolLM2-135M-Instruct, its own tokenizer and chat template, as text) writes the same answers as `--backend
     local` greedy on the same folder rendered by the same template (`-p template hf`), token for token; a second
@@ -512,7 +498,7 @@ def test_regenerate_through_the_real_server_equals_local_greedy(tmp_path):
     from dflash_lib.lab.real_target import ensure_real_target, real_target_params
     from dflash_lib.regenerate import regenerate
 
-    python = _engine_or_skip()
+    python = installed_engine_python
     folder = ensure_real_target()  # .cache/real_targets, as the demo's
     source = tmp_path / "src.jsonl"
     source.write_text("".join(json.dumps({"id": str(i), "messages": m}) + "\n" for i, m in enumerate([
@@ -568,21 +554,14 @@ def test_a_runs_evaluation_refuses_a_running_server_before_loading(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def folder_run(tmp_path_factory):
+def folder_run(installed_engine_python, tmp_path_factory):
     """A real 2-step training run against a target FOLDER the engine serves (Qwen3, hidden 64, 2 layers, head_dim
     32, Qwen3's vocabulary; the smoke preset's token store)."""
-    import transformers
-
     from dflash_lib.config import from_params
-    from dflash_lib.models import tiny_qwen3_config
     from dflash_lib.train.loop import train
 
-    _engine_or_skip()
     root = tmp_path_factory.mktemp("run")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        transformers.Qwen3ForCausalLM(tiny_qwen3_config(hidden_size=64, num_layers=2, num_heads=2,
-                                                        num_kv_heads=2)).save_pretrained(root / "target")
+    save_tiny_qwen3(root / "target", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2)
     config = from_params(dict(limit=300, max_len=512, target=str(root / "target"), hidden_size=64, target_layers=2,
                               num_features=1, num_anchors=8, block_size=4, token_budget=2048, k=4, steps=2,
                               ckpt_every=2, eval_every=0, log_every=1, prefetch=2, wandb_mode="disabled"))

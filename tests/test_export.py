@@ -19,6 +19,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, default
 from dflash_lib.models.export import export_drafter, export_folder, read_drafter, read_weights
 from dflash_lib.train.checkpoint import list_checkpoints
 from dflash_lib.train.resume import resume_config_hash
+from tiny_models import save_tiny_qwen3
 
 VOCAB, MASK, H, LAYERS = 300, 299, 32, 6
 
@@ -183,9 +184,7 @@ def test_a_published_config_without_our_training_keys_loads_with_defaults(target
 
 # -- a real Hugging Face target folder ------------------------------------------------------------------------
 def test_a_saved_tiny_qwen3_and_its_exported_drafter_load_back_from_folders(tmp_path):
-    hf_cfg = tiny_qwen3_config(hidden_size=H, num_layers=LAYERS, vocab_size=VOCAB)
-    torch.manual_seed(1)
-    transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(tmp_path / "target")
+    save_tiny_qwen3(tmp_path / "target", seed=1, hidden_size=H, num_layers=LAYERS, vocab_size=VOCAB)
     model_cfg = ModelConfig(target=str(tmp_path / "target"), num_features=2, block_size=4, mask_id=MASK)
     target = TargetModel.from_model_config(model_cfg)
     drafter = _drafter(target, seed=2)

@@ -29,6 +29,7 @@ from dflash_lib.train.checkpoint import list_checkpoints
 from dflash_lib.train.loop import run_training
 from dflash_lib.train.resume import resume_config_hash
 from dflash_lib.train.state import NonFiniteLossError, StopRequest
+from run_folder import metric_column, metrics_rows
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_SAVE = REPO / "tests" / "slow_save.py"  # the command line with every save held before its commit
@@ -47,19 +48,11 @@ def run_cli(run_dir: Path, *extra: str, env: dict | None = None, **kw) -> subpro
                           timeout=240, **kw)
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(table: list[dict]) -> np.ndarray:
-    return np.array([math.nan if r["loss"] is None else r["loss"] for r in table])
-
-
 def assert_same_run(run_dir: Path, reference: list[dict]) -> None:
-    got = rows(run_dir)
+    got = metrics_rows(run_dir)
     assert [r["step"] for r in got] == list(range(1, 13))
     assert [r["real_tokens"] for r in got] == [r["real_tokens"] for r in reference]
-    np.testing.assert_allclose(losses(got), losses(reference), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(metric_column(got, "loss"), metric_column(reference, "loss"), rtol=0, atol=1e-6)
 
 
 class Watched:
@@ -105,7 +98,7 @@ def reference(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("reference")
     proc = run_cli(run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return rows(run_dir)
+    return metrics_rows(run_dir)
 
 
 @pytest.mark.slow
@@ -190,7 +183,7 @@ def test_a_failing_stage_exits_non_zero_naming_the_stage(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert ("error: PipelineError: stage 'target[0]' failed: RuntimeError: injected fault in the target forward"
             in proc.stderr)
-    steps = [r["step"] for r in rows(tmp_path)]  # the failure aborts the queues: at most the 2 batches before it
+    steps = [r["step"] for r in metrics_rows(tmp_path)]  # the failure aborts the queues: 2 batches at most before it
     assert steps in ([1], [1, 2])
 
 
@@ -404,7 +397,7 @@ def test_a_non_finite_loss_skips_the_step_and_is_counted(tmp_path, capsys):
     parts = small_parts(config, small_store())
     poison(parts.drafter, {3})  # one micro-batch per step: call 3 = step 3
     summary = run_training(config, parts, tmp_path)
-    table = rows(tmp_path)
+    table = metrics_rows(tmp_path)
     assert summary.steps == 6 and summary.bad_steps == 1
     assert [r["skipped"] for r in table] == [False, False, True, False, False, False]
     assert table[2]["loss"] is None and table[2]["grad_norm"] is None and table[3]["bad_steps"] == 1
@@ -455,7 +448,7 @@ def test_samples_failing_validation_are_skipped_and_counted(tmp_path, capsys):
     assert summary.steps == 6 and summary.empty_batches == 2 and summary.skipped_samples == {
         "token_out_of_vocab": 2, "no_assistant_token": 2, "mask_length_mismatch": 2, "empty": 4}
     assert summary.skipped_sample_examples["empty"] == ["8", "9", "10"]  # the first few record ids
-    table = rows(tmp_path)
+    table = metrics_rows(tmp_path)
     assert [r["skipped_samples"] for r in table] == [2, 3, 7, 7, 9, 10]
     assert [r["epoch"] for r in table] == [0, 0, 0, 0, 1, 1]
     assert not any(r["skipped"] for r in table) and summary.bad_steps == 0

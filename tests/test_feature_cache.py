@@ -4,8 +4,6 @@ as one without it."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,9 +13,10 @@ from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel, tiny_qwen3_config
 from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import Collated, Work, make_target_workers
-from tests.test_loss_kl import _docs
-from tests.test_train import run_loop
-from tests.tiny_models import HIDDEN, VOCAB, tiny_drafter
+from run_folder import metrics_rows
+from test_loss_kl import _docs
+from test_train import run_loop
+from tiny_models import HIDDEN, VOCAB, tiny_drafter
 
 
 def _target(gather: bool) -> TargetModel:
@@ -110,14 +109,14 @@ def test_a_sharded_target_refuses_the_cache():
 def test_a_run_with_the_cache_trains_as_one_without(tmp_path, loss):
     """Three epochs of 8 batches: the first runs the target, the next two come from the cache; the losses equal
     those of a run without it (float32: the same sample's features in another batch differ by rounding at most)."""
-    from tests.test_train import make_store
+    from test_train import make_store
 
     data = make_store()
     runs = {}
     for gib in (0.0, 0.01):
         out = tmp_path / str(gib)
         summary, _, _ = run_loop(out, data, steps=24, target_cache_gib=gib, loss=loss)
-        runs[gib] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], summary
+        runs[gib] = [r["loss"] for r in metrics_rows(out)], summary
     (plain, s0), (cached, s1) = runs[0.0], runs[0.01]
     assert s0.target_cache is None
     stats = s1.target_cache  # the pipeline reads ahead of the steps: more hits than the steps took

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -11,12 +10,7 @@ import urllib.request
 import pytest
 
 from dflash_lib.rundir import REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loopback import free_port
 
 
 def _get(url: str):
@@ -26,7 +20,7 @@ def _get(url: str):
 
 @pytest.mark.slow
 def test_make_lab_serves_lab_and_lists_notebooks(tmp_path):
-    port, token = _free_port(), "dflashtest"
+    port, token = free_port(), "dflashtest"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     proc = subprocess.Popen(["make", "-s", "lab", f"LAB_PORT={port}",
                              f"LAB_ARGS=--IdentityProvider.token={token} --ServerApp.open_browser=False"],

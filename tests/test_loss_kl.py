@@ -13,7 +13,7 @@ from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel, tiny_qwen3_config
 from dflash_lib.models.anchors import decay_weights, position_weights
 from dflash_lib.models.loss import _FusedHeadCEKL, dpace_weights, head_cross_entropy, subnormals_flushed
-from tests.tiny_models import HIDDEN, VOCAB, tiny_drafter
+from tiny_models import HIDDEN, VOCAB, tiny_drafter
 
 TOL = 1e-6
 
@@ -252,7 +252,7 @@ def test_training_with_kl_or_dpace_learns(settings):
     import dataclasses
 
     from dflash_lib.models import acceptance_length
-    from tests.tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
+    from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
     B, NEW = 4, 20
     target = decode_target(256)
@@ -307,7 +307,7 @@ def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_p
     from dflash_lib.train.feed import Item
     from dflash_lib.train.state import BadStepGuard
     from dflash_lib.train.step import filler_item, train_step
-    from tests.tiny_models import decode_drafter, decode_target
+    from tiny_models import decode_drafter, decode_target
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

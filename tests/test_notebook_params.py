@@ -15,6 +15,7 @@ import pytest
 from dflash_lib import rundir
 from dflash_lib.config import FLAT_FIELDS, ConfigError, PRESETS, from_params, preset
 from dflash_lib.lab import runs
+from tiny_models import save_tiny_qwen3
 
 NOTEBOOKS = sorted((rundir.REPO_ROOT / "notebooks").glob("*.ipynb"))
 NB04 = rundir.REPO_ROOT / "notebooks" / "04_train.ipynb"
@@ -137,16 +138,8 @@ def test_preset_by_p_or_flag_once(tmp_path):
 def paper_shaped_target(tmp_path_factory):
     """A tiny random Qwen3 with the paper target's depth (36 layers, so the recipe's feature layers 1..33 exist) and
     the real Qwen3 vocabulary, hidden size 32, saved as a local Hugging Face folder."""
-    import torch
-    import transformers
-
-    from dflash_lib.models.target import tiny_qwen3_config
-
     directory = tmp_path_factory.mktemp("qwen3_36_layers")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_config(hidden_size=32, num_layers=36))
-    model.save_pretrained(directory)
+    save_tiny_qwen3(directory, hidden_size=32, num_layers=36)
     return directory
 
 

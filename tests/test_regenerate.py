@@ -15,6 +15,7 @@ from dflash_lib.config import from_params
 from dflash_lib.data import load_conversations
 from dflash_lib.regenerate import (LocalBackend, OpenAIBackend, RecordError, RegenerateError, read_rejects,
                                    regenerate, rejects_path, report_path, scan_output)
+from loopback import free_port
 
 TINY = dict(hidden_size=32, target_layers=2, num_features=1, template="qwen3", max_new_tokens=6, gen_batch=3)
 CONVS = [
@@ -312,11 +313,7 @@ def test_openai_retries_exactly_the_transient_statuses(source, server, code):
 
 def test_openai_a_server_refusing_connections_stops_the_run(source):
     """After its retries a refused connection is not one record's failure (every record would wait them out)."""
-    import socket
-
-    with socket.socket() as sock:  # a port nothing listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens on it
     b = OpenAIBackend(_cfg(source, backend="openai", base_url=f"http://127.0.0.1:{port}/v1", model="m", retries=1,
                            retry_backoff_s=0.0))
     with pytest.raises(RegenerateError, match="record 3: .* failed 2 times, last: ConnectError") as e:

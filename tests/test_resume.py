@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import run_folder
 from checkpoints import load_latest, save_checkpoint
 from dflash_lib.__main__ import main
 from dflash_lib.config import FLAT_FIELDS, ConfigError, from_params, preset
@@ -21,31 +23,18 @@ from dflash_lib.train.loop import train
 from dflash_lib.train.metrics import BUDGET_FIGURES
 from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, RUN_OUTPUTS, config_differences, prepare_run_dir,
                                      resume_config_hash, truncate_metrics)
+from run_folder import metrics_rows as rows
 
 # lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss
 BASE = dict(steps=8, lr=1e-2, warmup_steps=1, ckpt_every=3, log_every=100)
-EXACT_KEYS = ("step", "epoch", "real_tokens", "padded_tokens", "bucket", "micro_batches", "skipped_tokens")
+
+# the same batches, micro-batches included (one process each), and the same losses within 1e-6
+assert_same_trajectory = partial(run_folder.assert_same_trajectory, atol=1e-6,
+                                 exact_keys=(*run_folder.BATCH_KEYS, "micro_batches"))
 
 
 def config(**params):
     return from_params({**BASE, **params}, preset("smoke"))
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_trajectory(got: list[dict], want: list[dict], atol: float = 1e-6) -> None:
-    """Same batches (tokens, bucket, epoch), same losses and accuracies step by step."""
-    assert [r["step"] for r in got] == list(range(1, len(want) + 1))
-    for key in EXACT_KEYS:
-        assert [r[key] for r in got] == [r[key] for r in want], key
-    for key in ("loss", "acc", "grad_norm", "lr"):  # null (a skipped step's NaN) must match null
-        np.testing.assert_allclose(floats(got, key), floats(want, key), rtol=0, atol=atol, err_msg=key)
-
-
-def floats(table: list[dict], key: str) -> list[float]:
-    return [math.nan if r[key] is None else r[key] for r in table]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

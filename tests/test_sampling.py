@@ -205,6 +205,13 @@ def _law3(target: TargetModel, prompt: list[int], temperature: float, top_p: flo
     return law.flatten()
 
 
+@pytest.fixture(scope="module")
+def law(small) -> torch.Tensor:
+    """(V^3,) the exact law of the first three tokens of PROMPT at T_STAT and TOP_P_STAT (`_law3`), enumerated once
+    for the chi-square tests."""
+    return _law3(small, PROMPT, T_STAT, TOP_P_STAT)
+
+
 def _pool(values: torch.Tensor, law: torch.Tensor, n: int) -> torch.Tensor:
     """(C,) `values` (V^3,) per cell of law (V^3,): the cells expected >= MIN_EXPECTED times in n, then (when
     they hold any probability) the sum over the other cells of positive probability."""
@@ -266,7 +273,7 @@ def _speculative_counts(target: TargetModel, seed: int) -> tuple[torch.Tensor, l
 
 
 @pytest.mark.slow
-def test_speculative_sampling_follows_the_targets_distribution(small):
+def test_speculative_sampling_follows_the_targets_distribution(small, law):
     """The first three tokens of N = 1500 seeded speculative decodings (blocks of 4, an untrained drafter whose
     first slot is rejected in about 78 % of the cycles; temperature 0.05 and top_p 0.8 so that the target's law is
     far from uniform and its nucleus drops ids: 46 sequences of the 4096 have a positive probability, each expected
@@ -276,7 +283,6 @@ def test_speculative_sampling_follows_the_targets_distribution(small):
     4000 samples): a shift of total variation 0.10 from the target's law is rejected with probability 90 %
     (0.11: 97 %, 0.08: 46 %; no shift: 0.2 %). Plain sampling (`greedy_decode` at the same temperature and top_p, the
     evaluation's baseline) passes the same test."""
-    law = _law3(small, PROMPT, T_STAT, TOP_P_STAT)
     cells = _cells(law, N_STAT)
     assert len(cells) == int((law > 0).sum()) == 46  # nothing pooled
     assert _power(cells, N_STAT, 0.10) == pytest.approx(0.90, abs=0.01)
@@ -292,11 +298,11 @@ def test_speculative_sampling_follows_the_targets_distribution(small):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrong", list(WRONG_RULES))
-def test_the_chi_square_rejects_a_wrong_rule(small, monkeypatch, wrong):
+def test_the_chi_square_rejects_a_wrong_rule(small, law, monkeypatch, wrong):
     """The same test, same N and seed, on a deliberately wrong rule: it rejects (p-value < ALPHA)."""
     monkeypatch.setattr(sampling, "block_rule", WRONG_RULES[wrong])
     counts, _ = _speculative_counts(small, seed=1)
-    stat, df, p = _chi_square(counts, _law3(small, PROMPT, T_STAT, TOP_P_STAT))
+    stat, df, p = _chi_square(counts, law)
     assert p < ALPHA, (stat, df)
 
 

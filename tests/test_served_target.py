@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids
 from dflash_lib.serve.server import PLUGINS, EngineSpec
+from run_folder import metrics_rows
+from tiny_models import save_random_model
 
 
 def test_our_layer_i_is_the_engines_aux_id_i_plus_one_sorted_once():
@@ -133,23 +135,15 @@ def _tiny_target(root: Path, family: str) -> Path:
                  num_key_value_heads=1, head_dim=32, intermediate_size=128)
     cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else
            transformers.Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        for p in model.parameters():  # layers far from identity: every feature layer matters
-            p.data.normal_(0.0, 0.1 if p.dim() > 1 else 0.5)
-    model.save_pretrained(root / family)
+    save_random_model(root / family, cfg, spread=(0.1, 0.5))  # layers far from identity: every feature layer matters
     return root / family
 
 
 @pytest.fixture(scope="module")
-def served_target(request, tmp_path_factory):
+def served_target(request, installed_engine_python, tmp_path_factory):
     """(family, target folder, engine url): a tiny target saved, and vLLM's CPU build started by the trainer's own
     code (`target_engine_url`) in fp32, writing the hidden states of LAYERS."""
     from dflash_lib.serve.hidden_states import target_engine_url
-    from test_engine import _engine_or_skip
-
-    _engine_or_skip()
     root = tmp_path_factory.mktemp("served_target")
     folder = _tiny_target(root, request.param)
     config = from_params({**RUN, "target": str(folder), "target_engine": "vllm"}, preset("smoke"))
@@ -184,23 +178,38 @@ def test_features_from_the_engine_equal_the_local_targets(served_target):
     assert torch.equal(served.lm_head.weight, local.lm_head.weight)
 
 
+def _train_losses(folder: Path, run_dir: Path, *extra: str) -> list[float]:
+    """`train --preset smoke` with RUN's settings (and `extra`) on the target `folder`: each step's loss."""
+    from dflash_lib.__main__ import main
+
+    args = [a for k, v in RUN.items() for a in ("-p", k, json.dumps(v) if isinstance(v, list) else str(v))]
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run_dir), "-p", "target", str(folder), *args,
+                 *extra]) == 0
+    rows = metrics_rows(run_dir)
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def local_losses(served_target, tmp_path_factory) -> list[float]:
+    """The losses of RUN on the served target's folder with the target local: what every run through the engine
+    or its cache must equal (trained once for the module)."""
+    _, folder, _ = served_target
+    losses = _train_losses(folder, tmp_path_factory.mktemp("local_run"))
+    assert len(losses) == 20
+    return losses
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
-def test_training_from_the_engine_has_the_local_runs_losses(served_target, tmp_path):
+def test_training_from_the_engine_has_the_local_runs_losses(served_target, local_losses, tmp_path):
     """20 smoke steps with the target served (the same engine, by its url) and with it local: the same losses
     within 1e-6 relative (the features' fp32 kernel order: measured 8e-8 for Qwen3); served with its features
     kept after their first request (`target_cache_gib`: epochs after the first ask the engine nothing) too."""
-    from dflash_lib.__main__ import main
-
     _, folder, url = served_target
-    losses = {}
+    losses = {"local": local_losses}
     engine = ["-p", "target_engine", "vllm", "-p", "target_engine_url", url]
-    for name, extra in (("local", []), ("served", engine), ("kept", [*engine, "-p", "target_cache_gib", "1"])):
-        args = [a for k, v in RUN.items() for a in ("-p", k, json.dumps(v) if isinstance(v, list) else str(v))]
-        assert main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / name), "-p", "target", str(folder),
-                     *args, *extra]) == 0
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
+    for name, extra in (("served", engine), ("kept", [*engine, "-p", "target_cache_gib", "1"])):
+        losses[name] = _train_losses(folder, tmp_path / name, *extra)
     assert len(losses["local"]) == 20
     np.testing.assert_allclose(losses["served"], losses["local"], rtol=1e-6)
     np.testing.assert_allclose(losses["kept"], losses["local"], rtol=1e-6)
@@ -286,7 +295,7 @@ def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp
 
 @pytest.mark.engine
 @pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
-def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, tmp_path, capsys):
+def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, local_losses, tmp_path, capsys):
     """`capture` through the engine, then 20 smoke steps from the cache alone (no engine): the local run's losses
     within 1e-6 relative, as from the engine online; the bytes per token printed first."""
     from dflash_lib.__main__ import main
@@ -300,10 +309,6 @@ def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, 
     assert "2 layers x 64 in float32 = 512 bytes a token" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["samples"] > 0 and summary["tokens"] > 0
-    losses = {}
-    for name, extra in (("local", []), ("cached", ["-p", "hidden_cache", str(tmp_path / "cache")])):
-        assert main(["train", *common, "--run-dir", str(tmp_path / name), *extra]) == 0
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses["local"]) == 20
-    np.testing.assert_allclose(losses["cached"], losses["local"], rtol=1e-6)
+    cached = _train_losses(folder, tmp_path / "cached", "-p", "hidden_cache", str(tmp_path / "cache"))
+    assert len(local_losses) == 20
+    np.testing.assert_allclose(cached, local_losses, rtol=1e-6)

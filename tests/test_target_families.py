@@ -15,7 +15,7 @@ from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import TargetModel
 import dflash_lib.models.target as target_module
 from dflash_lib.models.target import QWEN3_VOCAB, document_attention
-from tiny_models import train_two_steps
+from tiny_models import save_random_model, train_two_steps
 
 WINDOW = 8  # tokens: every sliding layer's window, shorter than the documents so that it bites
 SHAPE = dict(vocab_size=QWEN3_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -64,12 +64,7 @@ def family(request, tmp_path_factory):
     """(family name, its saved folder, HF's own model loaded from it at the family's attention implementation)."""
     name = request.param
     directory = tmp_path_factory.mktemp(name)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-        for p in model.parameters():  # a random init of 0.02 leaves the layers near identity: make them matter
-            p.data.normal_(0.0, 0.3 if p.dim() > 1 else 0.5)
-    model.save_pretrained(directory)
+    save_random_model(directory, FAMILIES[name](), spread=(0.3, 0.5))  # every layer matters
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
     return name, directory, reference
 

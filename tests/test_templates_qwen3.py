@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from dflash_lib.data import load_tokenizer, render
+from dflash_lib.data import render
 from dflash_lib.data.templates import IM_END, get_template
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3" / "tokenizer_config.json"
@@ -69,46 +69,41 @@ def char_mask(segments) -> np.ndarray:
     return np.concatenate(parts)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("qwen")
-
-
 @pytest.mark.parametrize("thinking", ["off", "on"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_text_and_mask_equal_the_jinja_template(tok, case, thinking):
+def test_text_and_mask_equal_the_jinja_template(qwen_tokenizer, case, thinking):
     turns = tuple(CASES[case])
-    segs = get_template("qwen3", tok, thinking).segments(turns)
+    segs = get_template("qwen3", qwen_tokenizer, thinking).segments(turns)
     assert render(segs) == jinja(turns)
     np.testing.assert_array_equal(char_mask(segs), served_mask(turns, thinking))
 
 
 @pytest.mark.parametrize("thinking, enable", [("off", False), ("on", True)])
-def test_generation_prompt_equals_the_jinja_one(tok, thinking, enable):
+def test_generation_prompt_equals_the_jinja_one(qwen_tokenizer, thinking, enable):
     turns = tuple(CASES["multi_turn"][:-1])
-    segs = get_template("qwen3", tok, thinking).prompt_segments(turns)
+    segs = get_template("qwen3", qwen_tokenizer, thinking).prompt_segments(turns)
     assert render(segs) == jinja(turns, add_generation_prompt=True, enable_thinking=enable)
 
 
-def test_token_mask_of_a_non_thinking_answer(tok):
+def test_token_mask_of_a_non_thinking_answer(qwen_tokenizer):
     """Tokens: the empty think block is 4 prompt tokens (<think>, \\n\\n, </think>, \\n\\n), the answer and <|im_end|>
     are trained, historical answers carry no think block."""
     turns = tuple(CASES["multi_turn"])
-    ids, mask = tok.encode_segments(get_template("qwen3", tok, "off").segments(turns))
-    think, end_think = tok.special_id("<think>"), tok.special_id("</think>")
+    ids, mask = qwen_tokenizer.encode_segments(get_template("qwen3", qwen_tokenizer, "off").segments(turns))
+    think, end_think = qwen_tokenizer.special_id("<think>"), qwen_tokenizer.special_id("</think>")
     assert (think, end_think) == (151667, 151668)  # Qwen3's ids
     assert list(ids).count(think) == 1 and list(ids).count(end_think) == 1
     at = list(ids).index(think)
-    assert tok.decode(ids[at: at + 4]) == "<think>\n\n</think>\n\n" and not mask[at: at + 4].any()
-    trained = tok.decode(ids[mask.astype(bool)])
+    assert qwen_tokenizer.decode(ids[at: at + 4]) == "<think>\n\n</think>\n\n" and not mask[at: at + 4].any()
+    trained = qwen_tokenizer.decode(ids[mask.astype(bool)])
     # ("\n\nNoted.": the header's newline and the answer's leading one are one BPE token, which holds answer text)
     assert trained == "Hello.<|im_end|>\n\nNoted.<|im_end|>Goodbye!<|im_end|>"
-    on = tok.encode_segments(get_template("qwen3", tok, "on").segments(turns))[1]
+    on = qwen_tokenizer.encode_segments(get_template("qwen3", qwen_tokenizer, "on").segments(turns))[1]
     assert int(on.sum()) == int(mask.sum()) + 4  # thinking on: the model wrote the (empty) block
 
 
-def test_chatml_differs_from_qwen3_only_by_the_block(tok):
+def test_chatml_differs_from_qwen3_only_by_the_block(qwen_tokenizer):
     turns = tuple(CASES["multi_turn"])
-    chatml = render(get_template("chatml", tok).segments(turns))
-    assert render(get_template("qwen3", tok).segments(turns)) == chatml.replace(
+    chatml = render(get_template("chatml", qwen_tokenizer).segments(turns))
+    assert render(get_template("qwen3", qwen_tokenizer).segments(turns)) == chatml.replace(
         "assistant\nGoodbye!", "assistant\n<think>\n\n</think>\n\nGoodbye!")

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +27,8 @@ from dflash_lib.train.build import build_parts
 from dflash_lib.train.checkpoint import list_checkpoints, load_checkpoint, read_manifest
 from dflash_lib.train.loop import run_training, train
 from dflash_lib.train.resume import prepare_run_dir
+from loopback import free_port
+from run_folder import assert_same_trajectory, metrics_rows
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_SAVE = REPO / "tests" / "slow_save.py"  # the command line with every save held before its commit
@@ -39,7 +39,7 @@ RUN = {"steps": 20, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 10, "accum_toke
 PARAMS = {"steps": 6, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 2, "dist_timeout_s": 30.0}  # the fault tests
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TIMEOUT_S = 8.0  # dist_timeout_s of the killed-rank test
-EXACT_KEYS = ("step", "epoch", "real_tokens", "padded_tokens", "skipped_tokens", "bucket")
+TRAJECTORY_ATOL = 1e-5  # losses, accuracies and gradient norms of the same global batches
 
 
 def cli_params(params: dict) -> list[str]:
@@ -57,23 +57,6 @@ def torchrun(run_dir: Path, *extra: str, params: dict = PARAMS) -> subprocess.Co
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def column(table: list[dict], key: str) -> np.ndarray:
-    return np.array([math.nan if r[key] is None else r[key] for r in table], dtype=float)
-
-
-def assert_same_trajectory(got: list[dict], want: list[dict]) -> None:
-    """The same global batches step by step, and the same losses, accuracies and gradient norms within 1e-5."""
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, len(want) + 1))
-    for key in EXACT_KEYS:
-        assert [r[key] for r in got] == [r[key] for r in want], key
-    for key in ("loss", "acc", "grad_norm", "lr"):
-        np.testing.assert_allclose(column(got, key), column(want, key), rtol=0, atol=1e-5, err_msg=key)
 
 
 def rewind(src: Path, dst: Path, step: int) -> Path:
@@ -105,6 +88,15 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """One process training the global batches of ONE data shard, 20 steps (the run every 1 -> 2 resume copies)."""
+    run_dir = tmp_path_factory.mktemp("one_process_one_shard")
+    summary = train(from_params(RUN, preset("smoke")), run_dir)
+    assert (summary.world_size, summary.data_shards) == (1, 1)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("ddp")
     return run_dir, torchrun(run_dir, params=RUN)
@@ -113,8 +105,8 @@ def ddp(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 @pytest.mark.slow
 def test_ddp_on_two_ranks_equals_one_process_and_resumes_on_one(ddp, reference, tmp_path):
     run_dir, proc = ddp
-    got, want = rows(run_dir), rows(reference)
-    assert_same_trajectory(got, want)
+    got, want = metrics_rows(run_dir), metrics_rows(reference)
+    assert_same_trajectory(got, want, atol=TRAJECTORY_ATOL)
     assert [2 * r["micro_batches"] for r in got] == [r["micro_batches"] for r in want]  # each rank half of them
     assert sum(r["micro_batches"] >= 2 for r in got) >= 2  # accumulation on each rank: no_sync really ran
     assert len([line for line in proc.stdout.splitlines() if re.match(r"step \d+ \| loss", line)]) == 4  # rank 0
@@ -127,7 +119,7 @@ def test_ddp_on_two_ranks_equals_one_process_and_resumes_on_one(ddp, reference, 
     resumed = rewind(run_dir, tmp_path / "two_to_one", 10)
     summary = train(from_params(RUN, preset("smoke")), resumed)
     assert (summary.world_size, summary.data_shards, summary.resumed_from_step) == (1, 2, 10)
-    assert_same_trajectory(rows(resumed), want)
+    assert_same_trajectory(metrics_rows(resumed), want, atol=TRAJECTORY_ATOL)
 
 
 # 20 AdamW steps from two ranks' gloo sums against one process's: Adam divides by sqrt(v), so a near-zero gradient's
@@ -139,7 +131,7 @@ WEIGHT_ATOL = 5e-5
 def test_fsdp_on_two_ranks_equals_one_process_and_exports_plain_full_weights(reference, tmp_path):
     run_dir = tmp_path / "fsdp"
     torchrun(run_dir, "-p", "parallel", "fsdp", params=RUN)
-    assert_same_trajectory(rows(run_dir), rows(reference))
+    assert_same_trajectory(metrics_rows(run_dir), metrics_rows(reference), atol=TRAJECTORY_ATOL)
     assert json.loads((run_dir / "summary.json").read_text())["parallel"] == "fsdp"
     # the exported drafter: the same names and full tensors as one process wrote (no `module.`, no DTensor)
     got, want = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, reference))
@@ -165,16 +157,16 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
     run_dir = tmp_path / "sharded"
     proc = torchrun(run_dir, *sharded, params=RUN)
     assert "target sharded over 2 ranks with FSDP2" in proc.stdout
-    assert_same_trajectory(rows(run_dir), rows(reference))
+    assert_same_trajectory(metrics_rows(run_dir), metrics_rows(reference), atol=TRAJECTORY_ATOL)
     got, want = (load_file(str(d / "drafter" / "model.safetensors")) for d in (run_dir, reference))
     assert sorted(got) == sorted(want)
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=WEIGHT_ATOL)
     resumed = tmp_path / "stopped"
     torchrun(resumed, *sharded, "-p", "stop_at_step", "7", params=RUN)
-    assert [r["step"] for r in rows(resumed)] == list(range(1, 8))
+    assert [r["step"] for r in metrics_rows(resumed)] == list(range(1, 8))
     assert "resuming from" in torchrun(resumed, *sharded, "-p", "parallel", "fsdp", params=RUN).stdout
-    assert_same_trajectory(rows(resumed), rows(reference))
+    assert_same_trajectory(metrics_rows(resumed), metrics_rows(reference), atol=TRAJECTORY_ATOL)
 
 
 @pytest.mark.slow
@@ -190,8 +182,8 @@ def test_loss_ce_kl_with_a_target_sharded_over_two_ranks_equals_one_process(tmp_
     run_dir = tmp_path / "sharded_kl"
     proc = torchrun(run_dir, "-p", "target_parallel", "fsdp", params=params)
     assert "target sharded over 2 ranks with FSDP2" in proc.stdout
-    got, want = rows(run_dir), rows(want_dir)
-    assert_same_trajectory(got, want)
+    got, want = metrics_rows(run_dir), metrics_rows(want_dir)
+    assert_same_trajectory(got, want, atol=TRAJECTORY_ATOL)
     assert sum(r["micro_batches"] >= 2 for r in got) >= 1  # accumulation under no_sync on each rank
     held = [(r["step"], r["heldout_loss"]) for r in want if r.get("heldout_loss") is not None]
     assert held and [r["step"] for r in got if r.get("heldout_loss") is not None] == [s for s, _ in held]
@@ -205,19 +197,17 @@ def test_loss_ce_kl_with_a_target_sharded_over_two_ranks_equals_one_process(tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target_parallel", ["replicate", "fsdp"])
-def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_path, target_parallel):
+def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(one_process, tmp_path, target_parallel):
     """1 -> 2: the run's global batch is ONE data shard, so rank 1 takes none and joins every step's gradient
     reduction with a zero-weight filler (and, with a sharded target, every sampler step's all-gathers with a
     filler pass); the trajectory is the one-process run's."""
-    one = tmp_path / "one"
-    summary = train(from_params(RUN, preset("smoke")), one)
-    assert (summary.world_size, summary.data_shards) == (1, 1)
+    one = one_process
     resumed = rewind(one, tmp_path / "one_to_two", 10)
     torchrun(resumed, "-p", "async_ckpt", "true", "-p", "target_parallel", target_parallel,
              params=RUN)  # and saved in the background, committed at the end
     summary = json.loads((resumed / "summary.json").read_text())
     assert (summary["world_size"], summary["data_shards"], summary["resumed_from_step"]) == (2, 1, 10)
-    assert_same_trajectory(rows(resumed), rows(one))
+    assert_same_trajectory(metrics_rows(resumed), metrics_rows(one), atol=TRAJECTORY_ATOL)
     assert read_manifest(resumed / "checkpoints" / "ckpt-00000020").world_size == 2
 
 
@@ -225,7 +215,7 @@ def test_a_one_process_run_resumed_on_two_ranks_continues_its_trajectory(tmp_pat
 def test_two_nodes_through_c10d_rendezvous_equal_the_standalone_run(ddp, tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT`, both "nodes" on
     localhost: the same 2-rank run as --standalone (its first 4 steps)."""
-    port = _free_port()
+    port = free_port()
     launch = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-id", "dflash-test")
     cmd = torchrun_cmd(tmp_path, "-p", "stop_at_step", "4", params=RUN, launch=launch)
@@ -241,7 +231,7 @@ def test_two_nodes_through_c10d_rendezvous_equal_the_standalone_run(ddp, tmp_pat
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["world_size"], summary["steps"]) == (2, 4)
-    assert_same_trajectory(rows(tmp_path), rows(ddp[0])[:4])
+    assert_same_trajectory(metrics_rows(tmp_path), metrics_rows(ddp[0])[:4], atol=TRAJECTORY_ATOL)
 
 
 @pytest.mark.slow
@@ -273,21 +263,15 @@ def test_kill_9_of_the_whole_job_mid_save_then_resume_equals_the_uninterrupted_r
     assert [p.name for p in list_checkpoints(ckpt_dir)] == ["ckpt-00000005"]  # the half-written step 10 is invisible
     proc = torchrun(tmp_path, params=params)
     assert f"resuming from {ckpt_dir / 'ckpt-00000005'}" in proc.stdout
-    assert_same_trajectory(rows(tmp_path), rows(ddp[0]))
+    assert_same_trajectory(metrics_rows(tmp_path), metrics_rows(ddp[0]), atol=TRAJECTORY_ATOL)
     assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".")]  # the dead save's temp was cleaned up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def two_ranks_at_step_3(run_dir: Path, params: dict):
     """Two training ranks started by hand, as torchrun would start them; yields (rank0, rank1, rank 0's output
     lines, read live) once rank 0 has logged step 3. Every rank is killed on the way out if still running."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "dflash_lib", "train", "--preset", "smoke", "--run-dir", str(run_dir),
            *cli_params(params)]
     procs = []
@@ -347,8 +331,8 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_an
     stopped = summary["steps"]
     assert not summary["complete"] and 3 <= stopped < params["steps"]
     assert summary["stop_reason"] == "a stop signal on another rank"  # rank 0 writes: it was not signalled
-    assert [r["step"] for r in rows(tmp_path)] == list(range(1, stopped + 1))
+    assert [r["step"] for r in metrics_rows(tmp_path)] == list(range(1, stopped + 1))
     assert list_checkpoints(tmp_path / "checkpoints")[-1].name == f"ckpt-{stopped:08d}"
     resumed = torchrun(tmp_path, "-p", "stop_at_step", str(stopped + 2), params=params)
     assert "resuming from" in resumed.stdout
-    assert [r["step"] for r in rows(tmp_path)] == list(range(1, stopped + 3))
+    assert [r["step"] for r in metrics_rows(tmp_path)] == list(range(1, stopped + 3))

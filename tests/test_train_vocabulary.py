@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
 
 from dflash_lib import rundir
 from dflash_lib.__main__ import main
 from dflash_lib.config import from_params, preset
 from dflash_lib.data.tokenizers import MappedVocab, load_tokenizer
 from dflash_lib.lab import runs
-from dflash_lib.models.target import tiny_qwen3_config
-from tiny_models import tiny_chatml_tokenizer
+from tiny_models import save_tiny_qwen3, tiny_chatml_tokenizer
 
 NB04 = rundir.REPO_ROOT / "notebooks" / "04_train.ipynb"
 QWEN_IDS = 151851  # ids the bundled Qwen BPE emits, its special tokens included
@@ -23,11 +20,7 @@ QWEN_IDS = 151851  # ids the bundled Qwen BPE emits, its special tokens included
 
 def save_target(directory, vocab_size: int):
     """A random 4-layer Qwen3 of hidden size 32 over `vocab_size` ids, saved as a local Hugging Face folder."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_config(hidden_size=32, num_layers=4,
-                                                                                vocab_size=vocab_size))
-    model.save_pretrained(directory)
+    save_tiny_qwen3(directory, hidden_size=32, num_layers=4, vocab_size=vocab_size)
     return directory
 
 

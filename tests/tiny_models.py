@@ -1,5 +1,6 @@
 """The tiny Qwen3 target and DFlash drafter (random weights, built locally in well under a second) that the
-attention and drafter-reference tests share, and the two-step smoke training the target-folder tests run."""
+attention and drafter-reference tests share, tiny random models saved as local Hugging Face folders, a
+trainer-like run folder of a random drafter, and the two-step smoke training the target-folder tests run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 
 VOCAB, MASK, HIDDEN, BLOCK = 300, 299, 32, 4  # vocabulary, MASK id (its last row), hidden size, block size (tokens)
+SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)
 
 
 def tiny_target(num_layers: int = 6, num_features: int = 2) -> TargetModel:
@@ -106,6 +108,46 @@ def tiny_chatml_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                  additional_special_tokens=["<|im_start|>"])
     return hf
+
+
+def save_random_model(directory: Path | str, hf_config: Any, seed: int = 0,
+                      spread: tuple[float, float] | None = None):
+    """A model of `hf_config` with random weights seeded by `seed` (the global RNG left as it was), saved as a local
+    Hugging Face folder; returns the model. `spread` (matrix std, other std): every matrix redrawn from N(0,
+    matrix std) and every other parameter from N(0, other std), so that no layer is near the identity (a default
+    init's 0.02 leaves it so) and every layer changes the answers."""
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        if spread is not None:
+            for p in model.parameters():
+                p.data.normal_(0.0, spread[0] if p.dim() > 1 else spread[1])
+    model.save_pretrained(directory)
+    return model
+
+
+def save_tiny_qwen3(directory: Path | str, seed: int = 0, **shape: Any):
+    """A random Qwen3 of `tiny_qwen3_config(**shape)` (hidden_size and num_layers given) saved by
+    `save_random_model`; returns the model."""
+    return save_random_model(directory, tiny_qwen3_config(**shape), seed)
+
+
+def save_tiny_run(directory: Path) -> tuple[str, Any]:
+    """A trainer-like run folder in `directory`: config.json {"config": ...} of a tiny target (4 layers of hidden
+    32, one feature layer, blocks of 4, SMALL_STORE) and drafter/ (a random drafter seeded 0, exported in fp32).
+    Returns (the folder, its Config)."""
+    from dflash_lib.config import from_params
+    from dflash_lib.models.export import export_drafter
+
+    config = from_params({"hidden_size": 32, "target_layers": 4, "num_features": 1, "block_size": 4, **SMALL_STORE})
+    tgt = TargetModel.from_model_config(config.model, seed=config.train.seed)
+    torch.manual_seed(0)
+    export_drafter(DFlashDrafter(DrafterConfig.from_model_config(config.model, tgt), tgt), directory / "drafter",
+                   torch.float32)
+    (directory / "config.json").write_text(json.dumps({"config": config.to_dict()}))
+    return str(directory), config
 
 
 def train_two_steps(target_dir: Path | str, run_dir: Path) -> dict[str, Any]:
