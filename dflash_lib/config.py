@@ -363,7 +363,7 @@ class EvalConfig:
     stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
-    # tiny models can run faster on one thread than on several (LOG.md, 2026-12-01 session 5)
+    # tiny models can run faster on one thread than on several (LOG.md)
     # `python -m dflash_lib doctor` (dflash_lib/doctor.py):
     doctor_samples: int = 16  # corpus conversations the chat-template rule renders both ways (training vs target)
     # -- benchmark prompt sets (dflash_lib.data.benchmarks; the per-benchmark report: dflash_lib.benchmark_report)
@@ -747,7 +747,7 @@ def qwen3_8b() -> Config:
     path with its reserve, with room for the dense reference path (`python -m dflash_lib dryrun`; its table in
     docs/scale.md). ce_chunk_blocks 64 (1024 scored positions, a 0.6 GiB fp32 logits chunk per LM-head call): the
     step's peak is in a drafter layer's backward, not in the head, so a larger chunk (fewer, larger matmuls) is
-    free until the head's chunk becomes the peak (the dry run's figures: LOG.md, 2026-12-01)."""
+    free until the head's chunk becomes the peak (the dry run's figures: LOG.md)."""
     return from_params(dict(
         target="qwen3-8b", drafter_layers=5, block_size=16, num_anchors=512, max_len=3072, num_features=5,
         target_layer_ids=[1, 9, 17, 25, 33], mask_id=151669, lr=6e-4, warmup_ratio=0.04, grad_clip=1.0, epochs=6.0,

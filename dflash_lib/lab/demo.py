@@ -65,7 +65,7 @@ KEY_FIGURES = [
 TARGETS = ("real", "trained", "preset")  # run_demo's target kinds (see the module doc)
 
 # The real target's answers: 320 first turns of at most 128 tokens, ended where the model ends them, prompt and
-# answer within 1024 tokens (the vLLM CPU build answers ~80 tokens/s here: LOG.md); 5 % held out
+# answer within 1024 tokens (their cost: LOG.md, issue 38); 5 % held out
 REAL_ANSWERS = DemoAnswerSettings(records=320, new_tokens=128, free_end=True, heldout_fraction=0.05, max_len=1024)
 
 

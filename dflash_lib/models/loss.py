@@ -190,7 +190,7 @@ class _FusedHeadCEKL(torch.autograd.Function):
     Memory per chunk of c positions: at most three (c, V) float32 buffers at once (z, log p, p; then z, p and
     softmax(z / T) when T != 1; the previous chunk's are freed first), where `_FusedHeadCE`'s loop holds its new
     logits and the previous chunk's (each also holds a (c, V) copy in the head's dtype while a matmul's output is
-    converted): 12cV bytes against 10cV (LOG.md, 2026-12-02)."""
+    converted): 12cV bytes against 10cV."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -337,9 +337,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLay
 @contextmanager
 def subnormals_flushed(device: torch.device, loss: str) -> Iterator[None]:
     """On the CPU with a KL loss (`loss` != "ce"): subnormal floats flushed to zero inside, restored after. As the KL
-    nears 0 the products (q - p) @ W go subnormal and x86 CPUs compute them ~25x slower (150 tiny training steps:
-    98 s instead of 3.7 s, the same final loss; LOG.md 2026-12-02). CUDA kernels flush already; ce is untouched
-    (bitwise as before)."""
+    nears 0 the products (q - p) @ W go subnormal and x86 CPUs compute them many times slower (LOG.md, issue 25).
+    CUDA kernels flush already; ce is untouched (bitwise as before)."""
     flush = device.type == "cpu" and reads_final_states(loss) and torch.set_flush_denormal(True)  # False: CPU cannot
     try:
         yield

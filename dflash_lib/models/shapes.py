@@ -52,7 +52,7 @@ def qwen3_235b_a22b_config() -> transformers.Qwen3MoeConfig:
 # vocabulary, 262,144 positions, untied. Sources (the Hub's own config.json was not reachable from here; each value
 # agrees in several copies): the model cards, copies of each text_config (unsloth/Qwen3.5-9B,
 # Intel/Qwen3.6-27B-int4-mlx-AutoRound), transformers' Qwen3.5-MoE docs (35B-A3B) and engines' tests pinned to
-# the official revisions; LOG.md (2026-12-04, issue 39) lists them.
+# the official revisions; LOG.md (issue 39) lists them.
 QWEN3_5_VOCAB = 248320
 _QWEN3_5_COMMON = dict(vocab_size=QWEN3_5_VOCAB, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
                        linear_conv_kernel_dim=4, rope_theta=10_000_000.0, partial_rotary_factor=0.25,

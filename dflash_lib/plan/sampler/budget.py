@@ -182,7 +182,7 @@ def fill_in_order(lengths: np.ndarray, capacity: np.ndarray, queries: np.ndarray
     (NONE after the last batch, or where only max_size closed the batch).
     Any cap[longest of all] samples fit the tokens, so each batch starts with that many in one slice (cut where
     the prefix sum of queries passes the block budget, found by bisection) and grows one sample at a time only
-    from there (its speed: LOG.md, 2026-12-01).
+    from there.
     """
     x = lengths.tolist()
     cap = capacity.tolist()
