@@ -1,8 +1,8 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`; `COMMAND --help` for its options, README for the docs.
 
-Data and training: regenerate, run (a notebook into runs/<id>/), train, capture, params. Sizing: dryrun, plan.
+Data and training: regenerate, run (a notebook into runs/<id>/), train, capture, params. Sizing: dryrun, tune.
 Serving: export, evaluate, doctor, engine-check. The study on the bundled corpus: demo, demo-target. Wherever a
-preset name goes, a preset file does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `plan` writes).
+preset name goes, a preset file does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `tune` writes).
 
 A user error ends in ONE line `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a
 peer) in one line and exit 1; anything else is a bug and keeps its traceback (`--debug`: every traceback).
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tr = sub.add_parser("train", help="train a drafter outside notebooks (same config and validation); "
                         "resumes from the run folder's newest checkpoint of the same config")
-    tr.add_argument("--preset", default="default", help="a named preset or a preset file (.json, e.g. plan's)")
+    tr.add_argument("--preset", default="default", help="a named preset or a preset file (.json, e.g. tune's)")
     tr.add_argument("--run-dir", default="", help="run folder (default: a new runs/<id>_train/)")
     tr.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     tr.add_argument("--tag", default="")
@@ -222,15 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     dry.add_argument("--link-gbs", type=float, default=450.0,
                      help="per-GPU interconnect bandwidth, one direction, GB/s (default NVLink 4 on H100/H200: 450)")
 
-    pl = sub.add_parser("plan", help="the fastest token budget, block budget and checkpointed drafter layers that "
-                        "fit --device-gib, proven by the dry run; writes plan.json and a preset file; exit 1 when "
-                        "nothing fits")
+    pl = sub.add_parser("tune", aliases=["plan"], help="the fastest token budget, block budget and checkpointed "
+                        "drafter layers that fit --device-gib, proven by the dry run; writes tune.json and a preset "
+                        "file; exit 1 when nothing fits")
     pl.add_argument("--preset", default="qwen3-8b", help="a named preset or a preset file (default qwen3-8b)")
     pl.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
     pl.add_argument("--device-gib", type=float, default=80.0, help="device memory in GiB (H100 80, H200 141)")
     pl.add_argument("--world-size", type=int, default=1, help="GPUs the throughput is projected for")
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the projection assumes")
-    pl.add_argument("--out", default="", help="folder for plan.json and preset.json (default: a new runs/<id>_plan/)")
+    pl.add_argument("--out", default="", help="folder for tune.json and preset.json (default: a new runs/<id>_tune/)")
 
     doc = sub.add_parser("doctor", help="check an exported drafter against its target as SGLang and vLLM will "
                          "read it (config, layer ids, weights, chat template): one PASS/FAIL line per rule; exit 1 "
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     par = sub.add_parser("params", help="every config field -p sets: key, type, default and what it is")
     par.add_argument("section", nargs="?", default="", help="one section only: " + ", ".join(SECTION_CLASSES))
 
-    for command in sub.choices.values():  # `--debug` also after the command name
+    for command in set(sub.choices.values()):  # `--debug` also after the command name (an alias: the same parser)
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -296,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             from dflash_lib.dryrun import run_cli
 
             return run_cli(args, _params(args.param))
-        elif args.cmd == "plan":
-            from dflash_lib.dryrun.search import run_cli as plan
+        elif args.cmd in ("tune", "plan"):  # plan: its former name
+            from dflash_lib.dryrun.search import run_cli as tune
 
-            return plan(args, _params(args.param))
+            return tune(args, _params(args.param))
         elif args.cmd == "doctor":
             from dflash_lib.doctor import run_cli as doctor
 

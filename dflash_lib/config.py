@@ -67,7 +67,7 @@ class BucketConfig:
     cost_from: str = ""  # a notebook-03 run folder (cost_model.json): optimize under its fitted quadratic cost
     bucket_grid: int = 64  # batch_max: candidate edge positions; exact when the distinct lengths are fewer
     k_distance: float = 0.02  # choose k: the smallest k whose predicted efficiency is within this of packing
-    device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and the plan (`dryrun.search`) are for
+    device_gib: float = 80.0  # notebook 02: device memory (GiB) the fit check and tuning (`dryrun.search`) are for
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -717,7 +717,7 @@ def preset_file(base: str, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_preset_file(path: str | Path) -> tuple[str, dict[str, Any]]:
-    """(named preset, flat overrides) of a preset file (`preset_file`, e.g. the plan command's preset.json);
+    """(named preset, flat overrides) of a preset file (`preset_file`, e.g. the tune command's preset.json);
     ConfigError naming the file for a missing file, bad JSON, other keys or an unknown preset."""
     path = Path(path)
     if not path.is_file():

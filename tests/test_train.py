@@ -24,7 +24,7 @@ from dflash_lib.train.loop import run_training
 from dflash_lib.train.summary import RunSummary
 from dflash_lib.train.metrics import BUDGET_FIGURES, HELDOUT_KEYS, StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
-from dflash_lib.train.schedule import lr_at, plan_steps, warmup_steps
+from dflash_lib.train.schedule import lr_at, count_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import train_step
 from run_folder import metrics_rows
@@ -104,13 +104,13 @@ def test_training_feeds_blocks_masked_at_the_configured_noise(tmp_path, data):
         assert (n_mask == masked).float().mean() > 0.75, n_mask.tolist()
 
 
-def test_plan_steps():
-    assert plan_steps(TrainConfig(steps=7), 100, 10_000, 1) == (7, None)
-    assert plan_steps(TrainConfig(epochs=1.5), 10, 10_000, 1) == (15, 15)
-    assert plan_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 1) == (7, 40)  # ceil(2000 / 300)
-    assert plan_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 2) == (4, 40)  # per rank
+def test_count_steps():
+    assert count_steps(TrainConfig(steps=7), 100, 10_000, 1) == (7, None)
+    assert count_steps(TrainConfig(epochs=1.5), 10, 10_000, 1) == (15, 15)
+    assert count_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 1) == (7, 40)  # ceil(2000 / 300)
+    assert count_steps(TrainConfig(epochs=2.0, accum_tokens=300), 20, 1000, 2) == (4, 40)  # per rank
     with pytest.raises(ConfigError, match="no batch"):
-        plan_steps(TrainConfig(epochs=1.0), 0, 0, 1)
+        count_steps(TrainConfig(epochs=1.0), 0, 0, 1)
 
 
 def test_collate_labels_a_padded_batch_with_the_bucket_of_its_longest_sample():

@@ -1,6 +1,6 @@
 """The dry run and the settings search, a stage above training: one step of the real configuration measured in
 fake mode before a GPU is rented (`step`, `worst`, `report`), the fake process groups and the balanced-routing
-stand-in it runs with, and `plan`'s search for the fastest settings that fit (`search`). docs/scale.md."""
+stand-in it runs with, and tuning: the search for the fastest settings that fit (`search`). docs/scale.md."""
 
 from dflash_lib.dryrun.report import (BackendComparison, BatchRecord, BatchResult, DryRunAssumptions, DryRunEta,
                                       DryRunReport, dry_run, format_report, measure_batches, measure_plan, run_cli)

@@ -1,10 +1,10 @@
-"""The plan: the fastest settings that fit the device, proven by the dry run (`dryrun`, the measurement).
+"""Tuning: the fastest settings that fit the device, proven by the dry run (`dryrun`, the measurement).
 
-    python -m dflash_lib plan --preset qwen3-8b --device-gib 80 [--world-size N] [--mfu 0.4] [-p K V]... [--out DIR]
+    python -m dflash_lib tune --preset qwen3-8b --device-gib 80 [--world-size N] [--mfu 0.4] [-p K V]... [--out DIR]
 
 `candidates` (`TOKEN_LADDER` x `BLOCK_FRACTIONS` x checkpointed drafter layers) projected by `FlopModel`, walked
 fastest first: pruned (`Candidate.needs_at_least`), checked on one fake memory step, proven by the full dry run;
-`PlanReport` is plan.json. docs/scale.md, "The plan: the fastest settings that fit, proven by the dry run".
+`TuneReport` is tune.json. docs/scale.md, "Tuning: the fastest settings that fit, proven by the dry run".
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from dflash_lib.train.build import bucket_edges, build_sampler
 GIB = dryrun.GIB
 TOKEN_LADDER = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # candidate token budgets, multiples of the base's
 BLOCK_FRACTIONS = (1.0, 0.5, 0.25)  # candidate block budgets, fractions of each token budget's derived one
-SHORT_LADDER, SHORT_FRACTIONS = (1.0, 2.0), (1.0,)  # a quick plan (notebook 02 on tiny models)
+SHORT_LADDER, SHORT_FRACTIONS = (1.0, 2.0), (1.0,)  # a quick tuning (notebook 02 on tiny models)
 TIE = 0.01  # projections closer than this (relative) are one tier: the FLOP model cannot tell them apart (its
-# error on batches it was not fitted to is about 2 %, tests/test_plan_search.py)
+# error on batches it was not fitted to is about 2 %, tests/test_tune.py)
 STEP_TIE = 0.25  # optimizer steps within 25 % of today's real tokens count as kept (accum_tokens closes a step at
 # the first micro-batch that reaches it, so a step overshoots by up to one micro-batch anyway)
 TOKEN_MULTIPLE = 64  # token budgets are rounded to a multiple of this (kernel shapes)
@@ -46,12 +46,12 @@ OPTIMIZER_BYTES_PER_PARAMETER = 32  # fused AdamW reads fp32 parameter, gradient
 
 
 class NothingFitsError(ValueError):
-    """No candidate of the plan fits the device; the message names the smallest candidate's need."""
+    """No candidate fits the device; the message names the smallest candidate's need."""
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One setting the plan may choose."""
+    """One setting tuning may choose."""
 
     token_budget: int  # tokens per micro-batch (sampler.token_budget)
     block_budget: int  # drafter query tokens per micro-batch (sampler.block_budget, resolved)
@@ -284,7 +284,7 @@ def project(model: FlopModel, work: EpochWork, k: int, accum_tokens: int, world_
 def preference(c: Candidate, p: Projection, base_step_tokens: float) -> tuple:
     """Among candidates whose projections are within TIE of each other (the FLOP model cannot tell them apart):
     first the optimizer step closest to today's `base_step_tokens` (real tokens per optimizer step, in tiers of
-    STEP_TIE: the plan should change the speed, not the optimization), then the larger micro-batch (more tokens,
+    STEP_TIE: tuning should change the speed, not the optimization), then the larger micro-batch (more tokens,
     more queries: real kernels run closer to the stated MFU on larger batches, which the FLOP model does not
     price), then fewer checkpointed layers."""
     change = abs(math.log(max(p.tokens_per_step, 1.0) / max(base_step_tokens, 1.0)))
@@ -296,7 +296,7 @@ def preference(c: Candidate, p: Projection, base_step_tokens: float) -> tuple:
 
 @dataclass
 class CandidateRecord(JsonRecord):
-    """One row of the plan's table."""
+    """One row of the tuning table."""
 
     token_budget: int  # tokens per micro-batch
     block_budget: int  # drafter query tokens per micro-batch
@@ -317,12 +317,12 @@ class CandidateRecord(JsonRecord):
 
 
 @dataclass
-class PlanReport(JsonRecord):
-    """The plan of a configuration (`plan`): plan.json and the JSON line of `python -m dflash_lib plan`."""
+class TuneReport(JsonRecord):
+    """The tuning of a configuration (`tune`): tune.json and the JSON line of `python -m dflash_lib tune`."""
 
-    preset: str  # the named preset planned from (a preset file: its preset)
+    preset: str  # the named preset tuned from (a preset file: its preset)
     base_params: dict[str, Any]  # the overrides on top of it (a preset file's, then -p)
-    device_gib: float  # device memory planned for (GiB)
+    device_gib: float  # device memory tuned for (GiB)
     world_size: int  # GPUs the projection is for (data parallel, each holding one micro-batch per step)
     mfu: float  # model FLOPs utilisation assumed, a fraction of peak_tflops
     peak_tflops: float  # the device's dense bf16 peak (TFLOP/s)
@@ -336,9 +336,10 @@ class PlanReport(JsonRecord):
     recompute_share: float  # share of today's defaults' projected FLOPs that is recomputation (checkpointing)
     step_change: str  # how the chosen optimizer step compares with today's, in words
     ignores: str  # what the projection ignores, in words (module docstring)
-    seconds: float  # wall time of the plan on this machine (seconds)
+    seconds: float  # wall time of the tuning on this machine (seconds)
 
 
+REPORT_FILE = "tune.json"  # the report in the output folder, beside preset.json
 IGNORES = ("MFU independent of batch size and shape; anchors at the end of their documents (an upper bound); "
            "host pipeline, data loading and communication free")
 
@@ -355,10 +356,10 @@ def _record(c: Candidate, p: Projection, base: Projection, decided: str, fits: b
         tokens_per_step=round(p.tokens_per_step, 1), accum_tokens=p.accum_tokens, decided=decided)
 
 
-def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: float = 0.4,
+def tune(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: float = 0.4,
          peak_tflops: float = dryrun.H200_BF16_TFLOPS, reserve: dryrun.Reserve = dryrun.Reserve(),
          ladder: Sequence[float] = TOKEN_LADDER, fractions: Sequence[float] = BLOCK_FRACTIONS, preset: str = "",
-         base_params: dict[str, Any] | None = None, say: Callable[[str], None] = lambda line: None) -> PlanReport:
+         base_params: dict[str, Any] | None = None, say: Callable[[str], None] = lambda line: None) -> TuneReport:
     """The fastest candidate of `config`'s ladder that fits `device_gib` (module docstring). `config` is named
     preset `preset` overlaid by `base_params` (the report and the preset file say so); "" and None: the
     defaults overlaid by every field `config` changes. Raises NothingFitsError when none does."""
@@ -484,14 +485,14 @@ def plan(config: Config, device_gib: float = 80.0, world_size: int = 1, mfu: flo
                        "" if abs(ratio - 1) <= 0.1 else ": the global batch changes, scale the learning rate to it"))
     recompute = float((model.flops(work(base), base.checkpointed) - model.flops(work(base), 0)).sum()
                       / model.flops(work(base), base.checkpointed).sum())
-    return PlanReport(
+    return TuneReport(
         preset=preset, base_params=dict(base_params or {}), device_gib=device_gib, world_size=world_size, mfu=mfu,
         peak_tflops=peak_tflops, drafter_layers=L, strategy=config.sampler.strategy, worst_kind=kind_name,
         flop_model=model, rows=rows, chosen=chosen, params=params, recompute_share=round(recompute, 4),
         step_change=step_change, ignores=IGNORES, seconds=round(time.perf_counter() - t0, 1))
 
 
-def format_plan(report: PlanReport) -> str:
+def format_tuning(report: TuneReport) -> str:
     """The table of candidates tried, then the chosen settings as a `-p` line."""
     r = report
     cols = ("token_budget", "block_budget", "ckpt", "docs", "peak", "need", "fits", "step s", "Ktok/s/GPU",
@@ -504,7 +505,7 @@ def format_plan(report: PlanReport) -> str:
                      f"{row.step_s:.3g}", f"{row.ktok_s_gpu:.1f}", f"{row.ktok_s:.1f}", f"{row.speedup:.3f}",
                      f"{row.tokens_per_step:,.0f}", row.decided))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *body)]
-    lines = [f"plan: {r.preset or 'defaults'} on {r.world_size} x {r.device_gib:g} GiB, {r.strategy}, "
+    lines = [f"tune: {r.preset or 'defaults'} on {r.world_size} x {r.device_gib:g} GiB, {r.strategy}, "
              f"{r.mfu:.0%} MFU of {r.peak_tflops:g} TFLOP/s; each candidate checked on {r.worst_kind}",
              "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in body]
@@ -516,36 +517,36 @@ def format_plan(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
-def write_plan(report: PlanReport, out: Path) -> tuple[Path, Path]:
-    """plan.json (the report) and preset.json (`config.preset_file`: `--preset FILE` anywhere a preset name
+def write_tuning(report: TuneReport, out: Path) -> tuple[Path, Path]:
+    """tune.json (the report) and preset.json (`config.preset_file`: `--preset FILE` anywhere a preset name
     goes) in folder `out`; the preset file is the report's preset, its overrides and the chosen settings."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "plan.json", report.to_json())
+    write_json(out / REPORT_FILE, report.to_json())
     path = out / "preset.json"
     path.write_text(json.dumps(preset_file(report.preset, {**report.base_params, **report.params}), indent=1)
                     + "\n")
-    return out / "plan.json", path
+    return out / REPORT_FILE, path
 
 
 def run_cli(args: Any, params: dict[str, str]) -> int:
-    """`python -m dflash_lib plan`: the table, the `-p` line, the files' paths, then ONE JSON line (the report);
-    0 when a plan fits, 1 when nothing does (a bad parameter raises ConfigError: exit 2)."""
+    """`python -m dflash_lib tune` (alias `plan`): the table, the `-p` line, the files' paths, then ONE JSON line
+    (the report); 0 when a candidate fits, 1 when nothing does (a bad parameter raises ConfigError: exit 2)."""
     if args.device_gib <= 0 or not 0 < args.mfu <= 1 or args.world_size < 1:
         raise ConfigError("--device-gib must be > 0, --mfu in (0, 1], --world-size >= 1")
     config = load_config(params, args.preset)
     base, given = args.preset, {}
-    if base.endswith(".json"):  # a preset file planned again: its preset, its overrides under the new ones
+    if base.endswith(".json"):  # a preset file tuned again: its preset, its overrides under the new ones
         base, given = read_preset_file(base)
     base_params = preset_file(base, {**given, **params})["params"]  # typed
     say = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        report = plan(config, args.device_gib, args.world_size, args.mfu, preset=base, base_params=base_params,
+        report = tune(config, args.device_gib, args.world_size, args.mfu, preset=base, base_params=base_params,
                       say=say)
     except NothingFitsError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    print(format_plan(report), flush=True)
-    for path in write_plan(report, Path(args.out) if args.out else new_run_dir("plan")):
+    print(format_tuning(report), flush=True)
+    for path in write_tuning(report, Path(args.out) if args.out else new_run_dir("tune")):
         print(path, flush=True)
     print(json.dumps(report.to_json()), flush=True)
     return 0

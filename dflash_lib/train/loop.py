@@ -32,7 +32,7 @@ from dflash_lib.train.heldout import HeldOutEvaluator
 from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import CHECKPOINTS, prepare_run_dir, resume_config_hash, shared_new_run_dir
-from dflash_lib.train.schedule import lr_at, noise_at, plan_steps
+from dflash_lib.train.schedule import lr_at, noise_at, count_steps
 from dflash_lib.train.target_shard import per_step_passes
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
@@ -57,7 +57,7 @@ class Trainer:
         self.ckpts = TrainingCheckpoints(run_dir / CHECKPOINTS, parts.drafter, self.opt, tc, resume_config_hash(config),
                                          config.to_dict())
         self.shards = rank_shards(self.dist.rank, self.dist.world_size, parts.data_shards)
-        total_steps, self.max_batches = plan_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
+        total_steps, self.max_batches = count_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
                                                    parts.data_shards)
         self.progress = Progress(total_steps, parts.data_shards)
         self.filler = (filler_item(parts.drafter, parts.targets[0], self.device) if self.engine.kind != "single"

@@ -1,7 +1,7 @@
 """The training schedules: pure functions of the step index, and how many steps a run plans.
 
 `lr_at` is a function of the 0-based OPTIMIZER step (a linear warm-up, then a cosine to a floor); `noise_at` of
-the 0-based SAMPLER step (the feed stage lays anchors out ahead of the optimizer). `plan_steps` turns the
+the 0-based SAMPLER step (the feed stage lays anchors out ahead of the optimizer). `count_steps` turns the
 `steps` / `epochs` / `accum_tokens` settings into the step count the lr schedule is stretched over. A resume
 therefore needs only the step to continue on the same curves.
 """
@@ -43,7 +43,7 @@ def noise_at(index: int, cfg: TrainConfig) -> float:
     return cfg.noise
 
 
-def plan_steps(cfg: TrainConfig, batches_per_epoch: int, corpus_tokens: int, world: int) -> tuple[int, int | None]:
+def count_steps(cfg: TrainConfig, batches_per_epoch: int, corpus_tokens: int, world: int) -> tuple[int, int | None]:
     """(optimizer steps for the schedule, sampler steps to draw or None = until the steps are done).
 
     steps > 0: exactly that many steps, the sampler cycling through epochs. Otherwise `epochs` epochs of

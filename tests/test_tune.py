@@ -1,4 +1,4 @@
-"""The plan (`dryrun.search`): the chosen candidate fits its full dry run, faster ones were refused for memory,
+"""Tuning (`dryrun.search`): the chosen candidate fits its full dry run, faster ones were refused for memory,
 pruning never skips a candidate that fits (brute force), the projection prices the dry run's counted FLOPs,
 preset files round-trip into train's and notebook 04's config, exit codes and the nothing-fits message.
 Device sizes come from measured peaks, so the constraints bind at any tiny shape."""
@@ -33,7 +33,7 @@ def _config():
 
 
 def _base_need_gib(config) -> float:
-    """The largest need of the base's worst batches (one memory step each): the device the test plans for."""
+    """The largest need of the base's worst batches (one memory step each): the device the test tunes for."""
     c = search.base_candidate(config)
     lengths, queries, key = _corpus(config)
     edges = bucket_edges(config, lengths, key, queries)
@@ -53,27 +53,27 @@ def _corpus(config):
 
 
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
-    """The plan of the base config on a device exactly its own need (the base fits, anything needing more
+def tuned(tmp_path_factory):
+    """The tuning of the base config on a device exactly its own need (the base fits, anything needing more
     does not), through the command line with the short ladder."""
     config = _config()
     device = _base_need_gib(config)
-    out = tmp_path_factory.mktemp("plan")
-    real = search.plan
-    search.plan = lambda *a, **kw: real(*a, ladder=LADDER, fractions=FRACTIONS, **kw)
+    out = tmp_path_factory.mktemp("tune")
+    real = search.tune
+    search.tune = lambda *a, **kw: real(*a, ladder=LADDER, fractions=FRACTIONS, **kw)
     try:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            code = main(["plan", "--preset", "smoke", *BASE, "--device-gib", repr(device), "--out", str(out)])
+            code = main(["tune", "--preset", "smoke", *BASE, "--device-gib", repr(device), "--out", str(out)])
     finally:
-        search.plan = real
+        search.tune = real
     lines = buf.getvalue().splitlines()
-    return config, device, out, code, lines, search.PlanReport.from_json(json.loads(lines[-1]))
+    return config, device, out, code, lines, search.TuneReport.from_json(json.loads(lines[-1]))
 
 
-@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
-def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(planned):
-    config, device, out, code, lines, report = planned
+@pytest.mark.slow  # the `tuned` fixture: a tuning through the command line (~25 s)
+def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(tuned):
+    config, device, out, code, lines, report = tuned
     assert code == 0 and report.device_gib == device
     assert report.rows[0].decided == "defaults" and report.rows[0].fits and report.rows[0].speedup == 1.0
     chosen = report.chosen
@@ -93,8 +93,8 @@ def test_the_chosen_candidate_fits_its_full_dry_run_and_a_faster_one_did_not(pla
 
 
 @pytest.mark.slow
-def test_the_chosen_candidate_proven_again_and_priced_at_its_counted_flops(planned):
-    config, device, out, code, lines, report = planned
+def test_the_chosen_candidate_proven_again_and_priced_at_its_counted_flops(tuned):
+    config, device, out, code, lines, report = tuned
     chosen = report.chosen
     # proven again, independently: every bucket's worst batch and the packed row of the chosen settings fit
     c = search.Candidate(chosen.token_budget, chosen.block_budget, chosen.checkpointed)
@@ -112,14 +112,14 @@ def test_the_chosen_candidate_proven_again_and_priced_at_its_counted_flops(plann
     np.testing.assert_allclose(report.flop_model.flops(work, c.checkpointed), counted, rtol=0.02)
 
 
-@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
-def test_the_report_line_files_and_the_table(planned):
-    config, device, out, code, lines, report = planned
-    assert search.PlanReport.from_json(out / "plan.json").to_json() == report.to_json()
+@pytest.mark.slow  # the `tuned` fixture: a tuning through the command line (~25 s)
+def test_the_report_line_files_and_the_table(tuned):
+    config, device, out, code, lines, report = tuned
+    assert search.TuneReport.from_json(out / "tune.json").to_json() == report.to_json()
     assert report.params == dict(token_budget=report.chosen.token_budget, block_budget=report.chosen.block_budget,
                                  drafter_checkpointing=str(report.chosen.checkpointed),
                                  accum_tokens=report.chosen.accum_tokens)
-    assert lines[-2] == str(out / "preset.json") and lines[-3] == str(out / "plan.json")
+    assert lines[-2] == str(out / "preset.json") and lines[-3] == str(out / "tune.json")
     dash_p = next(line for line in lines if line.startswith("  -p token_budget"))
     assert dash_p.split() == [x for k, v in report.params.items() for x in ("-p", k, str(v))]
     assert 0 < report.recompute_share < 1 and report.worst_kind in {"packed", "bucket 0", "bucket 1"}
@@ -127,9 +127,9 @@ def test_the_report_line_files_and_the_table(planned):
                                                                   "rejected", "fits"))]) == len(report.rows)
 
 
-@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
-def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned):
-    config, device, out, code, lines, report = planned
+@pytest.mark.slow  # the `tuned` fixture: a tuning through the command line (~25 s)
+def test_the_preset_file_gives_train_and_notebook_04_the_tuned_config(tuned):
+    config, device, out, code, lines, report = tuned
     path = out / "preset.json"
     want = from_params({"k": 2, "drafter_layers": 2, "token_budget": 1024, **report.params}, preset("smoke"))
     base = {"k": 2, "drafter_layers": 2, "token_budget": 1024}
@@ -140,13 +140,13 @@ def test_the_preset_file_gives_train_and_notebook_04_the_planned_config(planned)
     assert injected["preset"] == str(path.resolve())
     assert notebook_config({**injected}, say=lambda line: None) == want
     for key in ("token_budget", "block_budget", "drafter_checkpointing", "accum_tokens"):
-        if key in injected:  # a name notebook 04's parameters cell declares carries the planned value
+        if key in injected:  # a name notebook 04's parameters cell declares carries the tuned value
             assert injected[key] == report.params[key]
 
 
-@pytest.mark.slow  # the `planned` fixture: a plan through the command line (~25 s)
-def test_accum_tokens_keeps_the_optimizer_step_of_smaller_micro_batches(planned):
-    config, device, out, code, lines, report = planned
+@pytest.mark.slow  # the `tuned` fixture: a tuning through the command line (~25 s)
+def test_accum_tokens_keeps_the_optimizer_step_of_smaller_micro_batches(tuned):
+    config, device, out, code, lines, report = tuned
     assert all(r.accum_tokens == 0 for r in report.rows)  # the ladder has no smaller token budget than the base's
     assert "optimizer step holds" in report.step_change
 
@@ -198,8 +198,8 @@ def test_as_fast_candidates_prefer_the_optimizer_step_kept_then_the_larger_micro
 
 def test_a_device_nothing_fits_names_the_smallest_candidates_need(capsys, monkeypatch):
     device = dryrun.Reserve().reserve_gib  # the reserve alone: no step fits in it
-    real = search.plan
-    monkeypatch.setattr(search, "plan", lambda *a, **kw: real(*a, ladder=(1.0,), fractions=(1.0,), **kw))
+    real = search.tune
+    monkeypatch.setattr(search, "tune", lambda *a, **kw: real(*a, ladder=(1.0,), fractions=(1.0,), **kw))
     one = ["-p", "k", "1", "-p", "drafter_layers", "1", "-p", "token_budget", "1024"]  # 1 bucket, 1 layer: quick
     code = main(["plan", "--preset", "smoke", *one, "--device-gib", repr(device), "--out", "unused"])
     err = capsys.readouterr().err
@@ -208,8 +208,8 @@ def test_a_device_nothing_fits_names_the_smallest_candidates_need(capsys, monkey
     assert need > device and "all 1 drafter layers checkpointed" in err and not Path("unused").exists()
 
 
-def test_bad_plan_arguments_exit_2(capsys, tmp_path):
-    assert main(["plan", "--preset", "smoke", "--world-size", "0"]) == 2
+def test_bad_tune_arguments_exit_2_under_either_name(capsys, tmp_path):
+    assert main(["tune", "--preset", "smoke", "--world-size", "0"]) == 2
     assert main(["plan", "--preset", "smoke", "-p", "drafter_checkpointing", "9"]) == 2
     assert "0..1 (drafter_layers)" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
@@ -225,12 +225,12 @@ def test_bad_plan_arguments_exit_2(capsys, tmp_path):
 @pytest.mark.timeout(1800)  # 8 candidates' full dry runs, memory only: minutes on a loaded 2-core machine
 def test_pruning_never_skips_a_candidate_that_fits():
     """Brute force on a small grid (1 bucket, 1 drafter layer: 2 token budgets x 2 block budgets x 2 layer
-    counts): every candidate's full dry run. The plan's choice is the first that fits in the walk's order, and
+    counts): every candidate's full dry run. The tuning's choice is the first that fits in the walk's order, and
     every candidate it refused (measured, pruned, rejected) does not fit."""
     config = load_config({"k": 1, "drafter_layers": 1, "token_budget": 1024}, "smoke")
     device = _base_need_gib(config)
     lengths, queries, key = _corpus(config)
-    report = search.plan(config, device, ladder=LADDER, fractions=FRACTIONS)
+    report = search.tune(config, device, ladder=LADDER, fractions=FRACTIONS)
     fits = {}
     for c in search.candidates(config, LADDER, FRACTIONS):
         cfg = search.with_candidate(config, c)
