@@ -157,6 +157,8 @@ class ModelConfig:
     kl_temperature: float = 1.0  # T softening both distributions of the KL term (scaled by T^2); > 0
     position_weight: PositionWeight = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma), "dpace" (D-PACE, docs/dflash.md)
     dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
+    draft_vocab: int = 0  # N > 0: the drafter's head is the target's rows of the N tokens most often scored in the
+    # training split (models/draft_vocab.py; served by vLLM through draft_vocab_size + d2t); 0 = the whole head
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -164,7 +166,7 @@ class ModelConfig:
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         _bounded(self, positive=("target_layers", "hidden_size", "drafter_layers", "num_features", "num_anchors"),
-                 non_negative=("ce_chunk_blocks", "gamma"))
+                 non_negative=("ce_chunk_blocks", "gamma", "draft_vocab"))
         if self.target_engine_url and self.target_engine != "vllm":
             raise ConfigError(f"target_engine_url {self.target_engine_url!r} is set but target_engine is "
                               f"{self.target_engine!r}: set target_engine vllm")

@@ -181,7 +181,16 @@ def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                 p + "mlp.down_proj.weight": (H, inter)}
+    n_draft = draft_vocab_size(doc)
+    if n_draft:  # a draft vocabulary: its own head rows and vLLM's d2t offsets
+        out |= {"lm_head.weight": (n_draft, H), "d2t": (n_draft,)}
     return out
+
+
+def draft_vocab_size(doc: Mapping[str, Any]) -> int:
+    """N of a draft vocabulary (draft_vocab_size below vocab_size), else 0 (the head is the target's)."""
+    n = int(doc.get("draft_vocab_size") or 0)
+    return n if n < int(doc.get("vocab_size") or 0) else 0
 
 
 # -- the config rules ------------------------------------------------------------------------------------------
@@ -310,7 +319,8 @@ def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[i
     except (KeyError, TypeError, ValueError) as e:
         want = None
         why = f"config.json lacks what the tensor shapes follow from ({type(e).__name__}: {e})"
-    forbidden = sorted(k for k in header if any(part in k for part in FORBIDDEN))
+    own = {"lm_head.weight", "d2t"} if want is not None and "d2t" in want else set()  # a draft vocabulary's
+    forbidden = sorted(k for k in header if any(part in k for part in FORBIDDEN) and k not in own)
     rules = []
     if want is None:
         rules.append(RuleResult("weights", False, why, "export the drafter again (python -m dflash_lib export)"))
@@ -334,7 +344,7 @@ def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[i
                                 if forbidden else ""),
                             f"remove {forbidden[:3]} from {WEIGHTS_FILE}"))
     declared = doc.get("torch_dtype") or doc.get("dtype")
-    stored = sorted({d for d, _ in header.values()})
+    stored = sorted({d for k, (d, _) in header.items() if k not in own})  # d2t: int64 offsets
     want_dtype = DTYPE_NAMES.get(str(declared))
     ok = want_dtype is not None and stored == [want_dtype]
     rules.append(RuleResult("dtype", ok, f"torch_dtype {declared!r}, tensors stored as {stored}",

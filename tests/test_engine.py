@@ -274,6 +274,38 @@ def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~30 s)
+def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
+    """A drafter whose head is the target's rows of the answers' most frequent tokens, fewer than the answers use
+    (so some labels are outside it), trained here and exported in fp32 (draft_vocab_size, d2t, lm_head): vLLM
+    serves it with our answers and exactly our cycles (greedy fp32)."""
+    import numpy as np
+
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+    from dflash_lib.models.draft_vocab import coverage, top_tokens
+
+    target, _, _, server = served
+    counts = np.bincount(np.concatenate([target.greedy(p, NEW) for p in TRAINED]), minlength=V)
+    n = int((counts > 0).sum()) * 3 // 4
+    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "draft_vocab_size": n})
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, target)
+    ids = top_tokens(counts, n)
+    drafter.set_draft_vocab(ids)
+    assert 0.5 < coverage(counts, ids) < 1.0
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    export_drafter(drafter, tmp_path / "vocab", torch.float32)
+    prompts = TRAINED[:4]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    report = served_acceptance(server.spec.target, str(tmp_path / "vocab"), [ServedSet("trained", prompts,
+                               ours.outputs, ours.cycle_log)], 4, NEW, python=str(server.python), log_dir=tmp_path,
+                               plain=False)
+    (row,) = report.rows
+    assert row.ok and row.outputs_equal == 4 and row.served_tau == pytest.approx(ours.tau, abs=1e-12), report.lines
+    assert 1.3 < ours.tau < 3.7  # it drafts: some positions accepted, not all
+
+
+@pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~40 s)
 @pytest.mark.parametrize("family, dtype", [("qwen3_next", "bfloat16"), ("gemma4", "float32")])
 def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, installed_engine_python,

@@ -74,7 +74,7 @@ def test_the_converted_folder_is_transformers_own_gguf_load_and_answers(converte
     # the MASK: a special token no chat answer holds (module doc), inside the vocabulary
     assert rt.mask_id(converted) == 16 == tok.convert_tokens_to_ids("<empty_output>")
     assert rt.real_target_params(converted) == dict(target=str(converted), tokenizer=str(converted), template="hf",
-                                                    mask_id=16)
+                                                    mask_id=16, draft_vocab=8192)
     # reused while it is this file's conversion; not when its record names another file or format
     stamp = (converted / "model.safetensors").stat().st_mtime_ns
     assert rt.ensure_real_target(cache_dir=converted.parent, say=lambda s: None) == converted

@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 SLOW_SAVE = REPO / "tests" / "slow_save.py"  # the command line with every save held before its commit
 # 20 steps of 2+ sampler steps each (accum_tokens: a step ends once the global batch holds 2048 tokens per data
 # shard), so every rank accumulates micro-batches under no_sync; lr high enough that any drift shows in the loss
+# a draft vocabulary too: its buffers (ids, head rows) cross DDP, FSDP2, DCP and resume with the weights
 RUN = {"steps": 20, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 10, "accum_tokens": 2048, "log_every": 5,
-       "dist_timeout_s": 30.0}
+       "dist_timeout_s": 30.0, "draft_vocab": 512}
 PARAMS = {"steps": 6, "lr": 0.01, "warmup_steps": 1, "ckpt_every": 2, "dist_timeout_s": 30.0}  # the fault tests
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TIMEOUT_S = 8.0  # dist_timeout_s of the killed-rank test

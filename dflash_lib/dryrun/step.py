@@ -145,7 +145,7 @@ def _fake_drafter(drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTen
                 module.register_parameter(name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                                    requires_grad=p.requires_grad))
             for name, b in list(module.named_buffers(recurse=False)):
-                persistent = name in module.state_dict()
+                persistent = name not in module._non_persistent_buffers_set  # (state_dict() would read meta tensors)
                 module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device), persistent=persistent)
     object.__setattr__(drafter, "target", fake_target)  # DFlashDrafter keeps its target as a plain attribute
     return drafter
@@ -461,7 +461,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
         return StepFigures(int(snap["Total"]), memory, zero, allowance, pairs, seconds,
                            gathered=first.bytes.get("all_gather", 0))
 
-    tally = _FlopTally(drafter.cfg.vocab_size)
+    tally = _FlopTally(drafter.cfg.draft_vocab_size or drafter.cfg.vocab_size)  # the head: V or N rows
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
     flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
     comm = CommTally()

@@ -3,7 +3,8 @@
 ctx = RMSNorm(fc(concat of the target feature layers)); every draft layer's keys/values are
 [ctx ; block] through the same projections; the block is [anchor token, MASK x (B-1)] embedded with the
 target's frozen embedding, at absolute (document-local) RoPE positions anchor .. anchor+B-1; the final norm
-feeds the target's frozen LM head. Only the drafter's own layers, `fc` and the norms train.
+feeds the target's frozen LM head (or its rows of a draft vocabulary, draft_vocab.py). Only the drafter's own
+layers, `fc` and the norms train.
 
 Saved layout: the Hugging Face folder serving engines load, written and read by plain functions of
 dflash_lib/models/export.py (`export_drafter`, `read_drafter`): the drafter itself knows no files.
@@ -26,7 +27,8 @@ from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
 from dflash_lib.models.attention import Attend, make_attend, resolve_attention, window_mask
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
 from dflash_lib.models.layout import DraftLayout, build_layout
-from dflash_lib.models.loss import DrafterLoss, LossSpec, weighted_loss
+from dflash_lib.models.draft_vocab import target_to_draft
+from dflash_lib.models.loss import DrafterLoss, LinearHead, LossSpec, weighted_loss
 from dflash_lib.models.target import TargetModel
 
 
@@ -90,6 +92,7 @@ class DrafterConfig:
     dpace_alpha: float = 0.5  # D-PACE smoothing, in [0, 1]
     layer_types: list[str] = dataclasses.field(default_factory=list)  # per layer; empty = all full_attention
     sliding_window: int = 0  # sliding layers: keys at p - w < j <= p of a query at p (0 = none)
+    draft_vocab_size: int = 0  # N > 0: the head is the target's rows of N tokens (draft_vocab.py); 0 = all rows
 
     def __post_init__(self) -> None:
         check_drafter_layer_types(self.layer_types, self.sliding_window, self.num_layers)
@@ -109,6 +112,9 @@ class DrafterConfig:
                 raise ConfigError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is outside 0 .. {self.vocab_size} (the "
+                              "target's vocabulary; 0 = the whole head)")
         if self.ce_chunk_blocks < 0 or self.gamma < 0:
             raise ConfigError(f"ce_chunk_blocks ({self.ce_chunk_blocks}) and gamma ({self.gamma}) must be >= 0")
         if self.gamma == 0:
@@ -147,6 +153,7 @@ class DrafterConfig:
             loss=cfg.loss, kl_weight=cfg.kl_weight, kl_temperature=cfg.kl_temperature,
             position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha,
             layer_types=list(cfg.drafter_layer_types), sliding_window=cfg.drafter_window,
+            draft_vocab_size=cfg.draft_vocab,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,6 +237,33 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.initializer_range)
+        if cfg.draft_vocab_size:  # buffers: saved with the weights, never trained (`set_draft_vocab` fills them)
+            head = target.lm_head
+            if getattr(head, "bias", None) is not None:
+                raise ConfigError("draft_vocab: the target's LM head has a bias, which the served draft head "
+                                  "(vLLM's lm_head + d2t) has not; use -p draft_vocab 0")
+            n = cfg.draft_vocab_size
+            self.register_buffer("draft_ids", torch.arange(n, device=head.weight.device))  # (N,) target ids
+            self.register_buffer("draft_head", head.weight[:n].detach().clone())  # (N, H) their head rows
+
+    def set_draft_vocab(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Draft over the target tokens `ids` (N,) ascending, with head rows `rows` (N, H) (None: the target's own
+        rows of those tokens)."""
+        n = self.cfg.draft_vocab_size
+        if not n or tuple(ids.shape) != (n,):
+            raise ConfigError(f"set_draft_vocab: {tuple(ids.shape)} ids for a drafter of draft_vocab_size {n}")
+        with torch.no_grad():
+            self.draft_ids.copy_(ids)
+            w = self.target.lm_head.weight
+            self.draft_head.copy_(w.index_select(0, ids.to(w.device)) if rows is None else rows)
+
+    def head(self) -> Any:
+        """The frozen head the loss runs: the target's LM head, or the draft vocabulary's rows (`LinearHead`)."""
+        return LinearHead(self.draft_head, None) if self.cfg.draft_vocab_size else self.target.lm_head
+
+    def target_to_draft(self) -> torch.Tensor | None:
+        """(V,) the draft id of each target token, -1 outside the draft vocabulary; None without one."""
+        return target_to_draft(self.draft_ids, self.cfg.vocab_size) if self.cfg.draft_vocab_size else None
 
     # -- shared math ------------------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -241,8 +275,14 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's frozen LM head on drafter states, in the head's dtype (bf16 head, fp32 drafter)."""
-        return self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
+        """(..., H) drafter states -> (..., V) logits of the frozen head, in the head's dtype (bf16 head, fp32
+        drafter); with a draft vocabulary -inf outside it, as vLLM scatters them."""
+        if not self.cfg.draft_vocab_size:
+            return self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
+        z = torch.nn.functional.linear(h.to(self.draft_head.dtype), self.draft_head)  # (..., N)
+        out = z.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        out[..., self.draft_ids] = z
+        return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's frozen embedding ROWS of `ids` (...,) -> (..., H), as vLLM's DFlash drafter embeds: never
@@ -347,8 +387,8 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
             return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
         hidden = self.forward_hidden(batch, features, layout)  # (n*B, H)
-        return weighted_loss(hidden, self.target.lm_head, layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
-                             normalizer, self.cfg.loss_spec, target_hidden)
+        return weighted_loss(hidden, self.head(), layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
+                             normalizer, self.cfg.loss_spec, target_hidden, self.target_to_draft())
 
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:

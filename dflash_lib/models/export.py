@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, DataConfig, ModelConfig
+from dflash_lib.models.draft_vocab import from_d2t, to_d2t
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_lib.models.target import TargetModel, chosen_layer_ids, tiny_qwen3_config
 
@@ -32,6 +33,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype choices
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range",  # dflash_config.training
                  "loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha")
+VOCAB_TENSORS = {"draft_ids": "d2t", "draft_head": "lm_head.weight"}  # the drafter's buffers -> the file's names
 ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match it (init_from refusals)
     "hidden_size": "hidden_size", "num_layers": "drafter_layers", "num_heads": "num_attention_heads of the target",
     "num_kv_heads": "num_key_value_heads of the target", "head_dim": "head_dim of the target",
@@ -73,6 +75,8 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
                           "training": {**{k: getattr(cfg, k) for k in TRAINING_KEYS}, **(training or {})}},
         "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype],
         "transformers_version": transformers.__version__,
+        # a draft vocabulary: vLLM's own lm_head of N rows and d2t (target id = draft id + d2t[draft id])
+        **({"draft_vocab_size": cfg.draft_vocab_size} if cfg.draft_vocab_size else {}),
     }
 
 
@@ -88,7 +92,9 @@ def _readme(doc: dict[str, Any]) -> str:
         "another template collapses acceptance.", "",
         f"- {doc['num_hidden_layers']} draft layers, block size {doc['block_size']}, mask token id "
         f"{doc['dflash_config']['mask_token_id']}, target layers {ids} (0-based; hidden_states[id + 1]).",
-        f"- Weights: {WEIGHTS_FILE} in {doc['torch_dtype']}; no embedding or LM head (the target's are used).",
+        f"- Weights: {WEIGHTS_FILE} in {doc['torch_dtype']}; no embedding (the target's is used); " + (
+            f"an LM head of the {doc['draft_vocab_size']} target tokens `d2t` maps to (the target's rows)."
+            if doc.get("draft_vocab_size") else "no LM head (the target's is used)."),
         f"- Source: {t.get('source') or 'unknown'}.", "",
         "Load it in SGLang with `--speculative-algorithm DFLASH --speculative-draft-model-path <this folder>`, "
         "or fine-tune it with `python -m dflash_lib train -p init_from <this folder>`.", ""])
@@ -102,7 +108,12 @@ def write_folder(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = serving_config(cfg, dtype, max_position_embeddings, training)
-    tensors = {n: w.detach().to(device="cpu", dtype=dtype).contiguous() for n, w in weights.items()}
+    weights = {VOCAB_TENSORS.get(n, n): to_d2t(w) if n == "draft_ids" else w for n, w in weights.items()}
+    if cfg.draft_vocab_size and set(VOCAB_TENSORS.values()) - set(weights):
+        raise ConfigError(f"export to {out}: a drafter of draft_vocab_size {cfg.draft_vocab_size} without its "
+                          f"draft_ids and draft_head")
+    tensors = {n: w.detach().to(device="cpu", dtype=dtype if w.is_floating_point() else None).contiguous()
+               for n, w in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     doc["dflash_config"]["training"]["trained_as"] = trained_as(cfg, out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
@@ -153,6 +164,7 @@ def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.d
     target = drafter.target
     if weights is None:
         weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    weights = {**weights, **{n: b for n, b in drafter.named_buffers() if n in VOCAB_TENSORS}}
     hf = target.model.config
     info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
                           source, data)
@@ -233,11 +245,17 @@ def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> DrafterConf
             block_size=int(dc.get("block_size", doc.get("block_size", 0))), mask_id=int(dc["mask_token_id"]),
             rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 1_000_000.0))),
-            **_layer_kinds(doc),
+            **_layer_kinds(doc), draft_vocab_size=_draft_vocab_size(doc),
             **{k: v for k, v in (dc.get("training") or {}).items() if k in TRAINING_KEYS},
         )
     except KeyError as e:
         raise ConfigError(f"{where}: required field {e.args[0]!r} is missing") from None
+
+
+def _draft_vocab_size(doc: dict[str, Any]) -> int:
+    """N of a draft vocabulary (config.json's draft_vocab_size below vocab_size), else 0."""
+    n = int(doc.get("draft_vocab_size") or 0)
+    return n if n < int(doc["vocab_size"]) else 0
 
 
 def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
@@ -272,9 +290,24 @@ def read_weights(directory: str | Path, device: torch.device | str = "cpu") -> d
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where: str) -> None:
+def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where: str,
+                 vocabulary: bool = True) -> None:
     """Fill the drafter's trainable weights from `state` (names and shapes must match exactly; values are cast
-    to each parameter's dtype)."""
+    to each parameter's dtype) and, with `vocabulary`, its draft vocabulary from the file's d2t and lm_head
+    (`init_from` keeps the run's own: its rows are the target's, chosen by the run's data)."""
+    state = dict(state)
+    d2t, rows = state.pop("d2t", None), state.pop("lm_head.weight", None)
+    n, H = drafter.cfg.draft_vocab_size, drafter.cfg.hidden_size
+    if vocabulary and not n and (d2t is not None or rows is not None):
+        raise ConfigError(f"{where}: holds an LM head or d2t, but its config.json sets no draft_vocab_size below "
+                          f"vocab_size")
+    if vocabulary and n:
+        if d2t is None or rows is None or tuple(d2t.shape) != (n,) or tuple(rows.shape) != (n, H):
+            shapes = [None if t is None else tuple(t.shape) for t in (d2t, rows)]
+            raise ConfigError(f"{where}: draft_vocab_size {n} needs d2t ({n},) and lm_head.weight ({n}, {H}), "
+                              f"found {shapes[0]} and {shapes[1]}")
+        ids = from_d2t(d2t, drafter.cfg.vocab_size, where)
+        drafter.set_draft_vocab(ids.to(drafter.draft_ids.device), rows.to(drafter.draft_head))
     own = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
@@ -297,7 +330,7 @@ def read_drafter(directory: str | Path, target: "TargetModel", dtype: torch.dtyp
     check_target(cfg, target, where)
     drafter = DFlashDrafter(cfg, target, attention, checkpointing)
     state = read_weights(src, target.device)
-    dtype = dtype or next(iter(state.values())).dtype
+    dtype = dtype or next(t.dtype for t in state.values() if t.is_floating_point())
     for p in drafter.parameters():  # parameters only: the rotary buffer stays fp32
         p.data = p.data.to(dtype)
     copy_weights(drafter, state, str(src / WEIGHTS_FILE))
@@ -319,7 +352,7 @@ def init_from(drafter: "DFlashDrafter", directory: str | Path) -> None:
         if mine != theirs:
             raise ConfigError(f"init_from {src}: {key} is {theirs} there, this config builds {mine} "
                               f"(set {param} to match)")
-    copy_weights(drafter, read_weights(src, drafter.fc.weight.device), str(src / WEIGHTS_FILE))
+    copy_weights(drafter, read_weights(src, drafter.fc.weight.device), str(src / WEIGHTS_FILE), vocabulary=False)
 
 
 # -- the `export` command --------------------------------------------------------------------------------------

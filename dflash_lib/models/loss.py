@@ -12,13 +12,20 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from dflash_lib.config import reads_final_states
 from dflash_lib.models.layout import DraftLayout
+
+
+class LinearHead(NamedTuple):
+    """A frozen head as weights (what the loss reads of an nn.Linear): a draft vocabulary's rows."""
+
+    weight: torch.Tensor  # (N, H)
+    bias: torch.Tensor | None
 
 
 @dataclass
@@ -288,16 +295,18 @@ def dpace_weights(q: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_
     return suffix.reshape(-1).index_select(0, scored).float()
 
 
-def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLayout", chunk_positions: int,
-                  normalizer: float | None, spec: LossSpec | None = None,
-                  target_hidden: torch.Tensor | None = None) -> DrafterLoss:
+def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layout: "DraftLayout",
+                  chunk_positions: int, normalizer: float | None, spec: LossSpec | None = None,
+                  target_hidden: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> DrafterLoss:
     """hidden (n*B, H) drafter outputs of the layout's queries -> `DrafterLoss`. Only the layout's m scored
     positions (host-known indices) go through the head; no device-to-host sync.
 
     `spec` None or LossSpec() is the paper's loss, computed as it always was (`head_cross_entropy`). Loss kl or
     ce+kl needs `target_hidden` (u, H), the target's final-normed states at `layout.target_rows`; the loss total
     `ce_total` is then the objective's weighted sum. D-PACE multiplies the layout's weights by `dpace_weights`
-    (made from the drafter's label probabilities exp(-ce), detached)."""
+    (made from the drafter's label probabilities exp(-ce), detached). `t2d` (V,): `head` holds a draft
+    vocabulary's rows and t2d maps a target id to its row (-1 outside): a label outside is scored wrong and adds
+    nothing to the loss (the KL term is then against the target's distribution over the same rows)."""
     spec = spec or LossSpec()
     B = layout.block_size
     if normalizer is not None and not float(normalizer) > 0:
@@ -311,16 +320,26 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear, layout: "DraftLay
         return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone(), n, n.clone())
     h = hidden.index_select(0, layout.scored).to(head.weight.dtype)  # (m, H), in the head's dtype
     y, w = layout.labels, layout.weights.float()  # (m,)
+    inside = None
+    if t2d is not None:
+        y = t2d[y]  # (m,) rows of the draft vocabulary, -1 outside it
+        inside = (y >= 0).float()
+    rows = y if inside is None else y.clamp(min=0)  # a label outside: any row, its term is zeroed below
     if spec.kind == "ce":
-        ce, pred = head_cross_entropy(h, head, y, chunk_positions)
+        ce, pred = head_cross_entropy(h, head, rows, chunk_positions)  # type: ignore[arg-type]
         per = ce  # (m,)
     else:
         if target_hidden is None or layout.target_of is None:
             raise ValueError(f"loss {spec.kind!r} needs the target's final hidden states at the layout's target rows "
                              "(a layout built with target_rows=True and TargetModel.context_features_and_final)")
-        per, ce, _, pred = head_ce_kl(h, head, y, target_hidden, layout.target_of, chunk_positions, spec)
+        per, ce, _, pred = head_ce_kl(h, head, rows, target_hidden, layout.target_of,  # type: ignore[arg-type]
+                                      chunk_positions, spec)
+    if inside is not None:
+        per = per * inside
     if spec.position_weight == "dpace":
-        w = w * dpace_weights(torch.exp(-ce.detach()), layout.scored, layout.num_blocks, B, spec.dpace_alpha)
+        q = torch.exp(-ce.detach())  # (m,) the drafter's probability of each label (0 outside the vocabulary)
+        q = q if inside is None else q * inside
+        w = w * dpace_weights(q, layout.scored, layout.num_blocks, B, spec.dpace_alpha)
     total = (w * per).sum()
     with torch.no_grad():
         correct = (pred == y).float()  # (m,)

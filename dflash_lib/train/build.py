@@ -23,6 +23,7 @@ from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models.draft_vocab import coverage, scored_token_counts, top_tokens
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
 from dflash_lib.models.target import chosen_layer_ids, target_hf_config
@@ -113,6 +114,9 @@ def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
         free = f", e.g. {vocab - 1}: a row the tokenizer (ids < {n_vocab}) never emits" if n_vocab < vocab else ""
         raise ConfigError(f"mask_id {model.mask_id} is outside target {model.target!r}'s vocabulary [0, {vocab}): "
                           f"pass -p mask_id N with N < {vocab}{free}")
+    if model.draft_vocab > vocab:
+        raise ConfigError(f"draft_vocab {model.draft_vocab} is more than target {model.target!r}'s vocab_size {vocab}: "
+                          f"pass -p draft_vocab N with N <= {vocab} (0: the whole head)")
     why = ("the target folder's own" if own == data.tokenizer
            else f"-p tokenizer; the target folder ships its own, {own!r}" if own is not None else "")
     return (f"tokenizer {data.tokenizer!r}{f' ({why})' if why else ''}: {n_vocab} ids, target {model.target!r}: "
@@ -190,6 +194,16 @@ def build_sampler(config: Config, lengths: np.ndarray, rank: int, world_size: in
     return samplers.PackedSampler(lengths, sc.token_budget, window=sc.pack_window, **common)
 
 
+def choose_draft_vocab(drafter: DFlashDrafter, store: Any) -> str:
+    """Give `drafter` the draft vocabulary of its `store` (the training split): the draft_vocab_size tokens most
+    often scored there (`draft_vocab.top_tokens`). Returns the log line with their coverage of the labels."""
+    counts = scored_token_counts(store, drafter.cfg.vocab_size)
+    ids = top_tokens(counts, drafter.cfg.draft_vocab_size)
+    drafter.set_draft_vocab(ids.to(drafter.draft_ids.device))
+    return (f"draft vocabulary: {len(ids)} of the target's {drafter.cfg.vocab_size} tokens, "
+            f"{coverage(counts, ids):.2%} of the training split's {int(counts.sum())} scored labels")
+
+
 def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: int) -> int:
     """`drafter_checkpointing` resolved for `device` to the number of drafter layers recomputed in the backward
     (`config.checkpointed_layers`: "auto" = all on CUDA, none on CPU)."""
@@ -247,6 +261,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                                         config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
+    if config.model.draft_vocab:
+        distributed.print0(choose_draft_vocab(drafter, data.store))
     if dist.world_size > 1:
         distributed.print0(plan.line)
     sharded = plan.parallel == "fsdp"
