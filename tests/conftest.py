@@ -1,6 +1,6 @@
-"""Shared test settings and fixtures: wandb off, tokenizer threads quiet, runs written under a temp folder; one
-intra-op thread for tiny models; the serving engine's Python (or a skip) for the tests that start it; the bundled
-Qwen tokenizer, loaded once."""
+"""Shared test settings and fixtures: wandb off, tokenizer threads quiet, the engine in one process, runs written
+under a temp folder; one intra-op thread for tiny models; the serving engine's Python (or a skip) for the tests that
+start it; the bundled Qwen tokenizer, loaded once."""
 
 import os
 from pathlib import Path
@@ -10,6 +10,9 @@ import torch
 
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's engine core in the API server's process: the same engine, started ~7 s sooner here (~15 starts in `make
+# test`); the engine-check test runs vLLM's default (a process each) and checks that none is left
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @pytest.fixture(scope="module")

@@ -383,7 +383,8 @@ def test_a_refused_start_names_the_log_and_leaves_no_process(installed_engine_py
 
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
-def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(installed_engine_python, tmp_path, capsys):
+def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(installed_engine_python, tmp_path, capsys,
+                                                                       monkeypatch):
     """What `make engine` runs after installing: one greedy answer equal to the target's, drafted. Then the
     server is stopped: no process its log names (the API server, the engine core, its worker) is left, and
     nothing answers on its port."""
@@ -395,6 +396,7 @@ def test_the_engine_check_command_says_ok_and_leaves_no_engine_process(installed
     from dflash_lib.serve.server import group_alive
 
     python = installed_engine_python
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # vLLM's default, as users run it
     assert main(["engine-check", "--python", str(python), "--log", str(tmp_path / "engine.log")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("engine ok: vLLM 0.") and "16 greedy tokens equal to the target's" in line
