@@ -46,6 +46,18 @@ class StepResult:
     # block's own leading run of correct positions (`models.loss.leading_run_stats`); nan with no block
 
 
+def clip_sharded_grads(params: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """FSDP: the global 2-norm of the DTensor-sharded gradients (0-d, every rank the same), from each rank's local
+    shards summed by ONE plain all-reduce, and the gradients scaled by min(1, max_norm / (norm + 1e-6)) in place,
+    as `clip_grad_norm_` does. (Its DTensor path reduces through functional collectives, which deadlocked beside a
+    sharded target's all-gathers in the feed thread: LOG.md, 2026-12-05.)"""
+    grads = [p.grad.to_local() for p in params if p.grad is not None]  # type: ignore[union-attr]
+    squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]).sum()
+    norm = distributed.all_reduce_sum(squares).sqrt()  # type: ignore[union-attr]
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
                lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int,
                filler: Item | None = None) -> StepResult:
@@ -97,10 +109,13 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
     head_rows = sum(it.layout.num_scored for it in live)  # this rank's work
     have_grads = any(p.grad is not None for p in params)
     with distributed.collective_errors("gradient norm"):  # FSDP: the norm of sharded gradients is a collective
-        norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if have_grads
-                else torch.zeros((), device=device))
-        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the same global norm on every rank
-            norm = norm.full_tensor()
+        clip = grad_clip if grad_clip > 0 else math.inf
+        if not have_grads:
+            norm = torch.zeros((), device=device)
+        elif engine.kind == "fsdp":
+            norm = clip_sharded_grads(params, clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
     host = torch.cat([stats, norm.double().reshape(1)]).tolist()  # the step's one device-to-host transfer
     sums = all_reduce_floats([*host[:-1], real, padded])
     ce, correct = sums[0], sums[1]
