@@ -245,6 +245,22 @@ def test_served_greedy_answers_and_acceptance_equal_ours_per_prompt(served):
     assert 1.3 < ours.tau < 3.7 and all(0 < a < 1 for a in ours.per_position)  # neither none nor all accepted
 
 
+def trained_and_served_as_ours(drafter, server, folder: Path):
+    """Train `drafter` 30 steps on the greedy answers to TRAINED, export it in fp32 to `folder` and serve it on 4 of
+    those prompts: the engine's answers and cycles must be ours exactly (greedy fp32). Returns our decoding."""
+    target = drafter.target
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    export_drafter(drafter, folder, torch.float32)
+    prompts = TRAINED[:4]
+    ours = acceptance_length(target, drafter, prompts, NEW)
+    report = served_acceptance(server.spec.target, str(folder), [ServedSet("trained", prompts, ours.outputs,
+                               ours.cycle_log)], 4, NEW, python=str(server.python), log_dir=folder.parent, plain=False)
+    (row,) = report.rows
+    assert row.ok and row.outputs_equal == 4 and row.served_tau == pytest.approx(ours.tau, abs=1e-12), report.lines
+    assert 1.3 < ours.tau < 3.7  # it drafts: some positions accepted, not all
+    return ours
+
+
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
 def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
@@ -258,16 +274,8 @@ def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
                            "sliding_window": 6})
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, target)
-    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
-    export_drafter(drafter, tmp_path / "sliding", torch.float32)
+    ours = trained_and_served_as_ours(drafter, server, tmp_path / "sliding")
     prompts = TRAINED[:4]
-    ours = acceptance_length(target, drafter, prompts, NEW)
-    report = served_acceptance(server.spec.target, str(tmp_path / "sliding"), [ServedSet("trained", prompts,
-                               ours.outputs, ours.cycle_log)], 4, NEW, python=str(server.python), log_dir=tmp_path,
-                               plain=False)
-    (row,) = report.rows
-    assert row.ok and row.outputs_equal == 4 and row.served_tau == pytest.approx(ours.tau, abs=1e-12), report.lines
-    assert 1.3 < ours.tau < 3.7  # it drafts: some positions accepted, not all
     full = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "layer_types": [], "sliding_window": 0}), target)
     full.load_state_dict(drafter.state_dict())
     assert acceptance_length(target, full, prompts, NEW).cycle_log != ours.cycle_log
@@ -293,16 +301,7 @@ def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
     ids = top_tokens(counts, n)
     drafter.set_draft_vocab(ids)
     assert 0.5 < coverage(counts, ids) < 1.0
-    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
-    export_drafter(drafter, tmp_path / "vocab", torch.float32)
-    prompts = TRAINED[:4]
-    ours = acceptance_length(target, drafter, prompts, NEW)
-    report = served_acceptance(server.spec.target, str(tmp_path / "vocab"), [ServedSet("trained", prompts,
-                               ours.outputs, ours.cycle_log)], 4, NEW, python=str(server.python), log_dir=tmp_path,
-                               plain=False)
-    (row,) = report.rows
-    assert row.ok and row.outputs_equal == 4 and row.served_tau == pytest.approx(ours.tau, abs=1e-12), report.lines
-    assert 1.3 < ours.tau < 3.7  # it drafts: some positions accepted, not all
+    trained_and_served_as_ours(drafter, server, tmp_path / "vocab")
 
 
 @pytest.mark.engine
