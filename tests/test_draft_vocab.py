@@ -61,6 +61,38 @@ def test_the_top_tokens_are_the_most_scored_ties_by_the_lower_id():
         scored_token_counts(docs, 10)
 
 
+@pytest.mark.parametrize("ids, says", [
+    ([3, 7, 7, 20], "draft ids 1 and 2 both to target id 7"),  # a duplicate: the only fault a `<` rule lets by
+    ([3, 7, 5, 20], "draft ids 1 and 2 to target ids 7 then 5, not ascending"),
+    ([3, 7, 20, 7], "draft ids 2 and 3 to target ids 20 then 7, not ascending"),  # a duplicate further apart
+    ([3, 7, 20, VOCAB], f"draft id 3 to target id {VOCAB}, outside"),
+    ([-1, 7, 20, 30], "draft id 0 to target id -1, outside"),
+])
+def test_a_d2t_that_is_not_strictly_ascending_in_the_vocabulary_is_refused_naming_the_draft_ids(ids, says):
+    """vLLM's d2t (N,): target id = draft id + d2t[draft id]; two draft ids on one target token are refused in one
+    line naming both and the token, as is any pair out of order or an id outside 0 .. V-1."""
+    with pytest.raises(ConfigError) as caught:
+        from_d2t(to_d2t(torch.tensor(ids)), VOCAB, "out/model.safetensors")
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("out/model.safetensors: d2t maps ") and says in line, line
+    assert from_d2t(to_d2t(torch.tensor([3, 7, 8, VOCAB - 1])), VOCAB, "here").tolist() == [3, 7, 8, VOCAB - 1]
+
+
+def test_an_export_whose_d2t_puts_two_draft_ids_on_one_token_is_refused(target64, tmp_path):
+    """The exported d2t edited so that draft id 5 drafts draft id 4's target token: read back, it is refused,
+    naming the weights file, the two draft ids and the token."""
+    drafter = _vocab_drafter(target64, _docs())
+    export_drafter(drafter, tmp_path / "out", torch.float32)
+    weights = tmp_path / "out" / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(weights))
+    token = int(state["d2t"][4]) + 4
+    state["d2t"][5] = token - 5
+    save_file(state, str(weights))
+    with pytest.raises(ConfigError, match=rf"^{weights}: d2t maps draft ids 4 and 5 both to target id {token} "):
+        read_drafter(tmp_path / "out", target64)
+
+
 def _vocab_drafter(target, docs, **cfg):
     drafter = tiny_drafter(target, draft_vocab_size=N, **cfg).to(torch.float64)
     drafter.set_draft_vocab(top_tokens(scored_token_counts(docs, VOCAB), N))

@@ -51,12 +51,21 @@ def to_d2t(ids: torch.Tensor) -> torch.Tensor:
 
 
 def from_d2t(d2t: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
-    """The draft vocabulary's target ids (N,) from vLLM's offsets; ConfigError (naming `where`) unless they are
-    distinct, ascending and inside the target vocabulary."""
+    """The draft vocabulary's target ids (N,) from vLLM's offsets; ConfigError (naming `where`, the first draft ids
+    at fault and their target ids) unless they are inside the target vocabulary and strictly ascending (so
+    distinct: two draft ids on one target token are refused)."""
     ids = d2t.long() + torch.arange(len(d2t), device=d2t.device)
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any())):
-        raise ConfigError(f"{where}: d2t does not map the draft ids to distinct, ascending target ids in "
-                          f"0 .. {vocab_size - 1}")
+    rule = f"(target id = draft id + d2t[draft id], strictly ascending in 0 .. {vocab_size - 1})"
+    outside = ((ids < 0) | (ids >= vocab_size)).nonzero().flatten()
+    if len(outside):
+        i = int(outside[0])
+        raise ConfigError(f"{where}: d2t maps draft id {i} to target id {int(ids[i])}, outside the vocabulary {rule}")
+    down = (ids[1:] <= ids[:-1]).nonzero().flatten()  # strictly: equal neighbours are a duplicate
+    if len(down):
+        i = int(down[0])
+        a, b = int(ids[i]), int(ids[i + 1])
+        what = f"both to target id {a}" if a == b else f"to target ids {a} then {b}, not ascending"
+        raise ConfigError(f"{where}: d2t maps draft ids {i} and {i + 1} {what} {rule}")
     return ids
 
 
