@@ -16,7 +16,7 @@ from dflash_lib.config import ConfigError
 from dflash_lib.data.tokenizers import QWEN, MappedVocab
 from dflash_lib.doctor import TargetFacts, config_rules, diagnose, engine_layer_ids, safetensors_header
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
-from dflash_lib.models.export import export_drafter, read_weights
+from dflash_lib.models.export import drafter_config, export_drafter, read_doc, read_weights
 from tiny_models import tiny_chatml_tokenizer
 
 LAYERS, H = 6, 32
@@ -126,6 +126,19 @@ def test_each_planted_config_fault_fails_its_rule_only(setup, tmp_path, changes,
     assert _failed(report) == [rule] + (["trained_as"] if WATCHED & set(changes) else [])
     failed = next(r for r in report.rules if r.name == rule)
     assert says in failed.detail and failed.line().startswith(f"FAIL {rule}: ") and " -> " in failed.line()
+
+
+@pytest.mark.parametrize("below, missing", [(0, []), (1, ["d2t", "lm_head.weight"])])
+def test_a_draft_vocabulary_is_one_below_the_vocabulary_size(setup, tmp_path, below, missing):
+    """config.json's draft_vocab_size equal to vocab_size (302 tokens) is no draft vocabulary: the plain export's
+    weights pass; one token fewer is one, whose d2t and lm_head this file lacks. The export's reader counts alike."""
+    export, target_dir, _ = setup
+    vocab = json.loads((export / "config.json").read_text())["vocab_size"]
+    folder = _copy(export, tmp_path, draft_vocab_size=vocab - below)
+    report = diagnose(folder, target_dir, {"doctor_samples": 1})
+    assert _failed(report) == (["weights"] if missing else []), report.lines()
+    assert (f"missing {missing}" in report.rules[RULES.index("weights")].detail) == bool(missing)
+    assert drafter_config(read_doc(folder)).draft_vocab_size == (vocab - below if below else 0)
 
 
 def test_a_layer_id_past_the_target_fails_both_layer_rules(setup, tmp_path):
