@@ -1,0 +1,48 @@
+"""The per-document pieces of models/linear_attention.py held on CPU against transformers' own Qwen3-Next gated delta
+net functions run once per document: the CUDA path's one padded convolution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+from dflash_lib.models.linear_attention import padded_causal_conv
+
+
+def _transformers(name: str):
+    """transformers' own function `name` of Qwen3-Next's modeling module (the original where `install` wrapped it)."""
+    fn = getattr(qwen3_next, name)
+    return getattr(fn, "dflash_original", fn)
+
+
+def _bounds(lengths) -> list[tuple[int, int]]:
+    """Consecutive [start, end) of documents of `lengths` tokens, tiling 0 .. sum(lengths)."""
+    ends = list(itertools.accumulate(lengths))
+    return list(zip([0] + ends[:-1], ends))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_cuda_paths_padded_convolution_is_transformers_convolution_of_each_document_alone(dtype):
+    """`padded_causal_conv` (one conv1d over the documents each preceded by W-1 zeros: what CUDA runs) against
+    transformers' causal_conv1d_fn over each document alone, silu after: (1, D, N) equal to rounding. Documents of
+    1 and 2 tokens (< W-1) and a long one, so every tap reaching before a document's start must read zero."""
+    D, W = 6, 4  # channels, taps (Qwen3-Next's linear_conv_kernel_dim)
+    documents = _bounds([1, 7, 2, 13, 3])
+    g = torch.Generator().manual_seed(0)
+    N = documents[-1][1]
+    x = torch.randn(1, D, N, generator=g).to(dtype)  # (1, D, N)
+    weight = torch.randn(D, W, generator=g).to(dtype)  # (D, W)
+    bias = torch.randn(D, generator=g).to(dtype)
+    conv = _transformers("causal_conv1d_fn")
+    want = torch.cat([conv(x[..., s:e], weight, bias, activation="silu") for s, e in documents], dim=-1)
+    got = padded_causal_conv(x, weight, bias, "silu", documents)
+    # each output sums W products and a bias: at most `bound` = the same sum of their magnitudes; W roundings of
+    # it and the output's own in `dtype`, silu's slope below 1.1
+    bound = torch.cat([conv(x[..., s:e].abs().double(), weight.abs().double(), bias.abs().double())
+                       for s, e in documents], dim=-1)  # (1, D, N)
+    assert got.shape == want.shape == (1, D, N) and got.dtype == dtype
+    worst = float(((got.double() - want.double()).abs() / bound).max()) / torch.finfo(dtype).eps  # in eps
+    assert worst <= 2 * (W + 1), f"a gap of {worst:.3g} eps of its bound"
