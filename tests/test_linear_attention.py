@@ -1,5 +1,6 @@
 """The per-document pieces of models/linear_attention.py held on CPU against transformers' own Qwen3-Next gated delta
-net functions run once per document: the CUDA path's one padded convolution."""
+net functions run once per document: the CUDA path's one padded convolution; the tiling of a row into documents
+and padding runs against brute force."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
-from dflash_lib.models.linear_attention import padded_causal_conv
+from dflash_lib.models.linear_attention import padded_causal_conv, tiling
 
 
 def _transformers(name: str):
@@ -46,3 +47,29 @@ def test_the_cuda_paths_padded_convolution_is_transformers_convolution_of_each_d
     assert got.shape == want.shape == (1, D, N) and got.dtype == dtype
     worst = float(((got.double() - want.double()).abs() / bound).max()) / torch.finfo(dtype).eps  # in eps
     assert worst <= 2 * (W + 1), f"a gap of {worst:.3g} eps of its bound"
+
+
+def _tiles_by_brute_force(labels: list[int]) -> tuple[tuple[int, int], ...]:
+    """The maximal runs of equal labels (a document's index, -1 on padding) of a row: (start, end) each."""
+    cuts = [i for i in range(1, len(labels)) if labels[i] != labels[i - 1]]
+    edges = [0] + cuts + [len(labels)] if labels else []
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def test_the_tiling_is_every_document_and_every_padding_run_by_brute_force():
+    """Every layout of a row of n <= 7 tokens, each token padding, the start of a document or the next token of
+    the one before: `tiling` (the documents and the runs between them, in order) is the row cut where the label
+    changes, final padding runs of one token included."""
+    seen = 0
+    for n in range(8):
+        for states in itertools.product("psc", repeat=n):  # padding, start of a document, continue it
+            if any(st == "c" and (i == 0 or states[i - 1] == "p") for i, st in enumerate(states)):
+                continue
+            labels, doc = [], -1
+            for st in states:
+                doc += st == "s"
+                labels.append(doc if st != "p" else -1)
+            documents = [(s, e) for s, e in _tiles_by_brute_force(labels) if labels[s] >= 0]
+            assert tiling(documents, n) == _tiles_by_brute_force(labels), (states, documents)
+            seen += 1
+    assert seen == sum((1, 2, 5, 13, 34, 89, 233, 610))  # the layouts of n tokens: Fibonacci's F(2n+1)
