@@ -88,6 +88,42 @@ def test_acceptance_counts_the_matching_prefix_plus_bonus(target):
     assert [c for c, _ in log] == lengths
 
 
+def test_cycles_along_given_answers_count_the_drafts_matching_them(target):
+    """`answers`: another decoding's answer (here random tokens, not the target's greedy) is taken as the target's
+    choice: the outputs are that answer and every cycle accepts exactly the drafts matching it (the oracle drafts
+    the answer with slot c % B corrupted), the target's greedy beyond it never consulted while it reaches."""
+    prompt = random_prompts(1, seed=5)[0]
+    answer = torch.randint(0, VOCAB, (NEW + B,), generator=torch.Generator().manual_seed(11)).tolist()
+    assert answer[:NEW] != target.greedy(prompt, NEW)
+    res = acceptance_length(target, _OracleDrafter(prompt + answer), [prompt], NEW, answers=[answer])
+    want = [min(c % B, B - 1) + 1 for c in range(res.cycles)]
+    assert res.outputs == [answer[:NEW]] and [n for _, n in res.cycle_log[0]] == want
+    assert res.tau == pytest.approx(sum(want) / len(want))
+    with pytest.raises(ValueError, match="greedy only"):
+        acceptance_length(target, _OracleDrafter(prompt + answer), [prompt], NEW, answers=[answer], temperature=1.0)
+    with pytest.raises(ValueError, match="one per prompt"):
+        acceptance_length(target, _OracleDrafter(prompt + answer), [prompt], NEW, answers=[])
+
+
+@pytest.mark.slow
+def test_cycles_along_the_targets_own_answers_are_its_decoding(target, trained):
+    """A real drafter along the target's own greedy answers: the same cycles as decoding without them; along an
+    answer that leaves greedy after 5 tokens, the same cycles up to there."""
+    drafter, prompts, _, _ = trained
+    mixed = prompts[:2] + random_prompts(1, seed=9)
+    own = acceptance_length(target, drafter, mixed, NEW)
+    forced = acceptance_length(target, drafter, mixed, NEW, answers=own.outputs)
+    assert (forced.outputs, forced.cycle_log) == (own.outputs, own.cycle_log)
+    bent = [o[:5] + [(o[5] + 1) % VOCAB] + o[6:] for o in own.outputs]
+    other = acceptance_length(target, drafter, mixed, NEW, answers=bent)
+    assert other.outputs == [b[:NEW] for b in bent]
+    for prompt, mine, theirs in zip(mixed, own.cycle_log, other.cycle_log):
+        # a cycle at m output tokens producing n reads the answer's tokens m .. m + n - 1: before token 5, the same
+        before = [(c, n) for c, n in mine if c - len(prompt) + n <= 5]
+        assert before and theirs[:len(before)] == before
+    assert other.cycle_log[:2] != own.cycle_log[:2]  # the trained prompts' drafts part from the bent answers
+
+
 @pytest.mark.slow
 def test_mixed_acceptance_and_reload_still_give_target_greedy(target, trained, tmp_path):
     drafter, prompts, conts, _ = trained

@@ -13,7 +13,7 @@ import copy
 import inspect
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -222,6 +222,13 @@ class _Choice:
     temperature: float
     top_p: float
     generator: torch.Generator | None  # None: greedy
+    forced: tuple[int, ...] = ()  # greedy: the output tokens the target is taken to choose (`acceptance_length`'s
+    # `answers`), its own argmax beyond them
+
+    def _pick(self, logits: torch.Tensor, first: int) -> list[int]:
+        """The greedy tokens of logits (T, V), row i being output token `first + i`, those within `forced` forced."""
+        picked = _greedy(logits, first, self.min_new_tokens, self.stops)
+        return [self.forced[first + i] if first + i < len(self.forced) else t for i, t in enumerate(picked)]
 
     def probs(self, logits: torch.Tensor, first: int) -> torch.Tensor:
         """logits (T, V) -> the sampling distributions (T, V)."""
@@ -231,7 +238,7 @@ class _Choice:
     def next_tokens(self, logits: torch.Tensor, first: int) -> list[int]:
         """One token per row of logits (T, V): the argmax or a draw."""
         if self.generator is None:
-            return _greedy(logits, first, self.min_new_tokens, self.stops)
+            return self._pick(logits, first)
         return draw(self.probs(logits, first), self.generator).tolist()
 
     def propose(self, drafting: Any, pending: int, first: int) -> tuple[list[int], torch.Tensor | None]:
@@ -247,7 +254,7 @@ class _Choice:
         """(n, token): draft slots accepted (0 .. B-1) by the target's logits (B, V) and the token after them,
         by exact match with the greedy tokens, or by the speculative-sampling rule (`speculative_step`)."""
         if self.generator is None:
-            verified = _greedy(logits, first, self.min_new_tokens, self.stops)  # (B,) the target's next tokens
+            verified = self._pick(logits, first)  # (B,) the target's next tokens
             n = 0
             while n < len(draft) and draft[n] == verified[n]:
                 n += 1
@@ -274,14 +281,21 @@ def _cut(out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[
 @torch.no_grad()
 def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       stop_ids: Sequence[int] = (), min_new_tokens: int = 0, temperature: float = 0.0,
-                      top_p: float = 1.0, generator: torch.Generator | None = None) -> AcceptanceResult:
+                      top_p: float = 1.0, generator: torch.Generator | None = None,
+                      answers: Sequence[Sequence[int]] | None = None) -> AcceptanceResult:
     """Speculative-decode every prompt (batch 1) to `max_new_tokens` tokens, or through the first token in
     `stop_ids` (never among the first `min_new_tokens`, see `_masked`). The first token comes from the target's
     prefill (not a cycle); a last cycle that overshoots still counts its full accepted length, and the output is
     cut. Temperature 0: greedy, the target's greedy output exactly. Temperature > 0: speculative sampling with
     nucleus `top_p` (module docstring), every draw from the CPU `generator` (None: one seeded 0), the prompts in
-    order; tau then counts the tokens a cycle produced the same way (accepted drafts + 1)."""
+    order; tau then counts the tokens a cycle produced the same way (accepted drafts + 1).
+    `answers` (greedy only): one answer per prompt taken as the target's choice wherever it reaches (another
+    engine's decoding, say), the target's own argmax beyond: the drafter's cycles along THOSE answers (the outputs
+    are the answers, cut as any output), what a served tau is judged against when the two disagree at near ties."""
     gen = _check(prompts, max_new_tokens, temperature, top_p, generator)
+    if answers is not None and (gen is not None or len(answers) != len(prompts)):
+        raise ValueError(f"answers: greedy only (temperature 0, got {temperature}), one per prompt ({len(answers)} "
+                         f"for {len(prompts)} prompts)")
     stops = frozenset(int(s) for s in stop_ids)
     choice = _Choice(stops, min_new_tokens, temperature, top_p, gen)
     hist: Counter[int] = Counter()
@@ -292,7 +306,9 @@ def acceptance_length(target: TargetModel, drafter: Any, prompts: Sequence[Seque
     calls = 0
     _sync(target.device)
     start = time.perf_counter()
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
+        if answers is not None:
+            choice = replace(choice, forced=tuple(int(t) for t in answers[i]))
         tc = TargetCache(target)
         drafting = _CachedDrafting(drafter) if hasattr(drafter, "context_cache") else _FeatureDrafting(drafter)
         first = tc.forward(torch.tensor(list(prompt), dtype=torch.long))
