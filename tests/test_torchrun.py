@@ -337,3 +337,22 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint_an
     resumed = torchrun(tmp_path, "-p", "stop_at_step", str(stopped + 2), params=params)
     assert "resuming from" in resumed.stdout
     assert [r["step"] for r in metrics_rows(tmp_path)] == list(range(1, stopped + 3))
+
+
+@pytest.mark.slow
+def test_a_cached_target_without_an_engine_trains_on_two_ranks_as_in_one_process(tmp_path):
+    """`-p hidden_cache` with no engine under torchrun: one process trains 6 steps from the cache (one data shard),
+    two ranks resume it at step 3, rank 1 without a batch on any step: its zero-weight filler item needs no
+    feature of the target (none of its tokens is in the cache). The trajectory is the one process's."""
+    from test_hidden_cache import CACHED, capture_locally, tiny_target_folder
+
+    params = {**CACHED, "target": str(tiny_target_folder(tmp_path))}
+    capture_locally(from_params(params, preset("smoke")), tmp_path / "cache")
+    params["hidden_cache"] = str(tmp_path / "cache")
+    one = tmp_path / "one"
+    train(from_params(params, preset("smoke")), one)
+    resumed = rewind(one, tmp_path / "one_to_two", 3)
+    torchrun(resumed, params=params)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert (summary["world_size"], summary["data_shards"], summary["resumed_from_step"]) == (2, 1, 3)
+    assert_same_trajectory(metrics_rows(resumed), metrics_rows(one), atol=TRAJECTORY_ATOL)

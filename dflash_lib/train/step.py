@@ -19,7 +19,7 @@ import torch
 
 from dflash_lib.config import ConfigError, TrainConfig
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import TargetModel, expected_acceptance
+from dflash_lib.models import expected_acceptance
 from dflash_lib.models.loss import stats_size
 from dflash_lib.train import distributed
 from dflash_lib.train.distributed import all_reduce_floats
@@ -138,22 +138,23 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
         tau_inbatch=tau_sum / tau_blocks if tau_blocks > 0 else math.nan)
 
 
-def filler_item(drafter: Any, target: TargetModel, device: torch.device) -> Item:
+def filler_item(drafter: Any, target: Any, device: torch.device) -> Item:
     """A one-document item whose loss weights are all zero: what a rank with nothing to score runs so that it
-    still joins DDP's/FSDP's gradient reduction (every drafter parameter gets an exactly-zero gradient)."""
+    still joins DDP's/FSDP's gradient reduction (every drafter parameter gets an exactly-zero gradient). Its
+    target features (and loss kl's final states) are zeros in the dtype of the target the drafter shares: no value
+    of them reaches a gradient, so `target` (the feed's: local, sharded or served) is not run for it (a cache holds
+    no such document; a sharded target's pass is a collective)."""
     tokens = np.arange(1, drafter.cfg.block_size + 3, dtype=np.int64) % max(2, drafter.cfg.vocab_size - 1)  # (L,)
-    batch = collate_padded([(tokens, np.ones(len(tokens), dtype=np.uint8))], 0)
+    batch = collate_padded([(tokens, np.ones(len(tokens), dtype=np.uint8))], 0)  # one row, no padding: C = L
     layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)))
     layout = replace(layout, weights=torch.zeros_like(layout.weights), weight_sum=0.0)
-    dev_batch = batch.to(device)
-    final = None
-    with torch.no_grad():
-        if layout.target_rows is None:
-            features = target.context_features(dev_batch, target.segments(batch.doc_ids))
-        else:  # loss kl / ce+kl: the filler's loss reads the target's final states too
-            features, final = target.context_features_and_final(dev_batch, layout.target_rows,
-                                                                target.segments(batch.doc_ids))
-    return Item(0, batch, dev_batch, features, layout=layout, device_layout=layout.to(device), target_hidden=final)
+    H, dtype = drafter.cfg.hidden_size, drafter.target.embed_tokens.weight.dtype  # the target's width and dtype
+    features = torch.zeros(len(tokens), drafter.cfg.num_features * H, dtype=dtype, device=device)  # (L, F*H)
+    final = None  # loss kl / ce+kl: the target's final states at the layout's rows, (u, H)
+    if layout.target_rows is not None:
+        final = torch.zeros(len(layout.target_rows), H, dtype=dtype, device=device)
+    return Item(0, batch, batch.to(device), features, layout=layout, device_layout=layout.to(device),
+                target_hidden=final)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
