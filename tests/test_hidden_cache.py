@@ -1,16 +1,19 @@
 """The hidden-states cache (`serve/hidden_cache.py`, `capture` then `train -p hidden_cache DIR`) without vLLM: the
-local target stands in for the engine; a run from the cache has the local run's losses (under torchrun:
-tests/test_torchrun.py)."""
+local target stands in for the engine. What a cache vouches for: each shard's sha256 (checked at its first read),
+the target's config and weights, the feature layers, the dtype it holds (the engine's), the token store; every
+document's rows against its tokens; an older manifest refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
-from dflash_lib.config import from_params, preset
+from dflash_lib.config import ConfigError, from_params, preset
 
 LAYERS = [1, 3]  # the tiny target's feature layers (of 4)
 CACHED = {"steps": 6, "ckpt_every": 3, "lr": 0.01, "warmup_steps": 1, "limit": 50, "target_layer_ids": LAYERS,
@@ -77,3 +80,338 @@ def test_a_run_from_a_locally_captured_cache_has_the_local_runs_losses(cached_ta
     local, cached = ([r["loss"] for r in metrics_rows(tmp_path / d)] for d in ("local", "cached"))
     assert len(local) == 6 and min(local) > 1.0
     np.testing.assert_allclose(cached, local, rtol=1e-5)
+
+# -- a cache of a stand-in store: documents of 3..12 token ids, states a function of them -----------------------
+
+H = 8  # hidden size of the stand-in states and of the small target folders
+
+
+class _Store:
+    """A token store of `n` documents of 3..12 ids below 300 (ids and masks only), as `capture` reads one."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.docs = [rng.integers(0, 300, int(k)).astype(np.uint32) for k in rng.integers(3, 13, n)]
+        self.lengths = np.array([len(d) for d in self.docs])
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return self.docs[i], np.ones(len(self.docs[i]), np.uint8)
+
+
+def _states(doc, dtype=torch.float32) -> torch.Tensor:
+    """(len, 2 aux layers, H) stand-in hidden states of a document: token id / 7 + layer + unit / 10 (bf16 rounds
+    most of them)."""
+    ids = torch.tensor(np.asarray(doc, np.int64), dtype=torch.float64)[:, None, None] / 7
+    return (ids + torch.arange(2.0)[None, :, None] + torch.arange(H)[None, None, :] / 10).to(dtype)
+
+
+def _fetch(dtype=torch.float32, short=None):
+    """A stand-in engine giving `_states` in `dtype`; the document `short` (token ids) one row short."""
+    cut = [] if short is None else list(short)
+    return lambda docs: [_states(d, dtype)[: len(d) - (list(d) == cut)] for d in docs]
+
+
+def _identity(**changes):
+    from dflash_lib.serve.hidden_cache import CacheIdentity
+
+    base = dict(target="/t", target_config_sha256="abc", layer_ids=(0, 1), hidden_size=H, dtype="float32",
+                store_key="k1", target_weights_fingerprint="w")
+    return CacheIdentity(**{**base, **changes})
+
+
+def _capture(out: Path, store=None, identity=None, fetch=None) -> dict:
+    from dflash_lib.serve.hidden_cache import capture
+
+    return capture(store or _Store(10), identity or _identity(), out, fetch or _fetch(), torch.tensor([0, 1]),
+                   say=lambda _: None, progress=False)
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of 4 samples: 10 documents make 3 shards."""
+    import dflash_lib.serve.hidden_cache as hc
+
+    monkeypatch.setattr(hc, "SHARD_SAMPLES", 4)
+
+
+def _features_span(path: Path) -> tuple[int, int]:
+    """The byte range [start, end) of a safetensors file's `features` data."""
+    head = int.from_bytes(path.read_bytes()[:8], "little")
+    lo, hi = json.loads(path.read_bytes()[8:8 + head])["features"]["data_offsets"]
+    return 8 + head + lo, 8 + head + hi
+
+
+def test_a_flipped_bit_in_a_shard_is_refused_at_the_first_read_of_that_shard_naming_it(tmp_path, small_shards,
+                                                                                        monkeypatch):
+    """One bit of shard 1's features flipped after capture: opening the cache hashes nothing (a shard is GBs); a
+    document of shard 0 reads (its shard hashed once), a document of shard 1 is refused in one line naming the
+    file; the flipped value is what would have been read."""
+    import dflash_lib.serve.hidden_cache as hc
+
+    store = _Store(10)
+    _capture(tmp_path, store)
+    shard = tmp_path / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    start, _ = _features_span(shard)
+    raw[start + 1] ^= 0x01  # a low mantissa bit of document 4's first feature
+    shard.write_bytes(bytes(raw))
+    hashed: list[str] = []
+    real_sha = hc.file_sha256
+    monkeypatch.setattr(hc, "file_sha256", lambda p: hashed.append(Path(p).name) or real_sha(p))
+    cache = hc.HiddenCache(tmp_path)
+    assert hashed == []
+    want = _states(store.docs[0]).reshape(len(store.docs[0]), -1)
+    torch.testing.assert_close(cache.get(store.docs[0]), want, rtol=0, atol=0)
+    cache.get(store.docs[1])
+    assert hashed == ["shard-00000.safetensors"]  # once per shard
+    with pytest.raises(ConfigError, match=r"shard-00001\.safetensors: sha256 .* is not the manifest's") as e:
+        cache.get(store.docs[4])
+    assert "\n" not in str(e.value) and "capture again" in str(e.value)
+    flipped = cache.files[1].get_slice("features")[0:1]  # read past the check: the bit really changed a value
+    assert not torch.equal(flipped, _states(store.docs[4])[:1].reshape(1, -1))
+
+
+def test_a_document_whose_rows_are_not_its_tokens_is_refused_naming_shard_and_document(tmp_path, small_shards):
+    """Capture: an engine giving sample 5 one row short is refused before its shard is written. Read: shard 0's
+    offsets rewritten so that documents 0 and 1 swap lengths (total unchanged, sha256 recomputed: only the rows
+    are wrong): each is refused naming the shard and the document, documents 2 and 3 still read."""
+    import dflash_lib.serve.hidden_cache as hc
+    from safetensors.torch import load_file, save_file
+
+    store = _Store(10)
+    with pytest.raises(ConfigError, match=rf"sample 5 has {len(store.docs[5])} tokens but the engine gave "
+                                          rf"{len(store.docs[5]) - 1} rows") as e:
+        _capture(tmp_path / "short", store, fetch=_fetch(short=store.docs[5]))  # in shard 1
+    assert "\n" not in str(e.value)
+    assert [s["shard"] for s in hc.read_manifest(tmp_path / "short")["shards"]] == [0]
+    assert not (tmp_path / "short" / "shard-00001.safetensors").exists()
+
+    _capture(tmp_path, store)
+    shard = tmp_path / "shard-00000.safetensors"
+    tensors = load_file(str(shard))
+    n0, n1 = len(store.docs[0]), len(store.docs[1])
+    assert n0 != n1
+    tensors["offsets"][1] = n1  # [0, n1, n0 + n1, ...]: documents 0 and 1 swap lengths
+    save_file(tensors, str(shard))
+    doc = hc.read_manifest(tmp_path)
+    doc["shards"][0]["sha256"] = hc.file_sha256(shard)
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    cache = hc.HiddenCache(tmp_path)
+    for j, (rows, tokens) in enumerate([(n1, n0), (n0, n1)]):
+        with pytest.raises(ConfigError, match=rf"shard-00000\.safetensors: document {j} of the shard has {rows} "
+                                              rf"rows in its offsets but {tokens} tokens") as e:
+            cache.get(store.docs[j])
+        assert "\n" not in str(e.value)
+    assert cache.get(store.docs[2]).shape == (len(store.docs[2]), 2 * H)
+
+
+
+@pytest.mark.parametrize("spoil,says", [
+    ("samples", r"keys \(4, 20\) and offsets \(5,\) for the manifest's 5 samples"),
+    ("offsets", r"offsets 0 \.\. 1 not ascending from 0 to the manifest's \d+ tokens"),
+    ("hidden_size", r"features \[\d+, 16\], the manifest's \[\d+, 18\]"),
+    ("truncated", r"not a readable safetensors file \(\w+: .*\)")])
+def test_a_shard_that_disagrees_with_its_manifest_is_refused_when_the_cache_opens(tmp_path, small_shards, spoil,
+                                                                                  says):
+    """Shard 0 against its manifest entry, checked at opening (headers, offsets and keys only): a sample count
+    the shard does not hold, offsets that fall back (sha256 recomputed: only the offsets are wrong), a feature
+    width other than the identity's F*H, a file cut short. Each refused in one line naming the shard file."""
+    import dflash_lib.serve.hidden_cache as hc
+    from safetensors.torch import load_file, save_file
+
+    _capture(tmp_path)
+    doc = hc.read_manifest(tmp_path)
+    shard = tmp_path / "shard-00000.safetensors"
+    if spoil == "samples":
+        doc["shards"][0]["samples"] = 5
+    elif spoil == "offsets":
+        tensors = load_file(str(shard))
+        tensors["offsets"][-1] = 1
+        save_file(tensors, str(shard))
+        doc["shards"][0]["sha256"] = hc.file_sha256(shard)
+    elif spoil == "hidden_size":
+        doc["identity"]["hidden_size"] = H + 1
+    else:  # a partial copy
+        shard.write_bytes(shard.read_bytes()[:100])
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=rf"shard-00000\.safetensors: {says}: a broken shard") as e:
+        hc.HiddenCache(tmp_path)
+    assert "\n" not in str(e.value)
+
+def test_an_older_manifest_is_refused_saying_to_capture_again(tmp_path, small_shards):
+    """A format-1 manifest (no shard sha256, no weights fingerprint) is refused by the reader and by a capture
+    into its folder, in one line that says to capture again; so is one naming no format."""
+    import dflash_lib.serve.hidden_cache as hc
+
+    _capture(tmp_path)
+    doc = hc.read_manifest(tmp_path)
+    assert doc["format"] == hc.FORMAT == 2
+    old = {**doc, "format": 1, "identity": {k: v for k, v in doc["identity"].items()
+                                            if k != "target_weights_fingerprint"},
+           "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in doc["shards"]]}
+    (tmp_path / "manifest.json").write_text(json.dumps(old))
+    for attempt in (lambda: hc.HiddenCache(tmp_path), lambda: _capture(tmp_path)):
+        with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 2 only "
+                                              r".*: capture again into another folder") as e:
+            attempt()
+        assert "\n" not in str(e.value)
+    (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in old.items() if k != "format"}))
+    with pytest.raises(ConfigError, match="cache format None, this version reads format 2 only"):
+        hc.HiddenCache(tmp_path)
+
+
+# -- the identity against a real target folder --------------------------------------------------------------------
+
+def _small_folder(root: Path, seed: int = 0, family: str = "qwen3") -> Path:
+    """A random 4-layer target of hidden H and 300 ids saved to root/family (qwen3, or qwen3_next: gated-delta-net
+    layers between full attention ones, which vLLM's CPU build runs in bf16 only)."""
+    import transformers
+
+    from tiny_models import save_random_model
+
+    shape = dict(vocab_size=300, hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=4, intermediate_size=16)
+    cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else transformers.Qwen3NextConfig(
+        **shape, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=4, linear_value_head_dim=4, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=8, shared_expert_intermediate_size=8))
+    save_random_model(root / family, cfg, seed=seed)
+    return root / family
+
+
+def _config(folder: Path, cache: Path, **params):
+    """The smoke preset on `folder`'s layers 1 and 3 (the stand-in's aux layers 0 and 1) reading `cache`."""
+    return from_params({"target": str(folder), "hidden_cache": str(cache), "target_layer_ids": [1, 3],
+                        "num_features": 2, **params}, preset("smoke"))
+
+
+def _capture_for(config, store=None, fetch=None, device: str = "cpu") -> dict:
+    """`config`'s identity (store key "k1") captured into its hidden_cache folder from the stand-in engine."""
+    from dflash_lib.serve.hidden_cache import CacheIdentity
+
+    identity = CacheIdentity.of(config, [1, 3], H, "k1", torch.device(device))
+    return _capture(Path(config.model.hidden_cache), store or _Store(3), identity, fetch)
+
+
+def test_weights_replaced_in_place_are_refused_naming_the_setting(tmp_path):
+    """A cache captured for a folder whose model.safetensors is then replaced by other random weights of the same
+    shapes (config.json byte for byte the same): refused in one line naming the weights fingerprint."""
+    from dflash_lib.serve.engine_plugins.model_identity import config_sha256
+    from dflash_lib.serve.hidden_cache import open_cache
+
+    folder = _small_folder(tmp_path)
+    config = _config(folder, tmp_path / "cache")
+    _capture_for(config)
+    assert open_cache(config, "k1", torch.device("cpu")).identity.target_weights_fingerprint != ""
+    sha = config_sha256(folder)
+    _small_folder(tmp_path, seed=1)  # the same shapes, other weights, in place
+    assert config_sha256(folder) == sha
+    with pytest.raises(ConfigError, match=r"cache: captured for another target weights fingerprint \('[0-9a-f]{64}'; "
+                                          r"this run: '[0-9a-f]{64}'\): capture again") as e:
+        open_cache(config, "k1", torch.device("cpu"))
+    assert "\n" not in str(e.value)
+
+
+def _stored(cache: Path) -> tuple[str, str]:
+    """(the manifest's dtype, the dtype of shard 0's features as safetensors names it)."""
+    from dflash_lib.serve.hidden_cache import read_manifest
+
+    with safe_open(str(cache / "shard-00000.safetensors"), framework="pt") as f:
+        return read_manifest(cache)["identity"]["dtype"], f.get_slice("features").get_dtype()
+
+
+def test_a_bf16_runs_cache_is_stored_and_labelled_bf16_and_refused_by_an_fp32_run_and_vice_versa(tmp_path):
+    """The same target and store captured for a bf16 and an fp32 run (the engine's states in fp32 both times):
+    each cache holds and names its run's dtype, holds the states rounded to it, is read by its run and refused in
+    one line by the other."""
+    from dflash_lib.serve.hidden_cache import HiddenCache, open_cache
+
+    folder = _small_folder(tmp_path)
+    store = _Store(3)
+    runs = {p: _config(folder, tmp_path / p, precision=p) for p in ("bf16", "fp32")}
+    for p, config in runs.items():
+        _capture_for(config, store)
+    assert _stored(tmp_path / "bf16") == ("bfloat16", "BF16")
+    assert _stored(tmp_path / "fp32") == ("float32", "F32")
+    for p, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        got = HiddenCache(tmp_path / p).get(store.docs[0])
+        assert torch.equal(got, _states(store.docs[0]).to(dtype).reshape(len(store.docs[0]), -1))
+    assert not torch.equal(_states(store.docs[0]).bfloat16().float(), _states(store.docs[0]))  # bf16 rounds them
+    for mine, other, held, theirs in (("bf16", "fp32", "bfloat16", "float32"), ("fp32", "bf16", "float32", "bfloat16")):
+        open_cache(runs[mine], "k1", torch.device("cpu"))
+        reader = _config(folder, tmp_path / mine, precision=other)
+        with pytest.raises(ConfigError, match=rf"{mine}: captured for another dtype \('{held}'; this run: "
+                                              rf"'{theirs}'\)") as e:
+            open_cache(reader, "k1", torch.device("cpu"))
+        assert "\n" not in str(e.value)
+
+
+class _Engines:
+    """Stands in for `EngineServer` in `target_engine_url`: records each spec it is started with."""
+
+    def __init__(self):
+        self.specs = []
+
+    def __call__(self, spec, *args, **kwargs):
+        self.specs.append(spec)
+        return self
+
+    def __enter__(self):
+        return type("Server", (), {"url": "http://engine"})()
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("family,precision,device,want", [
+    ("qwen3", "fp32", "cpu", "float32"), ("qwen3", "bf16", "cpu", "bfloat16"),
+    ("qwen3_next", "fp32", "cpu", "bfloat16"),  # vLLM's CPU gated-delta-net kernel runs bf16 only
+    ("qwen3_next", "bf16", "cpu", "bfloat16"), ("qwen3", "fp32", "cuda", "bfloat16")])
+def test_the_cache_is_labelled_the_dtype_its_engine_is_started_in(tmp_path, monkeypatch, family, precision, device,
+                                                                  want):
+    """`cache_dtype` (the identity's dtype) equals the dtype `target_engine_url` starts the engine in, for a bf16
+    and an fp32 run, a linear-attention target on the CPU and a target on a GPU."""
+    import transformers
+
+    import dflash_lib.serve.hidden_states as hs
+    from dflash_lib.serve.hidden_cache import cache_dtype
+
+    shape = dict(vocab_size=300, hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1)
+    cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else
+           transformers.Qwen3NextConfig(**shape, layer_types=["linear_attention", "full_attention"] * 2))
+    cfg.save_pretrained(tmp_path / family)  # config.json alone: no weight is read
+    config = _config(tmp_path / family, tmp_path / "cache", precision=precision)
+    engines = _Engines()
+    monkeypatch.setattr(hs, "EngineServer", engines)
+    with hs.target_engine_url(config, tmp_path / "run", torch.device(device)) as url:
+        assert url == "http://engine"
+    assert [s.dtype for s in engines.specs] == [want]
+    assert cache_dtype(config, torch.device(device)) == want
+
+
+def test_a_linear_attention_targets_cache_holds_bf16_and_an_fp32_run_reads_it_converted(tmp_path):
+    """An fp32 run on the CPU with a gated-delta-net target: its engine runs bf16, so its cache holds and names
+    bfloat16; the run reads it and its served target hands the drafter the stored values in fp32, as from the
+    engine online. An engine's bf16 states under a cache labelled float32 are refused in one line."""
+    from dflash_lib.data.batch import collate_padded
+    from dflash_lib.serve.hidden_cache import open_cache
+    from dflash_lib.serve.hidden_states import ServedTarget
+
+    folder = _small_folder(tmp_path, family="qwen3_next")
+    config = _config(folder, tmp_path / "cache", precision="fp32")
+    store = _Store(3)
+    _capture_for(config, store, fetch=_fetch(torch.bfloat16))
+    assert _stored(tmp_path / "cache") == ("bfloat16", "BF16")
+    cache = open_cache(config, "k1", torch.device("cpu"))
+    served = ServedTarget(folder, [1, 3], "", "cpu", torch.float32, cache=cache)
+    batch = collate_padded([(d.astype(np.int64), np.ones(len(d), np.uint8)) for d in store.docs], 0)
+    got = served.context_features(batch)
+    want = torch.cat([_states(d, torch.bfloat16).reshape(len(d), -1) for d in store.docs]).float()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(ConfigError, match=r"the engine gave torch\.bfloat16 hidden states \(sample 0\) for a cache of "
+                                          r"float32: serve the target in float32") as e:
+        _capture(tmp_path / "labelled_fp32", store, fetch=_fetch(torch.bfloat16))
+    assert "\n" not in str(e.value)

@@ -1,11 +1,13 @@
 """The target's features of a token store captured once from the engine and read for many epochs:
 `python -m dflash_lib capture ... --out CACHE`, then `train -p hidden_cache CACHE` (docs/scale.md).
 
-A cache is a folder: manifest.json (`CacheIdentity`: the target, its config.json's sha256, the feature layers, the
-dtype, the token store's key; the shards written) and shards of `SHARD_SAMPLES` samples, each one safetensors file:
-`features` [tokens, F*H], `offsets` [n+1] int64, `keys` [n, 20] uint8, the sha1 of each sample's token ids, by
-which a document of any batch finds its rows. A shard is written whole (temporary name, then renamed) before the
-manifest names it, so a killed capture resumes at the first shard it does not name.
+A cache is a folder: manifest.json (`CacheIdentity`: the target, its config.json's sha256 and its weights'
+fingerprint, the feature layers, the dtype the engine ran and the cache holds, the token store's key; each shard
+written with its sha256) and shards of `SHARD_SAMPLES` samples, each one safetensors file: `features` [tokens, F*H],
+`offsets` [n+1] int64, `keys` [n, 20] uint8, the sha1 of each sample's token ids, by which a document of any batch
+finds its rows. A shard is written whole (temporary name, then renamed) before the manifest names it, so a killed
+capture resumes at the first shard it does not name. A reader checks a shard's sha256 at its first read and every
+document's rows against its tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,18 +28,30 @@ from safetensors.torch import save_file
 from dflash_lib.config import ConfigError, uses_bf16
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
+from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids, target_engine_url
+from dflash_lib.serve.server import engine_dtype
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: a sha256 per shard, the target's weights fingerprint, the dtype the engine runs (1: none of them)
 SHARD_SAMPLES = 256  # samples per shard file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHARD_FIELDS = ("shard", "file", "samples", "tokens", "sha256")  # what the manifest records of each shard
 
 
 def token_key(ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """The 20-byte sha1 of a document's token ids (as little-endian uint32): its key in a cache."""
     arr = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
     return hashlib.sha1(arr.astype("<u4").tobytes()).digest()
+
+
+def cache_dtype(config: Any, device: torch.device) -> str:
+    """The dtype a cache of `config`'s target holds: the one the engine serving it runs in (`target_engine_url`),
+    bfloat16 for a bf16 run, on GPUs and for a linear-attention target on CPU; else float32. A run reads a cache of
+    its own rule's dtype only, converted to its precision as the engine's states are (`ServedTarget`)."""
+    bf16 = (uses_bf16(config.train.precision, device)
+            or engine_dtype(config.model.target, device.type == "cpu") == "bfloat16")
+    return "bfloat16" if bf16 else "float32"
 
 
 @dataclass(frozen=True)
@@ -47,16 +62,17 @@ class CacheIdentity:
     target_config_sha256: str  # of its config.json
     layer_ids: tuple[int, ...]  # our feature layers, in concatenation order
     hidden_size: int
-    dtype: str  # float32 | bfloat16
+    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`cache_dtype`)
     store_key: str  # the token store's settings key (its meta.json)
+    target_weights_fingerprint: str = ""  # `model_identity.weights_fingerprint` of the folder (weights replaced in
+    # place differ here); always set by `of` and in a manifest
 
     @classmethod
     def of(cls, config: Any, layer_ids: Sequence[int], hidden_size: int, store_key: str,
            device: torch.device) -> "CacheIdentity":
         folder = Path(config.model.target).resolve()
-        sha = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
-        dtype = "bfloat16" if uses_bf16(config.train.precision, device) else "float32"
-        return cls(str(folder), sha, tuple(int(i) for i in layer_ids), int(hidden_size), dtype, str(store_key))
+        return cls(str(folder), config_sha256(folder), tuple(int(i) for i in layer_ids), int(hidden_size),
+                   cache_dtype(config, device), str(store_key), weights_fingerprint(folder))
 
     def refuse_other(self, other: "CacheIdentity", where: Path) -> None:
         """ConfigError in one line naming the first setting in which `other` (the cache's) differs."""
@@ -75,16 +91,35 @@ def read_manifest(cache: str | Path) -> dict[str, Any] | None:
         return None
     try:
         doc = json.loads(path.read_text())
-        CacheIdentity(**{**doc["identity"], "layer_ids": tuple(doc["identity"]["layer_ids"])})
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        fmt = doc.get("format")
+    except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{path}: not a hidden-states cache manifest ({type(e).__name__}: {e})") from None
-    if doc.get("format") != FORMAT:
-        raise ConfigError(f"{path}: cache format {doc.get('format')!r}, this version reads {FORMAT}")
+    if fmt != FORMAT:  # before its fields: another format names others
+        raise ConfigError(f"{path}: cache format {fmt!r}, this version reads format {FORMAT} only (what a cache "
+                          "vouches for changed): capture again into another folder")
+    try:
+        identity_of(doc)
+        for shard in doc["shards"]:
+            if missing := [name for name in SHARD_FIELDS if name not in shard]:
+                raise KeyError(f"a shard without {missing}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a hidden-states cache manifest ({type(e).__name__}: {e})") from None
     return doc
 
 
 def identity_of(doc: dict[str, Any]) -> CacheIdentity:
-    return CacheIdentity(**{**doc["identity"], "layer_ids": tuple(doc["identity"]["layer_ids"])})
+    """The identity a manifest records (every field required: a missing one is a KeyError)."""
+    fields = {name: doc["identity"][name] for name in CacheIdentity.__dataclass_fields__}
+    return CacheIdentity(**{**fields, "layer_ids": tuple(fields["layer_ids"])})
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of every byte of `path`, read in chunks of 16 MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _write_manifest(cache: Path, doc: dict[str, Any]) -> None:
@@ -124,15 +159,26 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
     for k in range(shards):
         if k in done:
             continue
-        ids = [store[i][0] for i in range(k * SHARD_SAMPLES, min(len(store), (k + 1) * SHARD_SAMPLES))]
+        first = k * SHARD_SAMPLES
+        ids = [store[i][0] for i in range(first, min(len(store), first + SHARD_SAMPLES))]
         states = fetch([d.tolist() for d in ids])
+        for i, (d, st) in enumerate(zip(ids, states, strict=True)):  # before a byte is written
+            if st.shape[0] != len(d):
+                raise ConfigError(f"capture into {out}: sample {first + i} has {len(d)} tokens but the engine gave "
+                                  f"{st.shape[0]} rows of hidden states")
+            if st.dtype not in (dtype, torch.float32):  # stored as the label says, never widened under it
+                raise ConfigError(f"capture into {out}: the engine gave {st.dtype} hidden states (sample "
+                                  f"{first + i}) for a cache of {identity.dtype}: serve the target in {identity.dtype}")
         feats = torch.cat([s[:, pick].reshape(s.shape[0], -1) for s in states]).to(dtype)
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(d) for d in ids])]).astype(np.int64))
         keys = torch.from_numpy(np.frombuffer(b"".join(token_key(d) for d in ids), np.uint8).reshape(-1, 20).copy())
         name = f"shard-{k:05d}.safetensors"
-        save_file({"features": feats.contiguous(), "offsets": offsets, "keys": keys}, str(out / (name + ".part")))
-        os.replace(out / (name + ".part"), out / name)
-        doc["shards"].append({"shard": k, "file": name, "samples": len(ids), "tokens": int(offsets[-1])})
+        part = out / (name + ".part")
+        save_file({"features": feats.contiguous(), "offsets": offsets, "keys": keys}, str(part))
+        sha = file_sha256(part)
+        os.replace(part, out / name)
+        doc["shards"].append({"shard": k, "file": name, "samples": len(ids), "tokens": int(offsets[-1]),
+                              "sha256": sha})
         _write_manifest(out, doc)  # named only once whole
         if bar is not None:
             bar.update(1)
@@ -144,7 +190,9 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
 
 
 class HiddenCache:
-    """A complete cache opened for reading: `get(ids)` -> (len, F*H) features of a document, or None."""
+    """A complete cache opened for reading: `get(ids)` -> (len, F*H) features of a document, or None. Opening
+    reads each shard's header, offsets and keys (the index); a shard's sha256 is checked at the first `get` that
+    reads it (a shard of a big cache is GBs: opening stays fast), and every document's rows against its tokens."""
 
     def __init__(self, cache: str | Path) -> None:
         self.path = Path(cache)
@@ -153,21 +201,72 @@ class HiddenCache:
             raise ConfigError(f"{self.path}: not a complete hidden-states cache (run `capture` into it, or let it "
                               "finish: it resumes)")
         self.identity = identity_of(doc)
-        self.index: dict[bytes, tuple[int, int, int]] = {}  # key -> (shard, start row, end row)
+        self.shards = doc["shards"]
+        width = len(self.identity.layer_ids) * self.identity.hidden_size
+        self.index: dict[bytes, tuple[int, int, int, int]] = {}  # key -> (shard, document in it, start, end row)
         self.files = []
-        for k, shard in enumerate(doc["shards"]):
-            f = safe_open(str(self.path / shard["file"]), framework="pt")
-            offsets, keys = f.get_tensor("offsets").tolist(), f.get_tensor("keys").numpy()
-            for j in range(len(keys)):
-                self.index.setdefault(keys[j].tobytes(), (k, offsets[j], offsets[j + 1]))
+        for k, shard in enumerate(self.shards):
+            path = self.path / shard["file"]
+            try:
+                f = safe_open(str(path), framework="pt")
+                offsets, keys = f.get_tensor("offsets"), f.get_tensor("keys").numpy()
+                rows = f.get_slice("features").get_shape()
+            except Exception as e:  # noqa: BLE001 - safetensors words a broken file in several types
+                raise ConfigError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())}): a broken shard, capture again into another folder"
+                                  ) from None
+            n = int(shard["samples"])
+            why = _shard_fault(keys.shape, offsets, rows, n, int(shard["tokens"]), width)
+            if why:
+                raise ConfigError(f"{path}: {why}: a broken shard, capture again into another folder")
+            offsets = offsets.tolist()
+            for j in range(n):
+                self.index.setdefault(keys[j].tobytes(), (k, j, offsets[j], offsets[j + 1]))
             self.files.append(f)
+        self.checked = [False] * len(self.shards)  # sha256 verified (once per shard and process)
+        self.locks = [threading.Lock() for _ in self.shards]  # target workers read in threads
 
     def get(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
+        """The (len(ids), F*H) features of the document `ids`, in the cache's dtype; None when it is not cached.
+        ConfigError in one line naming the shard when its sha256 is not the manifest's or the document's rows
+        are not its tokens."""
         hit = self.index.get(token_key(ids))
         if hit is None:
             return None
-        k, s, e = hit
+        k, j, s, e = hit
+        self._check(k)
+        if e - s != len(ids):
+            raise ConfigError(f"{self.path / self.shards[k]['file']}: document {j} of the shard has {e - s} rows in "
+                              f"its offsets but {len(ids)} tokens: a broken shard, capture again into another folder")
         return self.files[k].get_slice("features")[s:e]
+
+    def _check(self, k: int) -> None:
+        """Shard k's bytes against the manifest's sha256, once (the first read of the shard)."""
+        if self.checked[k]:
+            return
+        with self.locks[k]:
+            if self.checked[k]:
+                return
+            path, want = self.path / self.shards[k]["file"], self.shards[k]["sha256"]
+            got = file_sha256(path)
+            if got != want:
+                raise ConfigError(f"{path}: sha256 {got[:16]}... is not the manifest's {want[:16]}... (the shard "
+                                  "changed after capture: a flipped bit, a partial copy): capture again into another "
+                                  "folder")
+            self.checked[k] = True
+
+
+def _shard_fault(keys: Sequence[int], offsets: torch.Tensor, rows: Sequence[int], samples: int, tokens: int,
+                 width: int) -> str:
+    """What is wrong with a shard's keys (shape), offsets [n+1] and features (shape) against its manifest entry
+    (`samples`, `tokens`) and the identity's feature width F*H; "" when nothing is."""
+    if tuple(keys) != (samples, 20) or tuple(offsets.shape) != (samples + 1,):
+        return f"keys {tuple(keys)} and offsets {tuple(offsets.shape)} for the manifest's {samples} samples"
+    if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) != tokens:
+        return f"offsets {int(offsets[0])} .. {int(offsets[-1])} not ascending from 0 to the manifest's {tokens} tokens"
+    if list(rows) != [tokens, width]:
+        return f"features {list(rows)}, the manifest's {[tokens, width]}"
+    return ""
 
 
 def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -180,7 +279,7 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
     ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
     store = build_token_store_from_config(config.data, progress=progress)
     cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")  # the trainer's: its precision is the cache's dtype
+    device = torch.device("cuda" if cuda else "cpu")  # the trainer's: with the target, the engine's dtype
     identity = CacheIdentity.of(config, ids, int(hf.hidden_size), store.meta["key"], device)
     existing = read_manifest(out)  # refused before an engine starts
     if existing is not None:
@@ -198,7 +297,7 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
 
 def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
     """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
-    target, layer set, dtype or token store."""
+    target (its config.json, its weights' fingerprint), layer set, dtype (`cache_dtype`) or token store."""
     m = config.model
     hf = local_hf_config(m.target)
     ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
