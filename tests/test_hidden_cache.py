@@ -372,12 +372,12 @@ class _Engines:
     ("qwen3_next", "bf16", "cpu", "bfloat16"), ("qwen3", "fp32", "cuda", "bfloat16")])
 def test_the_cache_is_labelled_the_dtype_its_engine_is_started_in(tmp_path, monkeypatch, family, precision, device,
                                                                   want):
-    """`cache_dtype` (the identity's dtype) equals the dtype `target_engine_url` starts the engine in, for a bf16
-    and an fp32 run, a linear-attention target on the CPU and a target on a GPU."""
+    """A cache's identity names the dtype `target_engine_url` starts the engine in, for a bf16 and an fp32 run, a
+    linear-attention target on the CPU and a target on a GPU."""
     import transformers
 
     import dflash_lib.serve.hidden_states as hs
-    from dflash_lib.serve.hidden_cache import cache_dtype
+    from dflash_lib.serve.hidden_cache import CacheIdentity
 
     shape = dict(vocab_size=300, hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1)
     cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else
@@ -389,7 +389,7 @@ def test_the_cache_is_labelled_the_dtype_its_engine_is_started_in(tmp_path, monk
     with hs.target_engine_url(config, tmp_path / "run", torch.device(device)) as url:
         assert url == "http://engine"
     assert [s.dtype for s in engines.specs] == [want]
-    assert cache_dtype(config, torch.device(device)) == want
+    assert CacheIdentity.of(config, [1, 3], H, "k1", torch.device(device)).dtype == want
 
 
 def test_a_linear_attention_targets_cache_holds_bf16_and_an_fp32_run_reads_it_converted(tmp_path):
