@@ -1,6 +1,7 @@
 """Command line: `python -m dflash_lib [--debug] COMMAND ...`; `COMMAND --help` for its options, README for the docs.
 
-Data and training: regenerate, run (a notebook into runs/<id>/), train, capture, params. Sizing: dryrun, tune.
+Data and training: regenerate, run (a notebook into runs/<id>/), train, capture, engine-command, params. Sizing:
+dryrun, tune.
 Serving: export, evaluate, doctor, engine-check. The study on the bundled corpus: demo, demo-target. Wherever a
 preset name goes, a preset file does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `tune` writes).
 
@@ -160,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--out", required=True, help="the cache folder (a killed capture resumes into it)")
     cap.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
 
+    eng = sub.add_parser("engine-command", help="the command that starts a vLLM server by hand for a run's served "
+                         "target (-p target_engine_url URL -p target_engine_dir DIR): its layers, dtype, our connector")
+    eng.add_argument("--preset", default="default", help="a named preset or a preset file (.json)")
+    eng.add_argument("--dir", required=True, help="the folder the server writes the features to, as the trainer "
+                     "sees it (target_engine_dir)")
+    eng.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"), help=P_HELP)
+
     demo = sub.add_parser("demo", help="the whole study on the bundled corpus: a real target (SmolLM2-135M-Instruct) "
                           "and a small drafter")
     demo.add_argument("--preset", default="demo")
@@ -180,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a training setting of lab.demo_target.DemoTargetSettings (vocab_size, steps, lr, ...)")
 
     ev = sub.add_parser("evaluate", help="speculative decoding of held-out prompts with a saved drafter: tau, "
-                        "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON)")
+                        "acceptance per position, tokens/s vs plain greedy (last stdout line: JSON); with -p engine "
+                        "vllm exit 1 when a served verdict FAILs")
     ev.add_argument("--drafter", required=True, help="a saved drafter folder or a trainer run folder")
     ev.add_argument("--target", default=None, help="'tiny' or a local Hugging Face model folder (default: the "
                     "target a trainer run folder records)")
@@ -269,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
             doc = run_capture(load_config(_params(args.param), args.preset), args.out)
             print(json.dumps({"cache": args.out, "samples": doc["samples"], "shards": len(doc["shards"]),
                               "tokens": sum(s["tokens"] for s in doc["shards"])}))
+        elif args.cmd == "engine-command":
+            import torch
+
+            from dflash_lib.rundir import load_config
+            from dflash_lib.serve.hidden_states import engine_command
+
+            config = load_config(_params(args.param), args.preset)
+            cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+            print(engine_command(config, args.dir, torch.device("cuda" if cuda else "cpu")))
         elif args.cmd == "demo":
             from dflash_lib.lab.demo import run_demo
 
@@ -281,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "evaluate":
             from dflash_lib.evaluate import evaluate
 
-            print(json.dumps(evaluate(args.drafter, args.target, _params(args.param)).to_json()))
+            report = evaluate(args.drafter, args.target, _params(args.param))
+            print(json.dumps(report.to_json()))
+            failed = [line for line in (report.served.lines if report.served is not None else []) if
+                      line.startswith("FAIL")]
+            if failed:  # scripts and CI see a served verdict that failed
+                print(f"error: {len(failed)} served verdict(s) FAIL (printed above)", file=sys.stderr)
+                return 1
         elif args.cmd == "regenerate":
             return _regenerate(args)
         elif args.cmd == "export":

@@ -146,6 +146,8 @@ class ModelConfig:
     target_engine: TargetEngine = "local"  # "local": the target runs in the trainer; "vllm": vLLM serves it and hands over
     # its feature layers per document (docs/scale.md; its engine_python and start timeout are evaluate's)
     target_engine_url: str = ""  # target_engine vllm: a running server started with our connector ("" = start one)
+    target_engine_dir: str = ""  # with target_engine_url: the folder its connector writes to (its shared_storage_path)
+    # as this machine sees it; the trainer reads and deletes only its own files there (docs/scale.md)
     hidden_cache: str = ""  # a folder `capture` wrote: the target's features read from it, no target forward (with
     # target_engine vllm the engine serves what it lacks); "" = none
     drafter_attention: Literal["auto", "flex", "blocks", "dense"] = "auto"  # "auto": flex on CUDA, blocks elsewhere; "dense": the reference
@@ -172,6 +174,11 @@ class ModelConfig:
                               f"{self.target_engine!r}: set target_engine vllm")
         if self.target_engine_url and not self.target_engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"target_engine_url must start with http:// or https://, got {self.target_engine_url!r}")
+        if bool(self.target_engine_url) != bool(self.target_engine_dir):
+            raise ConfigError("target_engine_url and target_engine_dir go together: a server started by hand writes "
+                              "each document's features into the folder of its kv_connector_extra_config "
+                              f"shared_storage_path (got target_engine_url {self.target_engine_url!r}, "
+                              f"target_engine_dir {self.target_engine_dir!r}; docs/scale.md)")
         checkpointed_layers(self.drafter_checkpointing, self.drafter_layers, "cpu")  # refuse a bad value now
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
@@ -179,6 +186,25 @@ class ModelConfig:
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
+        vocab = folder_vocab_size(self.target) if self.draft_vocab else None
+        if vocab is not None and self.draft_vocab >= vocab:  # every row: no draft vocabulary (doctor, evaluate)
+            raise ConfigError(f"draft_vocab {self.draft_vocab} is not below target {self.target!r}'s vocab_size "
+                              f"{vocab}: pass -p draft_vocab N with N < {vocab} (0: the whole head)")
+
+
+def folder_vocab_size(target: str) -> int | None:
+    """The vocab_size a local model folder's config.json states (its `text_config`'s for a vision-language
+    wrapper, the text model `models.target.local_hf_config` builds); None when `target` is no folder or its
+    config.json states none. Read as JSON: this stage imports no model code and loads no weight."""
+    if not target or not Path(target).is_dir():  # "tiny", a named shape
+        return None
+    try:
+        doc = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):  # no config.json, not JSON: the target's own checks say so
+        return None
+    text = doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    return vocab if type(vocab) is int else None
 
 
 

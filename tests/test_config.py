@@ -77,10 +77,12 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
 OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
+BY_HAND = {"target": "models/t", "target_engine": "vllm", "target_engine_url": "http://e:1", "target_engine_dir": "/e"}
 COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
            # needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults
            "target_engine": {"target": "models/t"}, "hidden_cache": {"target": "models/t"},  # a served target: a
-           "target_engine_url": {"target": "models/t", "target_engine": "vllm"}}  # folder, the url its engine's
+           "target_engine_url": BY_HAND, "target_engine_dir": BY_HAND}  # folder, the url its engine's, given with
+# the folder of its files
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 
@@ -167,3 +169,33 @@ def test_choices_are_literal_types_shown_in_params_and_checked_by_value():
                 C.from_params({name: "nope"})
             assert str(e.value) == f"{name} must be one of {list(allowed)}, got 'nope'"
     assert C.LOSSES == ("ce", "kl", "ce+kl") and C.PRECISIONS == ("auto", "bf16", "fp32")
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_draft_vocabulary_as_large_as_the_targets_is_refused_before_a_run_folder(tmp_path, wrapped):
+    """-p draft_vocab N for a target folder of 300 ids (a vision-language wrapper's in its text config, as the
+    target loader reads it): N = 300 and 301 are refused by the config in one line naming the parameter and the
+    vocabulary size, N = 299 is a draft vocabulary; the command line exits 2 and makes no run folder."""
+    import transformers
+
+    from dflash_lib.__main__ import main
+    from dflash_lib.models.target import local_hf_config
+
+    text = transformers.Qwen3Config(vocab_size=300, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=4, intermediate_size=16)
+    if wrapped:
+        text = transformers.Qwen3_5Config(text_config={**text.to_dict(), "model_type": "qwen3_5_text"},
+                                          vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                                             num_heads=2, out_hidden_size=32))
+    text.save_pretrained(tmp_path / "target")  # config.json alone: nothing reads a weight
+    folder = str(tmp_path / "target")
+    assert C.folder_vocab_size(folder) == local_hf_config(folder).vocab_size == 300
+    assert C.from_params({"target": folder, "draft_vocab": 299}).model.draft_vocab == 299
+    for n in (300, 301):
+        with pytest.raises(C.ConfigError) as e:
+            C.from_params({"target": folder, "draft_vocab": n})
+        assert str(e.value) == (f"draft_vocab {n} is not below target {folder!r}'s vocab_size 300: pass -p "
+                                f"draft_vocab N with N < 300 (0: the whole head)")
+    assert main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run"), "-p", "target", folder,
+                 "-p", "draft_vocab", "300"]) == 2
+    assert not (tmp_path / "run").exists()

@@ -294,7 +294,7 @@ def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step
     peer's weight sum): the filler runs, its gradient is reduced, the update is zero."""
     drafter = decode_drafter(step_target, 4)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    filler = filler_item(drafter, step_target, torch.device("cpu"))
+    filler = filler_item(drafter, torch.device("cpu"))
     assert filler.layout.num_blocks > 0 and filler.layout.weight_sum == 0.0
     out = drafter.loss(filler.device_batch, filler.features, filler.device_layout, normalizer=7.0)
     assert out.loss.item() == 0.0

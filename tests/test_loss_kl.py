@@ -343,7 +343,7 @@ def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_p
     assert want.abs().max() > 0 and one.loss > 0
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     assert res.loss == pytest.approx(one.loss, rel=1e-5)
-    filler = filler_item(drafter, target, torch.device("cpu"))
+    filler = filler_item(drafter, torch.device("cpu"))
     assert filler.layout.target_rows is not None and filler.target_hidden is not None
     drafter.zero_grad(set_to_none=True)
     out = drafter.loss(filler.device_batch, filler.features, filler.device_layout, 7.0, filler.target_hidden)

@@ -173,7 +173,8 @@ def test_a_target_sharded_over_two_ranks_equals_one_process_and_stops_and_resume
 @pytest.mark.slow
 def test_loss_ce_kl_with_a_target_sharded_over_two_ranks_equals_one_process(tmp_path):
     """loss ce+kl reads the target's final states at the scored rows: with the target sharded, every pass (the
-    feed's, the zero-weight filler item's, the held-out evaluation's) runs every layer on both ranks, and the
+    feed's, the feed's filler pass for a rank without a batch, the held-out evaluation's) runs every layer on both
+    ranks (the zero-weight filler item runs none), and the
     trajectory, held-out figures and final weights are one process's on the same global batches."""
     params = {**RUN, "steps": 8, "ckpt_every": 4, "log_every": 4, "loss": "ce+kl", "kl_temperature": 1.5,
               "eval_every": 4}

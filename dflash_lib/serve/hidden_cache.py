@@ -25,12 +25,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.config import ConfigError, uses_bf16
+from dflash_lib.config import ConfigError
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.hidden_states import HiddenStatesClient, engine_layer_ids, target_engine_url
-from dflash_lib.serve.server import engine_dtype
+from dflash_lib.serve.hidden_states import (HiddenStatesClient, engine_files, engine_layer_ids, served_dtype,
+                                           target_engine_url)
 
 MANIFEST = "manifest.json"
 FORMAT = 2  # 2: a sha256 per shard, the target's weights fingerprint, the dtype the engine runs (1: none of them)
@@ -45,15 +45,6 @@ def token_key(ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     return hashlib.sha1(arr.astype("<u4").tobytes()).digest()
 
 
-def cache_dtype(config: Any, device: torch.device) -> str:
-    """The dtype a cache of `config`'s target holds: the one the engine serving it runs in (`target_engine_url`),
-    bfloat16 for a bf16 run, on GPUs and for a linear-attention target on CPU; else float32. A run reads a cache of
-    its own rule's dtype only, converted to its precision as the engine's states are (`ServedTarget`)."""
-    bf16 = (uses_bf16(config.train.precision, device)
-            or engine_dtype(config.model.target, device.type == "cpu") == "bfloat16")
-    return "bfloat16" if bf16 else "float32"
-
-
 @dataclass(frozen=True)
 class CacheIdentity:
     """What a cache was captured for: a cache is read only by a run whose identity is the same."""
@@ -62,7 +53,7 @@ class CacheIdentity:
     target_config_sha256: str  # of its config.json
     layer_ids: tuple[int, ...]  # our feature layers, in concatenation order
     hidden_size: int
-    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`cache_dtype`)
+    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`hidden_states.served_dtype`)
     store_key: str  # the token store's settings key (its meta.json)
     target_weights_fingerprint: str = ""  # `model_identity.weights_fingerprint` of the folder (weights replaced in
     # place differ here); always set by `of` and in a manifest
@@ -72,7 +63,7 @@ class CacheIdentity:
            device: torch.device) -> "CacheIdentity":
         folder = Path(config.model.target).resolve()
         return cls(str(folder), config_sha256(folder), tuple(int(i) for i in layer_ids), int(hidden_size),
-                   cache_dtype(config, device), str(store_key), weights_fingerprint(folder))
+                   served_dtype(config, device), str(store_key), weights_fingerprint(folder))
 
     def refuse_other(self, other: "CacheIdentity", where: Path) -> None:
         """ConfigError in one line naming the first setting in which `other` (the cache's) differs."""
@@ -286,8 +277,8 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
         identity.refuse_other(identity_of(existing), Path(out))
     aux = engine_layer_ids(ids)
     with target_engine_url(config, Path(out) / "engine", device) as url:
-        client = HiddenStatesClient(url, str(Path(m.target).resolve()), len(aux), int(hf.hidden_size),
-                                    max(1, config.pipeline.target_workers) * 4)
+        files = engine_files(config, Path(out) / "engine", device, str(Path(out).resolve()))
+        client = HiddenStatesClient(url, files, int(hf.hidden_size), max(1, config.pipeline.target_workers) * 4)
         try:
             return capture(store, identity, out, client.fetch, torch.tensor([aux.index(i + 1) for i in ids]),
                            progress=progress)
@@ -297,7 +288,7 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
 
 def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
     """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
-    target (its config.json, its weights' fingerprint), layer set, dtype (`cache_dtype`) or token store."""
+    target (its config.json, its weights' fingerprint), layer set, dtype (`hidden_states.served_dtype`) or token store."""
     m = config.model
     hf = local_hf_config(m.target)
     ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)

@@ -126,10 +126,14 @@ class EngineSpec:
             if linear_attention_target(self.target):  # prefix caching puts the recurrent state in vLLM's "align"
                 out.append("--no-enable-prefix-caching")  # mode, whose copy kernel is Triton's: none on CPU
         if self.hidden_states:
-            out += ["--kv-transfer-config", json.dumps({
-                "kv_connector": HIDDEN_STATES_CONNECTOR, "kv_connector_module_path": "dflash_hidden_states",
-                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self.hidden_states_dir}})]
+            out += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return out + list(self.extra)
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        """Our connector (`engine_plugins/`, on the engine's PYTHONPATH) writing each request's hidden states of
+        the `hidden_states` layers into `hidden_states_dir`."""
+        return {"kv_connector": HIDDEN_STATES_CONNECTOR, "kv_connector_module_path": "dflash_hidden_states",
+                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self.hidden_states_dir}}
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

@@ -114,9 +114,9 @@ def check_vocabulary(config: Config, tokenizer: dict[str, Any]) -> str:
         free = f", e.g. {vocab - 1}: a row the tokenizer (ids < {n_vocab}) never emits" if n_vocab < vocab else ""
         raise ConfigError(f"mask_id {model.mask_id} is outside target {model.target!r}'s vocabulary [0, {vocab}): "
                           f"pass -p mask_id N with N < {vocab}{free}")
-    if model.draft_vocab > vocab:
-        raise ConfigError(f"draft_vocab {model.draft_vocab} is more than target {model.target!r}'s vocab_size {vocab}: "
-                          f"pass -p draft_vocab N with N <= {vocab} (0: the whole head)")
+    if model.draft_vocab >= vocab:  # every row: no draft vocabulary (the doctor and evaluate would refuse it)
+        raise ConfigError(f"draft_vocab {model.draft_vocab} is not below target {model.target!r}'s vocab_size "
+                          f"{vocab}: pass -p draft_vocab N with N < {vocab} (0: the whole head)")
     why = ("the target folder's own" if own == data.tokenizer
            else f"-p tokenizer; the target folder ships its own, {own!r}" if own is not None else "")
     return (f"tokenizer {data.tokenizer!r}{f' ({why})' if why else ''}: {n_vocab} ids, target {model.target!r}: "
@@ -211,15 +211,17 @@ def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: in
 
 
 def build_parts(config: Config, device: torch.device, data_shards: int = 0,
-                data: TrainingData | None = None, target_url: str = "", cache: Any = None) -> TrainingParts:
+                data: TrainingData | None = None, target_url: str = "", cache: Any = None,
+                target_files: Any = None) -> TrainingParts:
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
     by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it, decided
     from the target's config before a weight is read: `target_shard.plan_target`) builds the target on the host
     and shards its decoder layers onto the device (`target_shard.load_sharded_target`) before the drafter is
-    built on it. `target_url`: the engine serving the target (`target_engine vllm`, `serve.hidden_states`);
-    `cache`: an opened `serve.hidden_cache.HiddenCache` read first (`hidden_cache`)."""
+    built on it. `target_url`: the engine serving the target (`target_engine vllm`, `serve.hidden_states`), the
+    files it writes `target_files` (`serve.hidden_states.EngineFiles`); `cache`: an opened
+    `serve.hidden_cache.HiddenCache` read first (`hidden_cache`)."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
@@ -244,7 +246,8 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
         ids = chosen_layer_ids(config.model.target_layer_ids, target_hf_config(config.model).num_hidden_layers,
                                config.model.num_features)
         runs_on = ServedTarget(config.model.target, ids, target_url, device, dtype,
-                               concurrency=max(1, config.pipeline.target_workers) * 4, cache=cache)
+                               concurrency=max(1, config.pipeline.target_workers) * 4, cache=cache,
+                               files=target_files)
         targets = [runs_on]
     elif plan.parallel == "fsdp":
         runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,

@@ -20,7 +20,7 @@ from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.models.target import trainable_target_config
 from dflash_lib.rundir import write_json
 from dflash_lib.serve.hidden_cache import open_cache
-from dflash_lib.serve.hidden_states import target_engine_url
+from dflash_lib.serve.hidden_states import engine_files, probe_engine, target_engine_url
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
 from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
@@ -60,7 +60,7 @@ class Trainer:
         total_steps, self.max_batches = count_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
                                                    parts.data_shards)
         self.progress = Progress(total_steps, parts.data_shards)
-        self.filler = (filler_item(parts.drafter, parts.targets[0], self.device) if self.engine.kind != "single"
+        self.filler = (filler_item(parts.drafter, self.device) if self.engine.kind != "single"
                        else None)
         self.guard = BadStepGuard(tc.max_bad_steps, checkpoints=run_dir / CHECKPOINTS)
         self.skips = SkipCounter()  # this rank's skipped samples
@@ -360,13 +360,17 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
         elif served and dist.world_size > 1 and not config.model.target_engine_url:
             raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
                               "address as -p target_engine_url")
+        if served and config.model.target_engine_url:  # a server started by hand: what it serves, checked here
+            probe_engine(config, dist.device)
         if config.model.hidden_cache:  # another target's, layers' or store's cache is refused here
             cache = open_cache(config, data.full_store.meta["key"], dist.device)
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
         with contextlib.ExitStack() as on:
             url = on.enter_context(target_engine_url(config, run_dir, dist.device)) if served else ""
-            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url, cache=cache)
+            files = engine_files(config, run_dir, dist.device, f"{run_dir.resolve()}#{dist.rank}") if served else None
+            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url, cache=cache,
+                                target_files=files)
             if served or cache is not None:
                 on.callback(parts.targets[0].close)
             with StopRequest() as stop:

@@ -138,12 +138,12 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
         tau_inbatch=tau_sum / tau_blocks if tau_blocks > 0 else math.nan)
 
 
-def filler_item(drafter: Any, target: Any, device: torch.device) -> Item:
+def filler_item(drafter: Any, device: torch.device) -> Item:
     """A one-document item whose loss weights are all zero: what a rank with nothing to score runs so that it
     still joins DDP's/FSDP's gradient reduction (every drafter parameter gets an exactly-zero gradient). Its
     target features (and loss kl's final states) are zeros in the dtype of the target the drafter shares: no value
-    of them reaches a gradient, so `target` (the feed's: local, sharded or served) is not run for it (a cache holds
-    no such document; a sharded target's pass is a collective)."""
+    of them reaches a gradient, so no target (local, sharded or served) is run for it (a cache holds no such
+    document; a sharded target's pass is a collective)."""
     tokens = np.arange(1, drafter.cfg.block_size + 3, dtype=np.int64) % max(2, drafter.cfg.vocab_size - 1)  # (L,)
     batch = collate_padded([(tokens, np.ones(len(tokens), dtype=np.uint8))], 0)  # one row, no padding: C = L
     layout = drafter.layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(0)))

@@ -3,16 +3,20 @@ by dflash_lib): with vLLM's `extract_hidden_states` speculative method it writes
 prompt's hidden states of the configured layers to one safetensors file, `hidden_states` [tokens, layers, hidden]
 (layers in ascending id order) and `token_ids` [tokens] int64, on CPU and CUDA alike (no streams, no pinned
 memory). The file is OUTDIR/<kv_transfer_params.name>.safetensors (else the request id), written to a temporary
-name and renamed; the response's kv_transfer_params carry its path. Read by `dflash_lib.serve.hidden_states`.
+name and renamed; the response's kv_transfer_params carry its path. Its safetensors metadata name what it holds
+(`identity`): the aux layer ids, the dtype, the model folder, its config.json's sha256 and weights' fingerprint
+(`model_identity`, beside this file). Read by `dflash_lib.serve.hidden_states`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from model_identity import config_sha256, weights_fingerprint  # beside this file, on the engine's PYTHONPATH
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, SupportsHMA)
@@ -28,6 +32,17 @@ class _Write:
 @dataclass
 class HiddenStatesMetadata(KVConnectorMetadata):
     writes: dict[str, _Write] = field(default_factory=dict)  # request id -> the file to write this step
+
+
+def identity(vllm_config: Any) -> dict[str, str]:
+    """What every file this engine writes holds (safetensors metadata, strings): `aux_layer_ids` (JSON list, as
+    the speculative config gives them), `dtype` (the model's, e.g. "bfloat16"), `model` (the served folder),
+    `config_sha256` and `weights_fingerprint` of that folder."""
+    hf = vllm_config.speculative_config.draft_model_config.hf_config
+    model = str(vllm_config.model_config.model)
+    return {"aux_layer_ids": json.dumps([int(i) for i in getattr(hf, "eagle_aux_hidden_state_layer_ids", [])]),
+            "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."), "model": model,
+            "config_sha256": config_sha256(model), "weights_fingerprint": weights_fingerprint(model)}
 
 
 class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
@@ -49,6 +64,8 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             self.block_size = groups[self.group].kv_cache_spec.block_size
         self.queued: dict[str, _Write] = {}
         self.cache: torch.Tensor | None = None
+        self.metadata = identity(vllm_config)
+
 
     # -- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -81,7 +98,8 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             slots = (torch.tensor(w.block_ids)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:n]
             states = self.cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [n, layers, H]
             tmp = w.path + ".part"
-            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w.token_ids)}, tmp)
+            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w.token_ids)}, tmp,
+                      metadata=self.metadata)
             os.replace(tmp, w.path)  # a reader never sees half a file
             done.add(req_id)
         return done or None, None
