@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import httpx
 import pandas as pd
 import torch
 
@@ -35,7 +36,9 @@ from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord, omitted
-from dflash_lib.serve.measure import ServedPass, ServedReport, ServedSet, serve_passes, served_table
+from dflash_lib.serve.client import EngineClient
+from dflash_lib.serve.measure import (ServedPass, ServedReport, ServedSet, check_served_model, serve_passes,
+                                      served_table)
 from dflash_lib.serve.server import engine_dtype, engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
@@ -265,7 +268,8 @@ def prepare(drafter: str | Path, target: str | None, params: Mapping[str, Any] |
 
 def check_engine(config: Config) -> None:
     """`-p engine vllm` needs the target as a local folder (the engine serves a folder) and an engine: a running
-    server (`engine_url`) or a Python with vllm (`serve.engine_python`). ConfigError before any weight is read."""
+    server (`engine_url`) serving that target (`check_served_model`) or a Python with vllm (`serve.engine_python`).
+    ConfigError before any weight is read."""
     e = config.evaluate
     if e.engine == "none":
         return
@@ -274,6 +278,14 @@ def check_engine(config: Config) -> None:
                           f"{config.model.target!r} is not one (-p target DIR)")
     if not e.engine_url:
         engine_python(e.engine_python or None)
+        return
+    client = EngineClient(e.engine_url)
+    try:
+        check_served_model(client, config.model.target, 0)  # another target's server: refused before any load
+    except httpx.HTTPError as err:
+        raise ConfigError(f"engine_url {e.engine_url}: no answer to /v1/models ({type(err).__name__}: {err})") from None
+    finally:
+        client.close()
 
 
 def target_positions(target: Any) -> int | None:
@@ -497,12 +509,18 @@ def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_
                   plain: bool, say: Say = _stderr) -> list[ServedReport]:
     """`serve.measure.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
     our target ran (fp32 on the CPU: greedy must then agree exactly; `engine_dtype`: bf16 for a linear-attention
-    target, which vLLM's CPU build runs in bf16 only); the doctor names the suspects of a FAIL.
+    target, which vLLM's CPU build runs in bf16 only; in bf16 our drafter's cycles along the engine's answers are
+    what its tau is judged against); the doctor names the suspects of a FAIL.
     Prints each pass's table and verdict lines."""
     c = setup.config
 
     def doctor() -> list[str]:
         return diagnose(folder, c.model.target, {"doctor_samples": c.evaluate.doctor_samples}).failed()
+
+    def along(prompts: list[list[int]], answers: list[list[int]]) -> list[list[tuple[int, int]]]:
+        drafter = setup.drafter if Path(folder) == Path(setup.drafter_dir) else load_drafter(folder, setup.target)
+        return acceptance_length(setup.target, drafter, prompts, c.regenerate.max_new_tokens, setup.stop_ids,
+                                 setup.min_new_tokens, answers=answers).cycle_log
 
     say(f"engine {c.evaluate.engine}: serving {folder} on {c.model.target}" + (
         f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / (log_name + '.log')})"))
@@ -510,7 +528,7 @@ def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_
         c.model.target, str(folder), passes, setup.drafter.cfg.block_size, c.regenerate.max_new_tokens,
         setup.stop_ids, setup.min_new_tokens, engine_dtype(c.model.target, setup.target.device.type == "cpu"),
         c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor,
-        plain, log_name, c.evaluate.engine_rounds)
+        plain, log_name, c.evaluate.engine_rounds, along)
     for report in reports:
         say(served_table(report))
         for line in report.lines:

@@ -92,6 +92,119 @@ def test_served_rows_judge_exactly_when_greedy_fp32_and_by_three_standard_errors
     assert table[3].split()[3:10] == ["2.750", "1.000", "30.0", "-", "-", "-", "0.75/0.00"]
 
 
+def test_a_row_with_no_draft_fails_whatever_the_rule():
+    """An engine that made no drafts (a server without the drafter, say) gives served tau nan: FAIL, exact or
+    not, the line saying so; a set with no cycle of ours neither passes."""
+    outputs = [[5, 6], [7]]
+    s = ServedSet("heldout", [[1], [2]], outputs, [[(1, 2)], [(1, 1)]])
+    for exact, sampled in ((True, False), (False, False), (False, True)):
+        row = judge(s, _decode(outputs, SpecCounters(0, 0, 0, ())), 4, exact, sampled, None)
+        assert not row.ok and row.served_drafts == 0
+        assert "the engine made no drafts" in verdict_line(row, exact, [], "E", "T")
+    empty = judge(ServedSet("none", [[1]], [[5]], [[]]), _decode([[5]], SpecCounters(2, 6, 3, (2, 1, 0))), 4, False,
+                  True, None)
+    assert not empty.ok and "our decoding made no drafting cycle" in verdict_line(empty, False, [], "E", "T")
+
+
+def test_a_bf16_row_is_judged_against_ours_along_the_engines_answers():
+    """Greedy, not exact (bf16): when the engine's answers part from ours, served tau is judged against our cycles
+    along ITS answers (`along`): lower than ours on our answers, within the bound of ours along its answers, it
+    passes; below that, it fails; `along` is ignored when exact."""
+    outputs = [[5, 6], [7]] * 10
+    s = ServedSet("heldout", [[1], [2]] * 10, outputs, [[(1, 1), (2, 2)], [(1, 4), (5, 4)]] * 10)  # tau 2.75
+    served = SpecCounters(40, 120, 40, (30, 10, 0))  # tau 2.0: {1: 10, 2: 20, 3: 10}
+    along = [[(1, 1), (2, 2)], [(1, 2), (3, 3)]] * 10  # ours along its answers: {1: 10, 2: 20, 3: 10}, tau 2.0
+    assert not judge(s, _decode(outputs, served), 4, exact=False, sampled=False, plain=None).ok
+    row = judge(s, _decode(outputs, served), 4, exact=False, sampled=False, plain=None, along=along)
+    assert row.ok and row.tau == 2.75 and row.tau_along == 2.0 and row.served_tau == 2.0
+    assert "vs ours along its answers 2.000" in verdict_line(row, False, [], "E", "T")
+    worse = [[(1, 4), (5, 4)]] * 20  # ours along its answers 4.0: served 2.0 is far below
+    assert not judge(s, _decode(outputs, served), 4, False, False, None, along=worse).ok
+    exact = judge(s, _decode(outputs, served), 4, exact=True, sampled=False, plain=None, along=along)
+    assert exact.tau_along is None and not exact.ok
+
+
+def _metrics(drafts=0, running=0, finished=0, generated=0):
+    return (f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}\n'
+            f'vllm:num_requests_running{{engine="0"}} {running}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
+            f'vllm:request_success_total{{finished_reason="length"}} {finished}\n'
+            f'vllm:request_success_total{{finished_reason="stop"}} 0\n'
+            f'vllm:generation_tokens_total{{engine="0"}} {generated}\n')
+
+
+class _Shared:
+    """A stand-in server used by us and, when `other` says so, by another client: its /metrics count our request
+    (3 tokens, 1 draft) and, during request number `other`, another client's (`how`: finished alongside, or still
+    running)."""
+
+    def __init__(self, other: int = -1, how: str = "finished"):
+        self.state = dict(drafts=0, running=0, finished=0, generated=0)
+        self.other, self.how, self.requests = other, how, 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        import httpx
+
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=_metrics(**self.state))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        st = self.state
+        st.update(drafts=st["drafts"] + 1, finished=st["finished"] + 1, generated=st["generated"] + 3)
+        if self.requests == self.other:
+            st.update(generated=st["generated"] + 5, drafts=st["drafts"] + 2)
+            st.update(finished=st["finished"] + 1) if self.how == "finished" else st.update(running=1)
+        self.requests += 1
+        return httpx.Response(200, json={"choices": [{"token_ids": [1, 2, 3]}]})
+
+
+@pytest.mark.parametrize("other, how", [(-1, ""), (1, "finished"), (0, "running")])
+def test_counters_mixed_with_another_clients_requests_are_refused(other, how):
+    """The counters of a decoding are deltas around each request: one request finished, exactly its tokens
+    generated, none in flight before or after, else `BusyEngineError` names what else ran."""
+    import httpx
+
+    from dflash_lib.serve.client import BusyEngineError, parse_load
+
+    assert parse_load(_metrics(running=2, finished=7, generated=40)).in_flight == 2
+    client = EngineClient("http://engine", transport=httpx.MockTransport(_Shared(other, how)))
+    if other < 0:
+        got = client.decode([[1], [2], [3]], 3)
+        assert got.counters.drafts == 3 and [c.drafts for c in got.per_prompt] == [1, 1, 1]
+        return
+    with pytest.raises(BusyEngineError, match="served other requests while one of ours was measured") as e:
+        client.decode([[1], [2], [3]], 3)
+    assert ("2 finished, 8 tokens generated for our 3" if how == "finished" else "0 / 1 in flight") in str(e.value)
+
+
+def test_a_running_server_of_another_target_is_refused_before_anything_is_sent(tmp_path):
+    """`-p engine_url`: the server must serve the target folder (its /v1/models root, or a folder of the same
+    config.json and weights) and take the longest sequence; refused in one line naming both otherwise."""
+    import shutil
+
+    import httpx
+
+    from dflash_lib.serve.measure import check_served_model
+
+    save_tiny_qwen3(tmp_path / "t", vocab_size=V)
+    shutil.copytree(tmp_path / "t", tmp_path / "copy")
+    save_tiny_qwen3(tmp_path / "other", seed=1, vocab_size=V)
+
+    def client(root, room=256, n=1):
+        entry = {"id": str(root), "root": str(root), "max_model_len": room}
+        return EngineClient("http://e", transport=httpx.MockTransport(
+            lambda r: httpx.Response(200, json={"data": [entry] * n})))
+
+    check_served_model(client(tmp_path / "t"), str(tmp_path / "t"), 200)
+    check_served_model(client(tmp_path / "copy"), str(tmp_path / "t"), 200)  # the same bytes elsewhere
+    for root, room, n, says in ((tmp_path / "other", 256, 1, "serves .*other', not the target"),
+                                ("/nowhere/t", 256, 1, "serves '/nowhere/t', not the target"),
+                                (tmp_path / "t", 256, 2, "give a server of the one target"),
+                                (tmp_path / "t", 100, 1, "takes 100 tokens a sequence; these prompts need 200")):
+        with pytest.raises(ConfigError, match=says) as e:
+            check_served_model(client(root, room, n), str(tmp_path / "t"), 200)
+        assert "\n" not in str(e.value)
+
+
 class _Clock:
     """A fake engine client whose decodings take the seconds given, in order."""
 
@@ -304,22 +417,17 @@ def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
     trained_and_served_as_ours(drafter, server, tmp_path / "vocab")
 
 
-@pytest.mark.engine
-@pytest.mark.slow  # its own engine start (~40 s)
-@pytest.mark.parametrize("family, dtype", [("qwen3_next", "bfloat16"), ("gemma4", "float32")])
-def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, installed_engine_python,
-                                                                   tmp_path):
-    """A drafter trained here on the target's greedy answers, served by vLLM's CPU build. gemma-4 (sliding windows,
-    per-layer embeddings, shared keys and values, soft-capped logits) in fp32: our answers and exactly our cycles.
-    Qwen3-Next in bf16 (the build's gated-delta-net kernel has no fp32): this random target's bf16 answers part from
-    its fp32 ones at near ties within a few tokens on most prompts (the engine's answers with the drafter are its
-    own bf16 greedy ones: lossless), so the rule is the gap alarm's on the prompts whose answers agree: served tau
-    within 3 standard errors of ours there."""
+def _served_family(family: str, dtype: str, python, tmp_path: Path, edit=None):
+    """A drafter trained here on the greedy answers of a tiny `family` target (in bf16: the engine's own, from a
+    start without the drafter, as a drafter is trained on what the served target answers), exported in fp32 (with
+    `edit` planted in the export, see `_planted`) and served by vLLM's CPU build in `dtype` on all 16 TRAINED
+    prompts (the more cycles, the tighter the bound). Returns our own decoding, ours along the engine's answers
+    (`acceptance_length(answers=...)`), the engine's decoding, and (bf16) the engine's answers without the
+    drafter."""
     from dflash_lib.config import ModelConfig
     from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
     from dflash_lib.serve.server import engine_dtype
 
-    python = installed_engine_python
     folder = _family_folder(tmp_path / "target", family)
     assert engine_dtype(folder, on_cpu=True) == dtype
     mc = ModelConfig(target=str(folder), num_features=2, target_layer_ids=[0, 2], drafter_layers=1,
@@ -327,32 +435,74 @@ def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype
     target = TargetModel.from_model_config(mc, device="cpu")
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterConfig.from_model_config(mc, target), target)
-    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30)
+    plain = None
+    if dtype != "float32":
+        spec = EngineSpec(str(folder), None, dtype=dtype, max_model_len=256, max_num_seqs=1, kv_cache_gib=0.25)
+        with EngineServer(spec, tmp_path / "engine-plain.log", python=str(python)) as server:
+            client = EngineClient(server.url)
+            plain = client.decode(TRAINED, NEW).outputs
+            client.close()
+    overfit_on_greedy(target, drafter, TRAINED, NEW, steps=30, answers=plain)
     export_drafter(drafter, tmp_path / "drafter", torch.float32)
-    prompts = TRAINED[:8]
+    if edit is not None:
+        _planted(tmp_path / "drafter", edit)
+    prompts = TRAINED
     ours = acceptance_length(target, drafter, prompts, NEW)
     assert ours.outputs == [target.greedy(p, NEW) for p in prompts]  # our decoding over the family's cache
-    assert 1.3 < ours.tau < 4.0  # it drafts
     spec = EngineSpec(str(folder), str(tmp_path / "drafter"), dtype=dtype, max_model_len=256, max_num_seqs=1,
                       kv_cache_gib=0.25)
     with EngineServer(spec, tmp_path / "engine.log", python=str(python)) as server:
         client = EngineClient(server.url)
         got = client.decode(prompts, NEW)
         client.close()
-    same = [i for i in range(len(prompts)) if got.outputs[i] == ours.outputs[i]]
+    along = acceptance_length(target, drafter, prompts, NEW, answers=got.outputs)
+    assert 1.3 < along.tau < 4.0  # it drafts, along the answers it was trained for
+    return ours, along, got, plain
+
+
+def _judged(family: str, dtype: str, ours, along, got):
+    """The gap alarm's row: exact in fp32 (our answers and cycles), else served tau against ours along the
+    engine's own answers (`judge(along=...)`), within GAP_SIGMAS standard errors."""
+    exact = dtype == "float32"
+    row = judge(ServedSet(family, TRAINED, ours.outputs, ours.cycle_log), got, 4, exact=exact, sampled=False,
+                plain=None, along=None if exact else along.cycle_log)
+    return row, verdict_line(row, exact, [], "export", family)
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~40 s)
+@pytest.mark.parametrize("family, dtype", [("qwen3_next", "bfloat16"), ("gemma4", "float32")])
+def test_the_targets_drafters_are_wanted_for_are_served_at_our_tau(family, dtype, installed_engine_python,
+                                                                   tmp_path):
+    """A drafter trained here on the target's greedy answers, served by vLLM's CPU build. gemma-4 (sliding windows,
+    per-layer embeddings, shared keys and values, soft-capped logits) in fp32: our answers and exactly our cycles.
+    Qwen3-Next in bf16 (the build's gated-delta-net kernel has no fp32): how far the engine's bf16 answers follow
+    our fp32 ones depends on the CPU's bf16 kernels (near ties part them), so served tau is judged against ours
+    along the engine's OWN answers (the drafter's cycles on the same tokens), within the gap alarm's 3 standard
+    errors: a rule no CPU's rounding moves, which a wrong export still fails (the planted faults below)."""
+    ours, along, got, plain = _served_family(family, dtype, installed_engine_python, tmp_path)
     if dtype == "float32":
-        assert same == list(range(len(prompts)))
-    assert len(same) >= 3, f"{len(same)} of {len(prompts)} served answers equal ours"
-    pick = lambda xs: [xs[i] for i in same]  # noqa: E731
-    counters = [got.per_prompt[i] for i in same]
-    summed = SpecCounters(sum(c.drafts for c in counters), sum(c.draft_tokens for c in counters),
-                          sum(c.accepted for c in counters),
-                          tuple(sum(c.per_position[k] for c in counters) for k in range(3)))
-    row = judge(ServedSet(family, pick(prompts), pick(ours.outputs), pick(ours.cycle_log)),
-                ServedDecode(pick(got.outputs), summed, counters, got.seconds), 4, exact=dtype == "float32",
-                sampled=False, plain=None)
-    assert row.ok and row.served_tau > 1.3, verdict_line(row, dtype == "float32", [], "export", family)
-    print(verdict_line(row, dtype == "float32", [], "export", family), f"({len(same)}/{len(prompts)} answers equal)")
+        assert got.outputs == ours.outputs and along.cycle_log == ours.cycle_log
+    assert along.outputs == got.outputs
+    row, line = _judged(family, dtype, ours, along, got)
+    assert row.ok and row.served_tau > 1.3 and row.served_drafts > 0, line
+    assert row.tau_along == (None if dtype == "float32" else pytest.approx(along.tau)), line
+    same = sum(a == b for a, b in zip(got.outputs, ours.outputs))
+    alike = "" if plain is None else f", {sum(a == b for a, b in zip(got.outputs, plain))} its own without the drafter"
+    print(line, f"({same}/{len(ours.outputs)} served answers equal our fp32 ones{alike})")
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.long  # an engine start each (~40 s): `make test-long`
+@pytest.mark.parametrize("edit", ["fc halves swapped", "layers shifted"])
+def test_a_wrong_bf16_export_fails_the_rule_along_the_engines_answers(edit, installed_engine_python, tmp_path):
+    """The bf16 rule above is not blind: the same Qwen3-Next drafter with its fc halves swapped, or its feature
+    layers shifted by one, is served below ours along the engine's answers by more than the bound."""
+    ours, along, got, _ = _served_family("qwen3_next", "bfloat16", installed_engine_python, tmp_path, edit)
+    row, line = _judged("qwen3_next", "bfloat16", ours, along, got)
+    assert not row.ok and row.served_tau < row.tau_along - row.bound, line
+    print(line)
 
 
 @pytest.mark.engine
@@ -443,6 +593,35 @@ def test_evaluate_with_the_engine_serves_the_same_prompts_beside_ours(served, tm
     assert "served by" in err and served_report["lines"][0] in err
 
 
+@pytest.mark.engine
+def test_evaluate_exits_1_on_a_failed_verdict_and_refuses_another_targets_server(served, tmp_path, capsys):
+    """`evaluate -p engine_url URL`: a drafter other than the one the server serves (its fc halves swapped) is
+    served below ours: its FAIL line, and exit code 1; a --target other than the server's is refused (exit 2)
+    before any weight is read."""
+    import json
+    import shutil
+
+    from dflash_lib.__main__ import main
+
+    _, _, _, server = served
+    target_dir = server.spec.target
+    shutil.copytree(server.spec.drafter, tmp_path / "other")
+    _planted(tmp_path / "other", "fc halves swapped")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                                 for i, q in enumerate(["Hi there", "What is 2+2?", "Tell me a story"])))
+    common = ["-p", "engine", "vllm", "-p", "engine_url", server.url, "-p", "prompts_from", str(questions), "-p",
+              "tokenizer", target_dir, "-p", "template", "chatml", "-p", "prompts", "3", "-p", "max_new_tokens", "16",
+              "-p", "num_features", "2", "-p", "target_layer_ids", "[0, 2]"]
+    code = main(["evaluate", "--drafter", str(tmp_path / "other"), "--target", target_dir, *common])
+    err = capsys.readouterr().err
+    assert code == 1 and "FAIL served" in err and "error: 1 served verdict(s) FAIL" in err
+    save_tiny_qwen3(tmp_path / "another", seed=3, vocab_size=V, hidden_size=128, num_heads=4, num_kv_heads=2)
+    code = main(["evaluate", "--drafter", str(tmp_path / "other"), "--target", str(tmp_path / "another"), *common])
+    err = capsys.readouterr().err
+    assert code == 2 and f"serves {target_dir!r}, not the target" in err and "prompts:" not in err
+
+
 def _shift_layers(doc, weights):
     doc["dflash_config"]["target_layer_ids"] = [1, 3]  # both fields shifted by one: every engine agrees, wrongly
     doc["eagle_aux_hidden_state_layer_ids"] = [2, 4]
@@ -468,6 +647,23 @@ def _swap_fc_halves(doc, weights):
     weights["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1).contiguous()  # the two fused layers exchanged
 
 
+FAULTS = {"fc halves swapped": _swap_fc_halves, "layers shifted": _shift_layers}
+
+
+def _planted(folder: Path, edit) -> None:
+    """The exported drafter in `folder` with `edit(config doc, weights)` (or the FAULTS entry it names) applied."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    edit = FAULTS.get(edit, edit)
+    doc = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    edit(doc, weights)
+    (folder / "config.json").write_text(json.dumps(doc))
+    save_file(weights, str(folder / "model.safetensors"))
+
+
 @pytest.mark.engine
 @pytest.mark.slow  # an engine start per fault (~27 s each)
 @pytest.mark.parametrize("edit, says, rule", [
@@ -487,21 +683,14 @@ def test_a_planted_export_fault_is_what_the_real_engine_shows_and_the_doctor_nam
     """What the REAL engine does with each fault planted in the export (none is refused at load: it serves
     with other acceptance, or fails the first request), and the FAIL line naming the doctor rule that catches it
     before serving."""
-    import json
     import shutil
-
-    from safetensors.torch import load_file, save_file
 
     from dflash_lib.doctor import diagnose
 
     target, drafter, _, server = served
     folder = tmp_path / "faulty"
     shutil.copytree(server.spec.drafter, folder)
-    doc = json.loads((folder / "config.json").read_text())
-    weights = load_file(str(folder / "model.safetensors"))
-    edit(doc, weights)
-    (folder / "config.json").write_text(json.dumps(doc))
-    save_file(weights, str(folder / "model.safetensors"))
+    _planted(folder, edit)
     prompts = TRAINED[:4]
     ours = acceptance_length(target, drafter, prompts, NEW)
     sets = [ServedSet("trained", prompts, ours.outputs, ours.cycle_log)]

@@ -34,17 +34,18 @@ def tiny_drafter(target: TargetModel, attention: str = "dense", **overrides: Any
 
 
 def overfit_on_greedy(target: TargetModel, drafter: DFlashDrafter, prompts: list[list[int]], new_tokens: int,
-                      steps: int, lr: float = 3e-3,
-                      losses: list[float] | None = None) -> tuple[Any, Any, list[list[int]], torch.Generator]:
+                      steps: int, lr: float = 3e-3, losses: list[float] | None = None,
+                      answers: list[list[int]] | None = None) -> tuple[Any, Any, list[list[int]], torch.Generator]:
     """Train `drafter` in place for `steps` AdamW steps on the target's own greedy continuations (`new_tokens`
-    each) of `prompts`, labels on the continuations only (what the paper trains on). Returns (the padded batch,
-    its target features, the continuations, the anchor generator as training left it). A drafter whose loss is
-    kl or ce+kl gets the target's final states at its layout's target rows; `losses` collects each step's loss."""
+    each) of `prompts` (or `answers`, one per prompt: another decoding's), labels on the continuations only (what
+    the paper trains on). Returns (the padded batch, its target features, the continuations, the anchor generator
+    as training left it). A drafter whose loss is kl or ce+kl gets the target's final states at its layout's
+    target rows; `losses` collects each step's loss."""
     import numpy as np
 
     from dflash_lib.data.batch import collate_padded
 
-    conts = [target.greedy(p, new_tokens) for p in prompts]
+    conts = [target.greedy(p, new_tokens) for p in prompts] if answers is None else [list(a) for a in answers]
     docs = [(np.array(p + c), np.arange(len(p) + len(c)) >= len(p)) for p, c in zip(prompts, conts)]
     batch = collate_padded(docs, pad_id=0)
     feats = target.features(batch)

@@ -1,6 +1,7 @@
 """Talking to a running engine: completions with token-id prompts and answers, and the engine's own
 speculative-decoding counters read from its Prometheus /metrics (`SpecCounters`), whose deltas over a set of
-requests give the SERVED acceptance: tau = 1 + accepted / drafts, and the share of drafts accepting position k."""
+requests give the SERVED acceptance: tau = 1 + accepted / drafts, and the share of drafts accepting position k.
+A delta holds our request alone or is refused (`Load`: another client's requests would be mixed in)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import httpx
+
+from dflash_lib.config import ConfigError
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
@@ -65,6 +68,47 @@ def parse_spec_counters(text: str) -> SpecCounters:
     return SpecCounters(sums["num_drafts"], sums["num_draft_tokens"], sums["num_accepted_tokens"], positions)
 
 
+class BusyEngineError(ConfigError):
+    """The engine served other clients' requests while ours were measured: its counters are not ours alone (a
+    server to give one's own, not a fault of the drafter)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the engine is doing and has done, from /metrics: requests in flight (running + waiting), requests
+    finished and tokens generated since it started (summed over its engines and labels)."""
+
+    in_flight: float
+    finished: float
+    generated: float
+
+
+_LOAD = {"vllm:num_requests_running": "in_flight", "vllm:num_requests_waiting": "in_flight",
+         "vllm:request_success_total": "finished", "vllm:generation_tokens_total": "generated"}
+
+
+def parse_load(text: str) -> Load:
+    """`Load` from Prometheus exposition text (vLLM's /metrics)."""
+    sums = {"in_flight": 0.0, "finished": 0.0, "generated": 0.0}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m is not None and m["name"] in _LOAD:
+            sums[_LOAD[m["name"]]] += float(m["value"])
+    return Load(**sums)
+
+
+def alone(before: Load, after: Load, tokens: int, url: str) -> None:
+    """BusyEngineError unless, between `before` and `after` one request of ours, the engine ran nothing else: none
+    in flight at either reading, one request finished and exactly its `tokens` generated."""
+    if (before.in_flight, after.in_flight, after.finished - before.finished, after.generated - before.generated) \
+            != (0, 0, 1, tokens):
+        raise BusyEngineError(
+            f"the engine at {url} served other requests while one of ours was measured ({before.in_flight:g} / "
+            f"{after.in_flight:g} in flight before / after, {after.finished - before.finished:g} finished, "
+            f"{after.generated - before.generated:g} tokens generated for our {tokens}): its counters would mix "
+            "theirs into ours; measure on a server no one else uses")
+
+
 @dataclass(frozen=True)
 class ServedDecode:
     """Prompts decoded one at a time by the engine (`EngineClient.decode`)."""
@@ -87,9 +131,9 @@ class ServedDecode:
 class EngineClient:
     """An OpenAI-compatible engine at `url` (vLLM's server), prompts and answers as token ids."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=timeout_s)
+        self.http = httpx.Client(timeout=timeout_s, transport=transport)  # `transport`: tests stand in a server
         self._model: str | None = None
 
     def close(self) -> None:
@@ -107,6 +151,10 @@ class EngineClient:
             self._model = self._get("/v1/models").json()["data"][0]["id"]
         return self._model
 
+    def models(self) -> list[dict]:
+        """The entries of /v1/models (vLLM's: id, root = the folder it loaded, max_model_len)."""
+        return list(self._get("/v1/models").json()["data"])
+
     def version(self) -> str:
         """The engine's version (its /version), "?" when it does not say."""
         try:
@@ -116,6 +164,10 @@ class EngineClient:
 
     def counters(self) -> SpecCounters:
         return parse_spec_counters(self._get("/metrics").text)
+
+    def _reading(self) -> tuple[SpecCounters, Load]:
+        text = self._get("/metrics").text
+        return parse_spec_counters(text), parse_load(text)
 
     def complete(self, prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_ids: Sequence[int] = (), min_tokens: int = 0) -> list[int]:
@@ -140,16 +192,19 @@ class EngineClient:
                top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = (),
                min_tokens: int = 0) -> ServedDecode:
         """Every prompt answered in turn (batch 1, as `models.acceptance_length` decodes), the counters read
-        around each request; prompt i samples with seed `seed + i`."""
+        around each request, which must be the engine's only one then (`alone`); prompt i samples with seed
+        `seed + i`."""
         outputs, per_prompt = [], []
-        start = before = self.counters()
+        before, load = self._reading()
+        start = before
         seconds = 0.0  # the requests alone, not the counter readings
         for i, prompt in enumerate(prompts):
             t = time.perf_counter()
             outputs.append(self.complete(prompt, max_tokens, temperature, top_p, seed + i if temperature > 0 else
                                          None, stop_ids, min_tokens))
             seconds += time.perf_counter() - t
-            after = self.counters()
+            after, load_after = self._reading()
+            alone(load, load_after, len(outputs[-1]), self.url)
             per_prompt.append(after - before)
-            before = after
+            before, load = after, load_after
         return ServedDecode(outputs, before - start, per_prompt, seconds)

@@ -11,8 +11,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dflash_lib.config import ConfigError
 from dflash_lib.rundir import JsonRecord
 from dflash_lib.serve.client import EngineClient, ServedDecode, SpecCounters
+from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 from dflash_lib.serve.server import EngineServer, EngineSpec
 
 # Engine faults known to make served figures wrong, by version prefix, each with where it is reported: named on
@@ -57,6 +59,8 @@ class ServedRow(JsonRecord):
     served_round_s: list[float] | None = None  # seconds of each timed decoding with the drafter (tokens/s: the median)
     plain_round_s: list[float] | None = None  # the same without the drafter
     speedup_range: list[float] | None = None  # [lowest, highest] speedup of one round with vs the same round without
+    tau_along: float | None = None  # ours along the ENGINE's answers (greedy, when they part from ours): what the
+    # bound then compares served tau with (`acceptance_length(answers=...)`); None: ours is on the same answers
 
 
 @dataclass
@@ -99,25 +103,35 @@ def served_histogram(counters: SpecCounters) -> dict[int, float]:
     return out
 
 
-def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool, sampled: bool,
-          plain: ServedDecode | None) -> ServedRow:
-    """The row of one set: our figures from its cycle log, the engine's from its counters, the bound and the
-    verdict."""
-    ours = tokens_per_cycle(row_set.cycle_log)
+def _tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float]:
     hist: dict[int, float] = {}
-    for n in ours:
+    for n in tokens_per_cycle(cycle_log):
         hist[n] = hist.get(n, 0) + 1
-    tau, se = _mean_se(hist)
+    return _mean_se(hist)
+
+
+def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool, sampled: bool,
+          plain: ServedDecode | None, along: Sequence[Sequence[tuple[int, int]]] | None = None) -> ServedRow:
+    """The row of one set: our figures from its cycle log, the engine's from its counters, the bound and the
+    verdict. `along`: our cycle log along the engine's own answers (not exact: greedy answers that parted from
+    ours), what served tau is then judged against."""
+    ours = tokens_per_cycle(row_set.cycle_log)
+    tau, se = _tau_se(row_set.cycle_log)
+    tau_along = None
+    if along is not None and not exact:
+        tau_along, se = _tau_se(along)
     served_tau, served_se = _mean_se(served_histogram(served.counters))
     cycles = len(ours)
     per_position = [sum(n > k for n in ours) / cycles if cycles else float("nan") for k in range(1, block_size)]
     bound = 0.0 if exact else GAP_SIGMAS * math.hypot(se, served_se)
     equal = None if sampled else sum(a == b for a, b in zip(served.outputs, row_set.outputs))
-    if exact:
+    if not (served.counters.drafts > 0 and cycles > 0):  # nothing measured: no verdict can pass
+        ok = False
+    elif exact:
         ok = (equal == len(row_set.prompts) and abs(served_tau - tau) <= EXACT_TOL
               and served.counters.drafts == cycles)
     else:
-        ok = not served_tau < tau - bound
+        ok = served_tau >= (tau if tau_along is None else tau_along) - bound
     plain_rate = plain.tokens_per_s if plain is not None else None
     rounds = _round_speedups([served], [plain]) if plain is not None else []
     return ServedRow(name=row_set.name, prompts=len(row_set.prompts), tau=tau, served_tau=served_tau,
@@ -128,7 +142,7 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
                      served_tokens=served.tokens, plain_tokens=None if plain is None else plain.tokens,
                      served_round_s=list(served.round_seconds or (served.seconds,)),
                      plain_round_s=None if plain is None else list(plain.round_seconds or (plain.seconds,)),
-                     speedup_range=[min(rounds), max(rounds)] if rounds else None)
+                     speedup_range=[min(rounds), max(rounds)] if rounds else None, tau_along=tau_along)
 
 
 def _round_speedups(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]) -> list[float]:
@@ -155,12 +169,18 @@ def pooled_speedup(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]
 
 def verdict_line(row: ServedRow, exact: bool, suspects: Sequence[str], export: str, target: str) -> str:
     """PASS/FAIL for one row; a FAIL names the doctor's failing rules (`suspects`), the likeliest causes."""
-    figures = (f"served tau {row.served_tau:.3f} vs ours {row.tau:.3f} over {row.served_drafts} / {row.cycles} "
+    ours = f"ours {row.tau:.3f}" if row.tau_along is None else f"ours along its answers {row.tau_along:.3f}"
+    figures = (f"served tau {row.served_tau:.3f} vs {ours} over {row.served_drafts} / {row.cycles} "
                f"cycles" + (" (must be equal: greedy fp32)" if exact else f" (bound {row.bound:.3f})"))
     if exact and row.outputs_equal is not None:
         figures += f", answers equal {row.outputs_equal}/{row.prompts}"
     if row.ok:
         return f"PASS served {row.name}: {figures}"
+    if not row.served_drafts:
+        return (f"FAIL served {row.name}: {figures}: the engine made no drafts (is it serving the drafter?); "
+                + _cause(suspects, export, target))
+    if not row.cycles:
+        return f"FAIL served {row.name}: {figures}: our decoding made no drafting cycle, nothing to compare"
     return f"FAIL served {row.name}: {figures}: a train/serve gap; " + _cause(suspects, export, target)
 
 
@@ -168,6 +188,28 @@ def _cause(suspects: Sequence[str], export: str, target: str) -> str:
     cause = (f"the doctor fails {', '.join(suspects)}" if suspects else
              "the doctor passes every rule: compare what the engine reads of the export (docs/serving.md)")
     return f"{cause} -> python -m dflash_lib doctor {export} --target {target}"
+
+
+def check_served_model(client: EngineClient, target_dir: str, longest: int) -> None:
+    """A server given by URL must serve `target_dir` (one model whose root is that folder, or a folder with the
+    same config.json and weights: `model_identity`) and take `longest` tokens a sequence; ConfigError naming both
+    otherwise, before any prompt is sent."""
+    models = client.models()
+    roots = [str(m.get("root") or m.get("id")) for m in models]
+    if len(roots) != 1:
+        raise ConfigError(f"the engine at {client.url} serves {roots}: give a server of the one target {target_dir!r}")
+    root, mine = Path(roots[0]), Path(target_dir)
+    same = root.resolve() == mine.resolve() or (root.is_dir() and (config_sha256(root), weights_fingerprint(root))
+                                                == (config_sha256(mine), weights_fingerprint(mine)))
+    if not same:
+        raise ConfigError(f"the engine at {client.url} serves {roots[0]!r}, not the target {target_dir!r} (nor a "
+                          "folder of the same config.json and weights): start it on the target, or pass its folder "
+                          "as the target")
+    room = models[0].get("max_model_len")
+    if isinstance(room, int) and room < longest:
+        raise ConfigError(f"the engine at {client.url} takes {room} tokens a sequence; these prompts need {longest} "
+                          "(the longest prompt + max_new_tokens + a block): restart it with --max-model-len "
+                          f"{longest}")
 
 
 def _decode_all(client: EngineClient, served: "ServedPass", max_new_tokens: int, stop_ids: Sequence[int],
@@ -219,13 +261,16 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
                  max_new_tokens: int, stop_ids: Sequence[int] = (), min_new_tokens: int = 0, dtype: str = "float32",
                  python: str | None = None, url: str = "", log_dir: str | Path = ".", start_timeout_s: float = 600.0,
                  doctor: Callable[[], Sequence[str]] | None = None, plain: bool = True,
-                 log_name: str = "engine", rounds: int = 1) -> list[ServedReport]:
+                 log_name: str = "engine", rounds: int = 1,
+                 along: Callable[[list[list[int]], list[list[int]]], list[list[tuple[int, int]]]] | None = None
+                 ) -> list[ServedReport]:
     """Serve `drafter_dir` on `target_dir` (one engine start) and decode every pass's prompts, one at a time;
     then (`plain`) the target alone on the same prompts for the engine's own speedup (a second start). One report
     per pass. `url`: a server already running (with this drafter): used as it is, no plain run. `doctor`: called
     once when a row fails, the doctor's failing rules (named by the FAIL lines). Logs: `log_dir`/`log_name`.log
     and `log_name`-plain.log. `rounds`: with the plain run, each set is timed that many times on each engine (the
-    speedups from the median round, their range per round)."""
+    speedups from the median round, their range per round). `along(prompts, answers)`: our cycle log along the
+    engine's answers, asked for a greedy set that is not exact (bf16) whose answers part from ours (`judge`)."""
     everything = [p for s in passes for p in s.sets for p in p.prompts]
     longest = max((len(p) for p in everything), default=0) + max_new_tokens + block_size
     spec = EngineSpec(target_dir, drafter_dir, dtype=dtype, max_model_len=max(256, longest), max_num_seqs=1)
@@ -236,6 +281,8 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
     with (EngineServer(spec, log, python, start_timeout_s) if not url else _Running(url)) as server:
         client = EngineClient(server.url)
         try:
+            if url:
+                check_served_model(client, target_dir, longest)
             version = client.version()
             served = [_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens, timed) for s in passes]
         except RuntimeError as e:
@@ -254,7 +301,13 @@ def serve_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass]
                          for s in passes]
             finally:
                 client.close()
-    rows = [[judge(s, d, block_size, not p.temperature > 0 and dtype == "float32", p.temperature > 0, a)
+    def ours_along(p: ServedPass, s: ServedSet, d: ServedDecode) -> list[list[tuple[int, int]]] | None:
+        greedy_inexact = not p.temperature > 0 and dtype != "float32"
+        return along(s.prompts, d.outputs) if along is not None and greedy_inexact and d.outputs != s.outputs \
+            else None
+
+    rows = [[judge(s, d, block_size, not p.temperature > 0 and dtype == "float32", p.temperature > 0, a,
+                   ours_along(p, s, d))
              for s, d, a in zip(p.sets, done, plain_done)]
             for p, done, plain_done in zip(passes, served or [[] for _ in passes], alone)]
     bad = bool(failure) or not all(r.ok for pass_rows in rows for r in pass_rows)
