@@ -207,3 +207,23 @@ def test_the_dry_run_prices_the_head_by_its_rows():
     full, cut = figures[0].flops, figures[n].flops
     assert full["head_ce"] == cut["head_ce"] * V // n > 0
     assert {k: v for k, v in full.items() if k != "head_ce"} == {k: v for k, v in cut.items() if k != "head_ce"}
+
+
+def test_a_draft_vocabulary_of_the_whole_vocabulary_is_refused_wherever_it_is_set(target64):
+    """N = V is no draft vocabulary (the doctor and the export's reader count it as none): refused by the drafter's
+    config and by the run's vocabulary check (which also covers the `tiny` target and named shapes, whose folder
+    config.py cannot read); N = V - 1 taken by both."""
+    from dflash_lib.config import from_params, preset
+    from dflash_lib.models import DrafterConfig
+    from dflash_lib.models.target import target_hf_config
+    from dflash_lib.train.build import check_vocabulary
+
+    fields = tiny_drafter(target64).cfg.to_dict()
+    assert DrafterConfig(**{**fields, "draft_vocab_size": VOCAB - 1}).draft_vocab_size == VOCAB - 1
+    with pytest.raises(ConfigError, match=f"draft_vocab_size {VOCAB} is outside 0 .. {VOCAB - 1}"):
+        DrafterConfig(**{**fields, "draft_vocab_size": VOCAB})
+    tiny = from_params({"target": "tiny"}, preset("smoke"))
+    V = target_hf_config(tiny.model).vocab_size
+    check_vocabulary(from_params({"draft_vocab": V - 1}, tiny), {"n_vocab": 2})
+    with pytest.raises(ConfigError, match=f"draft_vocab {V} is not below target 'tiny''s vocab_size {V}"):
+        check_vocabulary(from_params({"draft_vocab": V}, tiny), {"n_vocab": 2})

@@ -112,9 +112,9 @@ class DrafterConfig:
                 raise ConfigError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not 0 <= self.draft_vocab_size <= self.vocab_size:
-            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is outside 0 .. {self.vocab_size} (the "
-                              "target's vocabulary; 0 = the whole head)")
+        if not 0 <= self.draft_vocab_size < self.vocab_size:  # N = V: every row, no draft vocabulary
+            raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is outside 0 .. {self.vocab_size - 1} (below "
+                              "the target's vocabulary; 0 = the whole head)")
         if self.ce_chunk_blocks < 0 or self.gamma < 0:
             raise ConfigError(f"ce_chunk_blocks ({self.ce_chunk_blocks}) and gamma ({self.gamma}) must be >= 0")
         if self.gamma == 0:
