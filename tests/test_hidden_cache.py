@@ -129,6 +129,57 @@ def _capture(out: Path, store=None, identity=None, fetch=None) -> dict:
                    say=lambda _: None, progress=False)
 
 
+def _killable(calls: list[int], fail_after: int = -1):
+    """A stand-in engine: hidden states (len, 3 aux layers, 2) that are functions of the token ids; raises (a killed
+    capture) once `fail_after` requests have been answered."""
+    def fetch(documents):
+        if 0 <= fail_after <= len(calls):
+            raise KeyboardInterrupt("killed")
+        calls.append(len(documents))
+        return [torch.tensor(d, dtype=torch.float32)[:, None, None] * torch.tensor([1.0, 10.0, 100.0])[None, :, None]
+                + torch.tensor([0.0, 0.5])[None, None, :] for d in documents]
+    return fetch
+
+
+def test_a_killed_capture_resumes_without_a_duplicate_or_a_missing_sample(tmp_path, monkeypatch):
+    """Shards of 4 samples; the capture is killed in its third shard and run again: every sample once, each
+    document's features are its rows of the feature layers (aux 0 and 2 of 3), only the missing shards asked for."""
+    import dflash_lib.serve.hidden_cache as hc
+
+    monkeypatch.setattr(hc, "SHARD_SAMPLES", 4)
+    store, pick = _Store(10), torch.tensor([0, 2])
+    calls: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        hc.capture(store, _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable(calls, fail_after=2), pick, say=lambda _: None, progress=False)
+    assert calls == [4, 4] and [s["shard"] for s in hc.read_manifest(tmp_path)["shards"]] == [0, 1]
+    assert not hc.read_manifest(tmp_path)["complete"]
+    with pytest.raises(ConfigError, match="not a complete hidden-states cache"):
+        hc.HiddenCache(tmp_path)
+    hc.capture(store, _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable(calls), pick, say=lambda _: None, progress=False)
+    assert calls == [4, 4, 2]  # the last shard only
+    cache = hc.HiddenCache(tmp_path)
+    assert len(cache.index) == len({hc.token_key(d) for d in store.docs}) == 10
+    for doc in store.docs:
+        want = torch.tensor(doc, dtype=torch.float32)[:, None] * torch.tensor([1.0, 1.0, 100.0, 100.0])[None] + \
+            torch.tensor([0.0, 0.5, 0.0, 0.5])[None]
+        torch.testing.assert_close(cache.get(doc), want, rtol=0, atol=0)
+    assert cache.get(np.array([5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5], np.uint32)) is None
+
+
+@pytest.mark.parametrize("change,says", [({"layer_ids": (1, 2)}, "another layer ids"),
+                                         ({"store_key": "k2"}, "another store key"),
+                                         ({"target_config_sha256": "def"}, "another target config sha256")])
+def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp_path, change, says):
+    import dflash_lib.serve.hidden_cache as hc
+
+    hc.capture(_Store(3), _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable([]), torch.tensor([0, 2]), say=lambda _: None, progress=False)
+    with pytest.raises(ConfigError, match=says) as e:
+        _identity(**{"layer_ids": (0, 2), "hidden_size": 2, **change}).refuse_other(hc.HiddenCache(tmp_path).identity, tmp_path)
+    assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)
+    with pytest.raises(ConfigError, match=says):  # capturing into it again, too
+        hc.capture(_Store(3), _identity(**{"layer_ids": (0, 2), "hidden_size": 2, **change}), tmp_path, _killable([]), torch.tensor([0, 2]), progress=False)
+
+
 @pytest.fixture
 def small_shards(monkeypatch):
     """Shards of 4 samples: 10 documents make 3 shards."""

@@ -55,8 +55,8 @@ class CacheIdentity:
     hidden_size: int
     dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`hidden_states.served_dtype`)
     store_key: str  # the token store's settings key (its meta.json)
-    target_weights_fingerprint: str = ""  # `model_identity.weights_fingerprint` of the folder (weights replaced in
-    # place differ here); always set by `of` and in a manifest
+    target_weights_fingerprint: str  # `model_identity.weights_fingerprint` of the folder (weights replaced in place
+    # differ here)
 
     @classmethod
     def of(cls, config: Any, layer_ids: Sequence[int], hidden_size: int, store_key: str,
