@@ -61,6 +61,7 @@ class ServedRow(JsonRecord):
     speedup_range: list[float] | None = None  # [lowest, highest] speedup of one round with vs the same round without
     tau_along: float | None = None  # ours along the ENGINE's answers (greedy, when they part from ours): what the
     # bound then compares served tau with (`acceptance_length(answers=...)`); None: ours is on the same answers
+    cycles_along: int | None = None  # our drafting cycles along the engine's answers (with `tau_along`)
 
 
 @dataclass
@@ -117,9 +118,10 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
     ours), what served tau is then judged against."""
     ours = tokens_per_cycle(row_set.cycle_log)
     tau, se = _tau_se(row_set.cycle_log)
-    tau_along = None
+    tau_along = cycles_along = None
     if along is not None and not exact:
         tau_along, se = _tau_se(along)
+        cycles_along = len(tokens_per_cycle(along))
     served_tau, served_se = _mean_se(served_histogram(served.counters))
     cycles = len(ours)
     per_position = [sum(n > k for n in ours) / cycles if cycles else float("nan") for k in range(1, block_size)]
@@ -142,7 +144,8 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
                      served_tokens=served.tokens, plain_tokens=None if plain is None else plain.tokens,
                      served_round_s=list(served.round_seconds or (served.seconds,)),
                      plain_round_s=None if plain is None else list(plain.round_seconds or (plain.seconds,)),
-                     speedup_range=[min(rounds), max(rounds)] if rounds else None, tau_along=tau_along)
+                     speedup_range=[min(rounds), max(rounds)] if rounds else None, tau_along=tau_along,
+                     cycles_along=cycles_along)
 
 
 def _round_speedups(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]) -> list[float]:
@@ -169,8 +172,10 @@ def pooled_speedup(served: Sequence[ServedDecode], plain: Sequence[ServedDecode]
 
 def verdict_line(row: ServedRow, exact: bool, suspects: Sequence[str], export: str, target: str) -> str:
     """PASS/FAIL for one row; a FAIL names the doctor's failing rules (`suspects`), the likeliest causes."""
-    ours = f"ours {row.tau:.3f}" if row.tau_along is None else f"ours along its answers {row.tau_along:.3f}"
-    figures = (f"served tau {row.served_tau:.3f} vs {ours} over {row.served_drafts} / {row.cycles} "
+    ours, cycles = f"ours {row.tau:.3f}", row.cycles
+    if row.tau_along is not None:
+        ours, cycles = f"ours along its answers {row.tau_along:.3f}", row.cycles_along
+    figures = (f"served tau {row.served_tau:.3f} vs {ours} over {row.served_drafts} / {cycles} "
                f"cycles" + (" (must be equal: greedy fp32)" if exact else f" (bound {row.bound:.3f})"))
     if exact and row.outputs_equal is not None:
         figures += f", answers equal {row.outputs_equal}/{row.prompts}"
