@@ -17,6 +17,7 @@ from dflash_lib.config import from_params
 from dflash_lib.evaluate import DecodeReport, DrafterMeasurement, RunEvaluation
 from dflash_lib.models import DFlashDrafter, TargetModel, acceptance_length, tiny_qwen3_config
 from dflash_lib.models.acceptance import TargetCache, greedy_decode
+from fp_tolerance import assert_equal_but_near_ties
 from tiny_models import SMALL_STORE, decode_drafter, decode_target, overfit_on_greedy, random_prompts, save_tiny_run
 
 VOCAB, B, NEW = 256, 4, 16
@@ -194,12 +195,38 @@ def test_work_per_cycle_does_not_grow_with_the_prefix(target):
 
 
 def test_bf16_target_with_fp32_drafter_decodes(target):
+    """A bf16 target: the verification forward (B rows) and greedy decoding's one-row forwards run other GEMM
+    kernels and round bf16 differently, so the outputs are the greedy ones token for token up to the target's first
+    near tie, if any (`assert_equal_but_near_ties`, judged on the full forward of the common prefix); a wrong
+    token there is refused."""
     t16 = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=32, num_layers=4, vocab_size=VOCAB), 1, seed=0)
     t16.model.to(torch.bfloat16)
     drafter = _drafter(t16)
-    res = acceptance_length(t16, drafter, _prompts(2, seed=8), 8)
+    prompts = _prompts(2, seed=8)
+    res = acceptance_length(t16, drafter, prompts, 8)
     assert [len(o) for o in res.outputs] == [8, 8] and res.tau >= 1.0
-    assert res.outputs == greedy_decode(t16, _prompts(2, seed=8), 8).outputs
+    for prompt, got, want in zip(prompts, res.outputs, greedy_decode(t16, prompts, 8).outputs):
+        def logits_at(i, prefix=prompt + want, start=len(prompt)):
+            return t16.step(torch.tensor(prefix[:start + i])).logits[-1]  # (V,) after prompt + want[:i]
+        assert_equal_but_near_ties(got, want, logits_at)
+        wrong = want[:3] + [(want[3] + 1) % VOCAB] + want[4:]  # a token the target did not choose, accepted
+        with pytest.raises(AssertionError, match="token 3 differs .* no near tie"):
+            assert_equal_but_near_ties(wrong, want, logits_at)
+
+
+def test_a_greedy_difference_passes_only_at_a_near_tie():
+    """bf16 logits of max |logit| 2: a near tie is within 4 eps * 2 = 1/16 of the max (fp_tolerance.tie_atol)."""
+    logits = torch.tensor([2.0, 2.0 - 2 ** -4, 2.0 - 2 ** -3, -2.0], dtype=torch.bfloat16)  # (V=4,)
+    def at(i):
+        return logits
+    assert assert_equal_but_near_ties([3, 1, 0], [3, 1, 0], at) is None
+    assert assert_equal_but_near_ties([3, 1, 3], [3, 0, 2], at) == 1  # 1 ties with 0; beyond it: not compared
+    assert assert_equal_but_near_ties([3, 0], [3, 1], at) == 1
+    for got, want in (([3, 2, 0], [3, 0, 0]), ([3, 3], [3, 0]), ([3, 2], [3, 1])):  # 2 and 3: no tie with the max
+        with pytest.raises(AssertionError, match="token 1 differs .* no near tie"):
+            assert_equal_but_near_ties(got, want, at)
+    with pytest.raises(AssertionError, match="then 2 vs 3"):
+        assert_equal_but_near_ties([3, 1], [3, 1, 0], at)  # one stopped early
 
 
 def test_evaluate_command_prints_the_report_as_its_last_line(tmp_path, capsys):
