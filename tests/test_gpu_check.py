@@ -37,6 +37,7 @@ def test_gpu_check_quick_on_cpu_prints_one_json_summary():
     assert summary["pipeline"]["sequential_ktok_s"] > 0 and summary["pipeline"]["pipeline_ktok_s"] > 0
     drafting = summary["drafting"]
     assert drafting["equals_target_greedy"] == [True] * drafting["prompts"] and 1 <= drafting["tau"]
+    assert drafting["tie_gap_ulps"] == [None] * drafting["prompts"] and drafting["ok"]  # fp32 on the CPU: no ties
     kl = summary["kl"]  # on the CPU: fp32 is the reference itself, bf16 autocast is measured against it
     assert kl["ok"] and kl["target_rows"] > 0 and [c["precision"] for c in kl["cases"]] == ["fp32", "bf16"]
     fp32, bf16 = kl["cases"]
