@@ -64,6 +64,20 @@ $(ESTAMP): | $(STAMP)
 demo: setup $(if $(filter 1,$(ENGINE)),engine)
 	$(VPY) -m dflash_lib demo $(if $(filter 1,$(ENGINE)),,--engine none)
 
+# `make test ISA=avx2` (test-fast, test-long too): the suite as on an AVX2-only x86 CPU: torch's, oneDNN's and MKL's
+# kernels held to AVX2, and vLLM's CPU build given its AVX2 library (tests/isa/avx2/: the engine's Python with
+# AVX-512 and AMX hidden from its kernel choice). Tolerances come from the dtype (tests/fp_tolerance.py), so the
+# suite passes on either; this checks it on an AVX-512/AMX machine.
+ISA ?=
+ifeq ($(ISA),avx2)
+export ATEN_CPU_CAPABILITY := avx2
+export ONEDNN_MAX_CPU_ISA := AVX2
+export MKL_ENABLE_INSTRUCTIONS := AVX2
+export DFLASH_ENGINE_PYTHON := $(CURDIR)/tests/isa/avx2/python
+else ifneq ($(ISA),)
+$(error ISA=$(ISA): only ISA=avx2 is emulated)
+endif
+
 test: setup browser $(if $(filter 1,$(ENGINE)),engine)
 	WANDB_MODE=disabled DFLASH_REQUIRE_BENCH_DATA=1 DFLASH_REQUIRE_ENGINE=$(ENGINE) $(VPY) -m pytest -m "not long"
 
