@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data import build_token_store_from_config
+from dflash_lib.models.export import file_sha256
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 from dflash_lib.serve.hidden_states import (HiddenStatesClient, engine_files, engine_layer_ids, served_dtype,
@@ -102,15 +103,6 @@ def identity_of(doc: dict[str, Any]) -> CacheIdentity:
     """The identity a manifest records (every field required: a missing one is a KeyError)."""
     fields = {name: doc["identity"][name] for name in CacheIdentity.__dataclass_fields__}
     return CacheIdentity(**{**fields, "layer_ids": tuple(fields["layer_ids"])})
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 (hex) of every byte of `path`, read in chunks of 16 MiB."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_manifest(cache: Path, doc: dict[str, Any]) -> None:
@@ -288,7 +280,8 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
 
 def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
     """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
-    target (its config.json, its weights' fingerprint), layer set, dtype (`hidden_states.served_dtype`) or token store."""
+    target (its config.json, its weights' fingerprint), layer set, dtype (`hidden_states.served_dtype`) or token
+    store."""
     m = config.model
     hf = local_hf_config(m.target)
     ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
