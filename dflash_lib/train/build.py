@@ -30,7 +30,7 @@ from dflash_lib.models.target import chosen_layer_ids, target_hf_config
 from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
-from dflash_lib.serve.hidden_states import ServedTarget
+from dflash_lib.serve.hidden_states import EngineFiles, ServedTarget
 from dflash_lib.train import distributed
 from dflash_lib.train.target_shard import device_memory_bytes, load_sharded_target, plan_target
 
@@ -212,7 +212,7 @@ def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: in
 
 def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                 data: TrainingData | None = None, target_url: str = "", cache: Any = None,
-                target_files: Any = None) -> TrainingParts:
+                target_files: EngineFiles | None = None) -> TrainingParts:
     """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened

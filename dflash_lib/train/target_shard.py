@@ -171,9 +171,9 @@ class ShardedTarget:
     """A `TargetModel` whose decoder layers are sharded over the ranks of a torchrun group (see the module
     docstring). It answers `device`, `segments`, `context_features` and, built with `final` (loss kl / ce+kl),
     `context_features_and_final` like the target (the feed and the held-out evaluation call those; the
-    zero-weight filler item runs no target); `target` is the plain model (embedding, LM head, config) that the drafter shares. Every pass is a
-    collective: every rank must make the same number. Build it on every rank at the same point (it creates two
-    process groups), with the same `final`. `device`: the training device (None = the target's); a target built
+    zero-weight filler item runs no target); `target` is the plain model (embedding, LM head, config) that the
+    drafter shares. Every pass is a collective: every rank must make the same number. Build it on every rank at
+    the same point (it creates two process groups), with the same `final`. `device`: the training device (None = the target's); a target built
     on the host is moved there, its layers as they are sharded, the replicated parts after."""
 
     def __init__(self, target: TargetModel, timeout_s: float, device: torch.device | None = None,
