@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -142,8 +143,6 @@ class _Shared:
         self.other, self.how, self.requests = other, how, 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        import httpx
-
         if request.url.path == "/metrics":
             return httpx.Response(200, text=_metrics(**self.state))
         if request.url.path == "/v1/models":
@@ -161,8 +160,6 @@ class _Shared:
 def test_counters_mixed_with_another_clients_requests_are_refused(other, how):
     """The counters of a decoding are deltas around each request: one request finished, exactly its tokens
     generated, none in flight before or after, else `BusyEngineError` names what else ran."""
-    import httpx
-
     from dflash_lib.serve.client import BusyEngineError, parse_load
 
     assert parse_load(_metrics(running=2, finished=7, generated=40)).in_flight == 2
@@ -180,8 +177,6 @@ def test_a_running_server_of_another_target_is_refused_before_anything_is_sent(t
     """`-p engine_url`: the server must serve the target folder (its /v1/models root, or a folder of the same
     config.json and weights) and take the longest sequence; refused in one line naming both otherwise."""
     import shutil
-
-    import httpx
 
     from dflash_lib.serve.measure import check_served_model
 
