@@ -263,3 +263,51 @@ def test_build_parts_keeps_held_out_samples_out_of_every_training_batch():
         served |= {parts.store.source_index(i) for i in work.indices}
     assert served == set(split.train.tolist())  # the whole training part, and nothing held out
     assert not served & set(split.heldout.tolist())
+
+
+# -- the held-out tau is decoding's: cycles laid along the answers (issue 52) -----------------------------------------
+
+
+def test_decoding_walk_lays_cycles_as_decoding_does_not_one_per_anchor():
+    """Blocks accepting 3 drafts on answer positions 4..11, none elsewhere: decoding crosses that stretch in 2
+    cycles, while the mean over every anchor counts its 8 blocks (the old figure: 2.26 here against 1.46)."""
+    from dflash_lib.train.heldout import decoding_walk
+
+    runs = {j: (3 if 4 <= j < 12 else 0) for j in range(40)}
+    cycles = decoding_walk(runs, answer_tokens=41, max_new_tokens=20)
+    assert cycles == [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1, 1, 1]  # anchors 0..3, 4, 8, 12..18: 19 tokens after the first
+    assert sum(cycles) / len(cycles) == pytest.approx(19 / 13)  # the prefill's token is no cycle's
+    anchors = [runs[j] + 1 for j in range(19)]  # every anchor a cycle could start from, each counted once
+    assert sum(anchors) / len(anchors) == pytest.approx(43 / 19)
+    assert decoding_walk(runs, answer_tokens=41, max_new_tokens=6) == [1, 1, 1, 1, 4]  # the last cycle overshoots
+    assert decoding_walk(runs, answer_tokens=3, max_new_tokens=20) == [1, 1]  # the answer's end of turn stops it
+    assert decoding_walk(runs, answer_tokens=1, max_new_tokens=20) == []  # the prefill gave the whole answer
+
+
+def test_heldout_tau_is_the_decoded_tau_along_the_same_answers():
+    """A partly trained drafter on held-out samples whose answers are the target's own greedy ones (one cut short
+    by an end-of-turn id): the trainer's held-out tau equals speculative decoding's on those prompts, cycle for
+    cycle, in fp32; the mean over random anchors (the figure heldout_tau was before issue 52) does not."""
+    from dflash_lib.models.acceptance import acceptance_length
+    from dflash_lib.train.heldout import build_eval_set, evaluate
+    from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
+
+    B, new, eos = 4, 16, 7
+    target = decode_target(256)
+    drafter = decode_drafter(target, B)
+    prompts = random_prompts(6, seed=1)
+    _, _, conts, _ = overfit_on_greedy(target, drafter, prompts, new + 2 * B, steps=8)
+    answers = [list(c) for c in conts]
+    answers[1] = answers[1][:9] + [eos]  # an answer that ends before max_new_tokens
+    # stored as a chat template renders it: a newline after the end of turn, in the loss mask too
+    stored = [a + [10] if a[-1] == eos else a for a in answers]
+    store = [(np.array(p + a, dtype=np.uint32), (np.arange(len(p) + len(a)) >= len(p)).astype(np.uint8))
+             for p, a in zip(prompts, stored)]
+    eval_set = build_eval_set(store, range(len(store)), drafter, pad_id=0, token_budget=64, seed=0,
+                              max_samples=len(store), max_new_tokens=new, stop_id=eos)
+    assert len(eval_set.batches) > 1 and max(len(b.input_ids) for b in eval_set.batches) > 1  # rows share batches
+    figures = evaluate(drafter, target, eval_set, autocast=False)
+    decoded = acceptance_length(target, drafter, prompts, new, stop_ids=[eos], answers=answers)
+    assert decoded.outputs[1] == answers[1] and 1.2 < decoded.tau < B - 0.5  # partly trained: some cycles accept
+    assert figures.cycles == decoded.cycles and figures.tau == pytest.approx(decoded.tau, abs=1e-12)
+    assert abs(figures.tau_anchors - decoded.tau) > 0.1  # the per-anchor figure does not predict decoding

@@ -116,29 +116,87 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     B = block_size
+    n_masked = max(1, round(noise * (B - 1)))
+    lm = batch.loss_mask.cpu().numpy().astype(bool)
+    picks = []
+    for row, first, length in document_spans(batch.doc_ids):
+        mask = lm[row, first:first + length]
+        cand = np.flatnonzero(mask[:-1] & mask[1:])  # a with a + 1 < length
+        pick = torch.randperm(len(cand), generator=generator)[: min(num_anchors, len(cand))]
+        a = np.sort(cand[pick.numpy()])  # (n,)
+        masked = np.ones((len(a), B), dtype=bool)  # position k fed as MASK
+        if noise < 1.0:
+            rank = torch.rand((len(a), B - 1), generator=generator).argsort(dim=1).argsort(dim=1).numpy()
+            masked[:, 1:] = rank < n_masked
+        picks.append((a, masked))
+    return _blocks_at(batch, picks, block_size, gamma, mask_id, noise, position_weight)
+
+
+def decoding_anchors(batch: Batch, max_new_tokens: int, block_size: int, gamma: float, mask_id: int,
+                     position_weight: str = "decay", stop_id: int | None = None) -> Anchors:
+    """An anchor at every answer position where greedy speculative decoding of `max_new_tokens` tokens may start a
+    cycle, every block fed MASK (what `models.acceptance.acceptance_length` drafts from when a document's answer
+    is the target's own). A document's answer is `answer_span`'s (cut after its first `stop_id`, the end of turn
+    decoding stops at; nothing after it is scored); the prompt decoding starts from ends where it starts. A
+    cycle's anchor is its pending output token, answer index j = 0 .. min(max_new_tokens, L) - 2 (a cycle runs
+    while fewer than max_new_tokens tokens are out and the answer's last token is not). A document without an
+    answer of 2 tokens, or without a prompt before it, gets no block."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids = batch.input_ids.cpu().numpy()
+    lm = batch.loss_mask.cpu().numpy().astype(bool)
+    picks, ends = [], []
+    for row, first, length in document_spans(batch.doc_ids):
+        a = answer_span(lm[row, first:first + length], ids[row, first:first + length], stop_id)
+        start, n = (a[0], min(max_new_tokens, a[1]) - 1) if a is not None and a[0] > 0 else (0, 0)
+        at = start + np.arange(max(n, 0))  # (n,)
+        picks.append((at, np.ones((len(at), block_size), dtype=bool)))
+        ends.append(start + a[1] if a is not None else 0)
+    return _blocks_at(batch, picks, block_size, gamma, mask_id, 1.0, position_weight, ends)
+
+
+def answer_span(loss_mask: np.ndarray, tokens: np.ndarray | None = None,
+                stop_id: int | None = None) -> tuple[int, int] | None:
+    """(first position, length in tokens) of the first run of set entries of a document's loss mask (L,), the
+    answer decoding produces after the prompt, cut after its first `stop_id` among `tokens` (L,) when given (a
+    chat template's end of turn may be followed by a newline the loss mask also holds); None when none is set."""
+    mask = np.asarray(loss_mask, dtype=bool)
+    if not mask.any():
+        return None
+    first = int(np.argmax(mask))
+    n = int(np.argmin(np.append(mask[first:], False)))
+    if stop_id is not None and tokens is not None:
+        stops = np.flatnonzero(np.asarray(tokens[first:first + n]) == stop_id)
+        n = int(stops[0]) + 1 if len(stops) else n
+    return first, n
+
+
+def _blocks_at(batch: Batch, picks: list[tuple[np.ndarray, np.ndarray]], block_size: int, gamma: float,
+               mask_id: int, noise: float, position_weight: str, ends: list[int] | None = None) -> Anchors:
+    """The Anchors of `picks`: per document (in document order) its sorted anchor positions a (n,) and which
+    block positions are fed MASK (n, B) (position 0 never is). Labels are the tokens at a + k inside the
+    document; weights the position factor x label inside the document and loss-masked x fed MASK x before the
+    document's entry of `ends` (document-local; None: no such cut)."""
+    B = block_size
     ids = batch.input_ids.cpu().numpy()
     lm = batch.loss_mask.cpu().numpy().astype(bool)
     R = ids.shape[0]
     decay = position_weights(B, gamma, position_weight).numpy()  # (B,)
     k = np.arange(B)
-    n_masked = max(1, round(noise * (B - 1)))
     per_row: list[list[tuple]] = [[] for _ in range(R)]
-    for d, (row, first, length) in enumerate(document_spans(batch.doc_ids)):
+    for d, ((row, first, length), (a, masked)) in enumerate(zip(document_spans(batch.doc_ids), picks)):
         tok, mask = ids[row, first:first + length], lm[row, first:first + length]
-        cand = np.flatnonzero(mask[:-1] & mask[1:])  # a with a + 1 < length
-        pick = torch.randperm(len(cand), generator=generator)[: min(num_anchors, len(cand))]
-        a = np.sort(cand[pick.numpy()])  # (n,)
+        a = np.asarray(a, dtype=np.int64)
         n = len(a)
-        masked = np.ones((n, B), dtype=bool)  # position k fed as MASK
-        if noise < 1.0:
-            rank = torch.rand((n, B - 1), generator=generator).argsort(dim=1).argsort(dim=1).numpy()
-            masked[:, 1:] = rank < n_masked
+        masked = masked.copy()
         masked[:, 0] = False
         at = a[:, None] + k[None, :]  # (n, B) document-local positions of the block
         inside = at < length
         real = tok[np.minimum(at, length - 1)]  # (n, B)
         labels = np.where(inside, real, 0)
         weights = decay[None, :] * inside * mask[np.minimum(at, length - 1)] * masked
+        if ends is not None:
+            weights = weights * (at < ends[d])
         block_ids = np.where(masked | ~inside, mask_id, real)
         block_ids[:, 0] = real[:, 0]
         per_row[row].append((first + a, a, np.full(n, d), block_ids, labels, weights))

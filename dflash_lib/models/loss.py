@@ -41,6 +41,8 @@ class DrafterLoss:
     pos_count_t: torch.Tensor  # (B-1,) scored positions per block position
     tau_sum_t: torch.Tensor | None = None  # 0-d: sum over blocks of (1 + leading run of correct positions); None = 0
     tau_blocks_t: torch.Tensor | None = None  # 0-d: blocks in tau_sum_t; None = 0
+    block_runs_t: torch.Tensor | None = None  # (n,) each block's leading run of correct positions, layout order
+    # (`leading_runs`): what the held-out evaluation walks decoding's cycles over; None = not computed
 
     def stats(self) -> torch.Tensor:
         """(stats_size(B),) float64 on the device: ce_total, correct_total, pos_correct (B-1), pos_count (B-1),
@@ -94,19 +96,24 @@ def stats_size(block_size: int) -> int:
     return 4 + 2 * (block_size - 1)
 
 
-def leading_run_stats(correct: torch.Tensor, scored: torch.Tensor, num_blocks: int,
-                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over blocks of 1 + leading run, number of blocks) as 0-d float tensors on the device, no sync.
+def leading_runs(correct: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """(n,) float32 on the device, no sync: each block's leading run of correct positions, 0 .. B-1.
 
     correct (m,) 0/1 flags of the scored positions, scored (m,) their flat query index i*B + k. A block's
     leading run counts its positions k = 1, 2, ... while each is scored AND correct: the first wrong or
-    unscored position stops it (what greedy verification of that block would accept). Every block of the
-    layout counts, so a block whose position 1 is unscored or wrong contributes 1.
-    """
+    unscored position stops it (what greedy verification of that block would accept)."""
     B = block_size
     flags = torch.zeros(num_blocks * B, dtype=torch.float32, device=correct.device)  # (n*B,)
     flags = flags.index_copy(0, scored, correct.float())
-    run = flags.view(num_blocks, B)[:, 1:].cumprod(dim=1).sum(dim=1)  # (n,) leading run of each block
+    return flags.view(num_blocks, B)[:, 1:].cumprod(dim=1).sum(dim=1)  # (n,)
+
+
+def leading_run_stats(correct: torch.Tensor, scored: torch.Tensor, num_blocks: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over blocks of 1 + leading run, number of blocks) as 0-d float tensors on the device, no sync
+    (`leading_runs`). Every block of the layout counts, so a block whose position 1 is unscored or wrong
+    contributes 1."""
+    run = leading_runs(correct, scored, num_blocks, block_size)  # (n,)
     return (1.0 + run).sum(), torch.full((), float(num_blocks), device=correct.device)
 
 
@@ -317,7 +324,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
     if layout.num_scored == 0:  # nothing scored: a graph-connected zero keeps a distributed backward in step
         z = hidden.sum() * 0.0
         n = torch.full((), float(layout.num_blocks), device=dev)  # every block accepts its anchor only
-        return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone(), n, n.clone())
+        return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone(), n, n.clone(),
+                           torch.zeros(layout.num_blocks, dtype=torch.float32, device=dev))
     h = hidden.index_select(0, layout.scored).to(head.weight.dtype)  # (m, H), in the head's dtype
     y, w = layout.labels, layout.weights.float()  # (m,)
     inside = None
@@ -347,10 +355,11 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
         pos_correct = zeros.index_add(0, k, correct)
         pos_count = zeros.index_add(0, k, torch.ones_like(correct))
         correct_total = (layout.weights.float() * correct).sum()  # the layout's weights: acc = this / weight_sum
-        tau_sum, tau_blocks = leading_run_stats(correct, layout.scored, layout.num_blocks, B)
+        runs = leading_runs(correct, layout.scored, layout.num_blocks, B)  # (n,)
+        tau_sum, tau_blocks = (1.0 + runs).sum(), torch.full((), float(layout.num_blocks), device=dev)
     return DrafterLoss(loss=total / norm, weight_sum=layout.weight_sum, ce_total=total.detach(),
                        correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count,
-                       tau_sum_t=tau_sum, tau_blocks_t=tau_blocks)
+                       tau_sum_t=tau_sum, tau_blocks_t=tau_blocks, block_runs_t=runs)
 
 
 @contextmanager

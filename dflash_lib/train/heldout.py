@@ -3,7 +3,10 @@
 `HeldOutEvaluator`: rank 0 (every rank under FSDP) records the split in heldout.json and evaluates every
 `eval_every` steps and after the last step, never on a stop. `build_eval_set` batches the first `eval_samples`
 held-out samples once, anchors from a reserved seed (`EVAL_SHARD`), every block fed MASK, so every `evaluate`
-scores the same blocks. The settings and figures: docs/runs.md, "Training outside notebooks".
+scores the same blocks; beside them a block at every answer position where decoding may start a cycle, which
+`evaluate` walks as `evaluate`'s greedy speculative decoding lays its cycles (`decoding_walk`): the tau it
+reports is that of decoding along the stored answers, not the mean over random anchors (issue 52).
+The settings and figures: docs/runs.md, "Training outside notebooks".
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from dflash_lib.config import TrainConfig, uses_bf16
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.data.split import HELDOUT_FILE
+from dflash_lib.models.anchors import answer_span, decoding_anchors
 from dflash_lib.models.layout import DraftLayout
-from dflash_lib.models.loss import expected_acceptance, stats_size
+from dflash_lib.models.loss import expected_acceptance, stats_size, weighted_loss
 from dflash_lib.rundir import write_json
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
@@ -34,11 +38,14 @@ EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: trainin
 class HeldOutEvaluator:
     """The held-out evaluations of one training run on `parts` (see the module docstring): `train` gives their
     cadence, sample count and anchor seed, `token_budget` (token slots per evaluation batch, the sampler's) their
-    batches. `latest`: the latest evaluation's figures, after optimizer step `latest_step`; None before the first."""
+    batches, `max_new_tokens` the answer tokens decoding's cycles are walked over (`evaluate`'s, the regenerate
+    section's), `stop_at_eos` whether an answer ends at the store's end-of-turn id (`evaluate`'s). `latest`: the
+    latest evaluation's figures, after optimizer step `latest_step`; None before the first."""
 
     def __init__(self, train: TrainConfig, token_budget: int, parts: TrainingParts, engine: Engine,
-                 main: bool) -> None:
+                 main: bool, max_new_tokens: int, stop_at_eos: bool = True) -> None:
         self.train, self.token_budget, self.parts, self.engine, self.main = train, token_budget, parts, engine, main
+        self.max_new_tokens, self.stop_at_eos = max_new_tokens, stop_at_eos
         self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built by `prepare`)
         self.latest: HeldoutFigures | None = None
         self.latest_step: int | None = None
@@ -53,8 +60,9 @@ class HeldOutEvaluator:
         if self.main:
             write_json(run_dir / HELDOUT_FILE, p.heldout.record(len(source)))
         if tc.eval_samples > 0 and len(p.heldout.heldout):
-            self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id,
-                                           self.token_budget, tc.seed, tc.eval_samples)
+            eos = getattr(source, "meta", {}).get("tokenizer", {}).get("eos_id") if self.stop_at_eos else None
+            self.eval_set = build_eval_set(source, p.heldout.heldout, p.drafter, p.pad_id, self.token_budget,
+                                           tc.seed, tc.eval_samples, self.max_new_tokens, eos)
 
     def due(self, step: int, final: bool) -> bool:
         """Evaluate after optimizer step `step` (1-based): every `eval_every` steps, and when `final` (the run's
@@ -74,7 +82,8 @@ class HeldOutEvaluator:
         figures = replace(figures, s=time.perf_counter() - t0)
         self.latest, self.latest_step = figures, step
         say(f"held-out at step {step} ({figures.samples} samples): loss {figures.loss:.3f} | acc {figures.acc:.3f} | "
-            f"tau {figures.tau:.3f} | eal {figures.eal:.3f}")
+            f"tau {figures.tau:.3f} ({figures.cycles} decoding cycles, first {self.max_new_tokens} answer tokens) | "
+            f"tau_anchors {figures.tau_anchors:.3f} | eal {figures.eal:.3f}")
         return figures
 
     def after_loop(self, step: int, stopped: bool, say: Callable[[str], None]) -> None:
@@ -90,8 +99,11 @@ class EvalSet:
     """Fixed evaluation batches: host batches and their host layouts (anchors drawn once)."""
 
     batches: list[Batch]
-    layouts: list[DraftLayout]
+    layouts: list[DraftLayout]  # random anchors: loss, acc, acc_per_pos, eal, tau_anchors
+    walks: list[DraftLayout]  # every anchor a decoding cycle may start from (`decoding_anchors`): tau
+    answers: list[list[int]]  # per batch, each document's answer length (tokens, `answer_span`), document order
     indices: list[int]  # store indices of the samples evaluated
+    max_new_tokens: int  # answer tokens decoding's cycles are walked over
 
     @property
     def samples(self) -> int:
@@ -99,10 +111,12 @@ class EvalSet:
 
 
 def build_eval_set(store: Any, indices: Sequence[int], drafter: Any, pad_id: int, token_budget: int,
-                   seed: int, max_samples: int) -> EvalSet:
+                   seed: int, max_samples: int, max_new_tokens: int, stop_id: int | None = None) -> EvalSet:
     """The first `max_samples` of `indices` (store indices, hash order) that pass validation, in padded batches
     of at most `token_budget` token slots (rows x longest, at least one row), shortest first; anchors from
-    `feed.anchor_seed(seed, EVAL_SHARD, 0, batch number)`, every block position after the anchor fed MASK."""
+    `feed.anchor_seed(seed, EVAL_SHARD, 0, batch number)`, every block position after the anchor fed MASK; and
+    the blocks of `decoding_anchors` for `max_new_tokens` answer tokens, each answer ending at its first
+    `stop_id` (the end-of-turn id decoding stops at; None: at the loss mask's end)."""
     vocab = drafter.cfg.vocab_size
     chosen = [int(i) for i in indices if validate_sample(*store[int(i)], vocab) is None][:max_samples]
     by_length = sorted(chosen, key=lambda i: len(store[i][0]))  # stable: ties keep hash order
@@ -113,32 +127,57 @@ def build_eval_set(store: Any, indices: Sequence[int], drafter: Any, pad_id: int
             groups[-1].append(i)
         else:
             groups.append([i])
-    batches, layouts = [], []
+    c = drafter.cfg
+    batches, layouts, walks, answers = [], [], [], []
     for b, group in enumerate(groups):
         batch = collate_padded([store[i] for i in group], pad_id, group)
         gen = torch.Generator().manual_seed(anchor_seed(seed, EVAL_SHARD, 0, b))
         batches.append(batch)
         layouts.append(drafter.layout(batch, drafter.sample_anchors(batch, gen, 1.0)))
-    return EvalSet(batches, layouts, chosen)
+        walks.append(drafter.layout(batch, decoding_anchors(batch, max_new_tokens, c.block_size, c.gamma, c.mask_id,
+                                                            c.position_weight, stop_id)))
+        answers.append([decoded_answer_tokens(*store[i], stop_id) for i in group])
+    return EvalSet(batches, layouts, walks, answers, chosen, max_new_tokens)
+
+
+def decoded_answer_tokens(tokens: Any, loss_mask: Any, stop_id: int | None) -> int:
+    """Tokens of a sample's answer as `evaluate` decodes it (`answer_span`, through its first `stop_id`): 0 when it
+    has none or no prompt before it (`data.prompts.sample_prompt` passes such a sample over)."""
+    span = answer_span(loss_mask, tokens, stop_id)
+    return span[1] if span is not None and span[0] > 0 else 0
+
+
+def decoding_walk(runs: Mapping[int, int], answer_tokens: int, max_new_tokens: int) -> list[int]:
+    """Tokens of each cycle of greedy speculative decoding along one answer of `answer_tokens` tokens (its last
+    one the end of turn) when the block anchored at answer index j accepts `runs[j]` drafts: as
+    `models.acceptance.acceptance_length` decodes, the prefill gives answer token 0, each cycle starts at the
+    pending token j and ends on j + runs[j] + 1, and cycles run while fewer than min(max_new_tokens,
+    answer_tokens) tokens are out (the last one may overshoot and counts in full)."""
+    j, cycles = 0, []
+    while j + 1 < min(max_new_tokens, answer_tokens):
+        cycles.append(int(runs[j]) + 1)
+        j += cycles[-1]
+    return cycles
 
 
 def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> HeldoutFigures:
     """The drafter on `eval_set` without gradients, under the training autocast, in figures (`s`: seconds of this
-    call): loss in nats and top-1 accuracy weighted as in training, acc_per_pos unweighted, tau the EXACT
-    acceptance length from each block's own flags, eal the marginal-product estimate. One device-to-host
-    transfer at the end. Global RNG streams and the drafter's train/eval mode are left as they were, so an
-    evaluation never changes the training trajectory."""
+    call): loss in nats and top-1 accuracy weighted as in training, acc_per_pos unweighted, tau_anchors the mean
+    over the random anchors' blocks of each one's EXACT acceptance length, eal its marginal-product estimate;
+    tau the acceptance length of greedy speculative decoding along the stored answers (`decoding_walk` over the
+    walk blocks' own leading runs: tokens / cycles, as `evaluate` counts it). One device-to-host transfer at the
+    end. Global RNG streams and the drafter's train/eval mode are left as they were, so an evaluation never
+    changes the training trajectory."""
     t0, device = time.perf_counter(), target.device
     n_pos = drafter.cfg.block_size - 1
     rng, was_training = capture_rng(), drafter.training
     stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)
+    runs: list[torch.Tensor] = []  # (n,) per walk layout: each block's leading run
     weight = 0.0
     drafter.eval()
     try:
         with torch.no_grad():
-            for batch, layout in zip(eval_set.batches, eval_set.layouts):
-                if layout.weight_sum == 0:
-                    continue
+            for batch, layout, walk in zip(eval_set.batches, eval_set.layouts, eval_set.walks):
                 final = None  # loss kl / ce+kl: the target's final states at the layout's target rows
                 if layout.target_rows is None:
                     features = target.context_features(batch)  # (C, F*H); from the HOST batch: no device read
@@ -146,18 +185,47 @@ def evaluate(drafter: Any, target: Any, eval_set: EvalSet, autocast: bool) -> He
                     features, final = target.context_features_and_final(batch, layout.target_rows)
                 dev_batch = batch.to(device)
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = drafter.loss(dev_batch, features, layout.to(device), target_hidden=final)
-                stats = stats + out.stats()
-                weight += layout.weight_sum
+                    if layout.weight_sum > 0:
+                        out = drafter.loss(dev_batch, features, layout.to(device), target_hidden=final)
+                        stats = stats + out.stats()
+                        weight += layout.weight_sum
+                    if walk.num_blocks:  # the paper's CE path: only the blocks' correct flags are read
+                        dev_walk = walk.to(device)
+                        hidden = drafter.forward_hidden(dev_batch, features, dev_walk)  # (n*B, H)
+                        chunk = drafter.cfg.ce_chunk_blocks * drafter.cfg.block_size
+                        runs.append(weighted_loss(hidden, drafter.head(), dev_walk, chunk, None,
+                                                  t2d=drafter.target_to_draft()).block_runs_t)
     finally:
         drafter.train(was_training)
         restore_rng(rng)
-    host = stats.tolist()
+    host_all = torch.cat([stats, *(r.double() for r in runs)]).tolist()
+    host, block_runs = host_all[:stats.numel()], host_all[stats.numel():]
+    cycles = walk_cycles(eval_set, block_runs)
     ce, correct = host[0], host[1]
     pos_correct, pos_count = host[2:2 + n_pos], host[2 + n_pos:2 + 2 * n_pos]
     tau_sum, blocks = host[2 + 2 * n_pos], host[3 + 2 * n_pos]
     acc_per_pos = [c / n if n else math.nan for c, n in zip(pos_correct, pos_count)]
     return HeldoutFigures(loss=ce / weight if weight > 0 else math.nan,
                           acc=correct / weight if weight > 0 else math.nan, acc_per_pos=acc_per_pos,
-                          tau=tau_sum / blocks if blocks > 0 else math.nan, eal=expected_acceptance(acc_per_pos),
-                          blocks=int(blocks), samples=eval_set.samples, s=time.perf_counter() - t0)
+                          tau=sum(cycles) / len(cycles) if cycles else math.nan, eal=expected_acceptance(acc_per_pos),
+                          blocks=int(blocks), samples=eval_set.samples, s=time.perf_counter() - t0,
+                          tau_anchors=tau_sum / blocks if blocks > 0 else math.nan, cycles=len(cycles))
+
+
+def walk_cycles(eval_set: EvalSet, block_runs: Sequence[float]) -> list[int]:
+    """Tokens of every decoding cycle over `eval_set`'s documents (`decoding_walk`), from the walk layouts' block
+    runs concatenated in layout order."""
+    cycles: list[int] = []
+    at = 0
+    for walk, lengths in zip(eval_set.walks, eval_set.answers):
+        n = walk.num_blocks
+        doc, pos = walk.block_doc.tolist(), walk.anchor_pos.tolist()
+        by_doc: dict[int, dict[int, int]] = {}
+        for d, p, r in zip(doc, pos, block_runs[at:at + n]):
+            by_doc.setdefault(d, {})[p] = int(r)
+        at += n
+        for d, length in enumerate(lengths):
+            anchors = by_doc.get(d, {})
+            first = min(anchors, default=0)  # the answer's first position: its block is the first cycle's
+            cycles += decoding_walk({p - first: r for p, r in anchors.items()}, length, eval_set.max_new_tokens)
+    return cycles
