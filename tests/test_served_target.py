@@ -369,7 +369,7 @@ def test_training_from_the_engine_has_the_local_runs_losses(served_target, local
 def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, local_losses, tmp_path, capsys):
     """`capture` through the engine, then 20 smoke steps from the cache alone (no engine): the local run's losses
     within the features' relative bound (`_loss_rtol`), as from the engine online; the bytes per token printed
-    first."""
+    first. Captured again once complete, it asks no engine."""
     from dflash_lib.__main__ import main
 
     _, folder, url, out_dir = served_target
@@ -382,6 +382,10 @@ def test_a_run_from_the_captured_cache_has_the_local_runs_losses(served_target, 
     assert "2 layers x 64 in float32 = 512 bytes a token" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["samples"] > 0 and summary["tokens"] > 0
+    # a complete cache captured again: nothing asked of any engine (this URL answers nothing)
+    assert main(["capture", *common, "-p", "target_engine", "vllm", "-p", "target_engine_url", "http://127.0.0.1:9",
+                 "-p", "target_engine_dir", str(out_dir), "--out", str(tmp_path / "cache")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     cached = _train_losses(folder, tmp_path / "cached", "-p", "hidden_cache", str(tmp_path / "cache"))
     assert len(local_losses) == 20
     np.testing.assert_allclose(cached, local_losses, rtol=_loss_rtol())

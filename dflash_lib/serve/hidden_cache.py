@@ -267,6 +267,8 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
     existing = read_manifest(out)  # refused before an engine starts
     if existing is not None:
         identity.refuse_other(identity_of(existing), Path(out))
+        if existing.get("complete"):  # nothing left to capture: no engine started
+            return existing
     aux = engine_layer_ids(ids)
     with target_engine_url(config, Path(out) / "engine", device) as url:
         files = engine_files(config, Path(out) / "engine", device, str(Path(out).resolve()))

@@ -48,6 +48,7 @@ class Trainer:
         self.config, self.parts, self.run_dir, self.clock, self.setup_s = config, parts, run_dir, clock, setup_s
         self.extra_sinks = list(sinks)  # more `log(metrics, step)` / `close()` sinks on rank 0 (e.g. a live figure)
         self.t_start = clock()
+        self.cpu_start = time.process_time()  # this process's CPU seconds, every thread (the summary's loop_cpu_s)
         tc, self.dist = config.train, distributed.info()
         self.main = self.dist.rank == 0
         self.device = parts.targets[0].device
@@ -70,7 +71,8 @@ class Trainer:
         self.meter = ThroughputMeter(clock=clock)
         self.stop = stop if stop is not None else StopRequest()
         self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
-        self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.engine, self.main)
+        self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.engine, self.main,
+                                        config.regenerate.max_new_tokens, config.evaluate.stop_at_eos)
         gib = config.pipeline.target_cache_gib
         self.cache = FeatureCache(int(gib * 2**30)) if gib > 0 else None  # the target's features per sample
         if resume is not None:

@@ -5,6 +5,7 @@ figures of a step's batches (`batch_shape`, `budget_fill`). docs/runs.md."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -163,6 +164,8 @@ class RunSummary(WithHeldoutFigures):
     heldout_step: int | None = omitted()  # the optimizer step it followed
     heldout: HeldoutFigures | None = omitted()  # its figures (as a metrics row holds them: flat, HELDOUT_KEYS)
     target_cache: dict[str, int] | None = omitted()  # this rank's `feature_cache.CacheStats` (pipeline.target_cache_gib)
+    loop_cpu_s: float | None = omitted()  # this process's CPU seconds (every thread) from the trainer's start to this
+    # summary: real_tokens / loop_cpu_s is what a token costs in work, whatever else the machine ran (rank 0's)
 
 
 def run_summary(trainer: Any, skips: SkipCounter) -> RunSummary:
@@ -204,4 +207,5 @@ def run_summary(trainer: Any, skips: SkipCounter) -> RunSummary:
         heldout_count=len(heldout.heldout) if heldout is not None else 0,
         heldout_step=t.heldout.latest_step, heldout=t.heldout.latest,
         **({} if t.cache is None else {"target_cache": asdict(t.cache.stats)}),
+        loop_cpu_s=time.process_time() - t.cpu_start,
     )
