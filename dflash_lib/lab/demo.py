@@ -28,7 +28,7 @@ NOTEBOOKS = REPO_ROOT / "notebooks"
 ANSWERS = "answers"  # the key of the target's answers (a JSONL) among a chain's inputs, when it has them
 
 
-def _train_link(prev: dict[str, Path]) -> dict[str, Any]:
+def train_link(prev: dict[str, Path]) -> dict[str, Any]:
     """Notebook 04: on the target's answers when the chain has them (buckets planned for that corpus), else on
     the bundled corpus with notebook 02's plan."""
     if ANSWERS in prev:
@@ -43,7 +43,7 @@ CHAIN: list[Link] = [
     ("01_length_analysis", lambda prev: {}),
     ("02_bucket_optimization", lambda prev: {"lengths_from": str(prev["01_length_analysis"])}),
     ("03_throughput_probe", lambda prev: {"plan": str(prev["02_bucket_optimization"] / "plan.json")}),
-    ("04_train", _train_link),
+    ("04_train", train_link),
     ("05_evaluate", lambda prev: {"run": str(prev["04_train"])}),
 ]
 
