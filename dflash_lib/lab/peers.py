@@ -26,7 +26,7 @@ class PeerRow(JsonRecord):
     reason: str  # "" when it ran
     version: str  # the trainer package's version
     train_tokens: int | None = None  # document tokens trained on, as the trainer counted them (each is given the
-    # job's epochs; ours plans its steps from full rows, so it may stop a few % short of them: docs/peers.md)
+    # job's epochs; a trainer that steps in whole rows or accumulation windows ends within a step of them)
     loop_s: float | None = None  # seconds of the training loop (the trainer's own clock, setup excluded)
     tokens_per_s: float | None = None  # train_tokens / loop_s
     tokens_per_cpu_s: float | None = None  # train_tokens / the loop's CPU seconds (every thread of the process): the
