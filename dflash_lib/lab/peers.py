@@ -72,14 +72,14 @@ def _f(x: float | None, fmt: str) -> str:
 
 def peers_table(rows: Sequence[PeerRow], sets: Sequence[str]) -> str:
     """The markdown table of docs/peers.md: a line per trainer (a refused one with its reason)."""
-    head = (["trainer", "version", "status", "tokens/s", "tokens/CPU-s", "peak RSS GiB", "served tau"] + [f"tau {s}" for s in sets]
+    head = (["trainer", "version", "status", "train tokens", "tokens/s", "tokens/CPU-s", "peak RSS GiB", "served tau"] + [f"tau {s}" for s in sets]
             + ["vLLM speedup", "z-lab tau", "answers = greedy"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = r.status if r.status == "ran" and not r.reason else f"{r.status}: {r.reason}"
         spread = f" ({r.speedup_range[0]:.2f}-{r.speedup_range[1]:.2f})" if r.speedup_range else ""
         zlab = _f(r.zlab_tau, ".3f") if not r.zlab_reason else f"— ({r.zlab_reason})"
-        cells = ([r.trainer, r.version, status, _f(r.tokens_per_s, ".0f"), _f(r.tokens_per_cpu_s, ".0f"),
+        cells = ([r.trainer, r.version, status, _f(r.train_tokens, ",d"), _f(r.tokens_per_s, ".0f"), _f(r.tokens_per_cpu_s, ".0f"),
                   _f(r.peak_rss_gib, ".2f"),
                   _f(r.served_tau, ".3f")] + [_f(r.served_tau_per_set.get(s), ".3f") for s in sets]
                  + [_f(r.served_speedup, ".2f") + ("x" if r.served_speedup is not None else "") + spread, zlab,
