@@ -56,13 +56,13 @@ def test_peak_memory_is_read_from_gnu_time():
 
 
 def test_the_table_shows_a_refused_trainer_with_its_reason_and_the_docs_block_is_replaced_alone():
-    rows = [PeerRow("ours", "ran", "", "1.0", tokens_per_s=1234.4, tokens_per_cpu_s=700.2, peak_rss_gib=1.5, served=True, served_tau=1.8,
+    rows = [PeerRow("ours", "ran", "", "1.0", train_tokens=198363, tokens_per_s=1234.4, tokens_per_cpu_s=700.2, peak_rss_gib=1.5, served=True, served_tau=1.8,
                     served_tau_per_set={"a": 1.9}, served_speedup=1.4, speedup_range=[1.3, 1.5], outputs_equal=8,
                     prompts=8, zlab_tau=1.8),
             PeerRow("specforge", "refused", "needs CUDA | here", "0.2.0", zlab_reason="not served")]
     table = peers_table(rows, ["a"])
     lines = table.splitlines()
-    assert lines[2].split(" | ")[3:7] == ["1234", "700", "1.50", "1.800"] and "1.40x (1.30-1.50)" in lines[2]
+    assert lines[2].split(" | ")[3:8] == ["198,363", "1234", "700", "1.50", "1.800"] and "1.40x (1.30-1.50)" in lines[2]
     assert "refused: needs CUDA / here" in lines[3] and "— (not served)" in lines[3]
     doc = f"intro\n{TABLE_BEGIN}\nold\n{TABLE_END}\nafter\n"
     assert with_table(doc, table) == f"intro\n{TABLE_BEGIN}\n{table}\n{TABLE_END}\nafter\n"
