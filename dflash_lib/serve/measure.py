@@ -104,7 +104,8 @@ def served_histogram(counters: SpecCounters) -> dict[int, float]:
     return out
 
 
-def _tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float]:
+def tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float]:
+    """(tau, its standard error) over every cycle of `cycle_log` (per prompt, per cycle: (context, tokens))."""
     hist: dict[int, float] = {}
     for n in tokens_per_cycle(cycle_log):
         hist[n] = hist.get(n, 0) + 1
@@ -117,10 +118,10 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
     verdict. `along`: our cycle log along the engine's own answers (not exact: greedy answers that parted from
     ours), what served tau is then judged against."""
     ours = tokens_per_cycle(row_set.cycle_log)
-    tau, se = _tau_se(row_set.cycle_log)
+    tau, se = tau_se(row_set.cycle_log)
     tau_along = cycles_along = None
     if along is not None and not exact:
-        tau_along, se = _tau_se(along)
+        tau_along, se = tau_se(along)
         cycles_along = len(tokens_per_cycle(along))
     served_tau, served_se = _mean_se(served_histogram(served.counters))
     cycles = len(ours)
