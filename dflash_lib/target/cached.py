@@ -28,10 +28,10 @@ from safetensors.torch import save_file
 from dflash_lib.config import ConfigError
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.models.export import file_sha256
-from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.hidden_states import (HiddenStatesClient, engine_files, engine_layer_ids, served_dtype,
-                                           target_engine_url)
+from dflash_lib.serve.hidden_states import HiddenStatesClient
+from dflash_lib.target.facts import TargetFacts, read_facts
+from dflash_lib.target.served import engine_files, served_dtype, target_engine_url
 
 MANIFEST = "manifest.json"
 FORMAT = 2  # 2: a sha256 per shard, the target's weights fingerprint, the dtype the engine runs (1: none of them)
@@ -54,7 +54,7 @@ class CacheIdentity:
     target_config_sha256: str  # of its config.json
     layer_ids: tuple[int, ...]  # our feature layers, in concatenation order
     hidden_size: int
-    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`hidden_states.served_dtype`)
+    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`served.served_dtype`)
     store_key: str  # the token store's settings key (its meta.json)
     target_weights_fingerprint: str  # `model_identity.weights_fingerprint` of the folder (weights replaced in place
     # differ here)
@@ -258,35 +258,30 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
     m = config.model
     if not Path(m.target).is_dir():
         raise ConfigError(f"capture serves a LOCAL model folder, got target {m.target!r}")
-    hf = local_hf_config(m.target)
-    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
+    facts = read_facts(m)
     store = build_token_store_from_config(config.data, progress=progress)
     cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")  # the trainer's: with the target, the engine's dtype
-    identity = CacheIdentity.of(config, ids, int(hf.hidden_size), store.meta["key"], device)
+    identity = CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store.meta["key"], device)
     existing = read_manifest(out)  # refused before an engine starts
     if existing is not None:
         identity.refuse_other(identity_of(existing), Path(out))
         if existing.get("complete"):  # nothing left to capture: no engine started
             return existing
-    aux = engine_layer_ids(ids)
-    with target_engine_url(config, Path(out) / "engine", device) as url:
-        files = engine_files(config, Path(out) / "engine", device, str(Path(out).resolve()))
-        client = HiddenStatesClient(url, files, int(hf.hidden_size), max(1, config.pipeline.target_workers) * 4)
+    with target_engine_url(config, facts, Path(out) / "engine", device) as url:
+        files = engine_files(config, facts, Path(out) / "engine", device, str(Path(out).resolve()))
+        client = HiddenStatesClient(url, files, facts.hidden_size, max(1, config.pipeline.target_workers) * 4)
         try:
-            return capture(store, identity, out, client.fetch, torch.tensor([aux.index(i + 1) for i in ids]),
-                           progress=progress)
+            return capture(store, identity, out, client.fetch, facts.aux_pick, progress=progress)
         finally:
             client.close()
 
 
-def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
-    """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
-    target (its config.json, its weights' fingerprint), layer set, dtype (`hidden_states.served_dtype`) or token
-    store."""
-    m = config.model
-    hf = local_hf_config(m.target)
-    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
-    cache = HiddenCache(m.hidden_cache)
-    CacheIdentity.of(config, ids, int(hf.hidden_size), store_key, device).refuse_other(cache.identity, cache.path)
+def open_cache(config: Any, facts: TargetFacts, store_key: str, device: torch.device) -> HiddenCache:
+    """`config.model.hidden_cache` opened for this run (its target's `facts`), refused in one line when it was
+    captured for another target (its config.json, its weights' fingerprint), layer set, dtype
+    (`served.served_dtype`) or token store."""
+    cache = HiddenCache(config.model.hidden_cache)
+    CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store_key, device).refuse_other(cache.identity,
+                                                                                                cache.path)
     return cache
