@@ -446,15 +446,12 @@ class EvalConfig:
 
 def check_served_target(config: "Config") -> None:
     """Refuse, before an engine starts, what a target served by vLLM (`target_engine vllm`) cannot do, naming the
-    parameter: a target that is not a local folder, a loss reading the target's distribution, fixed shapes (the
-    engine runs real tokens only), a sharded local target."""
+    parameter: a target that is not a local folder, fixed shapes (the engine runs real tokens only), a sharded
+    local target."""
     m = config.model
     if m.target == "tiny":
         raise ConfigError("a served or cached target (target_engine vllm, hidden_cache) is a LOCAL model folder (or, in the dry run, a named shape), got "
                           "target 'tiny'")
-    if m.loss != "ce":
-        raise ConfigError(f"target_engine vllm trains with loss 'ce' only, got loss {m.loss!r}: the engine hands over "
-                          "the feature layers, not the target's final distribution")
     if config.sampler.static_shapes:
         raise ConfigError("target_engine vllm runs the real tokens only: static_shapes must be false")
     if config.train.target_parallel == "fsdp":

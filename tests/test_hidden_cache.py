@@ -36,10 +36,13 @@ def tiny_target_folder(root: Path) -> Path:
 
 def capture_locally(config, out: Path) -> dict:
     """`capture` of `config`'s whole token store into `out`, the LOCAL target (fp32, on the CPU) standing in for
-    the engine: each document's (len, F, H) states from its forward alone. Returns the manifest."""
+    the engine: each document's (len, F, H) states from its forward alone (for a loss reading the final states,
+    the last layer must be a feature layer: its output is then what the engine hands over). Returns the
+    manifest."""
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import TargetModel
     from dflash_lib.target.cached import CacheIdentity, capture
+    from dflash_lib.target.facts import read_facts
     from dflash_lib.train.build import load_training_data
 
     data = load_training_data(config)
@@ -47,12 +50,16 @@ def capture_locally(config, out: Path) -> dict:
     F, H = target.num_features, target.hidden_size
     assert target.layer_ids == sorted(target.layer_ids)  # the engine's aux order is ours: pick = 0 .. F-1
     identity = CacheIdentity.of(config, target.layer_ids, H, data.full_store.meta["key"], torch.device("cpu"))
+    facts = read_facts(config.model)
+    final = identity.final_states
+    assert facts.engine_layers(final) == [i + 1 for i in target.layer_ids]  # the stand-in holds the engine's layers
 
     def fetch(documents):
         batch = [collate_padded([(np.asarray(d), np.ones(len(d), np.uint8))], 0) for d in documents]
         return [target.context_features(b).reshape(len(d), F, H) for b, d in zip(batch, documents)]
 
-    return capture(data.full_store, identity, out, fetch, torch.arange(F), say=lambda _: None, progress=False)
+    return capture(data.full_store, identity, out, fetch, torch.arange(F), say=lambda _: None, progress=False,
+                   last=facts.engine_last() if final else None)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +87,24 @@ def test_a_run_from_a_locally_captured_cache_has_the_local_runs_losses(cached_ta
     local, cached = ([r["loss"] for r in metrics_rows(tmp_path / d)] for d in ("local", "cached"))
     assert len(local) == 6 and min(local) > 1.0
     np.testing.assert_allclose(cached, local, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_loss_ce_kl_run_from_a_cache_has_the_local_runs_losses(tmp_path):
+    """loss ce+kl, refused from a cache before: the cache holds the last layer's output (layer 3 of 4, a feature
+    layer here), the served target passes it through the target's final norm read from the folder; 6 smoke steps
+    from it have the local run's losses (and KL terms) within 1e-5 relative."""
+    from dflash_lib.train.loop import train
+    from run_folder import metrics_rows
+
+    folder = tiny_target_folder(tmp_path)
+    params = {**CACHED, "target": str(folder), "loss": "ce+kl"}
+    capture_locally(from_params(params, preset("smoke")), tmp_path / "cache")
+    train(from_params(params, preset("smoke")), tmp_path / "local")
+    train(from_params({**params, "hidden_cache": str(tmp_path / "cache")}, preset("smoke")), tmp_path / "cached")
+    local, cached = (metrics_rows(tmp_path / d) for d in ("local", "cached"))
+    assert len(local) == 6 and min(r["loss"] for r in local) > 1.0
+    np.testing.assert_allclose([r["loss"] for r in cached], [r["loss"] for r in local], rtol=1e-5)
 
 # -- a cache of a stand-in store: documents of 3..12 token ids, states a function of them -----------------------
 
@@ -118,7 +143,7 @@ def _identity(**changes):
     from dflash_lib.target.cached import CacheIdentity
 
     base = dict(target="/t", target_config_sha256="abc", layer_ids=(0, 1), hidden_size=H, dtype="float32",
-                store_key="k1", target_weights_fingerprint="w")
+                store_key="k1", target_weights_fingerprint="w", final_states=False)
     return CacheIdentity(**{**base, **changes})
 
 
@@ -299,18 +324,18 @@ def test_an_older_manifest_is_refused_saying_to_capture_again(tmp_path, small_sh
 
     _capture(tmp_path)
     doc = hc.read_manifest(tmp_path)
-    assert doc["format"] == hc.FORMAT == 2
+    assert doc["format"] == hc.FORMAT == 3
     old = {**doc, "format": 1, "identity": {k: v for k, v in doc["identity"].items()
                                             if k != "target_weights_fingerprint"},
            "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in doc["shards"]]}
     (tmp_path / "manifest.json").write_text(json.dumps(old))
     for attempt in (lambda: hc.HiddenCache(tmp_path), lambda: _capture(tmp_path)):
-        with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 2 only "
+        with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 3 only "
                                               r".*: capture again into another folder") as e:
             attempt()
         assert "\n" not in str(e.value)
     (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in old.items() if k != "format"}))
-    with pytest.raises(ConfigError, match="cache format None, this version reads format 2 only"):
+    with pytest.raises(ConfigError, match="cache format None, this version reads format 3 only"):
         hc.HiddenCache(tmp_path)
 
 

@@ -45,7 +45,6 @@ def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_pa
 
 @pytest.mark.parametrize("params,says", [
     ({"target": "tiny"}, "is a LOCAL model folder"),
-    ({"loss": "kl"}, "loss 'ce' only, got loss 'kl'"),
     ({"static_shapes": True}, "static_shapes must be false"),
     ({"target_parallel": "fsdp"}, "target_parallel must not be fsdp"),
     ({"target_engine_url": "http://x:1"}, "target_engine_url and target_engine_dir go together"),
@@ -363,6 +362,21 @@ def test_training_from_the_engine_has_the_local_runs_losses(served_target, local
     np.testing.assert_allclose(losses["kept"], losses["local"], rtol=_loss_rtol())
     kept = json.loads((tmp_path / "kept" / "summary.json").read_text())["target_cache"]
     assert kept["hit_batches"] > 0 and kept["samples"] > 0  # later epochs from host memory, not the engine
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
+def test_loss_ce_kl_from_the_engine_has_the_local_runs_losses(served_target, tmp_path):
+    """loss ce+kl, refused from an engine before: the engine hands over the last layer's output (here layer 3 of 4
+    is a feature layer too: the same engine's files), passed through the target's final norm read from the folder;
+    20 smoke steps have the local ce+kl run's losses within the features' relative bound (`_loss_rtol`: the
+    last layer is within the bound's depth)."""
+    _, folder, url, out = served_target
+    engine = ["-p", "target_engine", "vllm", "-p", "target_engine_url", url, "-p", "target_engine_dir", str(out)]
+    local = _train_losses(folder, tmp_path / "local", "-p", "loss", "ce+kl")
+    served = _train_losses(folder, tmp_path / "served", "-p", "loss", "ce+kl", *engine)
+    assert len(local) == 20 and min(local) > 1.0
+    np.testing.assert_allclose(served, local, rtol=_loss_rtol())
 
 
 # -- the cache captured through the engine (the cache itself: tests/test_hidden_cache.py) --------------------

@@ -58,7 +58,8 @@ def test_vllms_numbering_of_the_feature_layers_and_the_refused_ids():
     feature picks its layer of the file."""
     facts = read_facts(ModelConfig(target="tiny", target_layers=6, hidden_size=32, target_layer_ids=[5, 0, 5],
                                    num_features=3))
-    assert facts.aux_layer_ids == [1, 6] and facts.aux_pick.tolist() == [1, 0, 1]
+    assert facts.engine_layers() == [1, 6] and facts.engine_pick().tolist() == [1, 0, 1]
+    assert facts.engine_layers(final=True) == [1, 6] and facts.engine_last() == 1  # layer 5 is the last
     with pytest.raises(ConfigError, match=r"target layer ids \[0, 9\]: \[9\] outside \[0, 6\)"):
         read_facts(ModelConfig(target="tiny", target_layers=6, hidden_size=32, target_layer_ids=[0, 9],
                                num_features=2))
@@ -82,7 +83,7 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
                 .reshape(len(d), F, H) for d in documents]
 
     identity = CacheIdentity.of(config, facts.layer_ids, H, "k1", torch.device("cpu"))
-    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.aux_pick, say=lambda _: None, progress=False)
+    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(), say=lambda _: None, progress=False)
     served = ServedTarget(facts, "", "cpu", torch.float32, cache=HiddenCache(tmp_path / "cache"))
     try:
         assert isinstance(local, FeatureSource) and isinstance(served, FeatureSource)
@@ -96,6 +97,46 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
     finally:
         served.close()
     members = [*FeatureSource.__annotations__, *(n for n, v in vars(FeatureSource).items()
-                                                  if not n.startswith("_") and (callable(v) or isinstance(v, property)))]
+                                                  if not n.startswith("_") and callable(v) or isinstance(v, property))]
     assert len(members) == 13 and [m for m in members if not hasattr(ShardedTarget, m)] == []
     assert not isinstance(object(), FeatureSource)  # the check can fail
+
+
+def test_the_cached_targets_final_states_equal_the_local_targets(folder, tmp_path):
+    """Loss kl from a cache: the capture holds the last layer's output beside the feature layers (0 and 2 of 4: the
+    last, 3, is not one of them), and the served target passes it through the target's own final norm read from
+    the folder: its features and final-normed states at the scored rows equal the local target's forward of the
+    batch within fp32 rounding. Opened for loss ce, a served target refuses them in one line."""
+    config = from_params({"target": str(folder), "target_layer_ids": [0, 2], "num_features": 2, "loss": "kl",
+                          "hidden_cache": str(tmp_path / "cache"), "precision": "fp32"}, preset("smoke"))
+    facts = read_facts(config.model)
+    H = facts.hidden_size
+    assert facts.engine_layers(final=True) == [1, 3, 4] and facts.engine_last() == 2
+    assert facts.engine_pick(final=True).tolist() == [0, 1]
+    local = TargetModel.from_model_config(config.model)
+    engine = TargetModel.from_model_config(ModelConfig(target=str(folder), target_layer_ids=[0, 2, 3],
+                                                       num_features=3))  # what vLLM's file holds: ids 1, 3, 4
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 512, n).astype(np.int64) for n in (11, 4, 17)]
+
+    def fetch(documents):
+        return [engine.context_features(collate_padded([(np.asarray(d), np.ones(len(d), np.uint8))], 0))
+                .reshape(len(d), 3, H) for d in documents]
+
+    identity = CacheIdentity.of(config, facts.layer_ids, H, "k1", torch.device("cpu"))
+    assert identity.final_states
+    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(True), say=lambda _: None,
+            progress=False, last=facts.engine_last())
+    cache = HiddenCache(tmp_path / "cache")
+    served = ServedTarget(facts, "", "cpu", torch.float32, cache=cache, final=True)
+    batch = collate_padded([(d, np.ones(len(d), np.uint8)) for d in docs], 0)
+    rows = torch.tensor([0, 10, 11, 14, 20, 31])  # context entries (real tokens, row-major) a loss scores
+    (feats, final), (want_feats, want_final) = (t.context_features_and_final(batch, rows) for t in (served, local))
+    assert final.shape == want_final.shape == (6, H) and feats.shape == want_feats.shape == (32, 2 * H)
+    torch.testing.assert_close(feats, want_feats)
+    torch.testing.assert_close(final, want_final)
+    raw = torch.cat([cache.get_last(d) for d in docs])[rows]  # before the final norm: far from the normed states
+    assert (raw - want_final).abs().max() > 100 * (final - want_final).abs().max()
+    assert torch.equal(served.norm.weight, local.base.norm.weight)
+    with pytest.raises(ConfigError, match="opened for loss ce .* open it with final=True"):
+        ServedTarget(facts, "", "cpu", torch.float32, cache=cache).context_features_and_final(batch, rows)

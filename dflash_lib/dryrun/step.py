@@ -180,6 +180,11 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
             def features(batch: Batch, segments: Any) -> torch.Tensor:  # the engine's, copied onto the device
                 return torch.empty(segments.num_real, target.num_features * target.hidden_size,
                                    dtype=settings.target_dtype, device=target.device)
+
+            def features_and_final(batch: Batch, rows: torch.Tensor, segments: Any):  # loss kl: the engine's last
+                final = torch.empty(rows.shape[0], target.hidden_size,  # layer too, normed here: (u, H)
+                                    dtype=settings.target_dtype, device=target.device)
+                return features(batch, segments), final
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)

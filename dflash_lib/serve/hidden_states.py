@@ -37,9 +37,10 @@ def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     return sorted(set(vllm_aux_layer_ids(list(layer_ids))))
 
 
-def engine_pick(layer_ids: Sequence[int]) -> torch.Tensor:
-    """(F,) int64: the layer of the engine's file (`engine_layer_ids` order) that holds each feature layer."""
-    aux = engine_layer_ids(layer_ids)
+def engine_pick(layer_ids: Sequence[int], held: Sequence[int] | None = None) -> torch.Tensor:
+    """(len(layer_ids),) int64: the layer of the engine's file that holds each of `layer_ids`, the file holding
+    the layers `held` (default `layer_ids`) in `engine_layer_ids` order."""
+    aux = engine_layer_ids(layer_ids if held is None else held)
     return torch.tensor([aux.index(i) for i in vllm_aux_layer_ids(list(layer_ids))])
 
 

@@ -1,6 +1,7 @@
 """The target's facts, read once from its config (`read_facts`) into the record every source of features takes:
 its Hugging Face config, layer count and kinds, width, vocabulary, whether the LM head is the embedding, and the
-feature layers the drafter reads (`models.target.chosen_layer_ids`; in vLLM's numbering `aux_layer_ids`).
+feature layers the drafter reads (`models.target.chosen_layer_ids`; what an engine hands over of them, and of the
+last layer for a loss reading the target's final states, in vLLM's numbering: `engine_layers`).
 """
 
 from __future__ import annotations
@@ -36,15 +37,21 @@ class TargetFacts:
     def num_features(self) -> int:
         return len(self.layer_ids)
 
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        """The feature layers in vLLM's numbering, sorted and unique: what the engine's files hold."""
-        return engine_layer_ids(self.layer_ids)
+    def engine_layers(self, final: bool = False) -> list[int]:
+        """What the engine's files hold, in vLLM's numbering, sorted and unique: the feature layers and, with
+        `final` (loss kl / ce+kl), the last layer (its output before the final norm)."""
+        return engine_layer_ids(self._held(final))
 
-    @property
-    def aux_pick(self) -> torch.Tensor:
-        """(F,) int64: the layer of an engine file that holds each feature layer."""
-        return engine_pick(self.layer_ids)
+    def engine_pick(self, final: bool = False) -> torch.Tensor:
+        """(F,) int64: the layer of an engine file (`engine_layers(final)`) that holds each feature layer."""
+        return engine_pick(self.layer_ids, self._held(final))
+
+    def engine_last(self) -> int:
+        """The layer of an engine file (`engine_layers(True)`) that holds the last layer's output."""
+        return int(engine_pick([self.num_layers - 1], self._held(True))[0])
+
+    def _held(self, final: bool) -> list[int]:
+        return [*self.layer_ids, *([self.num_layers - 1] if final else [])]
 
 
 def read_facts(cfg: "ModelConfig") -> TargetFacts:

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, reads_final_states
 from dflash_lib.models.target import TargetModel, trainable_target_config
 from dflash_lib.serve.hidden_states import EngineFiles
 from dflash_lib.target.cached import HiddenCache, open_cache
@@ -45,8 +45,9 @@ class TargetSource:
 def check_target(config: Any, world_size: int, device: torch.device, store_key: str) -> TargetSource:
     """The source of `config`'s run, refused in one line before a run folder is made: a local target whose
     config.json or weights cannot train (`trainable_target_config`), a served or cached one that is not a local
-    folder, an engine started per rank under torchrun, a server started by hand that serves another model or
-    layers (`probe_engine`), a cache of another target, layer set, dtype or token store `store_key`
+    folder, an engine started per rank under torchrun, a served or cached one whose final logits are soft-capped
+    for a loss reading them (kl, ce+kl), a server started by hand that serves another model or layers
+    (`probe_engine`), a cache of another target, layer set, loss kind, dtype or token store `store_key`
     (`cached.open_cache`)."""
     m = config.model
     engine = m.target_engine == "vllm"
@@ -58,6 +59,10 @@ def check_target(config: Any, world_size: int, device: torch.device, store_key: 
         raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
                           "address as -p target_engine_url")
     facts = read_facts(m)
+    cap = getattr(facts.hf, "final_logit_softcapping", None)
+    if (engine or m.hidden_cache) and reads_final_states(m.loss) and cap:
+        raise ConfigError(f"target {m.target!r}: loss {m.loss!r} reads the target's distribution, whose final logits "
+                          f"are soft-capped (final_logit_softcapping {cap}); train with loss 'ce'")
     if engine and m.target_engine_url:  # a server started by hand: what it serves, checked here
         probe_engine(config, facts, device)
     cache = open_cache(config, facts, store_key, device) if m.hidden_cache else None
@@ -88,7 +93,7 @@ def open_sources(config: Any, source: TargetSource, devices: Sequence[torch.devi
     if source.served:
         return [ServedTarget(source.facts, source.url, devices[0], dtype,
                              concurrency=max(1, config.pipeline.target_workers) * 4, cache=source.cache,
-                             files=source.files)]
+                             files=source.files, final=reads_final_states(m.loss))]
     if parallel == "fsdp":
         return [load_sharded_target(m, devices[0], dtype, tc.dist_timeout_s, tc.seed, gather)]
     return [TargetModel.from_model_config(m, device=d, dtype=dtype, seed=tc.seed, gather=gather) for d in devices]
