@@ -306,7 +306,7 @@ def section_sampling(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def section_target_shard(device: torch.device) -> dict[str, Any]:
-    """`target_shard.ShardedTarget` built with `final` (loss kl / ce+kl) from a target on the HOST, sharded onto
+    """`target.sharded.ShardedTarget` built with `final` (loss kl / ce+kl) from a target on the HOST, sharded onto
     `device` in a 1-rank process group (NCCL on CUDA: fully_shard's move of the layers to the device, the
     per-layer all-gathers and the prefetch chain over every layer), against the same target built on the device:
     features and final states within TOL["bf16"] (bf16 weights; `bitwise_equal` says whether they are identical),
@@ -314,7 +314,7 @@ def section_target_shard(device: torch.device) -> dict[str, Any]:
     tests/test_target_parallel.py and tests/test_torchrun.py.)"""
     import torch.distributed as dist
 
-    from dflash_lib.train.target_shard import ShardedTarget
+    from dflash_lib.target.sharded import ShardedTarget
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -6,7 +6,7 @@ tiny Qwen3 target of hidden 64 with the real Qwen3 vocabulary, 2 feature layers,
 16 anchors, one packed row of `--tokens` tokens per rank and step) and time, over `--steps` steps after one warm-up
 step, one training step = the target's feature pass on this rank's row + `step.train_step` on a DDP drafter:
   replicate: the target whole on every rank (`TargetModel.context_features`),
-  fsdp:      its decoder layers sharded (`target_shard.ShardedTarget`: per-layer all-gathers on a group of their own).
+  fsdp:      its decoder layers sharded (`target.sharded.ShardedTarget`: per-layer all-gathers on a group of their own).
 With `--loss kl` or `ce+kl` the pass runs every layer and gives the final states at the scored rows too
 (`context_features_and_final`), which the drafter's loss reads. Prints each mode's median seconds per step, the
 fsdp/replicate ratio, and whether both modes gave the same features (and final states). CPU figures are only a
@@ -36,7 +36,7 @@ from dflash_lib.train import distributed  # noqa: E402
 from dflash_lib.train.feed import Item  # noqa: E402
 from dflash_lib.train.state import BadStepGuard  # noqa: E402
 from dflash_lib.train.step import train_step  # noqa: E402
-from dflash_lib.train.target_shard import ShardedTarget  # noqa: E402
+from dflash_lib.target.sharded import ShardedTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for benchmarks/_common.py only, then off again
 from _common import join_group, spawn_ranks  # noqa: E402

@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "train":
             return _train(args)
         elif args.cmd == "capture":
-            from dflash_lib.serve.hidden_cache import run_capture
+            from dflash_lib.target.cached import run_capture
 
             from dflash_lib.rundir import load_config
 
@@ -282,11 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             from dflash_lib.rundir import load_config
-            from dflash_lib.serve.hidden_states import engine_command
+            from dflash_lib.target.facts import read_facts
+            from dflash_lib.target.served import engine_command
 
             config = load_config(_params(args.param), args.preset)
             cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
-            print(engine_command(config, args.dir, torch.device("cuda" if cuda else "cpu")))
+            print(engine_command(config, read_facts(config.model), args.dir, torch.device("cuda" if cuda else "cpu")))
         elif args.cmd == "demo":
             from dflash_lib.lab.demo import run_demo
 

@@ -262,7 +262,7 @@ class PipelineConfig:
     hs_queue: int = 2  # q_hs capacity (hidden-state batches waiting for the drafter)
     target_threads: int = 0  # torch intra-op threads of each CPU target worker thread (0 = torch's default)
     target_cache_gib: float = 0.0  # host memory (GiB) for the target's features per sample, reused every later epoch
-    # instead of a forward (train.feature_cache: many epochs of a small corpus); 0 = off
+    # instead of a forward (target.feature_cache: many epochs of a small corpus); 0 = off
     queue_timeout_s: float = 5.0  # a stage waiting longer than this re-checks for a failure elsewhere
     close_timeout_s: float = 30.0  # close() waits this long (seconds) for all stage threads before reporting one stuck
 
@@ -300,7 +300,7 @@ class TrainConfig:
     stop_at_step: int = 0  # stop this invocation after this step, checkpointed (a rerun resumes); 0 = off
     parallel: Literal["ddp", "fsdp"] = "ddp"  # the drafter under torchrun: DistributedDataParallel, or FSDP2 with a unit per layer
     target_parallel: Literal["replicate", "fsdp", "auto"] = "auto"  # the frozen target under torchrun: whole on every rank, or
-    # FSDP2 with a unit per decoder layer (train.target_shard); "auto": fsdp when its weights exceed 1/3 of a GPU
+    # FSDP2 with a unit per decoder layer (target.sharded); "auto": fsdp when its weights exceed 1/3 of a GPU
     async_ckpt: bool = False  # checkpoints staged in host memory, written in the background, committed at the next save
     eval_every: int = 0  # evaluate on the held-out samples every N steps (0 = only at the end of the run)
     eval_samples: int = 64  # held-out samples each evaluation runs on (the first in hash order); 0 = no evaluation
@@ -446,15 +446,12 @@ class EvalConfig:
 
 def check_served_target(config: "Config") -> None:
     """Refuse, before an engine starts, what a target served by vLLM (`target_engine vllm`) cannot do, naming the
-    parameter: a target that is not a local folder, a loss reading the target's distribution, fixed shapes (the
-    engine runs real tokens only), a sharded local target."""
+    parameter: a target that is not a local folder, fixed shapes (the engine runs real tokens only), a sharded
+    local target."""
     m = config.model
     if m.target == "tiny":
         raise ConfigError("a served or cached target (target_engine vllm, hidden_cache) is a LOCAL model folder (or, in the dry run, a named shape), got "
                           "target 'tiny'")
-    if m.loss != "ce":
-        raise ConfigError(f"target_engine vllm trains with loss 'ce' only, got loss {m.loss!r}: the engine hands over "
-                          "the feature layers, not the target's final distribution")
     if config.sampler.static_shapes:
         raise ConfigError("target_engine vllm runs the real tokens only: static_shapes must be false")
     if config.train.target_parallel == "fsdp":

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dflash_lib.config import ConfigError, from_params
 from dflash_lib import dryrun
 from dflash_lib.dryrun.fake_ranks import fake_process_group
-from dflash_lib.train.target_shard import shard_layers
+from dflash_lib.target.sharded import shard_layers
 
 VOCAB = 1000
 
@@ -84,7 +84,7 @@ def test_the_prefetch_chain_gathers_the_layers_of_the_pass_once_per_pass(final):
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import TargetModel, tiny_qwen3_config
     from dflash_lib.dryrun.fake_ranks import CommTally
-    from dflash_lib.train.target_shard import pass_depth, shard_layers
+    from dflash_lib.target.sharded import pass_depth, shard_layers
 
     target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB), 2,
                                         layer_ids=[0, 1], seed=0)

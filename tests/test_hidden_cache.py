@@ -1,4 +1,4 @@
-"""The hidden-states cache (`serve/hidden_cache.py`, `capture` then `train -p hidden_cache DIR`) without vLLM: the
+"""The hidden-states cache (`target/cached.py`, `capture` then `train -p hidden_cache DIR`) without vLLM: the
 local target stands in for the engine. What a cache vouches for: each shard's sha256 (checked at its first read),
 the target's config and weights, the feature layers, the dtype it holds (the engine's), the token store; every
 document's rows against its tokens; an older manifest refused."""
@@ -36,10 +36,13 @@ def tiny_target_folder(root: Path) -> Path:
 
 def capture_locally(config, out: Path) -> dict:
     """`capture` of `config`'s whole token store into `out`, the LOCAL target (fp32, on the CPU) standing in for
-    the engine: each document's (len, F, H) states from its forward alone. Returns the manifest."""
+    the engine: each document's (len, F, H) states from its forward alone (for a loss reading the final states,
+    the last layer must be a feature layer: its output is then what the engine hands over). Returns the
+    manifest."""
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import TargetModel
-    from dflash_lib.serve.hidden_cache import CacheIdentity, capture
+    from dflash_lib.target.cached import CacheIdentity, capture
+    from dflash_lib.target.facts import read_facts
     from dflash_lib.train.build import load_training_data
 
     data = load_training_data(config)
@@ -47,12 +50,16 @@ def capture_locally(config, out: Path) -> dict:
     F, H = target.num_features, target.hidden_size
     assert target.layer_ids == sorted(target.layer_ids)  # the engine's aux order is ours: pick = 0 .. F-1
     identity = CacheIdentity.of(config, target.layer_ids, H, data.full_store.meta["key"], torch.device("cpu"))
+    facts = read_facts(config.model)
+    final = identity.final_states
+    assert facts.engine_layers(final) == [i + 1 for i in target.layer_ids]  # the stand-in holds the engine's layers
 
     def fetch(documents):
         batch = [collate_padded([(np.asarray(d), np.ones(len(d), np.uint8))], 0) for d in documents]
         return [target.context_features(b).reshape(len(d), F, H) for b, d in zip(batch, documents)]
 
-    return capture(data.full_store, identity, out, fetch, torch.arange(F), say=lambda _: None, progress=False)
+    return capture(data.full_store, identity, out, fetch, torch.arange(F), say=lambda _: None, progress=False,
+                   last=facts.engine_last() if final else None)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +87,24 @@ def test_a_run_from_a_locally_captured_cache_has_the_local_runs_losses(cached_ta
     local, cached = ([r["loss"] for r in metrics_rows(tmp_path / d)] for d in ("local", "cached"))
     assert len(local) == 6 and min(local) > 1.0
     np.testing.assert_allclose(cached, local, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_loss_ce_kl_run_from_a_cache_has_the_local_runs_losses(tmp_path):
+    """loss ce+kl, refused from a cache before: the cache holds the last layer's output (layer 3 of 4, a feature
+    layer here), the served target passes it through the target's final norm read from the folder; 6 smoke steps
+    from it have the local run's losses (and KL terms) within 1e-5 relative."""
+    from dflash_lib.train.loop import train
+    from run_folder import metrics_rows
+
+    folder = tiny_target_folder(tmp_path)
+    params = {**CACHED, "target": str(folder), "loss": "ce+kl"}
+    capture_locally(from_params(params, preset("smoke")), tmp_path / "cache")
+    train(from_params(params, preset("smoke")), tmp_path / "local")
+    train(from_params({**params, "hidden_cache": str(tmp_path / "cache")}, preset("smoke")), tmp_path / "cached")
+    local, cached = (metrics_rows(tmp_path / d) for d in ("local", "cached"))
+    assert len(local) == 6 and min(r["loss"] for r in local) > 1.0
+    np.testing.assert_allclose([r["loss"] for r in cached], [r["loss"] for r in local], rtol=1e-5)
 
 # -- a cache of a stand-in store: documents of 3..12 token ids, states a function of them -----------------------
 
@@ -115,15 +140,15 @@ def _fetch(dtype=torch.float32, short=None):
 
 
 def _identity(**changes):
-    from dflash_lib.serve.hidden_cache import CacheIdentity
+    from dflash_lib.target.cached import CacheIdentity
 
     base = dict(target="/t", target_config_sha256="abc", layer_ids=(0, 1), hidden_size=H, dtype="float32",
-                store_key="k1", target_weights_fingerprint="w")
+                store_key="k1", target_weights_fingerprint="w", final_states=False)
     return CacheIdentity(**{**base, **changes})
 
 
 def _capture(out: Path, store=None, identity=None, fetch=None) -> dict:
-    from dflash_lib.serve.hidden_cache import capture
+    from dflash_lib.target.cached import capture
 
     return capture(store or _Store(10), identity or _identity(), out, fetch or _fetch(), torch.tensor([0, 1]),
                    say=lambda _: None, progress=False)
@@ -144,7 +169,7 @@ def _killable(calls: list[int], fail_after: int = -1):
 def test_a_killed_capture_resumes_without_a_duplicate_or_a_missing_sample(tmp_path, monkeypatch):
     """Shards of 4 samples; the capture is killed in its third shard and run again: every sample once, each
     document's features are its rows of the feature layers (aux 0 and 2 of 3), only the missing shards asked for."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
 
     monkeypatch.setattr(hc, "SHARD_SAMPLES", 4)
     store, pick = _Store(10), torch.tensor([0, 2])
@@ -170,7 +195,7 @@ def test_a_killed_capture_resumes_without_a_duplicate_or_a_missing_sample(tmp_pa
                                          ({"store_key": "k2"}, "another store key"),
                                          ({"target_config_sha256": "def"}, "another target config sha256")])
 def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp_path, change, says):
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
 
     hc.capture(_Store(3), _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable([]), torch.tensor([0, 2]), say=lambda _: None, progress=False)
     with pytest.raises(ConfigError, match=says) as e:
@@ -183,7 +208,7 @@ def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp
 @pytest.fixture
 def small_shards(monkeypatch):
     """Shards of 4 samples: 10 documents make 3 shards."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
 
     monkeypatch.setattr(hc, "SHARD_SAMPLES", 4)
 
@@ -200,7 +225,7 @@ def test_a_flipped_bit_in_a_shard_is_refused_at_the_first_read_of_that_shard_nam
     """One bit of shard 1's features flipped after capture: opening the cache hashes nothing (a shard is GBs); a
     document of shard 0 reads (its shard hashed once), a document of shard 1 is refused in one line naming the
     file; the flipped value is what would have been read."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
 
     store = _Store(10)
     _capture(tmp_path, store)
@@ -229,7 +254,7 @@ def test_a_document_whose_rows_are_not_its_tokens_is_refused_naming_shard_and_do
     """Capture: an engine giving sample 5 one row short is refused before its shard is written. Read: shard 0's
     offsets rewritten so that documents 0 and 1 swap lengths (total unchanged, sha256 recomputed: only the rows
     are wrong): each is refused naming the shard and the document, documents 2 and 3 still read."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
     from safetensors.torch import load_file, save_file
 
     store = _Store(10)
@@ -270,7 +295,7 @@ def test_a_shard_that_disagrees_with_its_manifest_is_refused_when_the_cache_open
     """Shard 0 against its manifest entry, checked at opening (headers, offsets and keys only): a sample count
     the shard does not hold, offsets that fall back (sha256 recomputed: only the offsets are wrong), a feature
     width other than the identity's F*H, a file cut short. Each refused in one line naming the shard file."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
     from safetensors.torch import load_file, save_file
 
     _capture(tmp_path)
@@ -295,22 +320,22 @@ def test_a_shard_that_disagrees_with_its_manifest_is_refused_when_the_cache_open
 def test_an_older_manifest_is_refused_saying_to_capture_again(tmp_path, small_shards):
     """A format-1 manifest (no shard sha256, no weights fingerprint) is refused by the reader and by a capture
     into its folder, in one line that says to capture again; so is one naming no format."""
-    import dflash_lib.serve.hidden_cache as hc
+    import dflash_lib.target.cached as hc
 
     _capture(tmp_path)
     doc = hc.read_manifest(tmp_path)
-    assert doc["format"] == hc.FORMAT == 2
+    assert doc["format"] == hc.FORMAT == 3
     old = {**doc, "format": 1, "identity": {k: v for k, v in doc["identity"].items()
                                             if k != "target_weights_fingerprint"},
            "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in doc["shards"]]}
     (tmp_path / "manifest.json").write_text(json.dumps(old))
     for attempt in (lambda: hc.HiddenCache(tmp_path), lambda: _capture(tmp_path)):
-        with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 2 only "
+        with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 3 only "
                                               r".*: capture again into another folder") as e:
             attempt()
         assert "\n" not in str(e.value)
     (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in old.items() if k != "format"}))
-    with pytest.raises(ConfigError, match="cache format None, this version reads format 2 only"):
+    with pytest.raises(ConfigError, match="cache format None, this version reads format 3 only"):
         hc.HiddenCache(tmp_path)
 
 
@@ -341,7 +366,7 @@ def _config(folder: Path, cache: Path, **params):
 
 def _capture_for(config, store=None, fetch=None, device: str = "cpu") -> dict:
     """`config`'s identity (store key "k1") captured into its hidden_cache folder from the stand-in engine."""
-    from dflash_lib.serve.hidden_cache import CacheIdentity
+    from dflash_lib.target.cached import CacheIdentity
 
     identity = CacheIdentity.of(config, [1, 3], H, "k1", torch.device(device))
     return _capture(Path(config.model.hidden_cache), store or _Store(3), identity, fetch)
@@ -351,24 +376,26 @@ def test_weights_replaced_in_place_are_refused_naming_the_setting(tmp_path):
     """A cache captured for a folder whose model.safetensors is then replaced by other random weights of the same
     shapes (config.json byte for byte the same): refused in one line naming the weights fingerprint."""
     from dflash_lib.serve.engine_plugins.model_identity import config_sha256
-    from dflash_lib.serve.hidden_cache import open_cache
+    from dflash_lib.target.cached import open_cache
+    from dflash_lib.target.facts import read_facts
 
     folder = _small_folder(tmp_path)
     config = _config(folder, tmp_path / "cache")
     _capture_for(config)
-    assert open_cache(config, "k1", torch.device("cpu")).identity.target_weights_fingerprint != ""
+    facts = read_facts(config.model)
+    assert open_cache(config, facts, "k1", torch.device("cpu")).identity.target_weights_fingerprint != ""
     sha = config_sha256(folder)
     _small_folder(tmp_path, seed=1)  # the same shapes, other weights, in place
     assert config_sha256(folder) == sha
     with pytest.raises(ConfigError, match=r"cache: captured for another target weights fingerprint \('[0-9a-f]{64}'; "
                                           r"this run: '[0-9a-f]{64}'\): capture again") as e:
-        open_cache(config, "k1", torch.device("cpu"))
+        open_cache(config, facts, "k1", torch.device("cpu"))
     assert "\n" not in str(e.value)
 
 
 def _stored(cache: Path) -> tuple[str, str]:
     """(the manifest's dtype, the dtype of shard 0's features as safetensors names it)."""
-    from dflash_lib.serve.hidden_cache import read_manifest
+    from dflash_lib.target.cached import read_manifest
 
     with safe_open(str(cache / "shard-00000.safetensors"), framework="pt") as f:
         return read_manifest(cache)["identity"]["dtype"], f.get_slice("features").get_dtype()
@@ -378,7 +405,8 @@ def test_a_bf16_runs_cache_is_stored_and_labelled_bf16_and_refused_by_an_fp32_ru
     """The same target and store captured for a bf16 and an fp32 run (the engine's states in fp32 both times):
     each cache holds and names its run's dtype, holds the states rounded to it, is read by its run and refused in
     one line by the other."""
-    from dflash_lib.serve.hidden_cache import HiddenCache, open_cache
+    from dflash_lib.target.cached import HiddenCache, open_cache
+    from dflash_lib.target.facts import read_facts
 
     folder = _small_folder(tmp_path)
     store = _Store(3)
@@ -392,11 +420,11 @@ def test_a_bf16_runs_cache_is_stored_and_labelled_bf16_and_refused_by_an_fp32_ru
         assert torch.equal(got, _states(store.docs[0]).to(dtype).reshape(len(store.docs[0]), -1))
     assert not torch.equal(_states(store.docs[0]).bfloat16().float(), _states(store.docs[0]))  # bf16 rounds them
     for mine, other, held, theirs in (("bf16", "fp32", "bfloat16", "float32"), ("fp32", "bf16", "float32", "bfloat16")):
-        open_cache(runs[mine], "k1", torch.device("cpu"))
+        open_cache(runs[mine], read_facts(runs[mine].model), "k1", torch.device("cpu"))
         reader = _config(folder, tmp_path / mine, precision=other)
         with pytest.raises(ConfigError, match=rf"{mine}: captured for another dtype \('{held}'; this run: "
                                               rf"'{theirs}'\)") as e:
-            open_cache(reader, "k1", torch.device("cpu"))
+            open_cache(reader, read_facts(reader.model), "k1", torch.device("cpu"))
         assert "\n" not in str(e.value)
 
 
@@ -427,8 +455,9 @@ def test_the_cache_is_labelled_the_dtype_its_engine_is_started_in(tmp_path, monk
     linear-attention target on the CPU and a target on a GPU."""
     import transformers
 
-    import dflash_lib.serve.hidden_states as hs
-    from dflash_lib.serve.hidden_cache import CacheIdentity
+    import dflash_lib.target.served as hs
+    from dflash_lib.target.cached import CacheIdentity
+    from dflash_lib.target.facts import read_facts
 
     shape = dict(vocab_size=300, hidden_size=H, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1)
     cfg = (transformers.Qwen3Config(**shape) if family == "qwen3" else
@@ -437,7 +466,7 @@ def test_the_cache_is_labelled_the_dtype_its_engine_is_started_in(tmp_path, monk
     config = _config(tmp_path / family, tmp_path / "cache", precision=precision)
     engines = _Engines()
     monkeypatch.setattr(hs, "EngineServer", engines)
-    with hs.target_engine_url(config, tmp_path / "run", torch.device(device)) as url:
+    with hs.target_engine_url(config, read_facts(config.model), tmp_path / "run", torch.device(device)) as url:
         assert url == "http://engine"
     assert [s.dtype for s in engines.specs] == [want]
     assert CacheIdentity.of(config, [1, 3], H, "k1", torch.device(device)).dtype == want
@@ -448,16 +477,18 @@ def test_a_linear_attention_targets_cache_holds_bf16_and_an_fp32_run_reads_it_co
     bfloat16; the run reads it and its served target hands the drafter the stored values in fp32, as from the
     engine online. An engine's bf16 states under a cache labelled float32 are refused in one line."""
     from dflash_lib.data.batch import collate_padded
-    from dflash_lib.serve.hidden_cache import open_cache
-    from dflash_lib.serve.hidden_states import ServedTarget
+    from dflash_lib.target.cached import open_cache
+    from dflash_lib.target.facts import read_facts
+    from dflash_lib.target.served import ServedTarget
 
     folder = _small_folder(tmp_path, family="qwen3_next")
     config = _config(folder, tmp_path / "cache", precision="fp32")
     store = _Store(3)
     _capture_for(config, store, fetch=_fetch(torch.bfloat16))
     assert _stored(tmp_path / "cache") == ("bfloat16", "BF16")
-    cache = open_cache(config, "k1", torch.device("cpu"))
-    served = ServedTarget(folder, [1, 3], "", "cpu", torch.float32, cache=cache)
+    facts = read_facts(config.model)
+    cache = open_cache(config, facts, "k1", torch.device("cpu"))
+    served = ServedTarget(facts, "", "cpu", torch.float32, cache=cache)
     batch = collate_padded([(d.astype(np.int64), np.ones(len(d), np.uint8)) for d in store.docs], 0)
     got = served.context_features(batch)
     want = torch.cat([_states(d, torch.bfloat16).reshape(len(d), -1) for d in store.docs]).float()

@@ -1,7 +1,8 @@
 """The package's layering: one package per stage, a lower stage never imports a higher one, no import circle.
 
-Stages, bottom to top: config, rundir < data < plan < models < train, serve < evaluate (and its benchmark_report),
-regenerate, doctor, export, dryrun < lab < __main__.
+Stages, bottom to top: config, rundir < data < plan < models < serve (the engine) < target (every source of the
+target's features) < train < evaluate (and its benchmark_report), regenerate, doctor, export, dryrun < lab < __main__.
+The trainer reads the engine through target/ only: train/ never imports serve/ (nor serve/ train/).
 Every import statement of every dflash_lib module counts (module level, TYPE_CHECKING blocks, inside
 functions); the files are parsed, nothing is imported.
 """
@@ -13,10 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "dflash_lib"
-STAGES = {"config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "train": 4, "evaluate": 5,
-          "benchmark_report": 5, "regenerate": 5, "doctor": 5, "export": 5, "dryrun": 5, "serve": 4, "lab": 6,
-          "__main__": 7}
-MAX_ENTRIES = 16  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/)
+STAGES = {"config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "serve": 4, "target": 5, "train": 6,
+          "evaluate": 7, "benchmark_report": 7, "regenerate": 7, "doctor": 7, "export": 7, "dryrun": 7, "lab": 8,
+          "__main__": 9}
+APART = {("train", "serve"), ("serve", "train")}  # (importer, imported): packages that never import each other
+MAX_ENTRIES = 17  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/;
+# 17th: target/, out of models/, train/ and serve/)
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -124,6 +127,18 @@ def test_no_lower_stage_imports_a_higher_one(tree):
     assert upward == []
 
 
+def package(module: str) -> str:
+    parts = module.split(".")[1:]
+    return parts[0] if parts else ""
+
+
+def test_the_trainer_reads_the_engine_through_the_target_package_only(tree):
+    mods, found = tree
+    crossing = [f"{mods[m].relative_to(ROOT)}:{line}: {m} -> {t}" for m, lst in found.items() for t, line, _ in lst
+                if (package(m), package(t)) in APART]
+    assert crossing == []
+
+
 def test_imports_of_the_package_are_at_the_top_except_in_the_command_line(tree):
     """So the layering is visible in each file's header. The command line imports each command's stage when the
     command runs (`--help` loads no torch)."""
@@ -154,6 +169,13 @@ def test_a_planted_upward_import_is_caught(tmp_path):
     _, found = graph(root)
     assert [(m, t) for m, lst in found.items() for t, _, _ in lst if stage(t) > stage(m)] == \
         [(f"{PKG}.models.export", f"{PKG}.train.loop")]
+
+
+def test_a_planted_import_of_the_engine_by_the_trainer_is_caught(tmp_path):
+    root = _copy_with(tmp_path, "train/build.py", "from dflash_lib.serve.hidden_states import EngineFiles\n")
+    _, found = graph(root)
+    assert [(m, t) for m, lst in found.items() for t, _, _ in lst if (package(m), package(t)) in APART] == \
+        [(f"{PKG}.train.build", f"{PKG}.serve.hidden_states")]
 
 
 def test_a_planted_circle_is_caught_even_inside_a_function(tmp_path):

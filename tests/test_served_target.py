@@ -1,7 +1,7 @@
-"""The target served by vLLM (`-p target_engine vllm`, `serve/hidden_states.py`): layer numbering, the refusals
-before an engine starts, the client's checks of the engine's files (a stand-in server: a missing, corrupt or
-mismatched file is retried, then stops the run), and with the real engine (vLLM's CPU build): features equal
-`TargetModel`'s, a training run from the engine has the local run's losses."""
+"""The target served by vLLM (`-p target_engine vllm`, `serve/hidden_states.py`, `target/served.py`): layer
+numbering, the refusals before an engine starts, the client's checks of the engine's files (a stand-in server: a
+missing, corrupt or mismatched file is retried, then stops the run), and with the real engine (vLLM's CPU build):
+features equal `TargetModel`'s, a training run from the engine has the local run's losses."""
 
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_pa
 
 @pytest.mark.parametrize("params,says", [
     ({"target": "tiny"}, "is a LOCAL model folder"),
-    ({"loss": "kl"}, "loss 'ce' only, got loss 'kl'"),
     ({"static_shapes": True}, "static_shapes must be false"),
     ({"target_parallel": "fsdp"}, "target_parallel must not be fsdp"),
     ({"target_engine_url": "http://x:1"}, "target_engine_url and target_engine_dir go together"),
@@ -229,7 +228,7 @@ def test_a_target_whose_untied_lm_head_is_missing_or_misshapen_is_refused(tmp_pa
     from safetensors.torch import load_file
 
     from dflash_lib.models.target import local_hf_config
-    from dflash_lib.serve.hidden_states import shared_weights
+    from dflash_lib.target.served import shared_weights
 
     folder = tmp_path / "t"
     save_tiny_qwen3(folder, seed=0, vocab_size=512)  # Qwen3Config: untied
@@ -278,11 +277,12 @@ def _tiny_target(root: Path, family: str, seed: int = 0) -> Path:
 def served_target(request, installed_engine_python, tmp_path_factory):
     """(family, target folder, engine url, its files' folder): a tiny target saved, and vLLM's CPU build started
     by the trainer's own code (`target_engine_url`) in fp32, writing the hidden states of LAYERS."""
-    from dflash_lib.serve.hidden_states import target_engine_url
+    from dflash_lib.target.facts import read_facts
+    from dflash_lib.target.served import target_engine_url
     root = tmp_path_factory.mktemp("served_target")
     folder = _tiny_target(root, request.param)
     config = from_params({**RUN, "target": str(folder), "target_engine": "vllm"}, preset("smoke"))
-    with target_engine_url(config, root / "run", torch.device("cpu")) as url:
+    with target_engine_url(config, read_facts(config.model), root / "run", torch.device("cpu")) as url:
         yield request.param, folder, url, root / "run" / "engine_hidden_states"
 
 
@@ -295,12 +295,14 @@ def test_features_from_the_engine_equal_the_local_targets(served_target):
     from dflash_lib.config import ModelConfig
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import TargetModel
-    from dflash_lib.serve.hidden_states import ServedTarget
+    from dflash_lib.target.facts import read_facts
+    from dflash_lib.target.served import ServedTarget
 
     _, folder, url, out = served_target
-    local = TargetModel.from_model_config(ModelConfig(target=str(folder), target_layer_ids=LAYERS, num_features=2))
+    model_cfg = ModelConfig(target=str(folder), target_layer_ids=LAYERS, num_features=2)
+    local = TargetModel.from_model_config(model_cfg)
     files = EngineFiles.of(out, "features", folder, engine_layer_ids(LAYERS), "float32")
-    served = ServedTarget(folder, LAYERS, url, "cpu", torch.float32, files=files)
+    served = ServedTarget(read_facts(model_cfg), url, "cpu", torch.float32, files=files)
     rng = np.random.default_rng(0)
     docs = [(rng.integers(0, 150_000, n), np.ones(n, bool)) for n in (37, 5, 120, 64)]
     batch = collate_padded(docs, 0)  # a row each, padded: the real tokens gathered
@@ -362,6 +364,21 @@ def test_training_from_the_engine_has_the_local_runs_losses(served_target, local
     assert kept["hit_batches"] > 0 and kept["samples"] > 0  # later epochs from host memory, not the engine
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("served_target", ["qwen3"], indirect=True)
+def test_loss_ce_kl_from_the_engine_has_the_local_runs_losses(served_target, tmp_path):
+    """loss ce+kl, refused from an engine before: the engine hands over the last layer's output (here layer 3 of 4
+    is a feature layer too: the same engine's files), passed through the target's final norm read from the folder;
+    20 smoke steps have the local ce+kl run's losses within the features' relative bound (`_loss_rtol`: the
+    last layer is within the bound's depth)."""
+    _, folder, url, out = served_target
+    engine = ["-p", "target_engine", "vllm", "-p", "target_engine_url", url, "-p", "target_engine_dir", str(out)]
+    local = _train_losses(folder, tmp_path / "local", "-p", "loss", "ce+kl")
+    served = _train_losses(folder, tmp_path / "served", "-p", "loss", "ce+kl", *engine)
+    assert len(local) == 20 and min(local) > 1.0
+    np.testing.assert_allclose(served, local, rtol=_loss_rtol())
+
+
 # -- the cache captured through the engine (the cache itself: tests/test_hidden_cache.py) --------------------
 
 @pytest.mark.engine
@@ -406,7 +423,8 @@ def test_a_server_started_by_hand_is_checked_before_a_run_folder(installed_engin
     import time
 
     from dflash_lib.__main__ import main
-    from dflash_lib.serve.hidden_states import probe_engine
+    from dflash_lib.target.facts import read_facts
+    from dflash_lib.target.served import probe_engine
     from loopback import free_port
 
     folder = _tiny_target(tmp_path, "qwen3")
@@ -438,7 +456,8 @@ def test_a_server_started_by_hand_is_checked_before_a_run_folder(installed_engin
         by_hand = ["-p", "target_engine", "vllm", "-p", "target_engine_url", url, "-p", "target_engine_dir", str(out)]
         params = {"target": str(folder), "target_engine": "vllm", "target_engine_url": url,
                   "target_engine_dir": str(out), "num_features": 2}
-        probe_engine(from_params({**params, "target_layer_ids": [0, 2]}, preset("smoke")), torch.device("cpu"))
+        probed = from_params({**params, "target_layer_ids": [0, 2]}, preset("smoke"))
+        probe_engine(probed, read_facts(probed.model), torch.device("cpu"))
         code = main(["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run"), "-p", "target", str(folder),
                      "-p", "target_layer_ids", "[1, 3]", "-p", "num_features", "2", *by_hand])
         err = capsys.readouterr().err
@@ -446,7 +465,7 @@ def test_a_server_started_by_hand_is_checked_before_a_run_folder(installed_engin
         assert not (tmp_path / "run").exists() and len(err.strip().splitlines()) == 1
         _tiny_target(tmp_path, "qwen3", seed=1)  # other weights of the same shapes, in place, the server running on
         with pytest.raises(EngineFileError, match="whose weights differ from this run's target"):
-            probe_engine(from_params({**params, "target_layer_ids": [0, 2]}, preset("smoke")), torch.device("cpu"))
+            probe_engine(probed, read_facts(probed.model), torch.device("cpu"))
         assert [p.name for p in out.iterdir()] == []  # the probes' files read and deleted, or cleaned
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -1,4 +1,4 @@
-"""The target sharded over the ranks (`target_parallel`, train/target_shard.py): the setting and its auto rule
+"""The target sharded over the ranks (`target_parallel`, target/sharded.py): the setting and its auto rule
 from the config's bytes, the target built on the host before it is sharded, the feed's passes per sampler step
 and its stop handshake, and on 2 gloo ranks the sharded target's features against the replicated target's, its
 shards and its load peak, and (loss kl: every layer in every pass) its final states at the scored rows. The
@@ -21,10 +21,10 @@ import torch
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import TargetModel, tiny_qwen3_config
-from dflash_lib.train import target_shard
+from dflash_lib.target import sharded as target_shard
 from dflash_lib.train.feed import Collated, Work, make_target_workers
-from dflash_lib.train.pipeline import Pipeline, PipelineError, Stopped
-from dflash_lib.train.target_shard import (load_sharded_target, move_outside_layers, pass_depth, per_step_passes,
+from dflash_lib.train.pipeline import Pipeline, PipelineError
+from dflash_lib.target.sharded import (load_sharded_target, move_outside_layers, pass_depth, per_step_passes,
                                            plan_target, resolve_target_parallel, target_footprint)
 from tiny_models import HIDDEN, VOCAB, tiny_target
 
@@ -152,10 +152,11 @@ class CountingTarget:
     def filler(self):
         self.fillers += 1
 
-    def turn(self):
+    def turn(self) -> bool:
         if self.turns == self.stop_at:
-            raise Stopped("another rank's target feed stopped")
+            return False  # another rank's feed has left
         self.turns += 1
+        return True
 
     def leave(self):
         self.leaves += 1
@@ -200,8 +201,7 @@ SCRIPT = textwrap.dedent("""
     from dflash_lib.data.batch import collate_padded
     from dflash_lib.models import tiny_qwen3_config
     from dflash_lib.train import distributed as D
-    from dflash_lib.train.pipeline import Stopped
-    from dflash_lib.train.target_shard import ShardedTarget, sharded_load_peak_bytes
+    from dflash_lib.target.sharded import ShardedTarget, sharded_load_peak_bytes
     info = D.init_distributed(timeout_s=30.0, device="cpu")
     plain, host = tiny_target(6, 2), tiny_target(6, 2)
     full = [weakref.ref(p) for p in host.base.layers.parameters()]  # the layers' whole parameters, before
@@ -253,9 +253,7 @@ SCRIPT = textwrap.dedent("""
         if info.rank == 0 and turn == 2:
             sharded.leave()
             break
-        try:
-            sharded.turn()
-        except Stopped:
+        if not sharded.turn():
             stops.append(turn)
     out = dict(diff=max(float((got[k] - want[k]).abs().max()) for k in mine), sums=sums, stops=stops,
                layers=sorted({type(p).__name__ for p in params}),

@@ -32,7 +32,7 @@ from dflash_lib.lab.demo import prepare_target
 from dflash_lib.models.anchors import default_gamma
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.rundir import load_config, write_json
-from dflash_lib.serve.hidden_cache import HiddenCache, run_capture
+from dflash_lib.target.cached import HiddenCache, run_capture
 
 FORMAT = 1
 

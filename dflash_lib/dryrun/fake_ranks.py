@@ -2,7 +2,7 @@
 the trainer shards it on N GPUs, and the bytes every collective moves.
 
 `fake_process_group(N)` makes this process rank 0 of an N-rank group whose collectives return at once, so
-`target_shard.shard_layers` under `FakeTensorMode` leaves it holding what a rank holds on N GPUs; `CommTally`
+`target.sharded.shard_layers` under `FakeTensorMode` leaves it holding what a rank holds on N GPUs; `CommTally`
 counts each collective's bytes, `LayerRuns` the gathered bytes of the layers that ran. What it measures:
 docs/scale.md, "Larger targets on several GPUs: `dryrun --world-size`".
 """

@@ -27,7 +27,7 @@ from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.rundir import JsonRecord, load_config, omitted
 from dflash_lib.train.build import bucket_edges, build_sampler
 from dflash_lib.dryrun.fake_ranks import LayerRuns, fake_process_group, local_bytes
-from dflash_lib.train.target_shard import resolve_target_parallel, target_footprint
+from dflash_lib.target.sharded import resolve_target_parallel, target_footprint
 from dflash_lib.dryrun.step import GIB, H200_BF16_TFLOPS, NVLINK4_GBS, PAPER_SAMPLES, Ranks, Reserve, StepFigures, StepSettings, build_step_models, for_cuda, measure_step
 from dflash_lib.dryrun.worst import WorstBatch, host_batch, worst_batches
 
@@ -236,7 +236,7 @@ def dry_run(config: Config, device_gib: float = 80.0, mfu: float = 0.4, corpus_s
             link_gbs: float = NVLINK4_GBS) -> DryRunReport:
     """The dry run of `config` (module docstring): the bucket plan of its corpus, every bucket's worst batch and
     the packed row measured in fake mode as on CUDA (`attention` overrides the backend), as rank 0 of
-    `world_size` ranks with the target laid over them by `train.target_parallel` (`target_shard.resolve_target_parallel`),
+    `world_size` ranks with the target laid over them by `train.target_parallel` (`sharded.resolve_target_parallel`),
     projections. Returns the report (`format_report` prints it; the CLI's JSON line is its `to_json`)."""
     t0 = time.perf_counter()
     mc = config.model

@@ -30,7 +30,7 @@ from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.dryrun.balanced_experts import grouped_mm_flops, install_balanced_experts
 from dflash_lib.train.build import drafter_checkpointing
 from dflash_lib.dryrun.fake_ranks import CommTally
-from dflash_lib.train.target_shard import shard_layers
+from dflash_lib.target.sharded import shard_layers
 
 GIB = 2 ** 30
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H200 SXM (TFLOP/s)
@@ -169,7 +169,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
         drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
         if mesh is not None:
             with mode:
-                root = shard_layers(target, mesh, reads_final_states(mc.loss))  # as the trainer does (`target_shard`)
+                root = shard_layers(target, mesh, reads_final_states(mc.loss))  # as the trainer does (`target.sharded`)
 
                 def features(batch: Batch, segments: Any) -> torch.Tensor:  # one feature pass through the root
                     return root(lambda: target.context_features(batch, segments))
@@ -180,6 +180,11 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
             def features(batch: Batch, segments: Any) -> torch.Tensor:  # the engine's, copied onto the device
                 return torch.empty(segments.num_real, target.num_features * target.hidden_size,
                                    dtype=settings.target_dtype, device=target.device)
+
+            def features_and_final(batch: Batch, rows: torch.Tensor, segments: Any):  # loss kl: the engine's last
+                final = torch.empty(rows.shape[0], target.hidden_size,  # layer too, normed here: (u, H)
+                                    dtype=settings.target_dtype, device=target.device)
+                return features(batch, segments), final
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)

@@ -541,6 +541,9 @@ class TargetModel(torch.nn.Module):
             seq = torch.cat([seq, torch.tensor([nxt])])
         return out
 
+    def close(self) -> None:
+        """Nothing to release: its weights are this process's memory (a `target.protocol.FeatureSource`)."""
+
     def identity(self) -> dict:
         """The fields a saved drafter records to recognise its target."""
         cfg = self.model.config

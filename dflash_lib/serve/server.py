@@ -94,7 +94,7 @@ class EngineSpec:
     token_ids: bool = True  # prompts and answers as token ids, no tokenizer; False: the folder's tokenizer and chat
     # template serve text too (the chat endpoint `regenerate --backend openai` uses)
     extra: tuple[str, ...] = field(default_factory=tuple)  # more server flags, verbatim
-    hidden_states: tuple[int, ...] = ()  # vLLM's aux layer ids (`served_target.engine_layer_ids`) whose hidden
+    hidden_states: tuple[int, ...] = ()  # vLLM's aux layer ids (`hidden_states.engine_layer_ids`) whose hidden
     # states each request writes to `hidden_states_dir` (vLLM's extract_hidden_states + our connector); no drafter
     hidden_states_dir: str = ""
 

@@ -22,17 +22,19 @@ from dflash_lib.config import Config, ConfigError, checkpointed_layers, target_t
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import DFlashDrafter, DrafterConfig
 from dflash_lib.models.draft_vocab import coverage, scored_token_counts, top_tokens
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.export import init_from
-from dflash_lib.models.target import chosen_layer_ids, target_hf_config
+from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget
-from dflash_lib.serve.hidden_states import EngineFiles, ServedTarget
+from dflash_lib.target.facts import read_facts
+from dflash_lib.target.open import TargetSource, open_sources
+from dflash_lib.target.protocol import FeatureSource
+from dflash_lib.target.sharded import device_memory_bytes, plan_target
 from dflash_lib.train import distributed
-from dflash_lib.train.target_shard import device_memory_bytes, load_sharded_target, plan_target
 
 
 @dataclass
@@ -42,8 +44,8 @@ class TrainingParts:
     store: Any  # store[i] -> (tokens (L,), loss_mask (L,)) numpy arrays
     lengths: np.ndarray  # (N,) tokens per sample of the store
     sampler: Any  # batch sampler with set_epoch(e) and len() = steps per epoch (this rank); epoch_plan if any
-    targets: list[Any]  # one replica per target device (targets[0] on the training device), or the one
-    # `target_shard.ShardedTarget` of a sharded target: what the feature passes run on
+    targets: list[FeatureSource]  # one replica per target device (targets[0] on the training device), or the one
+    # `ShardedTarget` or `ServedTarget`: what the feature passes run on (`target.open.open_sources`)
     drafter: DFlashDrafter  # on the training device, sharing the target's embedding and LM head (replicated)
     pad_id: int  # token id written into padding slots (never scored)
     packed: bool  # collate by packing documents into rows of at most `row_len` tokens instead of padding
@@ -211,22 +213,21 @@ def drafter_checkpointing(setting: str, device: torch.device, drafter_layers: in
 
 
 def build_parts(config: Config, device: torch.device, data_shards: int = 0,
-                data: TrainingData | None = None, target_url: str = "", cache: Any = None,
-                target_files: EngineFiles | None = None) -> TrainingParts:
-    """Token store, sampler, target replica(s) and a fresh drafter for `config` on `device`. The sampler is
+                data: TrainingData | None = None, source: TargetSource | None = None) -> TrainingParts:
+    """Token store, sampler, target source(s) and a fresh drafter for `config` on `device`. The sampler is
     planned for `data_shards` = D shards (0 = the world size; a resume passes the checkpoint's D): every
     sampler step is D batches whatever the number of ranks that share them. `data`: the corpus already opened
-    by `load_training_data` (None = open it here). `train.target_parallel` fsdp (or auto resolving to it, decided
-    from the target's config before a weight is read: `target_shard.plan_target`) builds the target on the host
-    and shards its decoder layers onto the device (`target_shard.load_sharded_target`) before the drafter is
-    built on it. `target_url`: the engine serving the target (`target_engine vllm`, `serve.hidden_states`), the
-    files it writes `target_files` (`serve.hidden_states.EngineFiles`); `cache`: an opened
-    `serve.hidden_cache.HiddenCache` read first (`hidden_cache`)."""
+    by `load_training_data` (None = open it here). `source`: the checked source (`target.open.check_target`, its
+    engine's address and files from `target.open.engine_url`; None = the local target of `config`); the sources
+    the feed runs come from `target.open.open_sources`. `train.target_parallel` fsdp (or auto resolving to it,
+    decided from the target's config before a weight is read: `target.sharded.plan_target`) builds the target on
+    the host and shards its decoder layers onto the device before the drafter is built on it."""
     if resolve_attention(config.model.drafter_attention, device) == "flex" and torch.device(device).type != "cuda":
         raise ConfigError(f"drafter_attention 'flex' trains only on CUDA (FlexAttention has no backward on "
                           f"{torch.device(device).type}); use 'blocks' (exact, any device) or 'auto'")
     dist = distributed.info()
     data = data if data is not None else load_training_data(config)
+    source = source if source is not None else TargetSource(read_facts(config.model), engine=False)
     shards = data_shards if data_shards > 0 else dist.world_size
     # the global plan: rank r reads its shards
     sampler = build_sampler(config, data.lengths, 0, shards, data.edges, data.queries)
@@ -236,29 +237,14 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                                                               torch.cuda.device_count()))]
     else:
         devices = [device]
-    served = bool(target_url) or cache is not None
-    plan = plan_target(target_hf_config(config.model), "replicate" if served else config.train.target_parallel,
+    plan = plan_target(source.facts.hf, "replicate" if source.served else config.train.target_parallel,
                        dist.world_size, dtype, device_memory_bytes(device))
-    # Same seed on every device: the replicas are identical (a local checkpoint is identical anyway).
-    # static shapes: the target runs every slot too (fixed shapes), else the real tokens only
-    gather = not config.sampler.static_shapes
-    if served:  # the engine runs the target (or ran it: the cache); the trainer holds its embedding and LM head
-        ids = chosen_layer_ids(config.model.target_layer_ids, target_hf_config(config.model).num_hidden_layers,
-                               config.model.num_features)
-        runs_on = ServedTarget(config.model.target, ids, target_url, device, dtype,
-                               concurrency=max(1, config.pipeline.target_workers) * 4, cache=cache,
-                               files=target_files)
-        targets = [runs_on]
-    elif plan.parallel == "fsdp":
-        runs_on = load_sharded_target(config.model, device, dtype, config.train.dist_timeout_s,
-                                      config.train.seed, gather)
-        targets = [runs_on.target]
-    else:
-        targets = [TargetModel.from_model_config(config.model, device=d, dtype=dtype, seed=config.train.seed,
-                                                 gather=gather) for d in devices]
-        runs_on = targets[0]
+    replicas = devices if plan.parallel == "replicate" and not source.served else [device]
+    targets = open_sources(config, source, replicas, dtype, plan.parallel)
+    sharded = plan.parallel == "fsdp"
+    shared = targets[0].target if sharded else targets[0]  # the model whose embedding and LM head the drafter shares
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, targets[0]), targets[0],
+    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, shared), shared,
                             attention=config.model.drafter_attention,
                             checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device,
                                                                         config.model.drafter_layers))
@@ -268,7 +254,6 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
         distributed.print0(choose_draft_vocab(drafter, data.store))
     if dist.world_size > 1:
         distributed.print0(plan.line)
-    sharded = plan.parallel == "fsdp"
     if sharded and config.pipeline.target_workers != 1:
         if config.train.target_parallel == "fsdp":
             raise ConfigError(f"target_parallel fsdp runs one target worker per rank (its forwards are collectives, "
@@ -276,6 +261,6 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
                               f"{config.pipeline.target_workers}")
         distributed.print0(f"target_workers {config.pipeline.target_workers} -> 1: a sharded target's forwards are "
                            f"collectives, run by one worker per rank")
-    return TrainingParts(data.store, data.lengths, sampler, [runs_on] if sharded else targets, drafter, data.pad_id,
+    return TrainingParts(data.store, data.lengths, sampler, targets, drafter, data.pad_id,
                          config.sampler.strategy == "packed", config.sampler.token_budget, data.edges, data.split,
                          data.full_store, shards, "fsdp" if sharded else "replicate")

@@ -3,7 +3,7 @@
 `init_distributed` joins torchrun's group (gloo on CPU, NCCL on CUDA; a collective that times out raises
 DistributedError instead of hanging); without torchrun every collective is a no-op, so the call sites
 (`all_reduce_sum`, `any_rank`, `barrier`, `print0`, ...) stay the same. `wrap_drafter` puts the drafter on an
-`Engine` (DDP or FSDP2; never the frozen target: `target_shard`); `checkpoint_group` is a gloo group whose timeout
+`Engine` (DDP or FSDP2; never the frozen target: `target.sharded`); `checkpoint_group` is a gloo group whose timeout
 is sized for a save. Engines, timeouts, what is guaranteed: docs/scale.md, "Several GPUs and several nodes".
 """
 

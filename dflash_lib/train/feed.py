@@ -23,7 +23,8 @@ from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.plan.buckets import bucket_of
-from dflash_lib.train.feature_cache import FeatureCache, as_context, context_rows, real_slots, to_real
+from dflash_lib.target.feature_cache import FeatureCache, as_context, context_rows, real_slots, to_real
+from dflash_lib.train.pipeline import Stopped
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
 
@@ -256,7 +257,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
     (a device-side wait) before it touches the item. No host sync is made: the segments of the target's varlen
     attention come from the HOST batch, and every copy is non_blocking from pinned memory.
 
-    passes_per_step > 0: the target is a `target_shard.ShardedTarget`, whose feature passes are collectives. The
+    passes_per_step > 0: the target is a `target.sharded.ShardedTarget`, whose feature passes are collectives. The
     one worker (more are refused) runs exactly that many passes per sampler step, a filler where the rank has no
     batch (an item whose samples all failed validation, fewer shards than the most any rank takes), each after
     the ranks' handshake (`ShardedTarget.turn`), and leaves the handshake when its stage ends (`leave`).
@@ -322,15 +323,19 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
     def sharded(target: Any, run: Callable[[Collated], Item]) -> Callable[[Collated], Item]:
         done = [0]  # passes of the current sampler step so far
 
+        def turn() -> None:
+            if not target.turn():
+                raise Stopped("another rank's target feed stopped")
+
         def run_paired(c: Collated) -> Item:
-            target.turn()
+            turn()
             if c.batch is None:
                 target.filler()
             item = run(c)
             done[0] += 1
             if c.work.last_shard:  # the step's remaining passes: a rank with fewer shards than the most
                 for _ in range(passes_per_step - done[0]):
-                    target.turn()
+                    turn()
                     target.filler()
                 done[0] = 0
             return item

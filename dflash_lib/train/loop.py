@@ -17,15 +17,14 @@ from typing import Any, Callable, Sequence
 from dflash_lib.config import Config, ConfigError, uses_bf16
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
-from dflash_lib.models.target import trainable_target_config
 from dflash_lib.rundir import write_json
-from dflash_lib.serve.hidden_cache import open_cache
-from dflash_lib.serve.hidden_states import engine_files, probe_engine, target_engine_url
+from dflash_lib.target.feature_cache import FeatureCache
+from dflash_lib.target.open import check_target, engine_url
+from dflash_lib.target.sharded import per_step_passes
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
 from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
 from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_states, rank_shards
-from dflash_lib.train.feature_cache import FeatureCache
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
@@ -33,7 +32,6 @@ from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import CHECKPOINTS, prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, count_steps
-from dflash_lib.train.target_shard import per_step_passes
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
 from dflash_lib.train.summary import RunLog, RunSummary, batch_shape, budget_fill, full_run_tokens, run_summary
@@ -354,27 +352,14 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     dist = distributed.init_distributed(timeout_s=tc.dist_timeout_s, device=tc.device)
     try:
         data = load_training_data(config)  # a bad source fails here, before any run folder is made
-        served, cache = config.model.target_engine == "vllm", None
-        if not served and not config.model.hidden_cache:
-            trainable_target_config(config.model)  # and so does a target folder with a bad config.json or no weights
-        elif not Path(config.model.target).is_dir():
-            raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {config.model.target!r}")
-        elif served and dist.world_size > 1 and not config.model.target_engine_url:
-            raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
-                              "address as -p target_engine_url")
-        if served and config.model.target_engine_url:  # a server started by hand: what it serves, checked here
-            probe_engine(config, dist.device)
-        if config.model.hidden_cache:  # another target's, layers' or store's cache is refused here
-            cache = open_cache(config, data.full_store.meta["key"], dist.device)
+        source = check_target(config, dist.world_size, dist.device, data.full_store.meta["key"])  # and a bad target
         run_dir = Path(run_dir) if run_dir is not None else shared_new_run_dir(tag)
         point = prepare_run_dir(config, run_dir)
         with contextlib.ExitStack() as on:
-            url = on.enter_context(target_engine_url(config, run_dir, dist.device)) if served else ""
-            files = engine_files(config, run_dir, dist.device, f"{run_dir.resolve()}#{dist.rank}") if served else None
-            parts = build_parts(config, dist.device, point.data_shards, data, target_url=url, cache=cache,
-                                target_files=files)
-            if served or cache is not None:
-                on.callback(parts.targets[0].close)
+            source = on.enter_context(engine_url(config, source, run_dir, dist.device, dist.rank))
+            parts = build_parts(config, dist.device, point.data_shards, data, source)
+            for target in parts.targets:
+                on.callback(target.close)
             with StopRequest() as stop:
                 return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
                                     stop=stop, sinks=sinks)

@@ -35,8 +35,8 @@ class Aborted(Exception):
 
 class Stopped(Aborted):
     """Raised by a stage that must stop the whole pipeline, not through a failure of its own (another rank's
-    feed stopped: `target_shard.ShardedTarget.turn`): every queue is aborted, no failure is recorded, and a
-    caller still reading gets PipelineError."""
+    feed stopped: `target.sharded.ShardedTarget.turn`, raised by the feed): every queue is aborted, no failure is
+    recorded, and a caller still reading gets PipelineError."""
 
 
 class _EndOfStream:

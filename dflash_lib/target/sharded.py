@@ -24,7 +24,6 @@ from dflash_lib.config import ConfigError, ModelConfig, reads_final_states
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.models.masks import RealTokens
 from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
-from dflash_lib.train.pipeline import Stopped
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -199,8 +198,43 @@ class ShardedTarget:
     def device(self) -> torch.device:
         return self.target.device
 
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.target.layer_ids
+
+    @property
+    def num_features(self) -> int:
+        return self.target.num_features
+
+    @property
+    def num_layers(self) -> int:
+        return self.target.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def gather(self) -> bool:
+        return self.target.gather
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.target.embed_tokens  # replicated on every rank
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.target.lm_head  # replicated on every rank
+
     def segments(self, host_doc_ids: torch.Tensor) -> RealTokens:
         return self.target.segments(host_doc_ids)
+
+    def close(self) -> None:
+        """Nothing outside the process's memory: its process groups end with the run's (`distributed.destroy`)."""
 
     @torch.no_grad()
     def context_features(self, batch: Batch, segments: RealTokens | None = None) -> torch.Tensor:
@@ -228,11 +262,10 @@ class ShardedTarget:
         """One feature pass on a 1-token document, its features dropped: a rank's pass without a batch."""
         self.context_features(self.filler_batch)
 
-    def turn(self) -> None:
-        """Before a feed pass: every rank's feed agrees to go on (a gloo collective). Raises `Stopped` when
-        another rank's feed has left, so this one stops at the same pass."""
-        if self._handshake(stop=False):
-            raise Stopped("another rank's target feed stopped")
+    def turn(self) -> bool:
+        """Before a feed pass: every rank's feed agrees to go on (a gloo collective). False when another rank's
+        feed has left: the caller stops at the same pass (the feed raises `pipeline.Stopped`)."""
+        return not self._handshake(stop=False)
 
     def leave(self) -> None:
         """This rank's feed is done (end of stream, the pipeline closing, a failure): tell the other ranks' feeds

@@ -5,9 +5,10 @@ A cache is a folder: manifest.json (`CacheIdentity`: the target, its config.json
 fingerprint, the feature layers, the dtype the engine ran and the cache holds, the token store's key; each shard
 written with its sha256) and shards of `SHARD_SAMPLES` samples, each one safetensors file: `features` [tokens, F*H],
 `offsets` [n+1] int64, `keys` [n, 20] uint8, the sha1 of each sample's token ids, by which a document of any batch
-finds its rows. A shard is written whole (temporary name, then renamed) before the manifest names it, so a killed
-capture resumes at the first shard it does not name. A reader checks a shard's sha256 at its first read and every
-document's rows against its tokens.
+finds its rows, and for a loss reading the target's final states (`final_states`) `last` [tokens, H], the last
+layer's output before the final norm. A shard is written whole (temporary name, then renamed) before the manifest
+names it, so a killed capture resumes at the first shard it does not name. A reader checks a shard's sha256 at its
+first read and every document's rows against its tokens.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, reads_final_states
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.models.export import file_sha256
-from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.hidden_states import (HiddenStatesClient, engine_files, engine_layer_ids, served_dtype,
-                                           target_engine_url)
+from dflash_lib.serve.hidden_states import HiddenStatesClient
+from dflash_lib.target.facts import TargetFacts, read_facts
+from dflash_lib.target.served import engine_files, served_dtype, target_engine_url
 
 MANIFEST = "manifest.json"
-FORMAT = 2  # 2: a sha256 per shard, the target's weights fingerprint, the dtype the engine runs (1: none of them)
+FORMAT = 3  # 3: whether the last layer's states are held; 2: a sha256 per shard, the target's weights fingerprint,
+# the dtype the engine runs (1: none of them)
 SHARD_SAMPLES = 256  # samples per shard file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_FIELDS = ("shard", "file", "samples", "tokens", "sha256")  # what the manifest records of each shard
@@ -54,17 +56,19 @@ class CacheIdentity:
     target_config_sha256: str  # of its config.json
     layer_ids: tuple[int, ...]  # our feature layers, in concatenation order
     hidden_size: int
-    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`hidden_states.served_dtype`)
+    dtype: str  # float32 | bfloat16: what the engine ran and the shards hold (`served.served_dtype`)
     store_key: str  # the token store's settings key (its meta.json)
     target_weights_fingerprint: str  # `model_identity.weights_fingerprint` of the folder (weights replaced in place
     # differ here)
+    final_states: bool  # each shard also holds `last` (the last layer's output): a run of loss kl / ce+kl
 
     @classmethod
     def of(cls, config: Any, layer_ids: Sequence[int], hidden_size: int, store_key: str,
            device: torch.device) -> "CacheIdentity":
         folder = Path(config.model.target).resolve()
         return cls(str(folder), config_sha256(folder), tuple(int(i) for i in layer_ids), int(hidden_size),
-                   served_dtype(config, device), str(store_key), weights_fingerprint(folder))
+                   served_dtype(config, device), str(store_key), weights_fingerprint(folder),
+                   reads_final_states(config.model.loss))
 
     def refuse_other(self, other: "CacheIdentity", where: Path) -> None:
         """ConfigError in one line naming the first setting in which `other` (the cache's) differs."""
@@ -112,9 +116,11 @@ def _write_manifest(cache: Path, doc: dict[str, Any]) -> None:
 
 
 def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callable[[list[list[int]]], list[torch.Tensor]],
-            pick: torch.Tensor, say: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+            pick: torch.Tensor, say: Callable[[str], None] = print, progress: bool = True,
+            last: int | None = None) -> dict[str, Any]:
     """Write the features of every sample of `store` into the cache folder `out`: `fetch(documents)` gives each
-    document's (len, aux layers, H) hidden states (the engine's), `pick` the aux layer of each feature layer.
+    document's (len, aux layers, H) hidden states (the engine's), `pick` the aux layer of each feature layer,
+    `last` the aux layer of the last layer's output (required by an identity with `final_states`).
     Resumes an unfinished cache of the same identity; refuses another's. Prints the bytes per token and the
     projected total first. Returns the manifest."""
     out = Path(out)
@@ -126,10 +132,13 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
         doc = {"format": FORMAT, "identity": {**asdict(identity), "layer_ids": list(identity.layer_ids)},
                "shard_samples": SHARD_SAMPLES, "samples": len(store), "shards": [], "complete": False}
         _write_manifest(out, doc)
+    if identity.final_states and last is None:
+        raise ValueError("a cache of the final states needs the aux layer of the last layer's output (`last`)")
     dtype = DTYPES[identity.dtype]
-    per_token = len(identity.layer_ids) * identity.hidden_size * dtype.itemsize
+    layers = len(identity.layer_ids) + identity.final_states
+    per_token = layers * identity.hidden_size * dtype.itemsize
     lengths = np.asarray(store.lengths)
-    say(f"capture: {len(identity.layer_ids)} layers x {identity.hidden_size} in {identity.dtype} = {per_token:,} "
+    say(f"capture: {layers} layers x {identity.hidden_size} in {identity.dtype} = {per_token:,} "
         f"bytes a token; {int(lengths.sum()):,} tokens of {len(store):,} samples -> "
         f"{per_token * int(lengths.sum()) / 2**30:.2f} GiB in {out}")
     shards = -(-len(store) // SHARD_SAMPLES)
@@ -157,7 +166,10 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
         keys = torch.from_numpy(np.frombuffer(b"".join(token_key(d) for d in ids), np.uint8).reshape(-1, 20).copy())
         name = f"shard-{k:05d}.safetensors"
         part = out / (name + ".part")
-        save_file({"features": feats.contiguous(), "offsets": offsets, "keys": keys}, str(part))
+        tensors = {"features": feats.contiguous(), "offsets": offsets, "keys": keys}
+        if identity.final_states:
+            tensors["last"] = torch.cat([s[:, last] for s in states]).to(dtype).contiguous()  # (tokens, H)
+        save_file(tensors, str(part))
         sha = file_sha256(part)
         os.replace(part, out / name)
         doc["shards"].append({"shard": k, "file": name, "samples": len(ids), "tokens": int(offsets[-1]),
@@ -173,7 +185,8 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
 
 
 class HiddenCache:
-    """A complete cache opened for reading: `get(ids)` -> (len, F*H) features of a document, or None. Opening
+    """A complete cache opened for reading: `get(ids)` -> (len, F*H) features of a document, or None (and
+    `get_last(ids)` -> (len, H), the last layer's output, from a cache of the final states). Opening
     reads each shard's header, offsets and keys (the index); a shard's sha256 is checked at the first `get` that
     reads it (a shard of a big cache is GBs: opening stays fast), and every document's rows against its tokens."""
 
@@ -194,12 +207,16 @@ class HiddenCache:
                 f = safe_open(str(path), framework="pt")
                 offsets, keys = f.get_tensor("offsets"), f.get_tensor("keys").numpy()
                 rows = f.get_slice("features").get_shape()
+                last = f.get_slice("last").get_shape() if self.identity.final_states else [int(shard["tokens"]),
+                                                                                             self.identity.hidden_size]
             except Exception as e:  # noqa: BLE001 - safetensors words a broken file in several types
                 raise ConfigError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
                                   f"{' '.join(str(e).split())}): a broken shard, capture again into another folder"
                                   ) from None
             n = int(shard["samples"])
             why = _shard_fault(keys.shape, offsets, rows, n, int(shard["tokens"]), width)
+            if not why and list(last) != [int(shard["tokens"]), self.identity.hidden_size]:
+                why = f"last {list(last)}, the manifest's {[int(shard['tokens']), self.identity.hidden_size]}"
             if why:
                 raise ConfigError(f"{path}: {why}: a broken shard, capture again into another folder")
             offsets = offsets.tolist()
@@ -213,6 +230,17 @@ class HiddenCache:
         """The (len(ids), F*H) features of the document `ids`, in the cache's dtype; None when it is not cached.
         ConfigError in one line naming the shard when its sha256 is not the manifest's or the document's rows
         are not its tokens."""
+        return self._rows(ids, "features")
+
+    def get_last(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
+        """The (len(ids), H) last layer's output (before the final norm) of the document `ids`, as `get`; a cache
+        of the final states only (`identity.final_states`)."""
+        if not self.identity.final_states:
+            raise ConfigError(f"{self.path}: holds the feature layers only, not the last layer's states: capture "
+                              "again with loss kl or ce+kl into another folder")
+        return self._rows(ids, "last")
+
+    def _rows(self, ids: Sequence[int] | torch.Tensor, tensor: str) -> torch.Tensor | None:
         hit = self.index.get(token_key(ids))
         if hit is None:
             return None
@@ -221,7 +249,7 @@ class HiddenCache:
         if e - s != len(ids):
             raise ConfigError(f"{self.path / self.shards[k]['file']}: document {j} of the shard has {e - s} rows in "
                               f"its offsets but {len(ids)} tokens: a broken shard, capture again into another folder")
-        return self.files[k].get_slice("features")[s:e]
+        return self.files[k].get_slice(tensor)[s:e]
 
     def _check(self, k: int) -> None:
         """Shard k's bytes against the manifest's sha256, once (the first read of the shard)."""
@@ -258,35 +286,32 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
     m = config.model
     if not Path(m.target).is_dir():
         raise ConfigError(f"capture serves a LOCAL model folder, got target {m.target!r}")
-    hf = local_hf_config(m.target)
-    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
+    facts = read_facts(m)
     store = build_token_store_from_config(config.data, progress=progress)
     cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")  # the trainer's: with the target, the engine's dtype
-    identity = CacheIdentity.of(config, ids, int(hf.hidden_size), store.meta["key"], device)
+    identity = CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store.meta["key"], device)
     existing = read_manifest(out)  # refused before an engine starts
     if existing is not None:
         identity.refuse_other(identity_of(existing), Path(out))
         if existing.get("complete"):  # nothing left to capture: no engine started
             return existing
-    aux = engine_layer_ids(ids)
-    with target_engine_url(config, Path(out) / "engine", device) as url:
-        files = engine_files(config, Path(out) / "engine", device, str(Path(out).resolve()))
-        client = HiddenStatesClient(url, files, int(hf.hidden_size), max(1, config.pipeline.target_workers) * 4)
+    with target_engine_url(config, facts, Path(out) / "engine", device) as url:
+        files = engine_files(config, facts, Path(out) / "engine", device, str(Path(out).resolve()))
+        client = HiddenStatesClient(url, files, facts.hidden_size, max(1, config.pipeline.target_workers) * 4)
         try:
-            return capture(store, identity, out, client.fetch, torch.tensor([aux.index(i + 1) for i in ids]),
-                           progress=progress)
+            final = identity.final_states
+            return capture(store, identity, out, client.fetch, facts.engine_pick(final), progress=progress,
+                           last=facts.engine_last() if final else None)
         finally:
             client.close()
 
 
-def open_cache(config: Any, store_key: str, device: torch.device) -> HiddenCache:
-    """`config.model.hidden_cache` opened for this run, refused in one line when it was captured for another
-    target (its config.json, its weights' fingerprint), layer set, dtype (`hidden_states.served_dtype`) or token
-    store."""
-    m = config.model
-    hf = local_hf_config(m.target)
-    ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
-    cache = HiddenCache(m.hidden_cache)
-    CacheIdentity.of(config, ids, int(hf.hidden_size), store_key, device).refuse_other(cache.identity, cache.path)
+def open_cache(config: Any, facts: TargetFacts, store_key: str, device: torch.device) -> HiddenCache:
+    """`config.model.hidden_cache` opened for this run (its target's `facts`), refused in one line when it was
+    captured for another target (its config.json, its weights' fingerprint), layer set, dtype
+    (`served.served_dtype`) or token store."""
+    cache = HiddenCache(config.model.hidden_cache)
+    CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store_key, device).refuse_other(cache.identity,
+                                                                                                cache.path)
     return cache
