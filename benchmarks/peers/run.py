@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -34,7 +35,7 @@ from job import Recipe, build_job  # noqa: E402
 
 from dflash_lib.evaluate import _baseline, _warm, decode_groups, decode_threads, prepare, served_sets  # noqa: E402
 from dflash_lib.lab.peers import PeerRow, peak_rss_gib, peers_table, served_fields, with_table  # noqa: E402
-from dflash_lib.serve.measure import ServedPass, serve_passes  # noqa: E402
+from dflash_lib.serve.measure import ServedPass, ServedSet, serve_passes  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
 PEERS = ("speculators", "specforge")
@@ -135,18 +136,23 @@ def export_of(row: PeerRow, work: Path) -> Path:
     return work / row.trainer / "export"
 
 
-def serve_all(rows: list[PeerRow], work: Path, prompts: int, max_new: int, rounds: int) -> list[str]:
-    """Our drafter decodes the prompt sets in process; every export that trained is served on those prompts.
-    Returns the set names (the table's columns)."""
-    ours = work / "ours" / "run"
+def decode_prompt_sets(run: Path, prompts: int, max_new: int, rounds: int = 1) -> tuple[Any, list[ServedSet]]:
+    """The drafter of trainer run `run` decoded in process (greedy fp32) on the held-out answers, HumanEval and
+    MT-Bench (both turns), `prompts` a set: (the evaluation setup, the prompt sets with our decodings)."""
     params = {"prompts": prompts, "max_new_tokens": max_new, "min_new_tokens": 0, "engine": "vllm",
               "prompts_from": "heldout,humaneval,mt-bench", "engine_rounds": rounds, "decode_threads": 0}
-    setup = prepare(ours, None, params)
+    setup = prepare(run, None, params)
     with decode_threads(setup):
         _warm(setup, setup.drafter)
         baseline = _baseline(setup)
         done = decode_groups(setup, setup.drafter, baseline)
-    sets = served_sets(baseline.groups, done)
+    return setup, served_sets(baseline.groups, done)
+
+
+def serve_all(rows: list[PeerRow], work: Path, prompts: int, max_new: int, rounds: int) -> list[str]:
+    """Our drafter decodes the prompt sets in process; every export that trained is served on those prompts.
+    Returns the set names (the table's columns)."""
+    setup, sets = decode_prompt_sets(work / "ours" / "run", prompts, max_new, rounds)
     with open(work / "prompts.jsonl", "w") as f:  # z-lab's loop decodes the same prompts
         for s in sets:
             for p in s.prompts:

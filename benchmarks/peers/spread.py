@@ -25,9 +25,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from run import our_params  # noqa: E402
+from run import decode_prompt_sets, our_params  # noqa: E402
 
-from dflash_lib.evaluate import _baseline, _warm, decode_groups, decode_threads, prepare, served_sets  # noqa: E402
 from dflash_lib.serve.measure import tau_se  # noqa: E402
 
 
@@ -46,13 +45,7 @@ def train(job: dict, work: Path, out: Path, seed: int, overrides: dict[str, str]
 
 def decoded(run: Path, prompts: int, max_new: int) -> dict:
     """tau over every set (with its standard error) and per set, our decoding of run.py's prompt sets."""
-    params = {"prompts": prompts, "max_new_tokens": max_new, "min_new_tokens": 0, "engine": "vllm",
-              "prompts_from": "heldout,humaneval,mt-bench", "decode_threads": 0}
-    setup = prepare(run, None, params)
-    with decode_threads(setup):
-        _warm(setup, setup.drafter)
-        baseline = _baseline(setup)
-        sets = served_sets(baseline.groups, decode_groups(setup, setup.drafter, baseline))
+    _, sets = decode_prompt_sets(run, prompts, max_new)
     tau, se = tau_se([c for s in sets for c in s.cycle_log])
     return {"tau": tau, "tau_se": se, "cycles": sum(len(c) for s in sets for c in s.cycle_log),
             "per_set": {s.name: tau_se(s.cycle_log)[0] for s in sets}}
