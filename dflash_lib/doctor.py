@@ -104,8 +104,9 @@ class DoctorReport:
 
 
 @dataclass(frozen=True)
-class TargetFacts:
-    """What the rules read of the target folder's config.json."""
+class TargetReading:
+    """What the rules read of the target folder's config.json: the doctor's own reading, kept apart from
+    `target.facts.TargetFacts` on purpose (an independent reference for what training wrote)."""
 
     path: str
     hidden_size: int
@@ -148,7 +149,7 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]
             for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
 
 
-def target_facts(target: str | Path) -> TargetFacts:
+def target_reading(target: str | Path) -> TargetReading:
     """The target folder's shapes from its config.json (the text model's, for a multimodal config)."""
     path = Path(target)
     if not path.is_dir():
@@ -161,7 +162,7 @@ def target_facts(target: str | Path) -> TargetFacts:
     gen = gen if isinstance(gen, dict) else {}
     special = _ids(*(getattr(c, k, None) for c in (hf, text) for k in ("eos_token_id", "bos_token_id", "pad_token_id")),
                    *(gen.get(k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")))
-    return TargetFacts(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size), special)
+    return TargetReading(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size), special)
 
 
 def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -200,7 +201,7 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
-def config_rules(doc: Mapping[str, Any], target: TargetFacts) -> list[RuleResult]:
+def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResult]:
     """architecture, hidden_act, hidden_size, vocab_size, block_size, target_layer_ids, engine_layer_ids,
     mask_token_id."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
@@ -259,7 +260,7 @@ def _block_size_rule(doc: Mapping[str, Any], dc: Mapping[str, Any]) -> RuleResul
     return RuleResult("block_size", True, detail)
 
 
-def _layer_ids_rule(doc: Mapping[str, Any], ids: list[int] | None, target: TargetFacts) -> RuleResult:
+def _layer_ids_rule(doc: Mapping[str, Any], ids: list[int] | None, target: TargetReading) -> RuleResult:
     fix = ("write the 0-based target layers training fused (dflash_config.target_layer_ids; python -m dflash_lib "
            "export writes them) and num_target_layers of this target")
     if ids is None:
@@ -528,7 +529,7 @@ def diagnose(export_dir: str | Path, target: str | Path, params: Mapping[str, An
     samples = from_params(params).evaluate.doctor_samples  # validates every key and value
     src = Path(export_dir)
     doc = _read_json(src / CONFIG_FILE)
-    facts = target_facts(target)
+    facts = target_reading(target)
     report = DoctorReport(str(src), str(target))
     report.rules += config_rules(doc, facts)
     report.rules += weight_rules(doc, safetensors_header(src / WEIGHTS_FILE))

@@ -290,7 +290,7 @@ def check_engine(config: Config) -> None:
 
 def target_positions(target: Any) -> int | None:
     """The target's RoPE positions (`max_position_embeddings` of its text config); None when it names none."""
-    hf = target.model.config
+    hf = target.hf
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     n = getattr(text, "max_position_embeddings", None)
     return int(n) if n else None

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError
 from dflash_lib.data.tokenizers import QWEN, MappedVocab
-from dflash_lib.doctor import TargetFacts, config_rules, diagnose, engine_layer_ids, safetensors_header
+from dflash_lib.doctor import TargetReading, config_rules, diagnose, engine_layer_ids, safetensors_header
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.export import drafter_config, export_drafter, read_doc, read_weights
 from tiny_models import tiny_chatml_tokenizer
@@ -216,10 +216,10 @@ def test_a_folder_without_the_training_record_makes_trained_as_not_applicable(se
     assert report.ok and report.not_applicable() == ["trained_as"]
 
 
-TARGET = TargetFacts("target", H, LAYERS, 302)
+TARGET = TargetReading("target", H, LAYERS, 302)
 
 
-def _rule(doc: dict, name: str, target: TargetFacts = TARGET) -> bool | None:
+def _rule(doc: dict, name: str, target: TargetReading = TARGET) -> bool | None:
     """The verdict of config rule `name` alone on config.json `doc`."""
     return next(r for r in config_rules(doc, target) if r.name == name).ok
 
@@ -233,7 +233,7 @@ def _rule(doc: dict, name: str, target: TargetFacts = TARGET) -> bool | None:
 ])
 def test_the_mask_rule_alone_holds_at_its_boundaries(target_vocab, drafter_vocab, mask, ok):
     doc = {"vocab_size": drafter_vocab, "dflash_config": {"mask_token_id": mask}}
-    assert _rule(doc, "mask_token_id", TargetFacts("target", H, LAYERS, target_vocab)) is ok
+    assert _rule(doc, "mask_token_id", TargetReading("target", H, LAYERS, target_vocab)) is ok
 
 
 def test_the_mask_rule_refuses_an_id_the_target_emits(tmp_path):
@@ -241,13 +241,13 @@ def test_the_mask_rule_refuses_an_id_the_target_emits(tmp_path):
     a list): the drafter would read the end of a turn as MASK. The real demo target's 16 passes."""
     import transformers
 
-    from dflash_lib.doctor import target_facts
+    from dflash_lib.doctor import target_reading
 
     cfg = transformers.LlamaConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=2, vocab_size=302,
                                    intermediate_size=32, bos_token_id=1, eos_token_id=2, pad_token_id=None)
     cfg.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "bos_token_id": 1}))
-    facts = target_facts(tmp_path)
+    facts = target_reading(tmp_path)
     assert facts.special_ids == (1, 2, 7)
     doc = {"vocab_size": 302, "dflash_config": {"mask_token_id": 7}}
     (rule,) = [r for r in config_rules(doc, facts) if r.name == "mask_token_id"]

@@ -93,12 +93,13 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
         assert got.shape == batched.shape == (sum(len(d) for d in docs), F * H) and torch.equal(got, alone)
         torch.testing.assert_close(got, batched)  # another batch of the same documents: fp32 rounding apart
         assert torch.equal(served.embed_tokens.weight, local.embed_tokens.weight)
+        assert served.hf is facts.hf and local.hf is local.model.config  # the config a drafter is shaped from
         assert torch.equal(served.lm_head.weight, local.lm_head.weight)
     finally:
         served.close()
     members = [*FeatureSource.__annotations__, *(n for n, v in vars(FeatureSource).items()
                                                   if not n.startswith("_") and callable(v) or isinstance(v, property))]
-    assert len(members) == 13 and [m for m in members if not hasattr(ShardedTarget, m)] == []
+    assert len(members) == 14 and [m for m in members if not hasattr(ShardedTarget, m)] == []
     assert not isinstance(object(), FeatureSource)  # the check can fail
 
 

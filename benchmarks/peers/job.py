@@ -18,6 +18,7 @@ its recipe rewritten (the samples do not depend on it).
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from dflash_lib.lab.demo import prepare_target
 from dflash_lib.models.anchors import default_gamma
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.rundir import load_config, write_json
-from dflash_lib.target.cached import HiddenCache, run_capture
+from dflash_lib.target.cached import HiddenCache, read_manifest, run_capture
 
 FORMAT = 1
 
@@ -109,6 +110,12 @@ def build_job(out: str | Path, recipe: Recipe, say=print) -> dict[str, Any]:
         if doc.get("recipe") != recipe.resolved():  # the samples do not depend on the recipe: only job.json changes
             doc["recipe"] = recipe.resolved()
             write_json(job_file, doc)
+        try:
+            read_manifest(out / "cache")
+        except ConfigError as e:  # an older version's capture: ours cannot train on it, the peers' files stand
+            say(f"job: {e}; capturing again (the peers' samples/ are written from the same engine states)")
+            shutil.rmtree(out / "cache")
+            run_capture(config, out / "cache", progress=False)
         return doc
     store = build_token_store_from_config(config.data, progress=False)
     say(f"job: capturing the target's features of {len(store)} samples through the engine -> {out / 'cache'}")

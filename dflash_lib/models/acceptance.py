@@ -73,7 +73,7 @@ class TargetCache:
     def __init__(self, target: TargetModel):
         self.target = target
         try:
-            self.cache = DynamicCache(config=target.model.config)
+            self.cache = DynamicCache(config=target.hf)
         except TypeError:  # older transformers: no config argument
             self.cache = DynamicCache()
         params = inspect.signature(target.base.forward).parameters

@@ -139,7 +139,7 @@ class DrafterConfig:
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", target: TargetModel) -> "DrafterConfig":
         """Attention shape and MLP width by `drafter_shape`, RoPE base from the target, the rest from `cfg`."""
-        hf = target.model.config
+        hf = target.hf
         shape = drafter_shape(hf)
         rope = getattr(hf, "rope_parameters", None) or {}
         rope = rope.get("full_attention", rope)  # per layer kind (gemma): the full-attention layers' base

@@ -165,7 +165,7 @@ def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.d
     if weights is None:
         weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
     weights = {**weights, **{n: b for n, b in drafter.named_buffers() if n in VOCAB_TENSORS}}
-    hf = target.model.config
+    hf = target.hf
     info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
                           source, data)
     return write_folder(drafter.cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
@@ -360,7 +360,7 @@ class _ShapeOnlyTarget:
     """What `DrafterConfig.from_model_config` reads of a target, from its HF config alone (no weight loaded)."""
 
     def __init__(self, hf: transformers.PretrainedConfig, layer_ids: list[int]):
-        self.model = type("M", (), {"config": hf})()
+        self.hf = hf
         self.hidden_size, self.vocab_size = int(hf.hidden_size), int(hf.vocab_size)
         self.num_layers, self.layer_ids = int(hf.num_hidden_layers), layer_ids
 

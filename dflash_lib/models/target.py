@@ -390,6 +390,11 @@ class TargetModel(torch.nn.Module):
         return cls(model, ids, "sdpa")
 
     @property
+    def hf(self) -> transformers.PretrainedConfig:
+        """The model's transformers config."""
+        return self.model.config
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +22,7 @@ class FeatureSource(Protocol):
     Shapes: C context entries (the batch's real tokens in row-major order, or every slot when the padding ran),
     F feature layers, H the target's width, u the rows a loss reading the target's distribution asks for."""
 
+    hf: Any  # the target's transformers config (its config.json as transformers reads it)
     layer_ids: list[int]  # the F feature layers (0-based), in concatenation order
     num_features: int  # F
     num_layers: int  # the target's decoder layers

@@ -13,7 +13,6 @@ import os
 import shlex
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -72,7 +71,7 @@ class ServedTarget:
                  files: EngineFiles | None = None, final: bool = False) -> None:
         hf = facts.hf
         self.facts, self.final = facts, final
-        self.model = SimpleNamespace(config=hf)  # what the drafter reads of a target model: its config
+        self.hf = hf
         self.num_layers, self.hidden_size = facts.num_layers, facts.hidden_size
         self.layer_ids = list(facts.layer_ids)
         self.num_features, self.name_or_path = facts.num_features, facts.target

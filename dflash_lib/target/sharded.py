@@ -199,6 +199,10 @@ class ShardedTarget:
         return self.target.device
 
     @property
+    def hf(self) -> transformers.PretrainedConfig:
+        return self.target.hf
+
+    @property
     def layer_ids(self) -> list[int]:
         return self.target.layer_ids
 
