@@ -20,7 +20,7 @@ from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounter
 from dflash_lib.serve.check import VOCAB as V
 from dflash_lib.serve.check import check_models
 from dflash_lib.serve.measure import (ServedReport, ServedSet, judge, served_acceptance, served_histogram,
-                                      served_table, verdict_line)
+                                      served_table, served_tau_se, tau_se, verdict_line)
 from dflash_lib.serve.client import ServedDecode
 from tiny_models import (overfit_on_greedy, random_prompts, save_random_model, save_tiny_qwen3,
                          tiny_chatml_tokenizer)
@@ -71,6 +71,7 @@ def test_served_rows_judge_exactly_when_greedy_fp32_and_by_three_standard_errors
     assert row.served_per_position == [0.75, 0.5, 0.5] and row.outputs_equal == 20 and row.bound == 0.0
     assert row.served_speedup == pytest.approx(2.0) and (row.cycles, row.served_drafts) == (40, 40)
     assert verdict_line(row, True, [], "E", "T").startswith("PASS served heldout (thinking off): served tau 2.750")
+    assert served_tau_se([row, row]) == pytest.approx(tau_se(s.cycle_log * 2))  # the same cycles, pooled
     one_less = SpecCounters(40, 120, 69, (30, 20, 19))
     assert not judge(s, _decode(outputs, one_less), 4, True, False, None).ok
     loose = judge(s, _decode(outputs, one_less), 4, exact=False, sampled=True, plain=None)

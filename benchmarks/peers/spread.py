@@ -1,15 +1,19 @@
-"""Our trainer on the peers' job again, with other seeds or one setting changed: how far our served tau moves with
+"""A trainer on the peers' job again, with other seeds or (ours) one setting changed: how far served tau moves with
 the seed alone, and what a setting changes (docs/peers.md, "Where the peers may gain").
 
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2
-    .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 0 --tag tps836 -p tokens_per_step 836
+    .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 0 --tag tps836 -p token_budget 836
+    .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2 --trainer speculators
 
 Reads the job `run.py` built in --work (job.json and the captured features: run `make bench-peers` first), trains
 `python -m dflash_lib train` with run.py's settings of ours (`our_params`) and the seed and `-p` overrides given,
 into WORK/spread/<tag>-s<seed>/, then decodes the drafter in process on the same prompt sets run.py serves (greedy
 fp32: vLLM's served tau equals this decoding's, cycle for cycle; benchmarks/peers/results.json shows it for the
-reference run). One line per run: tau over every set with its standard error over cycles, tau per set, the
-training tokens and loop seconds; all lines also in WORK/spread/spread.json.
+reference run). A peer (`--trainer speculators` or `specforge`) trains by its own train.py on a copy of the job whose
+recipe has the seed given, into WORK/spread/<trainer>-s<seed>/, and its export is served by vLLM on the same prompts
+(one round: the served tau of a peer's export equals z-lab's loop's, results.json). One line per run: tau over
+every set with its standard error over cycles, tau per set, the training tokens and loop seconds; all lines also
+in WORK/spread/spread.json.
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from run import decode_prompt_sets, our_params  # noqa: E402
+from run import PEERS, decode_prompt_sets, our_params  # noqa: E402
 
-from dflash_lib.serve.measure import tau_se  # noqa: E402
+from dflash_lib.lab.peers import served_fields  # noqa: E402
+from dflash_lib.serve.measure import ServedPass, serve_passes, served_tau_se, tau_se  # noqa: E402
+from dflash_lib.serve.server import engine_python  # noqa: E402
 
 
 def train(job: dict, work: Path, out: Path, seed: int, overrides: dict[str, str]) -> dict:
@@ -51,11 +58,48 @@ def decoded(run: Path, prompts: int, max_new: int) -> dict:
             "per_set": {s.name: tau_se(s.cycle_log)[0] for s in sets}}
 
 
+def train_peer(peer: str, job: dict, work: Path, out: Path, seed: int) -> dict:
+    """The peer's own train.py on a copy of the job (job.json with the recipe's seed; its samples linked) into
+    `out`; its result.json."""
+    job_dir = work / "spread" / f"job-s{seed}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("samples", "cache"):
+        if not (job_dir / name).exists():
+            (job_dir / name).symlink_to((work / "job" / name).resolve())
+    (job_dir / "job.json").write_text(json.dumps({**job, "recipe": {**job["recipe"], "seed": seed}}, indent=1))
+    result = out / "work" / "result.json"
+    if not result.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        python = REPO / ".venv-peers" / peer / "bin" / "python"
+        with open(out.parent / f"{out.name}.log", "w") as f:
+            subprocess.run([str(python), str(HERE / peer / "train.py"), "--job", str(job_dir), "--work",
+                            str(out / "work"), "--export", str(out / "export")], stdout=f, stderr=subprocess.STDOUT,
+                           cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": str(job["recipe"]["threads"]),
+                                                      "OMP_WAIT_POLICY": "PASSIVE"})
+    doc = json.loads(result.read_text())
+    if doc.get("status") != "ran":
+        raise SystemExit(f"{peer} seed {seed} refused: {doc.get('reason')}")
+    return doc
+
+
+def served(sets: list, setup: Any, export: Path, log_dir: Path, max_new: int) -> dict:
+    """tau over every set (its standard error from the engine's per-position counts) and per set, `export`
+    served by vLLM on `sets` (greedy fp32, one round)."""
+    (report,) = serve_passes(setup.config.model.target, str(export), [ServedPass(sets)], setup.drafter.cfg.block_size,
+                             max_new, setup.stop_ids, setup.min_new_tokens, "float32", engine_python(), "", log_dir,
+                             600.0, None, True, "engine", 1)
+    tau, se = served_tau_se(report.rows)
+    fields = served_fields(report)
+    return {"tau": tau, "tau_se": se, "cycles": sum(r.served_drafts for r in report.rows),
+            "per_set": fields["served_tau_per_set"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=str(REPO / "runs" / "peers"))
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--tag", default="seed")
+    ap.add_argument("--trainer", default="ours", choices=["ours", *PEERS])
     ap.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -69,14 +113,28 @@ def main() -> int:
     (work / "spread").mkdir(exist_ok=True)
     lines_file = work / "spread" / "spread.json"
     lines = json.loads(lines_file.read_text()) if lines_file.is_file() else []
+    if a.trainer != "ours" and a.p:
+        print("-p changes our settings only: a peer's run takes the job's recipe (benchmarks/peers/job.py)")
+        return 2
+    tag = a.tag if a.trainer == "ours" else a.trainer
+    sets: Any = None
     for seed in [int(s) for s in a.seeds.split(",")]:
-        run = work / "spread" / f"{a.tag}-s{seed}"
-        summary = train(job, work, run, seed, dict(a.p))
-        line = {"tag": a.tag, "seed": seed, "overrides": dict(a.p), "train_tokens": summary["real_tokens"],
-                "loop_s": summary["loop_s"], **decoded(run, a.prompts, a.max_new_tokens)}
-        lines = [x for x in lines if (x["tag"], x["seed"]) != (a.tag, seed)] + [line]
+        run = work / "spread" / f"{tag}-s{seed}"
+        if a.trainer == "ours":
+            summary = train(job, work, run, seed, dict(a.p))
+            line = {"tag": tag, "seed": seed, "overrides": dict(a.p), "train_tokens": summary["real_tokens"],
+                    "loop_s": summary["loop_s"], **decoded(run, a.prompts, a.max_new_tokens)}
+        else:
+            doc = train_peer(a.trainer, job, work, run, seed)
+            if sets is None:  # the prompts and our reference decoding of them, as run.py serves every export
+                setup, sets = decode_prompt_sets(work / "ours" / "run", a.prompts, a.max_new_tokens)
+            tokens = doc.get("train_tokens")
+            line = {"tag": tag, "seed": seed, "overrides": {},
+                    "train_tokens": tokens.get("theirs") if isinstance(tokens, dict) else tokens,
+                    "loop_s": doc.get("loop_seconds"), **served(sets, setup, run / "export", run, a.max_new_tokens)}
+        lines = [x for x in lines if (x["tag"], x["seed"]) != (tag, seed)] + [line]
         lines_file.write_text(json.dumps(lines, indent=1) + "\n")
-        print(f"{a.tag} seed {seed}: tau {line['tau']:.3f} +- {line['tau_se']:.3f} over {line['cycles']} cycles; "
+        print(f"{tag} seed {seed}: tau {line['tau']:.3f} +- {line['tau_se']:.3f} over {line['cycles']} cycles; "
               + ", ".join(f"{k} {v:.3f}" for k, v in line["per_set"].items())
               + f"; {line['train_tokens']:,} tokens in {line['loop_s']:.0f} s", flush=True)
     return 0

@@ -104,6 +104,17 @@ def served_histogram(counters: SpecCounters) -> dict[int, float]:
     return out
 
 
+def served_tau_se(rows: Sequence[ServedRow]) -> tuple[float, float]:
+    """(served tau, its standard error) over every row's drafting steps together, from each row's share of steps
+    accepting each draft position (`served_per_position`, the prefix rule of `served_histogram`)."""
+    hist: dict[int, float] = {}
+    for r in rows:
+        counts = tuple(share * r.served_drafts for share in r.served_per_position)
+        for k, c in served_histogram(SpecCounters(r.served_drafts, 0.0, sum(counts), counts)).items():
+            hist[k] = hist.get(k, 0.0) + c
+    return _mean_se(hist)
+
+
 def tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float]:
     """(tau, its standard error) over every cycle of `cycle_log` (per prompt, per cycle: (context, tokens))."""
     hist: dict[int, float] = {}

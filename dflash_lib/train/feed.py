@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,11 @@ from dflash_lib.data.batch import Batch, collate_packed, collate_padded
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.plan.buckets import bucket_of
 from dflash_lib.target.feature_cache import FeatureCache, as_context, context_rows, real_slots, to_real
+from dflash_lib.target.protocol import FeatureSource
 from dflash_lib.train.pipeline import Stopped
+
+if TYPE_CHECKING:
+    from dflash_lib.target.sharded import ShardedTarget
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
 
@@ -240,7 +244,7 @@ def epoch_batches(sampler: Any, max_steps: int | None, start: tuple[int, int] = 
         epoch, first = epoch + 1, 0
 
 
-def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: torch.device,
+def make_target_workers(targets: Sequence[FeatureSource], n_workers: int, main_device: torch.device,
                         threads: int = 0, streams: bool | None = None, passes_per_step: int = 0,
                         cache: FeatureCache | None = None) -> list[Callable[[Collated], Item]]:
     """`n_workers` callables Collated -> Item; worker w runs targets[w % len(targets)] (one replica per device;
@@ -273,7 +277,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                           f"order on every rank), got pipeline.target_workers={n_workers}")
     local = threading.local()
 
-    def worker(target: Any) -> Callable[[Collated], Item]:
+    def worker(target: FeatureSource) -> Callable[[Collated], Item]:
         use_streams = target.device.type == "cuda" if streams is None else streams
         lanes: dict[str, Any] = {}  # this worker's streams, created on first use (in the thread that runs it)
 
@@ -320,7 +324,7 @@ def make_target_workers(targets: Sequence[Any], n_workers: int, main_device: tor
                         dev_layout, ready, w.step_end, w.bound, final)
         return run if passes_per_step <= 0 else sharded(target, run)
 
-    def sharded(target: Any, run: Callable[[Collated], Item]) -> Callable[[Collated], Item]:
+    def sharded(target: "ShardedTarget", run: Callable[[Collated], Item]) -> Callable[[Collated], Item]:
         done = [0]  # passes of the current sampler step so far
 
         def turn() -> None:
