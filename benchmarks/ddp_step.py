@@ -6,7 +6,7 @@ the same micro-batches (2 per step: accumulation) in both modes, each mode timed
 warm-up step:
   old: forward/backward of every micro-batch, then, after the whole backward, one all-reduce per parameter
        tensor on a clone of its gradient (what dflash_lib/train/loop.py did before DDP: no bucketing, no overlap),
-  ddp: `step.train_step` on a `distributed.Engine("ddp")`: no_sync on the first micro-batch, bucketed
+  ddp: `step.train_step` on a `distributed.DrafterParallel("ddp")`: no_sync on the first micro-batch, bucketed
        all-reduce overlapped with the last backward.
 Prints each mode's median seconds per step and the old/ddp ratio (> 1: DDP is faster), and checks that both
 modes leave the two ranks with the same weights as each other.
@@ -104,11 +104,11 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: "mp.Queue") -> N
     result["old_sum"] = float(sum(p.detach().double().sum() for p in params))
 
     drafter, items = build(args, rank)  # fresh weights: the same start for DDP
-    engine = distributed.wrap_drafter(drafter, "ddp")
+    parallel = distributed.wrap_drafter(drafter, "ddp")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     guard = BadStepGuard(10)
-    result["ddp_s"] = timed(lambda: train_step(engine, items, params, opt, 1e-4, 1.0, False, guard, 1), args.steps)
+    result["ddp_s"] = timed(lambda: train_step(parallel, items, params, opt, 1e-4, 1.0, False, guard, 1), args.steps)
     result["ddp_sum"] = float(sum(p.detach().double().sum() for p in params))
     result["params"] = sum(p.numel() for p in params)
     out.put((rank, result))

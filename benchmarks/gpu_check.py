@@ -31,11 +31,11 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
             its outputs must equal the target's own greedy decoding token for token, up to a first difference at
             a near tie (both tokens within TIE_ULPS eps * max|logit| of the max: the B-row verification and the
             one-row forwards round bf16 differently).
-  fsdp      the trainer's FSDP2 engine (`distributed.Engine("fsdp")`: fully_shard per drafter layer and the root,
+  fsdp      the trainer's FSDP2 wrapper (`distributed.DrafterParallel("fsdp")`: fully_shard per drafter layer and the root,
             bf16 parameters / fp32 reduction on CUDA) in a 1-rank process group (NCCL on CUDA, gloo on CPU) against
             the same drafter without FSDP (fp32 master weights, bf16 autocast on CUDA): 3 accumulated steps
             (2 micro-batches each) of `step.train_step`; the losses' max relative difference (<= 3e-2 on CUDA:
-            bf16 parameters against an fp32 master; <= 1e-5 on CPU, fp32 both), and `Engine.full_weights`
+            bf16 parameters against an fp32 master; <= 1e-5 on CPU, fp32 both), and `DrafterParallel.full_weights`
             giving plain full tensors under the plain names. (2-rank FSDP is covered on CPU/gloo by
             tests/test_torchrun.py; one GPU cannot hold a 2-rank NCCL group.)
   kl        loss ce+kl (`context_features_and_final`, the KL term's chunked target logits and its gradient) on the
@@ -355,7 +355,7 @@ def section_fsdp(device: torch.device) -> dict[str, Any]:
 
     cuda = device.type == "cuda"
     target, drafter = small_models(device, torch.bfloat16 if cuda else torch.float32, "blocks")
-    twin = copy.deepcopy(drafter)  # the same initial weights, for the FSDP engine
+    twin = copy.deepcopy(drafter)  # the same initial weights, for the FSDP2 wrapper
     object.__setattr__(twin, "target", target)  # one target, shared (the trainer's replica)
     rng = np.random.default_rng(1)
     items = []
@@ -371,15 +371,15 @@ def section_fsdp(device: torch.device) -> dict[str, Any]:
     try:
         losses: dict[str, list[float]] = {}
         for kind, model in (("single", drafter), ("fsdp", twin)):
-            engine = D.Engine(model, kind, 1, device)
+            parallel = D.DrafterParallel(model, kind, 1, device)
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=1e-3, fused=cuda)
             guard = BadStepGuard(3)
-            losses[kind] = [train_step(engine, items, params, opt, 1e-3, 1.0, cuda, guard, k + 1).loss
+            losses[kind] = [train_step(parallel, items, params, opt, 1e-3, 1.0, cuda, guard, k + 1).loss
                             for k in range(3)]
             if kind == "fsdp":
                 dtensors = sum(type(p).__name__ == "DTensor" for p in params)
-                full = engine.full_weights()
+                full = parallel.full_weights()
                 plain = all(type(t) is torch.Tensor for t in full.values())
                 names = sorted(full) == sorted(n for n, p in drafter.named_parameters() if p.requires_grad)
     finally:

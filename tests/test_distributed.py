@@ -176,11 +176,11 @@ def test_checkpoint_timeout_covers_writing_and_reading_back_each_ranks_share() -
 def test_one_process_trains_on_the_plain_drafter_and_an_unknown_engine_is_refused(single) -> None:
     D.init_distributed(timeout_s=5, device="cpu")
     model = torch.nn.Linear(2, 2)
-    engine = D.wrap_drafter(model, "fsdp")  # no process group: nothing to shard over
-    assert (engine.kind, engine.loss_scale, engine.drafter) == ("single", 1.0, model)
-    assert set(engine.full_weights()) == {"weight", "bias"}
+    parallel = D.wrap_drafter(model, "fsdp")  # no process group: nothing to shard over
+    assert (parallel.kind, parallel.loss_scale, parallel.drafter) == ("single", 1.0, model)
+    assert set(parallel.full_weights()) == {"weight", "bias"}
     with pytest.raises(D.DistributedError, match=r"parallel must be one of \('ddp', 'fsdp'\), got 'zero'"):
-        D.Engine(model, "zero", 2, torch.device("cpu"))
+        D.DrafterParallel(model, "zero", 2, torch.device("cpu"))
 
 
 # -- the distributed invariants in one process: a 1-rank gloo group under DDP, a simulated idle peer ---------------
@@ -250,15 +250,15 @@ def _idle_peer_mean(reduced: list[int]):
 
 def _sgd_update(target, kind: str, world_size: int, split: list[int], hook=None):
     """The parameter change of one train_step (SGD, lr 1, no clipping) of a fresh drafter over _docs(6) cut at
-    `split`, on an Engine of `kind` for `world_size` ranks; and the step's StepResult."""
+    `split`, on a DrafterParallel of `kind` for `world_size` ranks; and the step's StepResult."""
     drafter = decode_drafter(target, 4)
     params = [p for p in drafter.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
-    engine = D.Engine(drafter, kind, world_size, torch.device("cpu"))
+    parallel = D.DrafterParallel(drafter, kind, world_size, torch.device("cpu"))
     if hook is not None:
-        engine.module.register_comm_hook(None, hook)
+        parallel.module.register_comm_hook(None, hook)
     items = _items(target, drafter, _docs(6), split)
-    res = train_step(engine, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0, autocast=False,
+    res = train_step(parallel, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0, autocast=False,
                      guard=BadStepGuard(3), step=1)
     return torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res
 
@@ -282,9 +282,9 @@ def test_ddp_step_over_two_micro_batches_equals_one_process_holding_both(gloo_on
 def test_the_loss_scale_is_the_world_size_under_ddp_and_fsdp(gloo_one, step_target):
     """DDP and FSDP average gradients over ranks while the loss is normalised by the GLOBAL weight sum: each
     loss is multiplied back by the world size. One process scales nothing."""
-    assert D.Engine(decode_drafter(step_target, 4), "single", 4, torch.device("cpu")).loss_scale == 1.0
-    assert D.Engine(decode_drafter(step_target, 4), "ddp", 2, torch.device("cpu")).loss_scale == 2.0
-    assert D.Engine(decode_drafter(step_target, 4), "fsdp", 3, torch.device("cpu")).loss_scale == 3.0
+    assert D.DrafterParallel(decode_drafter(step_target, 4), "single", 4, torch.device("cpu")).loss_scale == 1.0
+    assert D.DrafterParallel(decode_drafter(step_target, 4), "ddp", 2, torch.device("cpu")).loss_scale == 2.0
+    assert D.DrafterParallel(decode_drafter(step_target, 4), "fsdp", 3, torch.device("cpu")).loss_scale == 3.0
 
 
 def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step_target, monkeypatch):
@@ -304,8 +304,8 @@ def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step
         p.grad = None
 
     reduced: list[int] = []
-    engine = D.Engine(drafter, "ddp", 2, torch.device("cpu"))
-    engine.module.register_comm_hook(None, _idle_peer_mean(reduced))
+    parallel = D.DrafterParallel(drafter, "ddp", 2, torch.device("cpu"))
+    parallel.module.register_comm_hook(None, _idle_peer_mean(reduced))
     calls = []
 
     def with_peer(values):  # the step's first reduction is its weight sum: the peer's 5.0 joins it
@@ -316,7 +316,7 @@ def test_the_idle_ranks_filler_has_exactly_zero_loss_and_gradient(gloo_one, step
     silent = [(tok, np.zeros_like(mask)) for tok, mask in _docs(2)]  # this rank: nothing scored
     (item,) = _items(step_target, drafter, silent, [2])
     before = [p.detach().clone() for p in params]
-    res = train_step(engine, [item], params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
+    res = train_step(parallel, [item], params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
                      autocast=False, guard=BadStepGuard(3), step=1, filler=filler)
     assert not res.skipped and res.weight_sum == 5.0 and res.grad_norm == 0.0 and reduced
     assert all(torch.equal(p, b) for p, b in zip(params, before))

@@ -298,7 +298,7 @@ def test_the_target_worker_hands_the_final_states_only_when_the_loss_needs_them(
 
 
 def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_path, monkeypatch):
-    """train_step hands each item's (u, H) states to the engine: DDP over 2 micro-batches (1-rank gloo group) moves
+    """train_step hands each item's (u, H) states to the wrapper: DDP over 2 micro-batches (1-rank gloo group) moves
     the drafter as one process holding both; the idle rank's filler lays out target rows too, and its loss and
     gradient are exactly zero."""
     import torch.distributed as dist
@@ -328,8 +328,8 @@ def test_a_ddp_step_with_loss_kl_equals_one_process_and_its_filler_is_zero(tmp_p
             feats, final = target.context_features_and_final(batch, layout.target_rows)
             items.append(Item(0, batch, batch, feats, layout=layout, device_layout=layout, target_hidden=final))
             lo = hi
-        engine = D.Engine(drafter, kind, 1, torch.device("cpu"))
-        res = train_step(engine, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
+        parallel = D.DrafterParallel(drafter, kind, 1, torch.device("cpu"))
+        res = train_step(parallel, items, params, torch.optim.SGD(params, lr=1.0), lr=1.0, grad_clip=0.0,
                          autocast=False, guard=BadStepGuard(3), step=1)
         return torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)]), res, drafter
 

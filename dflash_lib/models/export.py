@@ -159,7 +159,7 @@ def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.d
                    weights: dict[str, torch.Tensor] | None = None, data: dict[str, str] | None = None) -> Path:
     """Write `drafter` in the serving layout. `template`: the chat template it was trained with; `source`: where
     it came from (a run folder, a checkpoint); `target_name` default the target's path. `weights`: its full
-    trainable weights by name (e.g. `Engine.full_weights`: plain tensors whatever engine trained it); None = the
+    trainable weights by name (e.g. `DrafterParallel.full_weights`: plain tensors whatever wrapper trained it); None = the
     drafter's own trainable parameters. `data`: `data_info` of the training data (the doctor reads it)."""
     target = drafter.target
     if weights is None:

@@ -3,7 +3,7 @@
 `init_distributed` joins torchrun's group (gloo on CPU, NCCL on CUDA; a collective that times out raises
 DistributedError instead of hanging); without torchrun every collective is a no-op, so the call sites
 (`all_reduce_sum`, `any_rank`, `barrier`, `print0`, ...) stay the same. `wrap_drafter` puts the drafter on an
-`Engine` (DDP or FSDP2; never the frozen target: `target.sharded`); `checkpoint_group` is a gloo group whose timeout
+`DrafterParallel` (DDP or FSDP2; never the frozen target: `target.sharded`); `checkpoint_group` is a gloo group whose timeout
 is sized for a save. Engines, timeouts, what is guaranteed: docs/scale.md, "Several GPUs and several nodes".
 """
 
@@ -283,7 +283,7 @@ class LossForward(torch.nn.Module):
         return self.drafter.loss(batch, features, layout, normalizer=normalizer, target_hidden=target_hidden)
 
 
-class Engine:
+class DrafterParallel:
     """How the drafter is trained across ranks. `kind`: "single" (one process: the drafter as it is), "ddp"
     (DistributedDataParallel over the drafter: bucketed gradient all-reduce overlapped with the backward) or
     "fsdp" (FSDP2: `fully_shard` per drafter layer, then the root; parameters, gradients and AdamW state are
@@ -322,7 +322,7 @@ class Engine:
             self.module = root
 
     def loss(self, batch, features, layout, normalizer, target_hidden=None):  # noqa: ANN001
-        """DFlashDrafter.loss through the engine (its forward hooks run); `target_hidden` for loss kl / ce+kl."""
+        """DFlashDrafter.loss through the wrapper (its forward hooks run); `target_hidden` for loss kl / ce+kl."""
         return self.module(batch, features, layout, normalizer, target_hidden)
 
     def grad_sync(self, enabled: bool) -> Any:
@@ -362,13 +362,13 @@ class Engine:
         return {n: p.detach().cpu() for n, p in self.drafter.named_parameters() if p.requires_grad}
 
 
-def wrap_drafter(drafter: torch.nn.Module, parallel: str = "ddp") -> Engine:
-    """The Engine for this process: "single" without a process group, else `parallel` ("ddp" | "fsdp")."""
+def wrap_drafter(drafter: torch.nn.Module, parallel: str = "ddp") -> DrafterParallel:
+    """The DrafterParallel for this process: "single" without a process group, else `parallel` ("ddp" | "fsdp")."""
     d = info()
     kind = parallel if _group_active() else "single"
     if kind not in ("single", *PARALLEL):
         raise DistributedError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
-    return Engine(drafter, kind, d.world_size, d.device)
+    return DrafterParallel(drafter, kind, d.world_size, d.device)
 
 
 # -- the checkpoint group -------------------------------------------------------------------------------------------

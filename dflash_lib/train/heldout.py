@@ -28,7 +28,7 @@ from dflash_lib.models.loss import expected_acceptance, stats_size, weighted_los
 from dflash_lib.rundir import write_json
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
-from dflash_lib.train.distributed import Engine
+from dflash_lib.train.distributed import DrafterParallel
 from dflash_lib.train.feed import anchor_seed, validate_sample
 from dflash_lib.train.metrics import HeldoutFigures
 
@@ -42,9 +42,9 @@ class HeldOutEvaluator:
     section's), `stop_at_eos` whether an answer ends at the store's end-of-turn id (`evaluate`'s). `latest`: the
     latest evaluation's figures, after optimizer step `latest_step`; None before the first."""
 
-    def __init__(self, train: TrainConfig, token_budget: int, parts: TrainingParts, engine: Engine,
+    def __init__(self, train: TrainConfig, token_budget: int, parts: TrainingParts, parallel: DrafterParallel,
                  main: bool, max_new_tokens: int, stop_at_eos: bool = True) -> None:
-        self.train, self.token_budget, self.parts, self.engine, self.main = train, token_budget, parts, engine, main
+        self.train, self.token_budget, self.parts, self.parallel, self.main = train, token_budget, parts, parallel, main
         self.max_new_tokens, self.stop_at_eos = max_new_tokens, stop_at_eos
         self.eval_set: EvalSet | None = None  # held-out batches with fixed anchors (built by `prepare`)
         self.latest: HeldoutFigures | None = None
@@ -54,7 +54,7 @@ class HeldOutEvaluator:
         """Rank 0: record the split in run_dir/heldout.json; the evaluating ranks lay out the evaluation
         batches (the first `eval_samples` held-out samples, anchors drawn once)."""
         p, tc = self.parts, self.train
-        if not (self.main or self.engine.kind == "fsdp" or p.target_parallel == "fsdp") or p.heldout is None:
+        if not (self.main or self.parallel.kind == "fsdp" or p.target_parallel == "fsdp") or p.heldout is None:
             return
         source = p.full_store if p.full_store is not None else p.store
         if self.main:
@@ -76,7 +76,7 @@ class HeldOutEvaluator:
         """The drafter on the evaluation batches now (`heldout.evaluate`, after optimizer step `step`; its `s`
         counts the full weights' gather too): kept in `latest` and said in one line."""
         t0 = time.perf_counter()
-        with self.engine.full_root():
+        with self.parallel.full_root():
             figures = evaluate(self.parts.drafter, self.parts.targets[0], self.eval_set,
                                uses_bf16(self.train.precision, self.parts.targets[0].device))
         figures = replace(figures, s=time.perf_counter() - t0)

@@ -50,7 +50,7 @@ class Trainer:
         tc, self.dist = config.train, distributed.info()
         self.main = self.dist.rank == 0
         self.device = parts.targets[0].device
-        self.engine = distributed.wrap_drafter(parts.drafter, tc.parallel)  # DDP / FSDP2 / one process
+        self.parallel = distributed.wrap_drafter(parts.drafter, tc.parallel)  # DDP / FSDP2 / one process
         self.params = [p for p in parts.drafter.parameters() if p.requires_grad]  # FSDP: the DTensor shards
         self.opt = build_optimizer(self.params, tc, self.device)
         self.ckpts = TrainingCheckpoints(run_dir / CHECKPOINTS, parts.drafter, self.opt, tc, resume_config_hash(config),
@@ -59,7 +59,7 @@ class Trainer:
         total_steps, self.max_batches = count_steps(tc, len(parts.sampler), int(parts.lengths.sum()),
                                                    parts.data_shards)
         self.progress = Progress(total_steps, parts.data_shards)
-        self.filler = (filler_item(parts.drafter, self.device) if self.engine.kind != "single"
+        self.filler = (filler_item(parts.drafter, self.device) if self.parallel.kind != "single"
                        else None)
         self.guard = BadStepGuard(tc.max_bad_steps, checkpoints=run_dir / CHECKPOINTS)
         self.skips = SkipCounter()  # this rank's skipped samples
@@ -69,7 +69,7 @@ class Trainer:
         self.meter = ThroughputMeter(clock=clock)
         self.stop = stop if stop is not None else StopRequest()
         self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
-        self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.engine, self.main,
+        self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.parallel, self.main,
                                         config.regenerate.max_new_tokens, config.evaluate.stop_at_eos)
         gib = config.pipeline.target_cache_gib
         self.cache = FeatureCache(int(gib * 2**30)) if gib > 0 else None  # the target's features per sample
@@ -163,7 +163,7 @@ class Trainer:
         # steps are numbered from 1 in logs (this one is p.step + 1); the schedules take the 0-based index
         lr = lr_at(p.step, p.total_steps, tc)
         noise = next((it.layout.noise for it in items if it.layout is not None), noise_at(p.batches_done, tc))
-        res = train_step(self.engine, items, self.params, self.opt, lr, tc.grad_clip,
+        res = train_step(self.parallel, items, self.params, self.opt, lr, tc.grad_clip,
                          uses_bf16(tc.precision, self.device), self.guard, p.step + 1, self.filler)
         p.position = (items[-1].epoch, items[-1].step + 1)
         read = sum(it.last_shard for it in items)  # sampler steps
@@ -246,7 +246,7 @@ class Trainer:
                                           f"had a token to score ({skips.summary()}); no drafter written")
             raise ConfigError("training ran no step: the sampler produced no batch")
         summary = run_summary(self, skips)
-        weights = self.engine.full_weights() if p.step > 0 else {}  # a collective under FSDP
+        weights = self.parallel.full_weights() if p.step > 0 else {}  # a collective under FSDP
         if self.main:
             if p.step > 0:
                 save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
@@ -278,7 +278,7 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from the checkpoint at `path` (verified by `prepare_run_dir`), at this run's world size and
-        engine. Refuses one that does not fit this run with CheckpointError."""
+        wrapper. Refuses one that does not fit this run with CheckpointError."""
         state = load_objects(path).get("trainer") or {}
         self.progress.check(state, f"checkpoint {path}")
         self.ckpts.load(path, int(state["step"]))
@@ -336,7 +336,7 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     run_dir: the run folder (created if missing; default a new runs/<UTC>_train[_tag]/). It receives
     config.json, env.json, metrics.jsonl (every step), wandb's offline files, checkpoints/ (see run_training),
     drafter/ and summary.json. A folder holding a checkpoint of the same config (resume hash) RESUMES from its
-    newest good checkpoint, at any world size and with either engine (the global batches stay those of the run's
+    newest good checkpoint, at any world size and with either wrapper (the global batches stay those of the run's
     first invocation: its data shards); another config's checkpoints or other content without a checkpoint are
     refused with an error unless `fresh=True`, which clears it first.
     SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns

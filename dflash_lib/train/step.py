@@ -58,14 +58,14 @@ def clip_sharded_grads(params: Sequence[torch.nn.Parameter], max_norm: float) ->
     return norm
 
 
-def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
                lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int,
                filler: Item | None = None) -> StepResult:
     """One optimizer step over `items`, whose drafter work was laid out on the host in the feed stage
     (`Item.layout`, `Item.device_layout`): the global weight sum first (host floats), then one forward/backward
     per micro-batch normalised by it, then clip and update. Returns the step's statistics (summed over ranks).
 
-    `engine`: a `distributed.Engine` (DDP, FSDP2 or one process), or a plain drafter (one process). Micro-batches
+    `parallel`: a `distributed.DrafterParallel` (DDP, FSDP2 or one process), or a plain drafter (one process). Micro-batches
     but the last run under `grad_sync(False)` (DDP no_sync): the gradients are reduced once, overlapped with the
     last backward, in buckets. Each loss is multiplied by the engine's `loss_scale` (the world size) because DDP
     and FSDP AVERAGE over ranks while the loss is already normalised by the global weight sum: the reduced
@@ -77,9 +77,9 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
     other sync. Items whose batch is None (every sample failed validation, or a rank with no data shard)
     contribute nothing. No update when nothing was scored, or when the global loss is not finite (`guard` counts
     those and raises after `max_bad_steps` in a row)."""
-    if not isinstance(engine, distributed.Engine):  # a plain drafter: one process
-        engine = distributed.Engine(engine, "single", 1, next(engine.parameters()).device)
-    drafter = engine.drafter
+    if not isinstance(parallel, distributed.DrafterParallel):  # a plain drafter: one process
+        parallel = distributed.DrafterParallel(parallel, "single", 1, next(parallel.parameters()).device)
+    drafter = parallel.drafter
     device = next(drafter.parameters()).device
     live = [it for it in items if it.batch is not None]
     if any(it.layout is None or it.device_layout is None for it in live):
@@ -91,17 +91,17 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
     (weight_sum,) = all_reduce_floats([sum(local)])
     stats = torch.zeros(stats_size(n_pos + 1), dtype=torch.float64, device=device)  # see DrafterLoss.stats
     scored = [it for it, w in zip(live, local) if w > 0]  # nothing scored: zero loss and gradient, no forward
-    runs = scored if scored or engine.kind == "single" or not weight_sum > 0 else [filler]
+    runs = scored if scored or parallel.kind == "single" or not weight_sum > 0 else [filler]
     if runs and runs[0] is None:
-        raise ValueError("train_step: this rank has nothing to score in a step other ranks train on; the engine "
+        raise ValueError("train_step: this rank has nothing to score in a step other ranks train on; the wrapper "
                          "needs a `filler` item to join the gradient reduction")
-    with distributed.collective_errors(f"{engine.kind} gradient reduction"):
+    with distributed.collective_errors(f"{parallel.kind} gradient reduction"):
         for i, it in enumerate(runs):
-            with engine.grad_sync(i == len(runs) - 1):
+            with parallel.grad_sync(i == len(runs) - 1):
                 with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = engine.loss(it.device_batch, it.features, it.device_layout, weight_sum,
+                    out = parallel.loss(it.device_batch, it.features, it.device_layout, weight_sum,
                                       it.target_hidden)
-                (out.loss * engine.loss_scale if engine.loss_scale != 1 else out.loss).backward()
+                (out.loss * parallel.loss_scale if parallel.loss_scale != 1 else out.loss).backward()
             if it is not filler:
                 stats = stats + out.stats()
     real = sum(it.batch.real_tokens for it in live)
@@ -112,7 +112,7 @@ def train_step(engine: Any, items: Sequence[Item], params: list[torch.nn.Paramet
         clip = grad_clip if grad_clip > 0 else math.inf
         if not have_grads:
             norm = torch.zeros((), device=device)
-        elif engine.kind == "fsdp":
+        elif parallel.kind == "fsdp":
             norm = clip_sharded_grads(params, clip)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)

@@ -114,7 +114,7 @@ class RunSummary(WithHeldoutFigures):
     strategy: str  # sampler strategy: sorted | random | bucketed | packed
     world_size: int  # ranks of this invocation
     data_shards: int  # batches per sampler step, shared by the ranks (fixed by the run's first invocation)
-    parallel: str  # engine: single | ddp | fsdp
+    parallel: str  # the drafter's wrapper: single | ddp | fsdp
     device: str  # rank 0's torch device
     steps: int  # optimizer steps done
     planned_steps: int  # optimizer steps the lr schedule is planned for
@@ -181,7 +181,7 @@ def run_summary(trainer: Any, skips: SkipCounter) -> RunSummary:
     return RunSummary(
         run_dir=str(t.run_dir), config_hash=t.config.hash(), resume_hash=t.ckpts.resume_hash,
         strategy=t.config.sampler.strategy, world_size=t.dist.world_size,
-        data_shards=p.data_shards, parallel=t.engine.kind, device=str(t.device),
+        data_shards=p.data_shards, parallel=t.parallel.kind, device=str(t.device),
         steps=p.step, planned_steps=p.total_steps, empty_batches=p.empty_batches,
         complete=t.stop_reason is None,
         stop_reason=t.stop_reason, resumed_from_step=p.resumed_from,
