@@ -1,4 +1,4 @@
-"""The demo's real target (`lab.real_target`, `models.gguf`): SmolLM2-135M-Instruct from its pip-installed GGUF,
+"""The demo's real target (`lab.real_target`, `lab.gguf`): SmolLM2-135M-Instruct from its pip-installed GGUF,
 converted into a Hugging Face folder whose weights are transformers' own GGUF load, exactly."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def converted():
 def test_the_converted_folder_is_transformers_own_gguf_load_and_answers(converted):
     import transformers
 
-    from dflash_lib.models.gguf import GGUF_FORMAT, SOURCE_FILE, is_converted, load_gguf
+    from dflash_lib.lab.gguf import GGUF_FORMAT, SOURCE_FILE, is_converted, load_gguf
 
     reference, gguf_tok = load_gguf(rt.packaged_file())
     model = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)

