@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_lib.lab.peers import TABLE_BEGIN, TABLE_END, PeerRow, peak_rss_gib, peers_table, served_fields, with_table
+from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, TABLE_BEGIN, TABLE_END, PeerRow, SpreadLine, peak_rss_gib,
+                                  peers_table, served_fields, spread_table, with_table)
 from dflash_lib.serve.client import ServedDecode, SpecCounters
 from dflash_lib.serve.measure import ServedReport, ServedSet, judge, pooled_speedup
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "peers" / "results.json"
+SPREAD = REPO / "benchmarks" / "peers" / "spread.json"
 DOCS = REPO / "docs" / "peers.md"
 
 
@@ -77,3 +79,28 @@ def test_docs_table_is_the_one_the_committed_results_render():
     text = DOCS.read_text()
     block = text[text.index(TABLE_BEGIN) + len(TABLE_BEGIN):text.index(TABLE_END)].strip()
     assert block == peers_table(rows, results["sets"])
+
+
+def test_the_spread_table_lists_every_retraining_and_each_trainers_mean_over_its_seeds():
+    """Reference rows count as seed 0; ours' seeds and a peer's seed join their trainer's mean, a lever does not."""
+    ref = [PeerRow("ours", "ran", "", "0.1", served_tau=1.10, served_tau_per_set={"a": 1.2}),
+           PeerRow("speculators", "ran", "", "0.9", served_tau=1.20, served_tau_per_set={"a": 1.3}),
+           PeerRow("specforge", "refused", "no", "0.2")]
+    lines = [SpreadLine("seed", 1, {}, 100, 2.0, 1.14, 0.01, 900, {"a": 1.25}),
+             SpreadLine("dpace", 0, {"position_weight": "dpace"}, 100, 2.0, 1.50, 0.01, 800, {"a": 1.6}),
+             SpreadLine("speculators", 1, {}, 99, 3.0, 1.16, 0.02, 850, {"a": 1.31})]
+    table = spread_table(lines, ref).splitlines()
+    assert len(table) == 2 + 2 + 3 + 2  # head, rule, 2 reference rows that served, 3 lines, 2 means
+    assert "| ours | position_weight dpace | 0 | 1.500 | 0.010 | 800 | 1.600 |" in table
+    assert "| speculators | the job's recipe | 1 | 1.160 | 0.020 | 850 | 1.310 |" in table
+    assert table[-2].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
+    assert table[-1].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
+
+
+def test_docs_spread_table_is_the_one_the_committed_lines_render():
+    lines = [SpreadLine.from_json(x) for x in json.loads(SPREAD.read_text())]
+    rows = [PeerRow.from_json(r) for r in json.loads(RESULTS.read_text())["rows"]]
+    assert {ln.tag for ln in lines} >= {"seed", "speculators", "specforge"}  # every trainer's seed spread
+    text = DOCS.read_text()
+    block = text[text.index(SPREAD_BEGIN) + len(SPREAD_BEGIN):text.index(SPREAD_END)].strip()
+    assert block == spread_table(lines, rows)

@@ -34,11 +34,11 @@ sys.path.insert(0, str(HERE))
 from job import Recipe, build_job  # noqa: E402
 
 from dflash_lib.evaluate import _baseline, _warm, decode_groups, decode_threads, prepare, served_sets  # noqa: E402
-from dflash_lib.lab.peers import PeerRow, peak_rss_gib, peers_table, served_fields, with_table  # noqa: E402
+from dflash_lib.lab.peers import PEER_NAMES, PeerRow, peak_rss_gib, peers_table, served_fields, with_table  # noqa: E402
 from dflash_lib.serve.measure import ServedPass, ServedSet, serve_passes  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
-PEERS = ("speculators", "specforge")
+PEERS = PEER_NAMES
 RESULTS = HERE / "results.json"
 DOCS = REPO / "docs" / "peers.md"
 ZLAB = REPO / ".venv-peers" / "dflash" / "bin" / "python"

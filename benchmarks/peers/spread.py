@@ -13,7 +13,8 @@ reference run). A peer (`--trainer speculators` or `specforge`) trains by its ow
 recipe has the seed given, into WORK/spread/<trainer>-s<seed>/, and its export is served by vLLM on the same prompts
 (one round: the served tau of a peer's export equals z-lab's loop's, results.json). One line per run: tau over
 every set with its standard error over cycles, tau per set, the training tokens and loop seconds; all lines also
-in WORK/spread/spread.json.
+in WORK/spread/spread.json. The committed reference is benchmarks/peers/spread.json (a copy of one such file):
+`--table` renders docs/peers.md's seeds-and-levers table from it and results.json (a test checks they agree).
 """
 
 from __future__ import annotations
@@ -32,7 +33,19 @@ sys.path.insert(0, str(HERE))
 
 from run import PEERS, decode_prompt_sets, our_params  # noqa: E402
 
-from dflash_lib.lab.peers import served_fields  # noqa: E402
+from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, PeerRow, SpreadLine, served_fields,  # noqa: E402
+                                  spread_table, with_table)
+
+REFERENCE = HERE / "spread.json"  # the committed lines
+RESULTS = HERE / "results.json"
+DOCS = REPO / "docs" / "peers.md"
+
+
+def write_table(lines_file: Path = REFERENCE) -> None:
+    """docs/peers.md's seeds-and-levers table from `lines_file` and results.json's rows."""
+    lines = [SpreadLine.from_json(x) for x in json.loads(lines_file.read_text())]
+    rows = [PeerRow.from_json(r) for r in json.loads(RESULTS.read_text())["rows"]]
+    DOCS.write_text(with_table(DOCS.read_text(), spread_table(lines, rows), SPREAD_BEGIN, SPREAD_END))
 from dflash_lib.serve.measure import ServedPass, serve_passes, served_tau_se, tau_se  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
@@ -103,7 +116,12 @@ def main() -> int:
     ap.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--table", action="store_true", help=f"only rewrite docs/peers.md's seeds-and-levers table from "
+                                                         f"{REFERENCE.relative_to(REPO)}")
     a = ap.parse_args()
+    if a.table:
+        write_table()
+        return 0
     work = Path(a.work)
     job_file = work / "job" / "job.json"
     if not job_file.is_file():

@@ -7,14 +7,18 @@ accepted / drafts), every set together weighted by its drafts.
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from dflash_lib.rundir import JsonRecord
 from dflash_lib.serve.measure import ServedReport
 
+PEER_NAMES = ("speculators", "specforge")  # the trainers beside ours
 TABLE_BEGIN = "<!-- peers-table: begin (benchmarks/peers/run.py --table writes it from results.json) -->"
 TABLE_END = "<!-- peers-table: end -->"
+SPREAD_BEGIN = "<!-- spread-table: begin (benchmarks/peers/spread.py --table writes it from spread.json) -->"
+SPREAD_END = "<!-- spread-table: end -->"
 
 
 @dataclass
@@ -88,10 +92,54 @@ def peers_table(rows: Sequence[PeerRow], sets: Sequence[str]) -> str:
     return "\n".join(out)
 
 
-def with_table(doc: str, table: str) -> str:
-    """`doc` (docs/peers.md's text) with the block between TABLE_BEGIN and TABLE_END replaced by `table`;
-    ValueError when the markers are not there once each, in order."""
-    a, b = doc.find(TABLE_BEGIN), doc.find(TABLE_END)
-    if doc.count(TABLE_BEGIN) != 1 or doc.count(TABLE_END) != 1 or b < a:
-        raise ValueError("docs/peers.md must hold the peers-table begin and end markers once each, in order")
-    return doc[:a + len(TABLE_BEGIN)] + "\n" + table + "\n" + doc[b:]
+def with_table(doc: str, table: str, begin: str = TABLE_BEGIN, end: str = TABLE_END) -> str:
+    """`doc` (docs/peers.md's text) with the block between `begin` and `end` replaced by `table`; ValueError when
+    the markers are not there once each, in order."""
+    a, b = doc.find(begin), doc.find(end)
+    if doc.count(begin) != 1 or doc.count(end) != 1 or b < a:
+        raise ValueError(f"docs/peers.md must hold the markers {begin!r} and {end!r} once each, in order")
+    return doc[:a + len(begin)] + "\n" + table + "\n" + doc[b:]
+
+
+@dataclass
+class SpreadLine(JsonRecord):
+    """One retraining on the peers' job (benchmarks/peers/spread.py): a trainer with a seed, or ours with one
+    setting changed, its drafter decoded (ours, in process) or served (a peer's export, vLLM) on the same prompts."""
+
+    tag: str  # "seed" (ours, settings as run.py's), a lever's name (ours, `overrides`), or the peer's name
+    seed: int
+    overrides: dict[str, str]  # our settings changed from run.py's ({} for a seed or a peer)
+    train_tokens: int | None
+    loop_s: float | None
+    tau: float  # every set: tokens per drafting cycle
+    tau_se: float  # its standard error over cycles
+    cycles: int
+    per_set: dict[str, float]  # set name -> tau
+
+
+def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> str:
+    """The markdown table of docs/peers.md's seeds and levers: the reference run's rows (results.json) as seed 0 of
+    each trainer, then every retraining; a last block gives each trainer's mean over its seeds."""
+    head = ["trainer", "setting", "seed", "tau", "+- SE", "cycles"]
+    sets = sorted({name for ln in lines for name in ln.per_set} | {n for r in reference for n in r.served_tau_per_set})
+    out = ["| " + " | ".join(head + [f"tau {n}" for n in sets]) + " |", "|" + "---|" * (len(head) + len(sets))]
+    seeds: dict[str, list[float]] = {}
+    for r in reference:
+        if r.served_tau is not None:
+            seeds.setdefault(r.trainer, []).append(r.served_tau)
+            out.append("| " + " | ".join([r.trainer, "reference run (results.json)", "0", f"{r.served_tau:.3f}", "—",
+                                          "—"] + [_f(r.served_tau_per_set.get(n), ".3f") for n in sets]) + " |")
+    for ln in lines:
+        trainer = ln.tag if ln.tag in PEER_NAMES else "ours"
+        setting = ("the job's recipe" if trainer != "ours" or ln.tag == "seed" else
+                   ", ".join(f"{k} {v}" for k, v in ln.overrides.items()) or ln.tag)
+        if setting == "the job's recipe":
+            seeds.setdefault(trainer, []).append(ln.tau)
+        out.append("| " + " | ".join([trainer, setting, str(ln.seed), f"{ln.tau:.3f}", f"{ln.tau_se:.3f}",
+                                      f"{ln.cycles:,}"] + [_f(ln.per_set.get(n), ".3f") for n in sets]) + " |")
+    for trainer, taus in seeds.items():
+        sd = statistics.stdev(taus) if len(taus) > 1 else float("nan")
+        out.append("| " + " | ".join([f"**{trainer}**", f"mean of {len(taus)} seeds (SD across seeds)", "—",
+                                      f"**{statistics.fmean(taus):.3f}**", f"({sd:.3f})", "—"] + ["—"] * len(sets))
+                   + " |")
+    return "\n".join(out)
