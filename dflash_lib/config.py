@@ -114,6 +114,8 @@ PositionWeight = Literal["decay", "dpace"]
 DrafterLayerKind = Literal["full_attention", "sliding_attention"]
 TargetEngine = Literal["local", "vllm"]
 Precision = Literal["auto", "bf16", "fp32"]
+Optimizer = Literal["adamw", "muon"]
+LrSchedule = Literal["cosine", "wsd"]
 Engine = Literal["none", "vllm"]
 LOSSES, POSITION_WEIGHTS = typing.get_args(Loss), typing.get_args(PositionWeight)  # the allowed values, as tuples
 DRAFTER_LAYER_KINDS, TARGET_ENGINES = typing.get_args(DrafterLayerKind), typing.get_args(TargetEngine)
@@ -278,8 +280,13 @@ class TrainConfig:
     lr: float = 6e-4  # peak learning rate
     warmup_ratio: float = 0.04  # warmup as a fraction of total steps (ignored when warmup_steps > 0)
     warmup_steps: int = 0  # warmup steps; > 0 overrides warmup_ratio
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    weight_decay: float = 0.0  # AdamW weight decay
+    min_lr_ratio: float = 0.0  # the schedule's floor as a fraction of lr
+    lr_schedule: LrSchedule = "cosine"  # after the warm-up: "cosine" to the floor, or "wsd" (warm-up, stable at
+    # lr, then a linear decay to the floor over the last `decay_ratio` of the steps)
+    decay_ratio: float = 0.2  # wsd: the share of the steps that decays (ignored by cosine)
+    optimizer: Optimizer = "adamw"  # "adamw"; "muon": torch's Muon on the drafter's matrices (lr matched to
+    # AdamW's RMS, so the same lr and schedule serve both), AdamW on its norms (train/step.py)
+    weight_decay: float = 0.0  # AdamW weight decay (and Muon's, on the matrices)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     accum_tokens: int = 0  # accumulate micro-batches until this many REAL tokens (0 = one batch per step)
     noise: float = 1.0  # fraction of block positions masked (1.0 = the paper)
@@ -314,6 +321,11 @@ class TrainConfig:
             raise ConfigError(f"noise must be in (0, 1], got {self.noise}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0.0 < self.decay_ratio <= 1.0:
+            raise ConfigError(f"decay_ratio must be in (0, 1], got {self.decay_ratio}")
+        if self.optimizer == "muon" and self.parallel == "fsdp":
+            raise ConfigError("optimizer muon orthogonalises whole matrices, which parallel fsdp shards across ranks: "
+                              "use -p parallel ddp (or optimizer adamw)")
         if not 0.0 < self.lr <= 1.0:  # AdamW diverges far below 1 already: a larger value is a typo (1e9)
             raise ConfigError(f"lr must be in (0, 1], got {self.lr}")
         _bounded(self, positive=("log_every", "keep_checkpoints", "max_bad_steps", "dist_timeout_s"),

@@ -77,6 +77,7 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
 OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
+OTHER_VALUE |= {"optimizer": "muon", "lr_schedule": "wsd"}  # issue 52 (the levers)
 BY_HAND = {"target": "models/t", "target_engine": "vllm", "target_engine_url": "http://e:1", "target_engine_dir": "/e"}
 COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
            # needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults

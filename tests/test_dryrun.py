@@ -61,6 +61,25 @@ def test_fake_step_matches_a_real_step(attention, checkpointing):
         assert real.kernel_allowance > 0
 
 
+@pytest.mark.slow
+def test_a_muon_dry_run_holds_the_trainers_optimizer_state():
+    """`-p optimizer muon`: the dry run builds the trainer's optimizers (train.step.build_optimizer), so its
+    optimizer memory is Muon's one momentum per matrix plus AdamW's two moments per norm weight, fake = real."""
+    cfg = _tiny(optimizer="muon")
+    hf = tiny_qwen3_config(hidden_size=64, num_layers=4, vocab_size=VOCAB)
+    worst = dryrun.worst_bucket_batch(0, 0, 64, cfg, block_budget=80)
+    figures = {}
+    for fake in (False, True):
+        models = dryrun.build_step_models(cfg, hf, dryrun.StepSettings("dense", False), fake)
+        assert [type(o).__name__ for o in models.optimizer] == ["Muon", "AdamW"]
+        figures[fake] = dryrun.measure_step(models, dryrun.host_batch(worst, VOCAB, cfg.model.mask_id), seed=0)
+    matrices = sum(p.numel() for p in models.params if p.ndim == 2)
+    norms = sum(p.numel() for p in models.params if p.ndim != 2)
+    assert figures[True].memory["optimizer"] == pytest.approx(figures[False].memory["optimizer"], rel=PEAK_TOLERANCE)
+    assert figures[False].memory["optimizer"] >= 4 * matrices + 8 * norms
+    assert figures[False].memory["optimizer"] < 8 * (matrices + norms)  # less than AdamW's two moments of all
+
+
 def _packed_flex_layout():
     """The flex layout of a worst packed row of a tiny config (blocks of 8, 40 anchors a document)."""
     from dflash_lib.models.layout import build_layout

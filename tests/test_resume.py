@@ -120,6 +120,22 @@ def test_resume_at_an_epoch_boundary_in_an_epochs_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_muon_and_wsd_resume_like_the_uninterrupted_run(tmp_path):
+    """Two optimizers (Muon on the matrices, AdamW on the norms): both states go through the checkpoint."""
+    params = dict(optimizer="muon", lr_schedule="wsd", decay_ratio=0.5, steps=6, ckpt_every=0)
+    ref = train(config(**params), tmp_path / "ref")
+    assert ref.complete and ref.final_loss == ref.final_loss
+    train(config(**params, stop_at_step=3), tmp_path / "run")
+    train(config(**params), tmp_path / "run")
+    assert_same_trajectory(rows(tmp_path / "run"), rows(tmp_path / "ref"))
+    assert [r["lr"] for r in rows(tmp_path / "ref")][2:] == pytest.approx([1e-2, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
+    got, want = weights(tmp_path / "run"), weights(tmp_path / "ref")
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+    adamw = train(config(steps=6, ckpt_every=0, lr_schedule="wsd", decay_ratio=0.5), tmp_path / "adamw")
+    assert adamw.final_loss != pytest.approx(ref.final_loss, rel=1e-6)  # the optimizer setting reached the run
+
+
+@pytest.mark.slow
 def test_resume_inside_an_accumulated_step_sequence(tmp_path):
     params = dict(steps=5, accum_tokens=3000, ckpt_every=0)
     train(config(**params), tmp_path / "ref")

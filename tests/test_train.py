@@ -26,7 +26,7 @@ from dflash_lib.train.metrics import BUDGET_FIGURES, HELDOUT_KEYS, StepMetrics, 
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, count_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard
-from dflash_lib.train.step import train_step
+from dflash_lib.train.step import build_optimizer, train_step
 from run_folder import metrics_rows
 
 JSONL_KEYS = {"step", "epoch", "loss", "acc", "lr", "noise", "real_tokens", "padded_tokens", "ktok_s",
@@ -55,6 +55,42 @@ def test_lr_schedule_exact_values():
     assert warmup_steps(6, TrainConfig(warmup_ratio=0.04)) == 1  # ceil: never zero steps of warm-up by ratio
     with pytest.raises(ValueError, match="total_steps"):
         lr_at(0, 0, cfg)
+
+
+def test_wsd_schedule_exact_values():
+    """Warm-up, stable at the peak, then linear to the floor over the last ceil(decay_ratio * total) steps."""
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.1, lr_schedule="wsd", decay_ratio=0.2, min_lr_ratio=0.1)
+    assert [lr_at(s, 100, cfg) for s in (0, 9)] == pytest.approx([1e-4, 1e-3])  # the same warm-up
+    assert [lr_at(s, 100, cfg) for s in (10, 50, 80)] == pytest.approx([1e-3] * 3)  # stable through step 80
+    assert lr_at(90, 100, cfg) == pytest.approx(1e-4 + 9e-4 * 10 / 20)  # half-way down the decay
+    assert lr_at(99, 100, cfg) == pytest.approx(1e-4 + 9e-4 / 20)  # the last step: one decay step above the floor
+    assert lr_at(100, 100, cfg) == lr_at(10_000, 100, cfg) == pytest.approx(1e-4)  # past the total: the floor
+    steps = [lr_at(s, 100, cfg) for s in range(100)]
+    assert all(a >= b for a, b in zip(steps[10:], steps[11:]))  # never rises after the warm-up
+    with pytest.raises(ConfigError, match="decay_ratio"):
+        TrainConfig(lr_schedule="wsd", decay_ratio=0.0)
+
+
+def test_muon_takes_the_drafters_matrices_and_adamw_the_rest():
+    """`optimizer muon`: torch's Muon on every trainable 2-D parameter (fc, projections), AdamW on the norms; a
+    step with both changes every parameter; fsdp (which shards the matrices Muon orthogonalises) is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    params = list(model.parameters())
+    muon, adamw = build_optimizer(params, TrainConfig(optimizer="muon", lr=1e-2), torch.device("cpu"))
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    assert in_muon == {id(p) for p in params if p.ndim == 2}
+    assert {id(p) for g in adamw.param_groups for p in g["params"]} == {id(p) for p in params if p.ndim != 2}
+    (only,) = build_optimizer(params, TrainConfig(), torch.device("cpu"))
+    assert isinstance(only, torch.optim.AdamW)
+    before = [p.detach().clone() for p in params]
+    model(torch.randn(5, 8)).square().sum().backward()
+    for o in (muon, adamw):
+        o.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, params))
+    with pytest.raises(ConfigError, match="optimizer muon .* parallel fsdp"):
+        TrainConfig(optimizer="muon", parallel="fsdp")
 
 
 @settings(max_examples=40, deadline=None)

@@ -29,6 +29,7 @@ from dflash_lib.models.attention import resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.dryrun.balanced_experts import grouped_mm_flops, install_balanced_experts
 from dflash_lib.train.build import drafter_checkpointing
+from dflash_lib.train.step import build_optimizer
 from dflash_lib.dryrun.fake_ranks import CommTally
 from dflash_lib.target.sharded import shard_layers
 
@@ -109,7 +110,7 @@ class StepModels:
 
     target: Any  # TargetModel
     drafter: Any  # DFlashDrafter
-    optimizer: torch.optim.Optimizer
+    optimizer: tuple[torch.optim.Optimizer, ...]  # `train.step.build_optimizer`'s
     params: list[torch.nn.Parameter]  # the drafter's trainable parameters
     settings: StepSettings
     mode: FakeTensorMode | None  # None = real tensors
@@ -192,11 +193,12 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
                                 checkpointing=settings.checkpointing)
     params = [p for p in drafter.parameters() if p.requires_grad]
     with mode if fake else contextlib.nullcontext():
-        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
-        for p in params:  # a zero-gradient step creates the state (exp_avg, exp_avg_sq, step) and changes nothing
+        opt = build_optimizer(params, tc, torch.device("cuda"))  # the trainer's, fused as on a GPU
+        for p in params:  # a zero-gradient step creates the state (AdamW's moments, Muon's momentum) and changes nothing
             p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for o in opt:
+            o.step()
+            o.zero_grad(set_to_none=True)
     return StepModels(target, drafter, opt, params, settings, mode, features, features_and_final, balanced, served)
 
 
@@ -443,8 +445,10 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
         with phase("backward"):  # trainer's Item keeps them
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(models.params, 1.0)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+            for o in opt:
+                o.step()
+        for o in opt:
+            o.zero_grad(set_to_none=True)
 
     # Memory and FLOPs in two passes: FlopCounterMode's module tracker buffers gradients in its hooks and would
     # add its own memory to the peak.

@@ -587,7 +587,8 @@ class TrainingCheckpoints:
     dist_timeout_s); `resume_hash` and `run_config` (the run's `Config.to_dict()`) go into every manifest.
     Every rank calls `save`, `finish` and `load` at the same point."""
 
-    def __init__(self, ckpt_dir: str | Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer,
+    def __init__(self, ckpt_dir: str | Path, drafter: torch.nn.Module,
+                 opt: torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...],
                  settings: TrainConfig, resume_hash: str, run_config: dict[str, Any]) -> None:
         self.ckpt_dir, self.drafter, self.opt, self.settings = Path(ckpt_dir), drafter, opt, settings
         self.resume_hash, self.run_config = resume_hash, run_config
@@ -598,13 +599,13 @@ class TrainingCheckpoints:
 
     def timeout_s(self) -> float:
         """The checkpoint collectives' timeout: fp32 weights + two AdamW moments (12 bytes per trainable
-        parameter), sized by `distributed.checkpoint_timeout_s`."""
+        parameter; Muon keeps one), sized by `distributed.checkpoint_timeout_s`."""
         numel = sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
         return distributed.checkpoint_timeout_s(12.0 * numel, distributed.info().world_size,
                                                 self.settings.dist_timeout_s)
 
     def model_state(self) -> dict[str, Any]:
-        """{"drafter": weights, "optimizer": AdamW state} as `get_state_dict` lays them out."""
+        """{"drafter": weights, "optimizer": the optimizers' state (AdamW, Muon)} as `get_state_dict` lays them out."""
         from torch.distributed.checkpoint.state_dict import get_state_dict  # heavy; only checkpoint I/O needs it
 
         model, optim = get_state_dict(self.drafter, self.opt)
@@ -639,7 +640,7 @@ class TrainingCheckpoints:
         say(f"checkpoint step {pending.step}: {self.latest} ({time.perf_counter() - self._save_t0:.2f} s)")
 
     def load(self, path: str | Path, step: int) -> None:
-        """Read the weights and AdamW state of the checkpoint of `step` at `path` (verified beforehand,
+        """Read the weights and optimizer state of the checkpoint of `step` at `path` (verified beforehand,
         `resume.prepare_run_dir`) in place, at this run's world size and engine, whatever sharding wrote them."""
         from torch.distributed.checkpoint.state_dict import set_state_dict  # heavy; only checkpoint I/O needs it
 

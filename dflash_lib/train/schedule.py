@@ -1,9 +1,9 @@
 """The training schedules: pure functions of the step index, and how many steps a run plans.
 
-`lr_at` is a function of the 0-based OPTIMIZER step (a linear warm-up, then a cosine to a floor); `noise_at` of
-the 0-based SAMPLER step (the feed stage lays anchors out ahead of the optimizer). `count_steps` turns the
-`steps` / `epochs` / `accum_tokens` settings into the step count the lr schedule is stretched over. A resume
-therefore needs only the step to continue on the same curves.
+`lr_at` is a function of the 0-based OPTIMIZER step (a linear warm-up, then a cosine or a warm-up-stable-decay
+to a floor); `noise_at` of the 0-based SAMPLER step (the feed stage lays anchors out ahead of the optimizer).
+`count_steps` turns the `steps` / `epochs` / `accum_tokens` settings into the step count the lr schedule is
+stretched over. A resume therefore needs only the step to continue on the same curves.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     """Learning rate of the optimizer step with 0-based index `step` out of `total_steps`.
 
     Linear warm-up from 0 over W = `warmup_steps(...)` steps: lr * (step + 1) / W (so no step runs at lr 0
-    and step W-1 reaches the peak), then a cosine from lr down to min_lr_ratio * lr:
-    progress = (step - W) / (total - W), lr_min + (lr - lr_min) * (1 + cos(pi * progress)) / 2.
-    Steps past `total_steps` stay at the floor (an estimated total may be slightly short).
+    and step W-1 reaches the peak). Then, `lr_schedule` "cosine": from lr down to lr_min = min_lr_ratio * lr,
+    progress = (step - W) / (total - W), lr_min + (lr - lr_min) * (1 + cos(pi * progress)) / 2; "wsd"
+    (warm-up, stable, decay): lr until the last D = ceil(decay_ratio * total) steps, then linear to lr_min,
+    lr_min + (lr - lr_min) * (total - step) / D (step total - D runs at the peak, the last step at lr_min + 1/D
+    of the way). Steps past `total_steps` stay at the floor (an estimated total may be slightly short).
     """
     if total_steps <= 0:
         raise ValueError(f"lr_at: total_steps must be > 0, got {total_steps}")
@@ -32,6 +34,10 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     if step < w:
         return cfg.lr * (step + 1) / w
     floor = cfg.min_lr_ratio * cfg.lr
+    if cfg.lr_schedule == "wsd":
+        decay = max(1, math.ceil(cfg.decay_ratio * total_steps))
+        left = total_steps - step  # steps from this one to the end, this one included
+        return cfg.lr if left >= decay else floor + (cfg.lr - floor) * max(0, left) / decay
     progress = min(1.0, (step - w) / max(1, total_steps - w))
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

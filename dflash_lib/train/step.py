@@ -1,7 +1,7 @@
-"""One optimizer step of the drafter: `train_step` over a step's micro-batches, and its AdamW.
+"""One optimizer step of the drafter: `train_step` over a step's micro-batches, and its optimizers (AdamW or Muon).
 
     global weight sum (host floats, one all-reduce) -> forward/backward per micro-batch, each loss normalised
-    by it -> clip (the global norm) -> AdamW -> the step's statistics (ONE device-to-host transfer)
+    by it -> clip (the global norm) -> the optimizers -> the step's statistics (ONE device-to-host transfer)
 
 The loss of a step is normalised by the weight sum of ALL its micro-batches on ALL ranks, sampled before any
 forward, so the update does not depend on how the tokens were split. `filler_item` is what a rank with nothing
@@ -58,8 +58,8 @@ def clip_sharded_grads(params: Sequence[torch.nn.Parameter], max_norm: float) ->
     return norm
 
 
-def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-               lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int,
+def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Parameter],
+               opt: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], lr: float, grad_clip: float, autocast: bool, guard: BadStepGuard, step: int,
                filler: Item | None = None) -> StepResult:
     """One optimizer step over `items`, whose drafter work was laid out on the host in the feed stage
     (`Item.layout`, `Item.device_layout`): the global weight sum first (host floats), then one forward/backward
@@ -124,11 +124,13 @@ def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Param
     tau_sum, tau_blocks = sums[2 + 2 * n_pos], sums[3 + 2 * n_pos]
     skipped = not weight_sum > 0 or not guard.ok(ce, step)
     grad_norm = math.nan if skipped else host[-1]
-    if not skipped:
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-    opt.zero_grad(set_to_none=True)
+    opts = (opt,) if isinstance(opt, torch.optim.Optimizer) else tuple(opt)  # `build_optimizer`'s tuple
+    for o in opts:
+        if not skipped:
+            for group in o.param_groups:
+                group["lr"] = lr
+            o.step()
+        o.zero_grad(set_to_none=True)
     acc_per_pos = [c / n if n else math.nan for c, n in zip(pos_correct, pos_count)]
     return StepResult(
         loss=ce / weight_sum if weight_sum > 0 else math.nan, acc=correct / weight_sum if weight_sum > 0 else math.nan,
@@ -157,8 +159,23 @@ def filler_item(drafter: Any, device: torch.device) -> Item:
                 target_hidden=final)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW on the trainable parameters, fused on CUDA. The lr is set by `lr_at` before every step."""
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers of the trainable parameters; the lr is set by `lr_at` before every step (`train_step`).
+
+    "adamw": one AdamW (fused on CUDA). "muon": torch's Muon on the 2-D parameters (the drafter's projections and
+    its feature fc: every trainable matrix; the embedding and LM head are the target's, frozen) with
+    `adjust_lr_fn="match_rms_adamw"` (its update scaled to AdamW's RMS, so one lr and schedule fit both), and
+    AdamW on the rest (norms). Both take `weight_decay`. A tuple, as torch's distributed state dict takes it."""
     if not params:
         raise ConfigError("the drafter has no trainable parameter")
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    fused = device.type == "cuda"
+    if cfg.optimizer == "adamw":
+        return (torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused),)
+    matrices = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]
+    opts: list[torch.optim.Optimizer] = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                          adjust_lr_fn="match_rms_adamw")] if matrices else []
+    if rest:
+        opts.append(torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused))
+    return tuple(opts)
