@@ -27,7 +27,6 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
@@ -43,6 +42,7 @@ from dflash_lib.data.prompts import prompt_sets  # noqa: E402
 from dflash_lib.models import TargetModel  # noqa: E402
 from dflash_lib.models.acceptance import acceptance_length  # noqa: E402
 from dflash_lib.rundir import load_config  # noqa: E402
+from dflash_lib.serve.measure import histogram_tau_se  # noqa: E402
 from dflash_lib.train.loop import train  # noqa: E402
 from dflash_lib.train.metrics import load_metrics  # noqa: E402
 
@@ -79,16 +79,6 @@ def demo_data(preset: str, params: dict[str, str]) -> dict[str, Any]:
     return {**target_params, **train_link(inputs)}
 
 
-def tau_se(histogram: dict[int, int]) -> float:
-    """Standard error of the mean tokens per cycle, the cycles taken as independent draws."""
-    n = sum(histogram.values())
-    if n < 2:
-        return float("nan")
-    mean = sum(k * c for k, c in histogram.items()) / n
-    var = sum(c * (k - mean) ** 2 for k, c in histogram.items()) / (n - 1)
-    return math.sqrt(var / n)
-
-
 def decode_checkpoints(train_dir: Path, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every checkpoint of the trainer run `train_dir` decoded greedily on the same held-out prompts (`-p prompts`,
     `max_new_tokens`, the target in fp32 on the CPU as `evaluate` runs it): one row per checkpoint, step order."""
@@ -114,7 +104,7 @@ def decode_checkpoints(train_dir: Path, params: dict[str, Any]) -> list[dict[str
                 train_s=round(float(upto["step_s"].sum()), 1),
                 loss=round(float(upto["loss"].tail(10).mean()), 4),
                 heldout_tau=round(float(held.iloc[-1]), 4) if len(held) else None,
-                tau=round(r.tau, 4), tau_se=round(tau_se(r.histogram), 4), cycles=r.cycles,
+                tau=round(r.tau, 4), tau_se=round(histogram_tau_se(r.histogram)[1], 4), cycles=r.cycles,
                 per_position=[round(x, 3) for x in r.per_position], decode_s=round(time.perf_counter() - t0, 1)))
             print(f"[curve] step {step}: tau {r.tau:.3f} +- {rows[-1]['tau_se']:.3f} over {r.cycles} cycles",
                   flush=True)

@@ -194,6 +194,12 @@ class ModelConfig:
                               f"{vocab}: pass -p draft_vocab N with N < {vocab} (0: the whole head)")
 
 
+def text_config_doc(doc: Any) -> Any:
+    """A config.json document's text model: its `text_config` for a vision-language wrapper (Qwen3.5's
+    checkpoints), else the document itself (`models.target.text_config` does the same for a transformers config)."""
+    return doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
+
+
 def folder_vocab_size(target: str) -> int | None:
     """The vocab_size a local model folder's config.json states (its `text_config`'s for a vision-language
     wrapper, the text model `models.target.local_hf_config` builds); None when `target` is no folder or its
@@ -204,7 +210,7 @@ def folder_vocab_size(target: str) -> int | None:
         doc = json.loads((Path(target) / "config.json").read_text())
     except (OSError, ValueError):  # no config.json, not JSON: the target's own checks say so
         return None
-    text = doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
+    text = text_config_doc(doc)
     vocab = text.get("vocab_size") if isinstance(text, dict) else None
     return vocab if type(vocab) is int else None
 

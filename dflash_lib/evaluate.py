@@ -34,7 +34,7 @@ from dflash_lib.export import export_source
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_drafter
-from dflash_lib.models.target import target_hf_config
+from dflash_lib.models.target import target_hf_config, text_config
 from dflash_lib.rundir import JsonRecord, omitted
 from dflash_lib.serve.client import EngineClient
 from dflash_lib.serve.measure import (ServedPass, ServedReport, ServedSet, check_served_model, serve_passes,
@@ -291,7 +291,7 @@ def check_engine(config: Config) -> None:
 def target_positions(target: Any) -> int | None:
     """The target's RoPE positions (`max_position_embeddings` of its text config); None when it names none."""
     hf = target.hf
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    text = text_config(hf)
     n = getattr(text, "max_position_embeddings", None)
     return int(n) if n else None
 

@@ -181,6 +181,7 @@ def test_a_draft_vocabulary_as_large_as_the_targets_is_refused_before_a_run_fold
 
     from dflash_lib.__main__ import main
     from dflash_lib.models.target import local_hf_config
+    from dflash_lib.serve.server import linear_attention_target
 
     text = transformers.Qwen3Config(vocab_size=300, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, head_dim=4, intermediate_size=16)
@@ -191,6 +192,9 @@ def test_a_draft_vocabulary_as_large_as_the_targets_is_refused_before_a_run_fold
     text.save_pretrained(tmp_path / "target")  # config.json alone: nothing reads a weight
     folder = str(tmp_path / "target")
     assert C.folder_vocab_size(folder) == local_hf_config(folder).vocab_size == 300
+    # the wrapper's text model read from the JSON: qwen3_5_text, served by the engine's hybrid model whatever its
+    # layer types; the plain Qwen3 folder is not
+    assert linear_attention_target(folder) == wrapped
     assert C.from_params({"target": folder, "draft_vocab": 299}).model.draft_vocab == 299
     for n in (300, 301):
         with pytest.raises(C.ConfigError) as e:

@@ -79,12 +79,17 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
         cfg = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:  # what transformers raises for a config it cannot build
         raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
-    # a vision-language wrapper (Qwen3.5's checkpoints: the text weights under model.language_model.*): its text
-    # model's config, so that the causal LM is the text model alone and the vision tower's weights are never built
-    text = cfg.get_text_config()
+    text = text_config(cfg)
     if text is not cfg:
         text._name_or_path = cfg._name_or_path
     return text
+
+
+def text_config(hf: Any) -> Any:
+    """A vision-language wrapper's text model config (Qwen3.5's checkpoints: the text weights under
+    model.language_model.*), so that the causal LM is the text model alone and the vision tower's weights are never
+    built; any other config (or a stand-in without `get_text_config`) itself."""
+    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:

@@ -84,7 +84,7 @@ def tokens_per_cycle(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> list[int
     return [n for prompt in cycle_log for _, n in prompt]
 
 
-def _mean_se(histogram: dict[int, float]) -> tuple[float, float]:
+def histogram_tau_se(histogram: dict[int, float]) -> tuple[float, float]:
     """(mean, standard error of the mean) of tokens per cycle given {tokens: cycles}."""
     n = sum(histogram.values())
     if n == 0:
@@ -112,7 +112,7 @@ def served_tau_se(rows: Sequence[ServedRow]) -> tuple[float, float]:
         counts = tuple(share * r.served_drafts for share in r.served_per_position)
         for k, c in served_histogram(SpecCounters(r.served_drafts, 0.0, sum(counts), counts)).items():
             hist[k] = hist.get(k, 0.0) + c
-    return _mean_se(hist)
+    return histogram_tau_se(hist)
 
 
 def tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float]:
@@ -120,7 +120,7 @@ def tau_se(cycle_log: Sequence[Sequence[tuple[int, int]]]) -> tuple[float, float
     hist: dict[int, float] = {}
     for n in tokens_per_cycle(cycle_log):
         hist[n] = hist.get(n, 0) + 1
-    return _mean_se(hist)
+    return histogram_tau_se(hist)
 
 
 def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool, sampled: bool,
@@ -134,7 +134,7 @@ def judge(row_set: ServedSet, served: ServedDecode, block_size: int, exact: bool
     if along is not None and not exact:
         tau_along, se = tau_se(along)
         cycles_along = len(tokens_per_cycle(along))
-    served_tau, served_se = _mean_se(served_histogram(served.counters))
+    served_tau, served_se = histogram_tau_se(served_histogram(served.counters))
     cycles = len(ours)
     per_position = [sum(n > k for n in ours) / cycles if cycles else float("nan") for k in range(1, block_size)]
     bound = 0.0 if exact else GAP_SIGMAS * math.hypot(se, served_se)

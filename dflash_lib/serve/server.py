@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from dflash_lib.config import ConfigError
+from dflash_lib.config import ConfigError, text_config_doc
 from dflash_lib.rundir import REPO_ROOT
 
 ENGINE_VENV = REPO_ROOT / ".venv-engine"  # `make engine`
@@ -69,7 +69,9 @@ def linear_attention_target(target: str | Path) -> bool:
         doc = json.loads((Path(target) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+    text = text_config_doc(doc)
+    if not isinstance(text, dict):
+        return False
     return "linear_attention" in (text.get("layer_types") or ()) or text.get("model_type") in LINEAR_ATTENTION_TYPES
 
 
