@@ -29,7 +29,7 @@ from run import decode_prompt_sets  # noqa: E402
 
 from dflash_lib.lab.demo import REAL_ANSWERS, engine_available, prepare_target, train_link  # noqa: E402
 from dflash_lib.rundir import load_config  # noqa: E402
-from dflash_lib.serve.measure import tau_se  # noqa: E402
+from dflash_lib.evaluate.served import tau_se  # noqa: E402
 from dflash_lib.train.loop import train  # noqa: E402
 
 

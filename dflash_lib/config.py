@@ -399,7 +399,7 @@ class RegenerateConfig:
 
 @dataclass
 class EvalConfig:
-    """`python -m dflash_lib evaluate` and notebook 05: speculative decoding of held-out prompts (evaluate.py).
+    """`python -m dflash_lib evaluate` and notebook 05: speculative decoding of held-out prompts (`evaluate/`).
     Each answer is at most `max_new_tokens` tokens (the regenerate section's field: one answer's length)."""
 
     run: str = ""  # notebook 05: a notebook-04 run folder (the trainer folder train/ inside it is evaluated)

@@ -19,8 +19,9 @@ from dflash_lib.models.export import export_drafter
 from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
 from dflash_lib.serve.check import VOCAB as V
 from dflash_lib.serve.check import check_models
-from dflash_lib.serve.measure import (ServedReport, ServedSet, judge, served_acceptance, served_histogram,
-                                      served_table, served_tau_se, tau_se, verdict_line)
+from dflash_lib.evaluate.served import (ServedReport, judge, served_acceptance, served_histogram, served_table,
+                                        served_tau_se, tau_se, verdict_line)
+from dflash_lib.serve.measure import ServedSet
 from dflash_lib.serve.client import ServedDecode
 from tiny_models import (overfit_on_greedy, random_prompts, save_random_model, save_tiny_qwen3,
                          tiny_chatml_tokenizer)
@@ -219,7 +220,8 @@ def test_timed_rounds_take_each_sets_median_and_the_pooled_speedup_its_range():
     """Two sets, 3 rounds on each engine: every set is decoded once (answers and counters kept), then timed again
     round after round; its seconds are the median of its rounds; the pooled speedup is total tokens over total
     median seconds with vs without, its range the per-round pooled speedups."""
-    from dflash_lib.serve.measure import ServedPass, _decode_all, pooled_speedup
+    from dflash_lib.evaluate.served import pooled_speedup
+    from dflash_lib.serve.measure import ServedPass, _decode_all
 
     sets = [ServedSet("a", [[1], [2]], [], []), ServedSet("b", [[3]], [], [])]
     fast = _Clock([1.0, 0.5, 1.2, 0.8, 1.1, 0.5])  # a, b, then round 2: a, b, round 3: a, b

@@ -469,3 +469,32 @@ def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, mon
         assert seen == [2, 2]  # 0: torch's own count
     finally:
         torch.set_num_threads(1)  # the module's one_thread fixture
+
+
+def test_the_judgement_of_an_engine_run_needs_no_engine():
+    """`evaluate.served.judge_run`: what `serve.measure.decode_passes` measured, judged beside our decoding with no
+    engine at hand: greedy fp32 equal answers and counts PASS; a parted answer FAILs and names the doctor's
+    rules; a failed request is a FAIL line with no rows."""
+    from dflash_lib.evaluate.served import judge_run
+    from dflash_lib.serve.client import ServedDecode, SpecCounters
+    from dflash_lib.serve.measure import EngineRun, ServedPass, ServedSet
+
+    ours = ServedSet("s", [[1, 2]], [[5, 6, 7]], [[(2, 2), (4, 1)]])  # 2 cycles: 2 tokens, then 1 (tau 1.5)
+    counters = SpecCounters(2, 6, 1, (1, 0, 0))  # the engine: 2 drafts, 1 accepted -> 1.5
+    same = ServedDecode([[5, 6, 7]], counters, [counters], 0.5)
+    plain = ServedDecode([[5, 6, 7]], SpecCounters(0, 0, 0, ()), [], 1.0)
+    passes = [ServedPass([ours])]
+    (good,) = judge_run(EngineRun("py", "0.31.0", "e.log", served=[[same]], plain=[[plain]]), passes, 4, "float32",
+                        "export", "target")
+    assert good.lines == ["PASS served s: served tau 1.500 vs ours 1.500 over 2 / 2 cycles (must be equal: greedy "
+                          "fp32), answers equal 1/1"]
+    assert good.speedup == pytest.approx(2.0) and good.log == "e.log" and good.exact
+    parted = ServedDecode([[5, 6, 8]], counters, [counters], 0.5)
+    (bad,) = judge_run(EngineRun("py", "0.31.0", "", served=[[parted]], plain=[[None]]), passes, 4, "float32",
+                       "export", "target", doctor=lambda: ["mask_token_id"])
+    assert bad.lines[0].startswith("FAIL served s:") and "answers equal 0/1" in bad.lines[0]
+    assert bad.lines[0].endswith("the doctor fails mask_token_id -> python -m dflash_lib doctor export --target target")
+    assert bad.speedup is None
+    (failed,) = judge_run(EngineRun("py", "0.32.1", "", failure="HTTP 500", plain=[[None]]), [ServedPass([ours], 1.0)],
+                          4, "float32", "export", "target")
+    assert failed.rows == [] and failed.lines[0].startswith("FAIL served: the engine failed a request (HTTP 500)")

@@ -11,7 +11,8 @@ import pytest
 from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, TABLE_BEGIN, TABLE_END, PeerRow, SpreadLine, peak_rss_gib,
                                   peers_table, served_fields, spread_table, with_table)
 from dflash_lib.serve.client import ServedDecode, SpecCounters
-from dflash_lib.serve.measure import ServedReport, ServedSet, judge, pooled_speedup
+from dflash_lib.evaluate.served import ServedReport, judge, pooled_speedup
+from dflash_lib.serve.measure import ServedSet
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "peers" / "results.json"

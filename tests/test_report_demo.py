@@ -275,9 +275,10 @@ def test_report_shows_the_sampled_evaluation_and_the_doctor(demo_tree, tmp_path)
 
 
 def _served_report(temperature: float = 0.0) -> dict:
-    """A served record as `serve.measure` writes it: a row judged from a cycle log and the engine's counters."""
+    """A served record as `evaluate.served` writes it: a row judged from a cycle log and the engine's counters."""
     from dflash_lib.serve.client import ServedDecode, SpecCounters
-    from dflash_lib.serve.measure import ServedReport, ServedSet, judge, pooled_speedup, verdict_line
+    from dflash_lib.evaluate.served import ServedReport, judge, pooled_speedup, verdict_line
+    from dflash_lib.serve.measure import ServedSet
 
     ours = ServedSet("heldout (thinking off)", [[1, 2]], [[5, 6, 7, 8, 9]], [[(2, 3), (5, 2)]])
     counters = SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_position=(2, 1, 0))

@@ -10,7 +10,7 @@ through the engine. Each peer runs from PyPI in a venv of its own (`<peer>/insta
 there); ours by `python -m dflash_lib train -p hidden_cache` on the same features. Each training process runs
 under GNU time -v (peak RSS), alone on the machine. Then our drafter decodes the prompt sets in process (held-out
 answers, HumanEval, MT-Bench both turns: the second turn asked after the target's own greedy answer, the same for
-every drafter) and every export is served on those prompts (`serve.measure.serve_passes`: the engine with and
+every drafter) and every export is served on those prompts (`evaluate.served.serve_passes`: the engine with and
 without it, `--rounds` timed rounds). `--table` only rewrites docs/peers.md's table from results.json.
 """
 
@@ -35,7 +35,8 @@ from job import Recipe, build_job  # noqa: E402
 
 from dflash_lib.evaluate import _baseline, _warm, decode_groups, decode_threads, prepare, served_sets  # noqa: E402
 from dflash_lib.lab.peers import PEER_NAMES, PeerRow, peak_rss_gib, peers_table, served_fields, with_table  # noqa: E402
-from dflash_lib.serve.measure import ServedPass, ServedSet, serve_passes  # noqa: E402
+from dflash_lib.evaluate.served import serve_passes  # noqa: E402
+from dflash_lib.serve.measure import ServedPass, ServedSet  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
 PEERS = PEER_NAMES

@@ -46,7 +46,8 @@ def write_table(lines_file: Path = REFERENCE) -> None:
     lines = [SpreadLine.from_json(x) for x in json.loads(lines_file.read_text())]
     rows = [PeerRow.from_json(r) for r in json.loads(RESULTS.read_text())["rows"]]
     DOCS.write_text(with_table(DOCS.read_text(), spread_table(lines, rows), SPREAD_BEGIN, SPREAD_END))
-from dflash_lib.serve.measure import ServedPass, serve_passes, served_tau_se, tau_se  # noqa: E402
+from dflash_lib.evaluate.served import serve_passes, served_tau_se, tau_se  # noqa: E402
+from dflash_lib.serve.measure import ServedPass  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
 

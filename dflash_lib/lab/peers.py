@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from dflash_lib.rundir import JsonRecord
-from dflash_lib.serve.measure import ServedReport
+from dflash_lib.evaluate.served import ServedReport
 
 PEER_NAMES = ("speculators", "specforge")  # the trainers beside ours
 TABLE_BEGIN = "<!-- peers-table: begin (benchmarks/peers/run.py --table writes it from results.json) -->"

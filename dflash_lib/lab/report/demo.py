@@ -23,7 +23,7 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from dflash_lib.serve.measure import range_text
+from dflash_lib.evaluate.served import range_text
 from dflash_lib.train.metrics import BUDGET_FIGURES
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # every demo measures these four
@@ -38,7 +38,7 @@ EVALUATION_EXTRA = ("heldout_loss_last", "tau_by_step", "loss_window", "steps", 
 # (BUDGET_FIGURES: the trained run's batch fill; benchmarks: the final drafter's rows per prompt set,
 # `benchmark_report.BenchmarkRow`; sampled: the final drafter at `sampled_temperature`, SAMPLED_KEYS and its own
 # benchmark rows; doctor: the serving doctor on the export, `doctor.DoctorReport.to_json` with its `lines`;
-# served, sampled_served: the final drafter served by the engine, `serve.measure.ServedReport`, greedy and sampled)
+# served, sampled_served: the final drafter served by the engine, `evaluate.served.ServedReport`, greedy and sampled)
 SERVED_ROW_KEYS = ("name", "tau", "served_tau", "per_position", "served_per_position", "served_tokens_per_s",
                    "plain_tokens_per_s", "served_speedup", "ok")  # each served row's, shown
 BENCHMARK_KEYS = ("benchmark", "thinking", "prompts", "turns", "tau", "speedup", "tokens_per_s",

@@ -37,8 +37,8 @@ from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_dra
 from dflash_lib.models.target import target_hf_config, text_config
 from dflash_lib.rundir import JsonRecord, omitted
 from dflash_lib.serve.client import EngineClient
-from dflash_lib.serve.measure import (ServedPass, ServedReport, ServedSet, check_served_model, serve_passes,
-                                      served_table)
+from dflash_lib.evaluate.served import ServedReport, serve_passes, served_table
+from dflash_lib.serve.measure import ServedPass, ServedSet, check_served_model
 from dflash_lib.serve.server import engine_dtype, engine_python
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
@@ -89,7 +89,7 @@ class DecodeReport(JsonRecord):
     temperature: float = 0.0  # sampling temperature of both decodings (`-p temperature`); 0 = greedy
     top_p: float = 1.0  # nucleus mass of both decodings when temperature > 0 (`-p top_p`)
     sample_seed: int = 0  # seed of the CPU generator each decoding samples from (`-p sample_seed`)
-    # `-p engine vllm`: the same prompts served by the engine, per set beside these figures (`serve.measure`)
+    # `-p engine vllm`: the same prompts served by the engine, per set beside these figures (`evaluate.served`)
     served: ServedReport | None = omitted()
 
 
@@ -106,7 +106,7 @@ class DrafterMeasurement(JsonRecord):
     cycles: int  # drafting cycles over all prompts
     outputs_equal_baseline: int | None  # prompts whose output equals plain greedy decoding's; None when sampling
     tokens_per_s: float  # output tokens per second of speculative decoding
-    # `-p engine vllm`: this drafter served by the engine on the same prompts (`serve.measure.ServedReport`) and its
+    # `-p engine vllm`: this drafter served by the engine on the same prompts (`evaluate.served.ServedReport`) and its
     # tau over every set (tokens per drafting step, the engine's own counters)
     served_tau: float | None = omitted()
     served: ServedReport | None = omitted()
@@ -507,7 +507,7 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
 
 def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_dir: Path, log_name: str,
                   plain: bool, say: Say = _stderr) -> list[ServedReport]:
-    """`serve.measure.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
+    """`evaluate.served.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
     our target ran (fp32 on the CPU: greedy must then agree exactly; `engine_dtype`: bf16 for a linear-attention
     target, which vLLM's CPU build runs in bf16 only; in bf16 our drafter's cycles along the engine's answers are
     what its tau is judged against); the doctor names the suspects of a FAIL.
