@@ -17,6 +17,7 @@ from dflash_lib.config import ConfigError
 from dflash_lib.models import acceptance_length
 from dflash_lib.models.export import export_drafter
 from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
+from dflash_lib.serve.vllm import server_args
 from dflash_lib.serve.check import VOCAB as V
 from dflash_lib.serve.check import check_models
 from dflash_lib.evaluate.served import (ServedReport, judge, served_acceptance, served_histogram, served_table,
@@ -265,12 +266,12 @@ def test_a_missing_engine_python_names_what_to_do(tmp_path, monkeypatch):
 def test_the_server_flags_serve_the_drafter_with_block_size_minus_one_drafts(tmp_path):
     target, drafter = check_models()
     export_drafter(drafter, tmp_path / "d", torch.float32)
-    args = EngineSpec(str(tmp_path / "t"), str(tmp_path / "d"), kv_cache_gib=0.5).args(8000)
+    args = server_args(EngineSpec(str(tmp_path / "t"), str(tmp_path / "d"), kv_cache_gib=0.5), 8000)
     spec = args[args.index("--speculative-config") + 1]
     assert '"method": "dflash"' in spec and '"num_speculative_tokens": 3' in spec  # blocks of 4
     assert '"draft_sample_method": "probabilistic"' in spec  # at T > 0 the standard rule, as ours
     assert args[args.index("--host") + 1] == "127.0.0.1" and "--skip-tokenizer-init" in args
-    assert "--speculative-config" not in EngineSpec(str(tmp_path / "t")).args(8000)
+    assert "--speculative-config" not in server_args(EngineSpec(str(tmp_path / "t")), 8000)
 
 
 _SHAPE = dict(vocab_size=V, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -300,7 +301,7 @@ def _family_folder(path: Path, family: str = "qwen3_next") -> Path:
 
 
 def test_a_linear_attention_target_is_served_in_bf16_without_prefix_caching(tmp_path):
-    from dflash_lib.serve.server import engine_dtype, linear_attention_target
+    from dflash_lib.serve.vllm import engine_dtype, linear_attention_target
 
     target, drafter = check_models()
     export_drafter(drafter, tmp_path / "d", torch.float32)
@@ -310,9 +311,10 @@ def test_a_linear_attention_target_is_served_in_bf16_without_prefix_caching(tmp_
     assert not linear_attention_target(tmp_path / "nothing")
     assert (engine_dtype(hybrid, True), engine_dtype(tmp_path / "qwen3", True)) == ("bfloat16", "float32")
     assert engine_dtype(tmp_path / "qwen3", on_cpu=False) == "bfloat16"
-    assert "--no-enable-prefix-caching" in EngineSpec(str(hybrid), str(tmp_path / "d")).args(8000)
-    assert "--no-enable-prefix-caching" not in EngineSpec(str(hybrid)).args(8000)  # the target alone caches
-    assert "--no-enable-prefix-caching" not in EngineSpec(str(tmp_path / "qwen3"), str(tmp_path / "d")).args(8000)
+    assert "--no-enable-prefix-caching" in server_args(EngineSpec(str(hybrid), str(tmp_path / "d")), 8000)
+    assert "--no-enable-prefix-caching" not in server_args(EngineSpec(str(hybrid)), 8000)  # the target alone caches
+    assert "--no-enable-prefix-caching" not in server_args(EngineSpec(str(tmp_path / "qwen3"), str(tmp_path / "d")),
+                                                            8000)
 
 
 # -- with the real engine ----------------------------------------------------------------------------------------
@@ -424,7 +426,7 @@ def _served_family(family: str, dtype: str, python, tmp_path: Path, edit=None):
     drafter."""
     from dflash_lib.config import ModelConfig
     from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
-    from dflash_lib.serve.server import engine_dtype
+    from dflash_lib.serve.vllm import engine_dtype
 
     folder = _family_folder(tmp_path / "target", family)
     assert engine_dtype(folder, on_cpu=True) == dtype
@@ -749,7 +751,7 @@ def test_regenerate_through_the_real_server_equals_local_greedy(installed_engine
 
 
 def test_a_fail_line_names_a_known_engine_fault_of_its_version_and_kind():
-    from dflash_lib.serve.measure import known_fault
+    from dflash_lib.serve.vllm import known_fault
 
     assert "vllm-project/vllm#55005" in known_fault("0.32.0", 1.0)
     assert known_fault("0.32.0", 0.0) == "" and known_fault("0.33.0", 1.0) == ""
@@ -832,3 +834,34 @@ def test_evaluate_run_serves_every_drafter_and_names_the_best_by_served_tau(fold
     summary = run_summary(report)
     assert summary["served_tau_by_step"] == {"0": untrained.served_tau, "2": final.served_tau}
     assert summary["best_by"] == "served tau" and summary["served"]["rows"][0]["ok"]
+
+
+def test_a_second_engine_is_one_adapter_and_its_registry_entry(tmp_path, monkeypatch):
+    """`EngineServer` starts whatever `EngineSpec.engine` names: its adapter's module, flags and environment (a
+    stand-in engine here: a module answering /health, found through the environment its adapter asks for); an
+    unknown engine is refused in one line."""
+    import sys
+
+    import httpx
+
+    from dflash_lib.config import ConfigError
+    from dflash_lib.serve import server
+    from dflash_lib.serve.adapter import EngineAdapter
+
+    (tmp_path / "fake_engine.py").write_text(
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200 if self.path == '/health' else 404); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[sys.argv.index('--port') + 1])), H).serve_forever()\n")
+    fake = EngineAdapter(name="fake", module="fake_engine", args=lambda spec, port: ["--port", str(port)],
+                         env=lambda spec: {"PYTHONPATH": str(tmp_path)}, dtype=lambda target, cpu: "float32",
+                         known_fault=lambda version, t: "", spec_prefix="fake:", load_metrics={})
+    monkeypatch.setitem(server.ENGINES, "fake", fake)
+    with server.EngineServer(EngineSpec(str(tmp_path), engine="fake"), tmp_path / "e.log", sys.executable,
+                             start_timeout_s=60) as s:
+        assert s.engine is fake and httpx.get(s.url + "/health").status_code == 200
+    assert (tmp_path / "e.log").read_text().splitlines()[0] == f"$ {sys.executable} -m fake_engine --port {s.port}"
+    with pytest.raises(ConfigError, match=r"^engine 'sglang' is not one of \['fake', 'vllm'\]$"):
+        server.EngineServer(EngineSpec(str(tmp_path), engine="sglang"), tmp_path / "e.log", sys.executable)

@@ -484,17 +484,17 @@ def test_the_judgement_of_an_engine_run_needs_no_engine():
     same = ServedDecode([[5, 6, 7]], counters, [counters], 0.5)
     plain = ServedDecode([[5, 6, 7]], SpecCounters(0, 0, 0, ()), [], 1.0)
     passes = [ServedPass([ours])]
-    (good,) = judge_run(EngineRun("py", "0.31.0", "e.log", served=[[same]], plain=[[plain]]), passes, 4, "float32",
+    (good,) = judge_run(EngineRun("vllm", "py", "0.31.0", "e.log", served=[[same]], plain=[[plain]]), passes, 4, "float32",
                         "export", "target")
     assert good.lines == ["PASS served s: served tau 1.500 vs ours 1.500 over 2 / 2 cycles (must be equal: greedy "
                           "fp32), answers equal 1/1"]
     assert good.speedup == pytest.approx(2.0) and good.log == "e.log" and good.exact
     parted = ServedDecode([[5, 6, 8]], counters, [counters], 0.5)
-    (bad,) = judge_run(EngineRun("py", "0.31.0", "", served=[[parted]], plain=[[None]]), passes, 4, "float32",
+    (bad,) = judge_run(EngineRun("vllm", "py", "0.31.0", "", served=[[parted]], plain=[[None]]), passes, 4, "float32",
                        "export", "target", doctor=lambda: ["mask_token_id"])
     assert bad.lines[0].startswith("FAIL served s:") and "answers equal 0/1" in bad.lines[0]
     assert bad.lines[0].endswith("the doctor fails mask_token_id -> python -m dflash_lib doctor export --target target")
     assert bad.speedup is None
-    (failed,) = judge_run(EngineRun("py", "0.32.1", "", failure="HTTP 500", plain=[[None]]), [ServedPass([ours], 1.0)],
+    (failed,) = judge_run(EngineRun("vllm", "py", "0.32.1", "", failure="HTTP 500", plain=[[None]]), [ServedPass([ours], 1.0)],
                           4, "float32", "export", "target")
     assert failed.rows == [] and failed.lines[0].startswith("FAIL served: the engine failed a request (HTTP 500)")

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.serve.hidden_states import EngineFileError, EngineFiles, HiddenStatesClient, engine_layer_ids
-from dflash_lib.serve.server import PLUGINS, EngineSpec
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.vllm import PLUGINS, server_args
 from fp_tolerance import rounding_atol
 from run_folder import metrics_rows
 from tiny_models import save_random_model, save_tiny_qwen3
@@ -32,7 +33,7 @@ def test_our_layer_i_is_the_engines_aux_id_i_plus_one_sorted_once():
 
 def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_path):
     spec = EngineSpec(str(tmp_path), hidden_states=(1, 3), hidden_states_dir=str(tmp_path / "hs"))
-    args = spec.args(8000)
+    args = server_args(spec, 8000)
     speculative = json.loads(args[args.index("--speculative-config") + 1])
     assert speculative == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}}}
@@ -40,7 +41,7 @@ def test_the_server_flags_extract_the_hidden_states_through_our_connector(tmp_pa
     assert kv["kv_connector"] == "DFlashHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
     assert (PLUGINS / (kv["kv_connector_module_path"] + ".py")).is_file()
     assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path / "hs")}
-    assert "--kv-transfer-config" not in EngineSpec(str(tmp_path)).args(8000)
+    assert "--kv-transfer-config" not in server_args(EngineSpec(str(tmp_path)), 8000)
 
 
 @pytest.mark.parametrize("params,says", [

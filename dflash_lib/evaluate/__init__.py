@@ -39,7 +39,8 @@ from dflash_lib.rundir import JsonRecord, omitted
 from dflash_lib.serve.client import EngineClient
 from dflash_lib.evaluate.served import ServedReport, serve_passes, served_table
 from dflash_lib.serve.measure import ServedPass, ServedSet, check_served_model
-from dflash_lib.serve.server import engine_dtype, engine_python
+from dflash_lib.serve.server import engine_python
+from dflash_lib.serve.vllm import engine_dtype
 from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train.loop import RunSummary
 from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics

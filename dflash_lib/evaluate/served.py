@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 from dflash_lib.rundir import JsonRecord
 from dflash_lib.serve.client import ServedDecode, SpecCounters
-from dflash_lib.serve.measure import EngineRun, ServedPass, ServedSet, decode_passes, known_fault
+from dflash_lib.serve.measure import EngineRun, ServedPass, ServedSet, decode_passes
+from dflash_lib.serve.server import engine_adapter
 
 GAP_SIGMAS = 3.0  # a served tau this many standard errors below ours is a FAIL (sampling, bf16)
 EXACT_TOL = 1e-9  # greedy fp32: counts agree exactly; only the divisions round
@@ -248,7 +249,7 @@ def judge_run(run: EngineRun, passes: Sequence[ServedPass], block_size: int, dty
             pooled = pooled_speedup(done, [d for d in plain_done if d is not None])
         exact = not p.temperature > 0 and dtype == "float32"
         lines = [verdict_line(r, exact, suspects, drafter_dir, target_dir) + (
-            "" if r.ok else known_fault(version, p.temperature)) for r in pass_rows]
+            "" if r.ok else engine_adapter(run.engine).known_fault(version, p.temperature)) for r in pass_rows]
         if failure:
             lines.append(f"FAIL served: the engine failed a request ({failure}); "
                          + _cause(suspects, drafter_dir, target_dir))

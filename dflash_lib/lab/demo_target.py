@@ -34,7 +34,8 @@ from dflash_lib.data.tokenizers import MappedVocab, is_mapped_tokenizer, load_to
 from dflash_lib.models.target import tiny_qwen3_config
 from dflash_lib.regenerate import leading_assistant_turns, regenerate, report_path
 from dflash_lib.rundir import load_config
-from dflash_lib.serve.server import EngineServer, EngineSpec
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.server import EngineServer
 
 DEMO_TARGET_FORMAT = 4  # bump when the build's semantics change (old folders then stop matching)
 MAX_POSITIONS = 32768  # RoPE positions the target accepts: a regeneration prompt (a whole first user turn) may be long

@@ -2,7 +2,8 @@
 token-id prompts and reads the engine's own acceptance counters (`client`). docs/serving.md says how."""
 
 from dflash_lib.serve.client import EngineClient, ServedDecode, SpecCounters, parse_spec_counters
-from dflash_lib.serve.server import EngineServer, EngineSpec, engine_python
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.server import EngineServer, engine_python
 
 __all__ = ["EngineClient", "EngineServer", "EngineSpec", "ServedDecode", "SpecCounters", "engine_python",
            "parse_spec_counters"]

@@ -13,7 +13,8 @@ import torch
 from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
 from dflash_lib.models.export import export_drafter
 from dflash_lib.serve.client import EngineClient
-from dflash_lib.serve.server import EngineServer, EngineSpec
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.server import EngineServer
 
 VOCAB, LAYERS, HIDDEN, HEAD_DIM = 512, 4, 128, 32
 
@@ -43,7 +44,7 @@ def engine_check(python: str | None = None, new_tokens: int = 16, log: str | Pat
         spec = EngineSpec(str(root / "target"), str(root / "drafter"), max_model_len=128, max_num_seqs=1,
                           kv_cache_gib=0.25)
         with EngineServer(spec, log or root / "engine.log", python=python) as server:
-            client = EngineClient(server.url)
+            client = EngineClient(server.url, engine=server.engine)
             try:
                 version = client.version()
                 got = client.decode([prompt], new_tokens)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import httpx
 
 from dflash_lib.config import ConfigError
+from dflash_lib.serve.adapter import EngineAdapter
+from dflash_lib.serve.vllm import VLLM
 
-SPEC_PREFIX = "vllm:spec_decode_"
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _POSITION = re.compile(r'position="(\d+)"')
 
@@ -46,17 +47,17 @@ class SpecCounters:
         return [a / self.drafts if self.drafts else float("nan") for a in self.per_position]
 
 
-def parse_spec_counters(text: str) -> SpecCounters:
-    """`SpecCounters` from Prometheus exposition text (vLLM's /metrics): the `_total` samples of
-    num_drafts, num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos (one per position label),
-    summed over the other labels (engine index, model name). All zero when the engine serves no drafter."""
+def parse_spec_counters(text: str, prefix: str = VLLM.spec_prefix) -> SpecCounters:
+    """`SpecCounters` from Prometheus exposition text (an engine's /metrics): the `_total` samples of
+    `prefix` + num_drafts, num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos (one per position
+    label), summed over the other labels (engine index, model name). All zero when the engine serves no drafter."""
     sums = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line)
-        if m is None or not m["name"].startswith(SPEC_PREFIX) or not m["name"].endswith("_total"):
+        if m is None or not m["name"].startswith(prefix) or not m["name"].endswith("_total"):
             continue
-        key = m["name"][len(SPEC_PREFIX):-len("_total")]
+        key = m["name"][len(prefix):-len("_total")]
         value = float(m["value"])
         if key == "num_accepted_tokens_per_pos":
             pos = _POSITION.search(m["labels"] or "")
@@ -83,17 +84,13 @@ class Load:
     generated: float
 
 
-_LOAD = {"vllm:num_requests_running": "in_flight", "vllm:num_requests_waiting": "in_flight",
-         "vllm:request_success_total": "finished", "vllm:generation_tokens_total": "generated"}
-
-
-def parse_load(text: str) -> Load:
-    """`Load` from Prometheus exposition text (vLLM's /metrics)."""
+def parse_load(text: str, names: Mapping[str, str] = VLLM.load_metrics) -> Load:
+    """`Load` from Prometheus exposition text (an engine's /metrics; `names`: its metric -> Load field)."""
     sums = {"in_flight": 0.0, "finished": 0.0, "generated": 0.0}
     for line in text.splitlines():
         m = _LINE.match(line)
-        if m is not None and m["name"] in _LOAD:
-            sums[_LOAD[m["name"]]] += float(m["value"])
+        if m is not None and m["name"] in names:
+            sums[names[m["name"]]] += float(m["value"])
     return Load(**sums)
 
 
@@ -129,10 +126,13 @@ class ServedDecode:
 
 
 class EngineClient:
-    """An OpenAI-compatible engine at `url` (vLLM's server), prompts and answers as token ids."""
+    """An OpenAI-compatible engine at `url` (`engine`: its adapter, whose metrics names are read), prompts and
+    answers as token ids."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None,
+                 engine: EngineAdapter = VLLM) -> None:
         self.url = url.rstrip("/")
+        self.engine = engine
         self.http = httpx.Client(timeout=timeout_s, transport=transport)  # `transport`: tests stand in a server
         self._model: str | None = None
 
@@ -163,11 +163,11 @@ class EngineClient:
             return "?"
 
     def counters(self) -> SpecCounters:
-        return parse_spec_counters(self._get("/metrics").text)
+        return parse_spec_counters(self._get("/metrics").text, self.engine.spec_prefix)
 
     def _reading(self) -> tuple[SpecCounters, Load]:
         text = self._get("/metrics").text
-        return parse_spec_counters(text), parse_load(text)
+        return parse_spec_counters(text, self.engine.spec_prefix), parse_load(text, self.engine.load_metrics)
 
     def complete(self, prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_ids: Sequence[int] = (), min_tokens: int = 0) -> list[int]:

@@ -13,14 +13,8 @@ from typing import Sequence
 from dflash_lib.config import ConfigError
 from dflash_lib.serve.client import EngineClient, ServedDecode
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.server import EngineServer, EngineSpec
-
-# Engine faults known to make served figures wrong, by version prefix, each with where it is reported: named on
-# a FAIL line of the passes it concerns ("sampled": temperature > 0)
-KNOWN_FAULTS = (("0.32.", "sampled", "vLLM 0.32's CPU build samples the target at T > 0 with per-token "
-                 "temperatures read from uninitialised memory (vllm-project/vllm#55005, fix PR #55006): trust its "
-                 "greedy rows only"),)
-
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.server import EngineServer, engine_adapter
 
 @dataclass
 class ServedSet:
@@ -91,6 +85,7 @@ class EngineRun:
     """What one `decode_passes` call measured: per pass, per set, the engine's decoding with the drafter and
     (when run) without it."""
 
+    engine: str  # its name (`server.ENGINES`)
     where: str  # the engine's Python, or the URL of a running server
     version: str  # its /version ("?" when it failed before answering)
     log: str  # its log file ("" for a running server)
@@ -117,7 +112,7 @@ def decode_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass
     served: list[list[ServedDecode]] = []
     timed = max(1, rounds) if plain and not url else 1
     with (EngineServer(spec, log, python, start_timeout_s) if not url else _Running(url)) as server:
-        client = EngineClient(server.url)
+        client = EngineClient(server.url, engine=engine_adapter(spec.engine))
         try:
             if url:
                 check_served_model(client, target_dir, longest)
@@ -133,20 +128,13 @@ def decode_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass
         target_alone = EngineSpec(target_dir, None, dtype=dtype, max_model_len=spec.max_model_len, max_num_seqs=1)
         with EngineServer(target_alone, Path(log_dir) / f"{log_name}-plain.log", python,
                           start_timeout_s) as server_alone:
-            client = EngineClient(server_alone.url)
+            client = EngineClient(server_alone.url, engine=engine_adapter(spec.engine))
             try:
                 alone = [list(_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens, timed))
                          for s in passes]
             finally:
                 client.close()
-    return EngineRun(where, version, log_file, failure, served, alone)
-
-
-def known_fault(version: str, temperature: float) -> str:
-    """"; known engine fault: ..." for an engine `version` with a `KNOWN_FAULTS` entry for this kind of pass."""
-    kind = "sampled" if temperature > 0 else "greedy"
-    return "".join(f"; known engine fault: {text}" for prefix, where, text in KNOWN_FAULTS
-                   if version.startswith(prefix) and where == kind)
+    return EngineRun(spec.engine, where, version, log_file, failure, served, alone)
 
 
 class _Running:

@@ -1,31 +1,30 @@
-"""vLLM's OpenAI-compatible server as a child process: started on a free loopback port, health-checked, always
-stopped. The engine lives in its own venv (`make engine`: vLLM's CPU build) or is the user's own vLLM on GPUs;
-this project never imports vllm. Read docs/serving.md, "The engine in the loop"."""
+"""The engine's OpenAI-compatible server as a child process: started on a free loopback port, health-checked,
+always stopped; the one place an engine is started. What to run comes from the engine's adapter (`ENGINES`:
+vLLM's is `serve/vllm.py`). The engine lives in its own venv (`make engine`: vLLM's CPU build) or is the user's own
+on GPUs; this project never imports it. Read docs/serving.md, "The engine in the loop"."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from dflash_lib.config import ConfigError, text_config_doc
+from dflash_lib.config import ConfigError
 from dflash_lib.rundir import REPO_ROOT
+from dflash_lib.serve.adapter import EngineAdapter, EngineSpec
+from dflash_lib.serve.vllm import VLLM
 
 ENGINE_VENV = REPO_ROOT / ".venv-engine"  # `make engine`
 ENGINE_PYTHON_ENV = "DFLASH_ENGINE_PYTHON"  # a Python whose vllm is the engine (the user's own on GPUs)
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the CLI's package-name lookup
 STOP_GRACE_S = 30.0  # seconds between SIGTERM and SIGKILL of the server's process group
-PLUGINS = Path(__file__).resolve().parent / "engine_plugins"  # modules the engine imports (its PYTHONPATH)
-HIDDEN_STATES_CONNECTOR = "DFlashHiddenStatesConnector"  # engine_plugins/dflash_hidden_states.py
+ENGINES = {VLLM.name: VLLM}  # the engines a spec may name (`EngineSpec.engine`)
 
 
 def engine_python(given: str | None = None) -> Path:
@@ -39,103 +38,18 @@ def engine_python(given: str | None = None) -> Path:
     return Path(path)
 
 
+def engine_adapter(name: str) -> EngineAdapter:
+    """The adapter of the engine called `name`; ConfigError listing the known ones."""
+    if name not in ENGINES:
+        raise ConfigError(f"engine {name!r} is not one of {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def drafter_block_size(export_dir: str | Path) -> int:
-    """B of an exported drafter (its config.json's block_size, else dflash_config's): it drafts B - 1 tokens."""
-    path = Path(export_dir) / "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable exported drafter config ({e})") from None
-    block = doc.get("block_size") or (doc.get("dflash_config") or {}).get("block_size")
-    if not isinstance(block, int) or block < 2:
-        raise ConfigError(f"{path}: block_size {block!r} is not an integer >= 2")
-    return block
-
-
-LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # gated delta net
-
-
-def linear_attention_target(target: str | Path) -> bool:
-    """The target folder's config (a vision-language wrapper's text config) has linear-attention layers (Qwen3.5,
-    Qwen3-Next: gated delta net between full attention). False for a folder without a readable config.json."""
-    try:
-        doc = json.loads((Path(target) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    text = text_config_doc(doc)
-    if not isinstance(text, dict):
-        return False
-    return "linear_attention" in (text.get("layer_types") or ()) or text.get("model_type") in LINEAR_ATTENTION_TYPES
-
-
-def engine_dtype(target: str | Path, on_cpu: bool) -> str:
-    """The dtype to serve `target` in, matching our decoding where the engine can: float32 on CPU (greedy then
-    agrees exactly), bfloat16 on GPUs and for a linear-attention target on CPU (vLLM's CPU gated-delta-net kernel
-    runs bf16 only: "CPU GDN attention requires BF16", vllm 0.32 `mamba/ops/cpu/gdn_attention.py`)."""
-    return "float32" if on_cpu and not linear_attention_target(target) else "bfloat16"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the server serves and how (vLLM's own flags, written out by `args`)."""
-
-    target: str  # the target's local Hugging Face folder
-    drafter: str | None = None  # an exported DFlash drafter folder; None: the target alone
-    dtype: str = "float32"  # float32 | bfloat16 (the CPU build runs both)
-    max_model_len: int = 2048  # tokens per sequence, prompt and answer
-    max_num_seqs: int = 8  # sequences decoded at once
-    kv_cache_gib: float = 1.0  # the KV cache's size (GiB; --kv-cache-memory-bytes, the CPU build's too)
-    seed: int = 0  # the engine's sampling seed (requests may give their own)
-    token_ids: bool = True  # prompts and answers as token ids, no tokenizer; False: the folder's tokenizer and chat
-    # template serve text too (the chat endpoint `regenerate --backend openai` uses)
-    extra: tuple[str, ...] = field(default_factory=tuple)  # more server flags, verbatim
-    hidden_states: tuple[int, ...] = ()  # vLLM's aux layer ids (`hidden_states.engine_layer_ids`) whose hidden
-    # states each request writes to `hidden_states_dir` (vLLM's extract_hidden_states + our connector); no drafter
-    hidden_states_dir: str = ""
-
-    def speculative_config(self) -> dict[str, Any] | None:
-        """DFlash with K = B - 1 drafted tokens per step (None without a drafter), sampled drafts at T > 0 judged
-        by the standard rule min(1, p/q), as our speculative sampling (vLLM's default "greedy" drafts its argmax
-        and accepts it with probability p(argmax q): another rule, another acceptance)."""
-        if self.hidden_states:
-            return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(self.hidden_states)}}}
-        if self.drafter is None:
-            return None
-        k = drafter_block_size(self.drafter) - 1
-        return {"method": "dflash", "model": str(Path(self.drafter).resolve()), "num_speculative_tokens": k,
-                "draft_sample_method": "probabilistic"}
-
-    def args(self, port: int) -> list[str]:
-        """The server's flags: eager mode, loopback only, and (`token_ids`) prompts and answers as token ids with
-        no tokenizer: the engine sees exactly the ids we decode."""
-        out = ["--model", str(Path(self.target).resolve()), "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--max-num-seqs",
-               str(self.max_num_seqs), "--seed", str(self.seed), "--kv-cache-memory-bytes",
-               str(int(self.kv_cache_gib * 2**30)), "--enforce-eager"]
-        if self.token_ids:
-            out.append("--skip-tokenizer-init")
-        spec = self.speculative_config()
-        if spec is not None:
-            out += ["--speculative-config", json.dumps(spec)]
-            if linear_attention_target(self.target):  # prefix caching puts the recurrent state in vLLM's "align"
-                out.append("--no-enable-prefix-caching")  # mode, whose copy kernel is Triton's: none on CPU
-        if self.hidden_states:
-            out += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
-        return out + list(self.extra)
-
-    def kv_transfer_config(self) -> dict[str, Any]:
-        """Our connector (`engine_plugins/`, on the engine's PYTHONPATH) writing each request's hidden states of
-        the `hidden_states` layers into `hidden_states_dir`."""
-        return {"kv_connector": HIDDEN_STATES_CONNECTOR, "kv_connector_module_path": "dflash_hidden_states",
-                "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self.hidden_states_dir}}
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -161,13 +75,15 @@ def group_alive(pgid: int) -> list[int]:
 
 
 class EngineServer:
-    """`with EngineServer(spec, log) as server:` starts vLLM's server (`engine_python`) on a free loopback port,
+    """`with EngineServer(spec, log) as server:` starts the spec's engine's server (`engine_python`, the module and
+    flags of its adapter) on a free loopback port,
     waits for /health (at most `start_timeout_s`), and stops it on leaving, on errors and on Ctrl-C (SIGTERM to
     its process group, SIGKILL after STOP_GRACE_S); its output goes to `log`. `url` is the server's address."""
 
     def __init__(self, spec: EngineSpec, log: str | Path, python: str | None = None,
                  start_timeout_s: float = 600.0) -> None:
         self.spec, self.log = spec, Path(log)
+        self.engine = engine_adapter(spec.engine)
         self.python = engine_python(python)
         self.start_timeout_s = start_timeout_s
         self.port = 0
@@ -186,11 +102,9 @@ class EngineServer:
 
     def start(self) -> None:
         self.port = free_port()
-        cmd = [str(self.python), "-m", SERVER_MODULE, *self.spec.args(self.port)]
-        # the engine's venv only: our packages (another transformers) stay out
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        if self.spec.hidden_states:  # our connector, and nothing else of ours
-            env["PYTHONPATH"] = str(PLUGINS)
+        cmd = [str(self.python), "-m", self.engine.module, *self.engine.args(self.spec, self.port)]
+        # the engine's venv only: our packages (another transformers) stay out, but what its adapter asks for
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | self.engine.env(self.spec)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             out.write(("$ " + " ".join(cmd) + "\n").encode())

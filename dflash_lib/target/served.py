@@ -8,7 +8,6 @@ docs/scale.md, "The target served by an engine".
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import uuid
@@ -24,7 +23,9 @@ from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.target import weight_files
 from dflash_lib.serve.hidden_states import EngineFiles, HiddenStatesClient
-from dflash_lib.serve.server import PLUGINS, SERVER_MODULE, EngineServer, EngineSpec, engine_dtype
+from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.server import EngineServer, engine_adapter
+from dflash_lib.serve.vllm import engine_dtype
 from dflash_lib.target.facts import TargetFacts
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")  # a wrapper's text model
@@ -217,10 +218,9 @@ def engine_command(config: Any, facts: TargetFacts, folder: str | Path, device: 
     spec = EngineSpec(target=m.target, dtype=served_dtype(config, device), max_model_len=config.data.max_len + 1,
                       hidden_states=tuple(facts.engine_layers(reads_final_states(m.loss))),
                       hidden_states_dir=str(Path(folder).resolve()))
-    words = ["python", "-m", SERVER_MODULE, "--model", str(Path(m.target).resolve()), "--dtype", spec.dtype,
-             "--max-model-len", str(spec.max_model_len), "--skip-tokenizer-init", "--speculative-config",
-             json.dumps(spec.speculative_config()), "--kv-transfer-config", json.dumps(spec.kv_transfer_config())]
-    return f"PYTHONPATH={shlex.quote(str(PLUGINS))} " + " ".join(shlex.quote(w) for w in words)
+    engine = engine_adapter(spec.engine)
+    env = [f"{k}={shlex.quote(v)}" for k, v in engine.env(spec).items()]
+    return " ".join(env + [shlex.quote(w) for w in ["python", "-m", engine.module, *engine.args(spec, None)]])
 
 
 @contextlib.contextmanager
