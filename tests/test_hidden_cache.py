@@ -179,10 +179,10 @@ def test_a_killed_capture_resumes_without_a_duplicate_or_a_missing_sample(tmp_pa
     assert calls == [4, 4] and [s["shard"] for s in hc.read_manifest(tmp_path)["shards"]] == [0, 1]
     assert not hc.read_manifest(tmp_path)["complete"]
     with pytest.raises(ConfigError, match="not a complete hidden-states cache"):
-        hc.HiddenCache(tmp_path)
+        hc.CapturedFeatures(tmp_path)
     hc.capture(store, _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable(calls), pick, say=lambda _: None, progress=False)
     assert calls == [4, 4, 2]  # the last shard only
-    cache = hc.HiddenCache(tmp_path)
+    cache = hc.CapturedFeatures(tmp_path)
     assert len(cache.index) == len({hc.token_key(d) for d in store.docs}) == 10
     for doc in store.docs:
         want = torch.tensor(doc, dtype=torch.float32)[:, None] * torch.tensor([1.0, 1.0, 100.0, 100.0])[None] + \
@@ -199,7 +199,7 @@ def test_a_cache_of_another_target_layer_set_or_store_is_refused_in_one_line(tmp
 
     hc.capture(_Store(3), _identity(layer_ids=(0, 2), hidden_size=2), tmp_path, _killable([]), torch.tensor([0, 2]), say=lambda _: None, progress=False)
     with pytest.raises(ConfigError, match=says) as e:
-        _identity(**{"layer_ids": (0, 2), "hidden_size": 2, **change}).refuse_other(hc.HiddenCache(tmp_path).identity, tmp_path)
+        _identity(**{"layer_ids": (0, 2), "hidden_size": 2, **change}).refuse_other(hc.CapturedFeatures(tmp_path).identity, tmp_path)
     assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)
     with pytest.raises(ConfigError, match=says):  # capturing into it again, too
         hc.capture(_Store(3), _identity(**{"layer_ids": (0, 2), "hidden_size": 2, **change}), tmp_path, _killable([]), torch.tensor([0, 2]), progress=False)
@@ -237,7 +237,7 @@ def test_a_flipped_bit_in_a_shard_is_refused_at_the_first_read_of_that_shard_nam
     hashed: list[str] = []
     real_sha = hc.file_sha256
     monkeypatch.setattr(hc, "file_sha256", lambda p: hashed.append(Path(p).name) or real_sha(p))
-    cache = hc.HiddenCache(tmp_path)
+    cache = hc.CapturedFeatures(tmp_path)
     assert hashed == []
     want = _states(store.docs[0]).reshape(len(store.docs[0]), -1)
     torch.testing.assert_close(cache.get(store.docs[0]), want, rtol=0, atol=0)
@@ -275,7 +275,7 @@ def test_a_document_whose_rows_are_not_its_tokens_is_refused_naming_shard_and_do
     doc = hc.read_manifest(tmp_path)
     doc["shards"][0]["sha256"] = hc.file_sha256(shard)
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
-    cache = hc.HiddenCache(tmp_path)
+    cache = hc.CapturedFeatures(tmp_path)
     for j, (rows, tokens) in enumerate([(n1, n0), (n0, n1)]):
         with pytest.raises(ConfigError, match=rf"shard-00000\.safetensors: document {j} of the shard has {rows} "
                                               rf"rows in its offsets but {tokens} tokens") as e:
@@ -314,7 +314,7 @@ def test_a_shard_that_disagrees_with_its_manifest_is_refused_when_the_cache_open
         shard.write_bytes(shard.read_bytes()[:100])
     (tmp_path / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match=rf"shard-00000\.safetensors: {says}: a broken shard") as e:
-        hc.HiddenCache(tmp_path)
+        hc.CapturedFeatures(tmp_path)
     assert "\n" not in str(e.value)
 
 def test_an_older_manifest_is_refused_saying_to_capture_again(tmp_path, small_shards):
@@ -329,14 +329,14 @@ def test_an_older_manifest_is_refused_saying_to_capture_again(tmp_path, small_sh
                                             if k != "target_weights_fingerprint"},
            "shards": [{k: v for k, v in s.items() if k != "sha256"} for s in doc["shards"]]}
     (tmp_path / "manifest.json").write_text(json.dumps(old))
-    for attempt in (lambda: hc.HiddenCache(tmp_path), lambda: _capture(tmp_path)):
+    for attempt in (lambda: hc.CapturedFeatures(tmp_path), lambda: _capture(tmp_path)):
         with pytest.raises(ConfigError, match=r"manifest\.json: cache format 1, this version reads format 3 only "
                                               r".*: capture again into another folder") as e:
             attempt()
         assert "\n" not in str(e.value)
     (tmp_path / "manifest.json").write_text(json.dumps({k: v for k, v in old.items() if k != "format"}))
     with pytest.raises(ConfigError, match="cache format None, this version reads format 3 only"):
-        hc.HiddenCache(tmp_path)
+        hc.CapturedFeatures(tmp_path)
 
 
 # -- the identity against a real target folder --------------------------------------------------------------------
@@ -405,7 +405,7 @@ def test_a_bf16_runs_cache_is_stored_and_labelled_bf16_and_refused_by_an_fp32_ru
     """The same target and store captured for a bf16 and an fp32 run (the engine's states in fp32 both times):
     each cache holds and names its run's dtype, holds the states rounded to it, is read by its run and refused in
     one line by the other."""
-    from dflash_lib.target.cached import HiddenCache, open_cache
+    from dflash_lib.target.cached import CapturedFeatures, open_cache
     from dflash_lib.target.facts import read_facts
 
     folder = _small_folder(tmp_path)
@@ -416,7 +416,7 @@ def test_a_bf16_runs_cache_is_stored_and_labelled_bf16_and_refused_by_an_fp32_ru
     assert _stored(tmp_path / "bf16") == ("bfloat16", "BF16")
     assert _stored(tmp_path / "fp32") == ("float32", "F32")
     for p, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        got = HiddenCache(tmp_path / p).get(store.docs[0])
+        got = CapturedFeatures(tmp_path / p).get(store.docs[0])
         assert torch.equal(got, _states(store.docs[0]).to(dtype).reshape(len(store.docs[0]), -1))
     assert not torch.equal(_states(store.docs[0]).bfloat16().float(), _states(store.docs[0]))  # bf16 rounds them
     for mine, other, held, theirs in (("bf16", "fp32", "bfloat16", "float32"), ("fp32", "bf16", "float32", "bfloat16")):

@@ -13,7 +13,7 @@ import torch
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import TargetModel
-from dflash_lib.target.cached import CacheIdentity, HiddenCache, capture
+from dflash_lib.target.cached import CacheIdentity, CapturedFeatures, capture
 from dflash_lib.target.facts import read_facts
 from dflash_lib.target.protocol import FeatureSource
 from dflash_lib.target.served import ServedTarget
@@ -84,7 +84,7 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
 
     identity = CacheIdentity.of(config, facts.layer_ids, H, "k1", torch.device("cpu"))
     capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(), say=lambda _: None, progress=False)
-    served = ServedTarget(facts, "", "cpu", torch.float32, cache=HiddenCache(tmp_path / "cache"))
+    served = ServedTarget(facts, "", "cpu", torch.float32, cache=CapturedFeatures(tmp_path / "cache"))
     try:
         assert isinstance(local, FeatureSource) and isinstance(served, FeatureSource)
         batch = collate_padded([(d, np.ones(len(d), np.uint8)) for d in docs], 0)  # padded rows: real tokens only
@@ -128,7 +128,7 @@ def test_the_cached_targets_final_states_equal_the_local_targets(folder, tmp_pat
     assert identity.final_states
     capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(True), say=lambda _: None,
             progress=False, last=facts.engine_last())
-    cache = HiddenCache(tmp_path / "cache")
+    cache = CapturedFeatures(tmp_path / "cache")
     served = ServedTarget(facts, "", "cpu", torch.float32, cache=cache, final=True)
     batch = collate_padded([(d, np.ones(len(d), np.uint8)) for d in docs], 0)
     rows = torch.tensor([0, 10, 11, 14, 20, 31])  # context entries (real tokens, row-major) a loss scores

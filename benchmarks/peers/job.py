@@ -33,7 +33,7 @@ from dflash_lib.lab.demo import prepare_target
 from dflash_lib.models.anchors import default_gamma
 from dflash_lib.models.target import chosen_layer_ids, local_hf_config
 from dflash_lib.rundir import load_config, write_json
-from dflash_lib.target.cached import HiddenCache, read_manifest, run_capture
+from dflash_lib.target.cached import CapturedFeatures, read_manifest, run_capture
 
 FORMAT = 1
 
@@ -120,7 +120,7 @@ def build_job(out: str | Path, recipe: Recipe, say=print) -> dict[str, Any]:
     store = build_token_store_from_config(config.data, progress=False)
     say(f"job: capturing the target's features of {len(store)} samples through the engine -> {out / 'cache'}")
     run_capture(config, out / "cache", progress=False)
-    cache = HiddenCache(out / "cache")
+    cache = CapturedFeatures(out / "cache")
     hf = local_hf_config(config.model.target)
     layers = chosen_layer_ids(config.model.target_layer_ids, hf.num_hidden_layers, config.model.num_features)
     split = split_store(store, heldout)

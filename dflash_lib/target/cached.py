@@ -184,7 +184,7 @@ def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callabl
     return doc
 
 
-class HiddenCache:
+class CapturedFeatures:
     """A complete cache opened for reading: `get(ids)` -> (len, F*H) features of a document, or None (and
     `get_last(ids)` -> (len, H), the last layer's output, from a cache of the final states). Opening
     reads each shard's header, offsets and keys (the index); a shard's sha256 is checked at the first `get` that
@@ -307,11 +307,11 @@ def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str
             client.close()
 
 
-def open_cache(config: Any, facts: TargetFacts, store_key: str, device: torch.device) -> HiddenCache:
+def open_cache(config: Any, facts: TargetFacts, store_key: str, device: torch.device) -> CapturedFeatures:
     """`config.model.hidden_cache` opened for this run (its target's `facts`), refused in one line when it was
     captured for another target (its config.json, its weights' fingerprint), layer set, dtype
     (`served.served_dtype`) or token store."""
-    cache = HiddenCache(config.model.hidden_cache)
+    cache = CapturedFeatures(config.model.hidden_cache)
     CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store_key, device).refuse_other(cache.identity,
                                                                                                 cache.path)
     return cache

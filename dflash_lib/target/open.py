@@ -19,7 +19,7 @@ import torch
 from dflash_lib.config import ConfigError, reads_final_states
 from dflash_lib.models.target import TargetModel, trainable_target_config
 from dflash_lib.serve.hidden_states import EngineFiles
-from dflash_lib.target.cached import HiddenCache, open_cache
+from dflash_lib.target.cached import CapturedFeatures, open_cache
 from dflash_lib.target.facts import TargetFacts, read_facts
 from dflash_lib.target.protocol import FeatureSource
 from dflash_lib.target.served import ServedTarget, engine_files, probe_engine, target_engine_url
@@ -32,7 +32,7 @@ class TargetSource:
 
     facts: TargetFacts  # the target's facts, read once
     engine: bool  # target_engine vllm: an engine runs the target (for the documents the cache lacks)
-    cache: HiddenCache | None = None  # hidden_cache: the captured features, opened and checked
+    cache: CapturedFeatures | None = None  # hidden_cache: the captured features, opened and checked
     url: str = ""  # the engine's address, once started or named (`engine_url`)
     files: EngineFiles | None = None  # what this rank reads from the engine's files (`engine_url`)
 

@@ -1,7 +1,8 @@
 """The one interface every source of the target's features answers (`FeatureSource`): the local model
 (`models.target.TargetModel`), the sharded one (`target.sharded.ShardedTarget`), the served one
-(`target.served.ServedTarget`, which also reads the captured cache `target.cached.HiddenCache`). The in-memory cache
-(`target.feature_cache.FeatureCache`) stands in front of any of them in the feed. `target.open` picks the source.
+(`target.served.ServedTarget`, which also reads the captured cache `target.cached.CapturedFeatures`). The
+in-memory cache (`target.feature_cache.FeatureCache`) stands in front of any of them in the feed. `target.open`
+picks the source.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class ServedTarget:
     (documents in row-major order) and, opened with `final` (loss kl / ce+kl), the final-normed states: the
     engine hands over the last layer's output too, passed here through the target's own final norm
     (`final_norm`); the shared `embed_tokens` / `lm_head` (frozen, on `device`), and its shapes. The engine runs
-    the documents (a cache, `cached.HiddenCache`, is read first); nothing of the target's layers is held here."""
+    the documents (a cache, `cached.CapturedFeatures`, is read first); nothing of the target's layers is held here."""
 
     gather = True
     backend = "engine"
@@ -87,7 +87,7 @@ class ServedTarget:
         self.lm_head = torch.nn.Linear(self.hidden_size, head.shape[0], bias=False, device=self._device, dtype=dtype)
         self.lm_head.weight = torch.nn.Parameter(head.to(self._device, dtype), requires_grad=False)
         self.norm = final_norm(facts, self._device, dtype) if final else None
-        self.cache = cache  # a `cached.HiddenCache` read first; the engine (`url`, "" = none) for the rest
+        self.cache = cache  # a `cached.CapturedFeatures` read first; the engine (`url`, "" = none) for the rest
         if final and cache is not None and not cache.identity.final_states:
             raise ConfigError(f"{cache.path}: holds the feature layers only, not the last layer's states that loss "
                               "kl / ce+kl reads: capture again with that loss into another folder")
