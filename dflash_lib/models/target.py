@@ -93,22 +93,27 @@ def text_config(hf: Any) -> Any:
 
 
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
-    """The target's config for training, refusing what `TargetModel.from_model_config` would refuse before
-    loading a weight: a named shape (no weights), a local folder whose config.json `local_hf_config` refuses,
-    that is not a causal LM (no `AutoModelForCausalLM` class for its model_type), that `refuse_unrunnable`
-    refuses, or that holds no safetensors.
-    Reads config.json only: `train()` calls it before it makes a run folder."""
+    """The target's config for training (`target_hf_config`, config.json only), refused as `check_trainable`
+    refuses it. `train()` calls it before it makes a run folder."""
+    hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
+    check_trainable(cfg, hf_cfg)
+    return hf_cfg
+
+
+def check_trainable(cfg: "ModelConfig", hf_cfg: transformers.PretrainedConfig) -> None:
+    """Refuse, before loading a weight, what `TargetModel.from_model_config` would refuse of `cfg.target` whose
+    config (read once by the caller, e.g. `target.facts.TargetFacts.hf`) is `hf_cfg`: a named shape (no weights),
+    a folder that is not a causal LM (no `AutoModelForCausalLM` class for its model_type), that
+    `refuse_unrunnable` refuses, or that holds no safetensors."""
     if cfg.target in NAMED_SHAPES:
         raise ConfigError(f"target {cfg.target!r} names the shapes of a model, not its weights: training needs "
                           f"a local Hugging Face folder of it (-p target DIR); the dry run needs none")
-    hf_cfg = target_hf_config(cfg)  # refuses a path that is not a directory
     if cfg.target != "tiny":
         if type(hf_cfg) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ConfigError(f"target {cfg.target!r}: model_type {hf_cfg.model_type!r} has no causal LM in "
                               f"transformers {transformers.__version__} (not a decoder-only language model)")
         refuse_unrunnable(hf_cfg, f"target {cfg.target!r} ({hf_cfg.model_type})", cfg.loss)
         weight_files(cfg.target)
-    return hf_cfg
 
 
 def refuse_unrunnable(hf_cfg: transformers.PretrainedConfig, name: str, loss: str = "ce") -> None:
@@ -356,17 +361,19 @@ class TargetModel(torch.nn.Module):
 
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", device: torch.device | str = "cpu",
-                          dtype: torch.dtype = torch.float32, seed: int = 0, gather: bool = True) -> "TargetModel":
+                          dtype: torch.dtype = torch.float32, seed: int = 0, gather: bool = True,
+                          hf_cfg: transformers.PretrainedConfig | None = None) -> "TargetModel":
         """cfg.target == "tiny": a random tiny Qwen3 (cfg.target_layers, cfg.hidden_size, real Qwen3 vocab)
         seeded by `seed`; otherwise a LOCAL Hugging Face model directory (nothing is downloaded), loaded straight
         onto `device` in `dtype` (`load_pretrained`). A named shape (e.g. "qwen3-8b") has no weights to train with.
-        `gather`: see the class docstring (False for `sampler.static_shapes`)."""
+        `gather`: see the class docstring (False for `sampler.static_shapes`). `hf_cfg`: the folder's config as the
+        caller read and checked it once (`target.facts.TargetFacts.hf`, `check_trainable`); None: read here."""
         backend = resolve_backend(cfg.attn_backend, device)
         if cfg.target == "tiny":
             hf_cfg = tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
             return cls.from_hf_config(hf_cfg, cfg.num_features, cfg.target_layer_ids or None, device, dtype, seed,
                                       backend, gather)
-        hf_cfg = trainable_target_config(cfg)
+        hf_cfg = trainable_target_config(cfg) if hf_cfg is None else hf_cfg
         model = load_pretrained(cfg.target, hf_cfg, device, dtype, IMPLEMENTATION[backend])
         ids = chosen_layer_ids(cfg.target_layer_ids, model.config.num_hidden_layers, cfg.num_features)
         return cls(model, ids, backend, gather)

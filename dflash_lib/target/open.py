@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from dflash_lib.config import ConfigError, reads_final_states
-from dflash_lib.models.target import TargetModel, trainable_target_config
+from dflash_lib.models.target import TargetModel, check_trainable
 from dflash_lib.serve.hidden_states import EngineFiles
 from dflash_lib.target.cached import CapturedFeatures, open_cache
 from dflash_lib.target.facts import TargetFacts, read_facts
@@ -44,21 +44,21 @@ class TargetSource:
 
 def check_target(config: Any, world_size: int, device: torch.device, store_key: str) -> TargetSource:
     """The source of `config`'s run, refused in one line before a run folder is made: a local target whose
-    config.json or weights cannot train (`trainable_target_config`), a served or cached one that is not a local
+    config.json or weights cannot train (`check_trainable`), a served or cached one that is not a local
     folder, an engine started per rank under torchrun, a served or cached one whose final logits are soft-capped
     for a loss reading them (kl, ce+kl), a server started by hand that serves another model or layers
     (`probe_engine`), a cache of another target, layer set, loss kind, dtype or token store `store_key`
     (`cached.open_cache`)."""
     m = config.model
     engine = m.target_engine == "vllm"
+    facts = read_facts(m)  # config.json, read once: every source below takes these facts
     if not engine and not m.hidden_cache:
-        trainable_target_config(m)  # a target folder with a bad config.json or no weights is refused here
+        check_trainable(m, facts.hf)  # a folder that is no causal LM, or has no weights, is refused here
     elif not Path(m.target).is_dir():
         raise ConfigError(f"target_engine vllm serves a LOCAL model folder, got target {m.target!r}")
     elif engine and world_size > 1 and not m.target_engine_url:
         raise ConfigError("target_engine vllm under torchrun: start one server for all ranks and pass its "
                           "address as -p target_engine_url")
-    facts = read_facts(m)
     cap = getattr(facts.hf, "final_logit_softcapping", None)
     if (engine or m.hidden_cache) and reads_final_states(m.loss) and cap:
         raise ConfigError(f"target {m.target!r}: loss {m.loss!r} reads the target's distribution, whose final logits "
@@ -95,5 +95,6 @@ def open_sources(config: Any, source: TargetSource, devices: Sequence[torch.devi
                              concurrency=max(1, config.pipeline.target_workers) * 4, cache=source.cache,
                              files=source.files, final=reads_final_states(m.loss))]
     if parallel == "fsdp":
-        return [load_sharded_target(m, devices[0], dtype, tc.dist_timeout_s, tc.seed, gather)]
-    return [TargetModel.from_model_config(m, device=d, dtype=dtype, seed=tc.seed, gather=gather) for d in devices]
+        return [load_sharded_target(m, devices[0], dtype, tc.dist_timeout_s, tc.seed, gather, source.facts.hf)]
+    return [TargetModel.from_model_config(m, device=d, dtype=dtype, seed=tc.seed, gather=gather, hf_cfg=source.facts.hf)
+            for d in devices]

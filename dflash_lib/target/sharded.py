@@ -13,7 +13,7 @@ import dataclasses
 import datetime as _dt
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -313,15 +313,15 @@ def move_outside_layers(target: TargetModel, device: torch.device) -> None:
 
 
 def load_sharded_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, timeout_s: float,
-                        seed: int = 0, gather: bool = True) -> ShardedTarget:
+                        seed: int = 0, gather: bool = True, hf_cfg: Any = None) -> ShardedTarget:
     """The target of `cfg` built on the HOST in `dtype` (`TargetModel.from_model_config`; `seed` and `gather`
-    as there), then sharded onto the training `device` (`ShardedTarget`, with `final` when `cfg.loss` is not ce:
+    and `hf_cfg` as there), then sharded onto the training `device` (`ShardedTarget`, with `final` when `cfg.loss` is not ce:
     kl / ce+kl read the final states): the device never holds it whole. The
     host model runs SDPA (flash-attn refuses a model on the CPU); the backend `cfg.attn_backend` resolves to on
     `device` is set once the weights are there."""
     backend = resolve_backend(cfg.attn_backend, device)  # refuses flash off CUDA, as a replicated target would
     host = TargetModel.from_model_config(dataclasses.replace(cfg, attn_backend="sdpa"), device="cpu", dtype=dtype,
-                                         seed=seed, gather=gather)
+                                         seed=seed, gather=gather, hf_cfg=hf_cfg)
     sharded = ShardedTarget(host, timeout_s, device, final=reads_final_states(cfg.loss))
     if backend != host.backend:
         host.model.set_attn_implementation(IMPLEMENTATION[backend])
