@@ -18,7 +18,7 @@ from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.doctor import TargetReading, config_rules, expected_tensors, trained_as_rule, weight_rules
 from dflash_lib.doctor import safetensors_header
 from dflash_lib.models import DFlashDrafter
-from dflash_lib.models.drafters import KINDS, dflash, drafter_kind, kind_of_folder
+from dflash_lib.models.drafters import KINDS, dflash, drafter_kind, kind_of_folder, registry
 from dflash_lib.models.export import (export_drafter, export_folder, export_run_weights, init_from, read_doc,
                                       read_drafter)
 from tiny_models import HIDDEN, VOCAB, tiny_drafter, tiny_target
@@ -64,6 +64,17 @@ def test_the_setting_names_the_registered_kinds_and_refuses_another_in_one_line(
     with pytest.raises(ConfigError, match=r"^drafter_kind 'dflash2' is not a drafter kind here \(one of "
                                           r"\['dflash'\]\)$"):
         drafter_kind("dflash2")
+
+
+def test_two_kinds_sharing_a_name_an_architecture_or_a_module_class_are_refused():
+    """A folder's kind is found by its architecture and a drafter's by its class: each must be one kind's."""
+    assert registry(dflash.KIND, TOY) == {"dflash": dflash.KIND, "toy": TOY}
+    for change, what in (({"name": "dflash"}, "name 'dflash'"),
+                         ({"architectures": ("DFlashDraftModel",)}, "architecture 'DFlashDraftModel'"),
+                         ({"module_class": DFlashDrafter}, "module class 'dflash_lib.models.drafter.DFlashDrafter'")):
+        other = dataclasses.replace(TOY, **change)
+        with pytest.raises(ConfigError, match=f"^models/drafters: two drafter kinds share the {re.escape(what)}$"):
+            registry(dflash.KIND, other)
 
 
 def test_a_folder_of_an_unknown_architecture_is_refused_in_one_line_naming_the_file(target, tmp_path):

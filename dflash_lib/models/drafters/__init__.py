@@ -11,9 +11,21 @@ from dflash_lib.config import ConfigError
 from dflash_lib.models.drafters import dflash
 from dflash_lib.models.drafters.kind import DrafterKind
 
-__all__ = ["KINDS", "DrafterKind", "drafter_kind", "kind_of_drafter", "kind_of_folder"]
+__all__ = ["KINDS", "DrafterKind", "drafter_kind", "kind_of_drafter", "kind_of_folder", "registry"]
 
-KINDS: dict[str, DrafterKind] = {k.name: k for k in (dflash.KIND,)}  # by name: ModelConfig.drafter_kind's values
+
+def registry(*kinds: DrafterKind) -> dict[str, DrafterKind]:
+    """{name: kind}, refusing two kinds that share a name, an architecture or a module class: a folder's kind is
+    found by its architecture, a drafter's by its class (a kind that reuses another's module subclasses it)."""
+    for what, keys in (("name", [k.name for k in kinds]), ("architecture", [a for k in kinds for a in k.architectures]),
+                       ("module class", [f"{k.module_class.__module__}.{k.module_class.__qualname__}" for k in kinds])):
+        doubled = sorted({key for key in keys if keys.count(key) > 1})
+        if doubled:
+            raise ConfigError(f"models/drafters: two drafter kinds share the {what} {doubled[0]!r}")
+    return {k.name: k for k in kinds}
+
+
+KINDS: dict[str, DrafterKind] = registry(dflash.KIND)  # by name: ModelConfig.drafter_kind's values
 
 
 def drafter_kind(name: str) -> DrafterKind:
