@@ -133,6 +133,7 @@ class ModelConfig:
     target: str = "tiny"  # "tiny" = tiny random Qwen3 built locally, or a LOCAL Hugging Face model dir
     target_layers: int = 4  # tiny target: decoder layers
     hidden_size: int = 64  # tiny target: hidden size (the drafter always matches the target)
+    drafter_kind: Literal["dflash"] = "dflash"  # the drafter: a module and its serving format (models/drafters/)
     drafter_layers: int = 1  # draft decoder layers (paper: 5)
     drafter_layer_types: list[DrafterLayerKind] = field(default_factory=list)  # one per drafter layer; a sliding
     # layer is causal in its block, `drafter_window` positions back (vLLM's DFlash rule); empty = all full

@@ -4,7 +4,9 @@
 
 prints `PASS`, `FAIL ... -> the fix` or `N/A` per rule, exit 1 when one fails; `diagnose(...)` returns the
 `DoctorReport`. Config files, the safetensors header and the tokenizers are read, no model is built. The rules and
-why each exists: docs/serving.md, "Doctor: will the engines serve it as it was trained?".
+why each exists: docs/serving.md, "Doctor: will the engines serve it as it was trained?". The names (architectures,
+model_type, files, a draft vocabulary's tensors) are the drafter kinds' declarations (models/drafters/); what the
+engines accept is this module's own reading of their rules, never export's values.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from dflash_lib.config import MAPPED_VOCAB_FILE, ConfigError, DataConfig, from_p
 from dflash_lib.data.readers import Conversation, DataError, load_conversations
 from dflash_lib.data.templates import ChatTemplate, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, is_mapped_tokenizer, load_tokenizer
+from dflash_lib.models.drafters import KINDS, DrafterKind
+from dflash_lib.models.drafters.kind import CONFIG_FILE, WEIGHTS_FILE
 from dflash_lib.models.export import file_sha256
 from dflash_lib.models.target import local_hf_config
 from dflash_lib.rundir import read_json_object
 
-ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors header dtype
 FORBIDDEN = ("embed_tokens", "lm_head")  # tensor name parts the engines take from the target
 CONTEXT_TOKENS = 4  # tokens shown before the first difference (and CONTEXT_TOKENS + 1 from it on)
@@ -165,8 +167,23 @@ def target_reading(target: str | Path) -> TargetReading:
     return TargetReading(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size), special)
 
 
+def served_kinds() -> dict[str, DrafterKind]:
+    """{architecture: its kind} of every drafter kind (the names its declaration gives)."""
+    return {a: k for k in KINDS.values() for a in k.architectures}
+
+
+def declared_kind(doc: Mapping[str, Any]) -> DrafterKind:
+    """The kind a config.json names (its one architecture), else the first kind (the architecture rule fails)."""
+    arch = doc.get("architectures")
+    names = served_kinds()
+    if isinstance(arch, list) and len(arch) == 1 and isinstance(arch[0], str) and arch[0] in names:
+        return names[arch[0]]
+    return next(iter(KINDS.values()))
+
+
 def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of every weight a DFlash drafter with config.json `doc` stores (Qwen3 names; export.py)."""
+    """{name: shape} of every weight a DFlash drafter with config.json `doc` stores (Qwen3 names; a draft
+    vocabulary's tensors named as its kind declares them)."""
     H, L = int(doc["hidden_size"]), int(doc["num_hidden_layers"])
     heads = int(doc["num_attention_heads"])
     kv = int(doc.get("num_key_value_heads") or heads)
@@ -184,7 +201,8 @@ def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
                 p + "mlp.down_proj.weight": (H, inter)}
     n_draft = draft_vocab_size(doc)
     if n_draft:  # a draft vocabulary: its own head rows and vLLM's d2t offsets
-        out |= {"lm_head.weight": (n_draft, H), "d2t": (n_draft,)}
+        names = declared_kind(doc).tensors
+        out |= {names["draft_head"]: (n_draft, H), names["draft_ids"]: (n_draft,)}
     return out
 
 
@@ -207,11 +225,13 @@ def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResu
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
     rules = []
     arch, mtype = doc.get("architectures"), doc.get("model_type")
-    ok = arch == [ARCHITECTURE] and mtype == MODEL_TYPE
+    kinds = served_kinds()
+    ok = any(arch == [a] and mtype == k.model_type for a, k in kinds.items())
+    wanted = " or ".join(f"[{a!r}] and {k.model_type!r}" for a, k in kinds.items())
+    fix = " or ".join(f"[{a!r}] and model_type to {k.model_type!r}" for a, k in kinds.items())
     rules.append(RuleResult("architecture", ok, f"architectures {arch!r}, model_type {mtype!r}" + (
-        "" if ok else f" (the engines resolve a DFlash drafter from [{ARCHITECTURE!r}] and {MODEL_TYPE!r})"),
-        f"set architectures to [{ARCHITECTURE!r}] and model_type to {MODEL_TYPE!r} (python -m dflash_lib export "
-        "writes both)"))
+        "" if ok else f" (the engines resolve a DFlash drafter from {wanted})"),
+        f"set architectures to {fix} (python -m dflash_lib export writes both)"))
     act = doc.get("hidden_act", "silu")
     rules.append(RuleResult("hidden_act", act == "silu", f"hidden_act {act!r}" + (
         "" if act == "silu" else " (the drafter's MLP is SwiGLU: an engine would build another activation)"),
@@ -320,7 +340,8 @@ def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[i
     except (KeyError, TypeError, ValueError) as e:
         want = None
         why = f"config.json lacks what the tensor shapes follow from ({type(e).__name__}: {e})"
-    own = {"lm_head.weight", "d2t"} if want is not None and "d2t" in want else set()  # a draft vocabulary's
+    vocab = set(declared_kind(doc).tensors.values())  # a draft vocabulary's head rows and d2t
+    own = vocab if want is not None and vocab <= set(want) else set()
     forbidden = sorted(k for k in header if any(part in k for part in FORBIDDEN) and k not in own)
     rules = []
     if want is None:
@@ -354,7 +375,7 @@ def weight_rules(doc: Mapping[str, Any], header: Mapping[str, tuple[str, tuple[i
 
 
 def trained_as_rule(doc: Mapping[str, Any], weights_file: Path) -> RuleResult:
-    """The fields the engines read against dflash_config.training.trained_as (`export.trained_as`): an edit
+    """The fields the engines read against dflash_config.training.trained_as (`DrafterKind.trained_as`): an edit
     after export, or a converter, that changed the layer ids, the MASK id, the block size or the weights serves
     with a drafter other than the one trained (measured: each served, none refused, acceptance off;
     docs/serving.md)."""

@@ -269,7 +269,8 @@ def test_training_with_kl_or_dpace_learns(settings):
 
 
 def test_export_records_the_loss_settings_and_reads_them_back(target64, tmp_path):
-    from dflash_lib.models.export import export_drafter, read_drafter, serving_config
+    from dflash_lib.models.drafters.dflash import serving_config
+    from dflash_lib.models.export import export_drafter, read_drafter
 
     drafter = _drafter64(target64, loss="ce+kl", kl_weight=0.25, kl_temperature=2.0, position_weight="dpace",
                          dpace_alpha=0.1)

@@ -24,7 +24,8 @@ import dflash_lib.models.drafter as drafter_module
 from dflash_lib.models import linear_attention
 from dflash_lib.config import Config, ConfigError, reads_final_states
 from dflash_lib.data.batch import Batch
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import TargetModel
+from dflash_lib.models.drafters import DrafterKind, drafter_kind
 from dflash_lib.models.attention import resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, build_layout
 from dflash_lib.dryrun.balanced_experts import grouped_mm_flops, install_balanced_experts
@@ -109,7 +110,7 @@ class StepModels:
     """Target, drafter and optimizer of one measured configuration (fake when `mode` is set)."""
 
     target: Any  # TargetModel
-    drafter: Any  # DFlashDrafter
+    drafter: Any  # the drafter kind's module
     optimizer: tuple[torch.optim.Optimizer, ...]  # `train.step.build_optimizer`'s
     params: list[torch.nn.Parameter]  # the drafter's trainable parameters
     settings: StepSettings
@@ -130,15 +131,18 @@ class StepModels:
         return self.mode if self.mode is not None else contextlib.nullcontext()
 
 
-def _fake_drafter(drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTensorMode, settings: StepSettings):
-    """A DFlashDrafter with fake parameters on the fake target's device. Module.to() cannot move fake parameters
-    (torch swaps them and refuses tensors the fake mode holds weak references to), and DFlashDrafter moves itself
-    to its target's device: so it is built on the meta device against a meta twin of the target, then every
-    parameter and buffer is replaced by a fake one of the same shape and dtype, and its target by the fake one."""
+def _fake_drafter(kind: DrafterKind, drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTensorMode,
+                  settings: StepSettings):
+    """A drafter of `kind` with fake parameters on the fake target's device. Module.to() cannot move fake
+    parameters (torch swaps them and refuses tensors the fake mode holds weak references to), and the drafter
+    builds itself on its target's device: so it is built on the meta device against a meta twin of the target,
+    then every parameter and buffer is replaced by a fake one of the same shape and dtype, and its target by the
+    fake one."""
     with torch.device("meta"):
         twin = TargetModel(transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=settings.target_dtype),
                            fake_target.layer_ids)
-        drafter = DFlashDrafter(drafter_cfg, twin, attention=settings.attention, checkpointing=settings.checkpointing)
+        drafter = kind.module_class(drafter_cfg, twin, attention=settings.attention,
+                                    checkpointing=settings.checkpointing)
     device = fake_target.device
     with mode:
         for module in drafter.modules():
@@ -148,7 +152,7 @@ def _fake_drafter(drafter_cfg: Any, fake_target: Any, hf_cfg: Any, mode: FakeTen
             for name, b in list(module.named_buffers(recurse=False)):
                 persistent = name not in module._non_persistent_buffers_set  # (state_dict() would read meta tensors)
                 module.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device), persistent=persistent)
-    object.__setattr__(drafter, "target", fake_target)  # DFlashDrafter keeps its target as a plain attribute
+    object.__setattr__(drafter, "target", fake_target)  # the drafter keeps its target as a plain attribute
     return drafter
 
 
@@ -158,6 +162,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
     Fake: a mixture-of-experts target's experts that fake tensors cannot run get the balanced-routing stand-in;
     `mesh` (a fake process group's, `fake_ranks.fake_process_group`) shards the target with FSDP2 over it."""
     mc, tc = config.model, config.train
+    kind = drafter_kind(mc.drafter_kind)
     ids = mc.target_layer_ids or None
     mode = FakeTensorMode() if fake else None
     features, features_and_final, balanced = None, None, 0
@@ -167,7 +172,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
     if fake:
         target = TargetModel.fake(hf_cfg, mc.num_features, ids, mode, "cpu", settings.target_dtype)
         balanced = install_balanced_experts(target.model)
-        drafter = _fake_drafter(DrafterConfig.from_model_config(mc, target), target, hf_cfg, mode, settings)
+        drafter = _fake_drafter(kind, kind.config_class.from_model_config(mc, target), target, hf_cfg, mode, settings)
         if mesh is not None:
             with mode:
                 root = shard_layers(target, mesh, reads_final_states(mc.loss))  # as the trainer does (`target.sharded`)
@@ -189,8 +194,7 @@ def build_step_models(config: Config, hf_cfg: Any, settings: StepSettings, fake:
     else:
         target = TargetModel.from_hf_config(hf_cfg, mc.num_features, ids, "cpu", settings.target_dtype, seed)
         torch.manual_seed(seed)
-        drafter = DFlashDrafter(DrafterConfig.from_model_config(mc, target), target, attention=settings.attention,
-                                checkpointing=settings.checkpointing)
+        drafter = kind.build(mc, target, attention=settings.attention, checkpointing=settings.checkpointing)
     params = [p for p in drafter.parameters() if p.requires_grad]
     with mode if fake else contextlib.nullcontext():
         opt = build_optimizer(params, tc, torch.device("cuda"))  # the trainer's, fused as on a GPU

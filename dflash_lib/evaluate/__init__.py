@@ -31,8 +31,9 @@ from dflash_lib.doctor import diagnose
 from dflash_lib.data.benchmarks import HELDOUT
 from dflash_lib.data.prompts import PromptGroup, PromptSets, next_turn, prompt_sets, thinking_modes
 from dflash_lib.export import export_source
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, export
+from dflash_lib.models import TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_drafter
 from dflash_lib.models.target import target_hf_config, text_config
 from dflash_lib.rundir import JsonRecord, omitted
@@ -363,7 +364,7 @@ def initial_drafter(config: Config, target: Any) -> Any:
     devices = [target.device] if target.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.train.seed)
-        drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, target), target)
+        drafter = drafter_kind(config.model.drafter_kind).build(config.model, target)
     if config.model.init_from:
         init_from(drafter, config.model.init_from)
     return drafter.eval()

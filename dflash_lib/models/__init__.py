@@ -3,8 +3,9 @@
 Modules: `target` (TargetModel, tiny_qwen3_config, the feature-layer rule), `masks` (where a batch's real tokens and
 documents are), `anchors` (sampling, decay weights), `layout` (the host-built flat layout of a micro-batch's drafter
 work), `attention` (dense / blocks / flex backends), `layers` (draft decoder layers with KV injection), `loss`
-(chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `export` (the serving folder:
-`export_drafter`, `read_drafter`, `init_from`), `acceptance` (speculative decoding loop, tau), `sampling`
+(chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `drafters` (the drafter kinds, each
+its module and serving format: `drafter_kind`), `export` (the serving folder: `export_drafter`, `read_drafter`,
+`init_from`), `acceptance` (speculative decoding loop, tau), `sampling`
 (temperature, nucleus and the speculative-sampling accept/resample rule).
 """
 

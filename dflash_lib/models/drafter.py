@@ -6,8 +6,9 @@ target's frozen embedding, at absolute (document-local) RoPE positions anchor ..
 feeds the target's frozen LM head (or its rows of a draft vocabulary, draft_vocab.py). Only the drafter's own
 layers, `fc` and the norms train.
 
-Saved layout: the Hugging Face folder serving engines load, written and read by plain functions of
-dflash_lib/models/export.py (`export_drafter`, `read_drafter`): the drafter itself knows no files.
+Saved layout: the Hugging Face folder serving engines load, declared by the `dflash` drafter kind
+(models/drafters/dflash.py) and written and read by models/export.py (`export_drafter`, `read_drafter`): the drafter
+itself knows no files.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The drafter on disk: the Hugging Face folder (config.json, model.safetensors, README.md) that SGLang, vLLM and
 the z-lab DFlash code load, and the ONLY drafter format. `export_drafter` writes it (fp32 for a training run:
 nothing lost for fine-tuning; bf16 for serving), `export_folder` exports a run folder or checkpoint, and
-`read_drafter` / `init_from` (`-p init_from`) read ours and published drafters alike.
+`read_drafter` / `init_from` (`-p init_from`) read ours and published drafters alike. What differs by drafter kind
+(config.json's fields, tensor names, dtypes) each kind declares once: models/drafters/.
 
 The files and their fields: docs/serving.md, "Export for serving"; the rules a folder is checked by (`trained_as`
 among them): docs/serving.md, "Doctor: will the engines serve it as it was trained?".
@@ -25,99 +26,34 @@ from safetensors.torch import save_file
 from dflash_lib.config import SECTION_CLASSES, Config, ConfigError, DataConfig, ModelConfig
 from dflash_lib.models.draft_vocab import from_d2t, to_d2t
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
+from dflash_lib.models.drafters import drafter_kind, kind_of_drafter, kind_of_folder
+from dflash_lib.models.drafters.kind import CONFIG_FILE, README_FILE, WEIGHTS_FILE, DrafterKind
 from dflash_lib.models.target import TargetModel, chosen_layer_ids, tiny_qwen3_config
 
-ARCHITECTURE = "DFlashDraftModel"  # what the serving engines dispatch on
-CONFIG_FILE, WEIGHTS_FILE, README_FILE = "config.json", "model.safetensors", "README.md"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype choices
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range",  # dflash_config.training
-                 "loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha")
-VOCAB_TENSORS = {"draft_ids": "d2t", "draft_head": "lm_head.weight"}  # the drafter's buffers -> the file's names
-ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match it (init_from refusals)
-    "hidden_size": "hidden_size", "num_layers": "drafter_layers", "num_heads": "num_attention_heads of the target",
-    "num_kv_heads": "num_key_value_heads of the target", "head_dim": "head_dim of the target",
-    "intermediate_size": "intermediate_size of the target", "vocab_size": "vocab_size of the target",
-    "target_layer_ids": "target_layer_ids", "target_num_layers": "target_layers",
-    "rms_norm_eps": "rms_norm_eps of the target", "rope_theta": "rope_theta of the target",
-}
 
 
 # -- writing -------------------------------------------------------------------------------------------------
-def vllm_aux_layer_ids(target_layer_ids: list[int]) -> list[int]:
-    """`eagle_aux_hidden_state_layer_ids` of 0-based target layers: vLLM numbers the residual stream by layer
-    boundary (0 = the embeddings, j = the output of decoder layer j - 1), so layer id i is boundary i + 1."""
-    return [int(i) + 1 for i in target_layer_ids]
-
-
-def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int,
-                   training: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json of a drafter `cfg` stored in `dtype` (see the module docstring)."""
-    L = cfg.num_layers
-    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    return {
-        "architectures": [ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": L,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-        # rope_theta + rope_scaling: what older transformers/SGLang read; rope_parameters: transformers >= 5
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "rope_parameters": rope,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": int(max_position_embeddings),
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "initializer_range": cfg.initializer_range, "use_cache": True,
-        # sliding layers (vLLM's DFlash: causal in the block, the window from `sliding_window`); all full: none
-        "use_sliding_window": bool(cfg.sliding_window), "sliding_window": cfg.sliding_window or None,
-        "max_window_layers": L, "layer_types": list(cfg.layer_types) or ["full_attention"] * L,
-        "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
-        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(cfg.target_layer_ids),
-        "dflash_config": {"mask_token_id": cfg.mask_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size,
-                          "training": {**{k: getattr(cfg, k) for k in TRAINING_KEYS}, **(training or {})}},
-        "torch_dtype": _DTYPE_NAMES[dtype], "dtype": _DTYPE_NAMES[dtype],
-        "transformers_version": transformers.__version__,
-        # a draft vocabulary: vLLM's own lm_head of N rows and d2t (target id = draft id + d2t[draft id])
-        **({"draft_vocab_size": cfg.draft_vocab_size} if cfg.draft_vocab_size else {}),
-    }
-
-
-def _readme(doc: dict[str, Any]) -> str:
-    t = doc["dflash_config"]["training"]
-    target = t.get("target", {})
-    ids = doc["dflash_config"]["target_layer_ids"]
-    return "\n".join([
-        "# DFlash drafter", "",
-        f"Trained for the target **{target.get('name') or 'unknown'}** ({target.get('model_type', '?')}, "
-        f"{doc['num_target_layers']} layers, hidden size {doc['hidden_size']}, vocabulary {doc['vocab_size']}), "
-        f"with the chat template **{t.get('template') or 'unknown'}**. Serve it only with that target and template: "
-        "another template collapses acceptance.", "",
-        f"- {doc['num_hidden_layers']} draft layers, block size {doc['block_size']}, mask token id "
-        f"{doc['dflash_config']['mask_token_id']}, target layers {ids} (0-based; hidden_states[id + 1]).",
-        f"- Weights: {WEIGHTS_FILE} in {doc['torch_dtype']}; no embedding (the target's is used); " + (
-            f"an LM head of the {doc['draft_vocab_size']} target tokens `d2t` maps to (the target's rows)."
-            if doc.get("draft_vocab_size") else "no LM head (the target's is used)."),
-        f"- Source: {t.get('source') or 'unknown'}.", "",
-        "Load it in SGLang with `--speculative-algorithm DFLASH --speculative-draft-model-path <this folder>`, "
-        "or fine-tune it with `python -m dflash_lib train -p init_from <this folder>`.", ""])
-
-
-def write_folder(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: str | Path, dtype: torch.dtype,
-                 max_position_embeddings: int, training: dict[str, Any] | None = None) -> Path:
-    """Write config.json, model.safetensors (every tensor in `dtype`) and README.md into `out_dir`."""
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"export dtype {dtype} is not one of {sorted(map(str, _DTYPE_NAMES))}")
+def write_folder(kind: DrafterKind, cfg: Any, weights: dict[str, torch.Tensor], out_dir: str | Path,
+                 dtype: torch.dtype, max_position_embeddings: int, training: dict[str, Any] | None = None) -> Path:
+    """Write config.json, model.safetensors (every tensor in `dtype`) and README.md of a `kind` drafter of config
+    `cfg` into `out_dir`; `training`: config.json's record of what it was trained for."""
+    if dtype not in kind.dtypes:
+        raise ConfigError(f"export dtype {dtype} is not one of {sorted(map(str, kind.dtypes))}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = serving_config(cfg, dtype, max_position_embeddings, training)
-    weights = {VOCAB_TENSORS.get(n, n): to_d2t(w) if n == "draft_ids" else w for n, w in weights.items()}
-    if cfg.draft_vocab_size and set(VOCAB_TENSORS.values()) - set(weights):
+    # a draft vocabulary's target ids (the module's draft_ids) are stored as vLLM's offsets d2t
+    weights = {kind.tensors.get(n, n): to_d2t(w) if n == "draft_ids" else w for n, w in weights.items()}
+    if cfg.draft_vocab_size and set(kind.tensors.values()) - set(weights):
         raise ConfigError(f"export to {out}: a drafter of draft_vocab_size {cfg.draft_vocab_size} without its "
                           f"draft_ids and draft_head")
     tensors = {n: w.detach().to(device="cpu", dtype=dtype if w.is_floating_point() else None).contiguous()
                for n, w in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    doc["dflash_config"]["training"]["trained_as"] = trained_as(cfg, out / WEIGHTS_FILE)
+    record = {**(training or {}), "trained_as": kind.trained_as(cfg, file_sha256(out / WEIGHTS_FILE))}
+    doc = kind.serving_config(cfg, dtype, max_position_embeddings, record)
     (out / CONFIG_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-    (out / README_FILE).write_text(_readme(doc))
+    (out / README_FILE).write_text(kind.readme(doc))
     return out
 
 
@@ -130,17 +66,10 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def trained_as(cfg: DrafterConfig, weights_file: Path) -> dict[str, Any]:
-    """What the engines read that training fixed, as the export wrote it: the fused target layers, the MASK id,
-    the block size and the weights file's SHA-256 (the doctor's `trained_as` rule compares the folder with it)."""
-    return {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_id,
-            "block_size": cfg.block_size, "weights_sha256": file_sha256(weights_file)}
-
-
 def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str,
                    data: dict[str, str] | None = None) -> dict[str, Any]:
-    """dflash_config.training's record of what the drafter was trained for (its README is written from it);
-    `data`: the tokenizer, thinking and corpus of the training data (`data_info`), recorded when known."""
+    """config.json's record of what the drafter was trained for (its README is written from it); `data`: the
+    tokenizer, thinking and corpus of the training data (`data_info`), recorded when known."""
     target = {"name": name, "model_type": str(getattr(hf, "model_type", "")),
               "num_hidden_layers": int(hf.num_hidden_layers), "hidden_size": int(hf.hidden_size),
               "vocab_size": int(hf.vocab_size)}
@@ -161,15 +90,15 @@ def export_drafter(drafter: "DFlashDrafter", out_dir: str | Path, dtype: torch.d
     it came from (a run folder, a checkpoint); `target_name` default the target's path. `weights`: its full
     trainable weights by name (e.g. `DrafterParallel.full_weights`: plain tensors whatever wrapper trained it); None = the
     drafter's own trainable parameters. `data`: `data_info` of the training data (the doctor reads it)."""
-    target = drafter.target
+    kind, target = kind_of_drafter(drafter), drafter.target
     if weights is None:
         weights = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
-    weights = {**weights, **{n: b for n, b in drafter.named_buffers() if n in VOCAB_TENSORS}}
+    weights = {**weights, **{n: b for n, b in drafter.named_buffers() if n in kind.tensors}}
     hf = target.hf
     info = _training_info(hf, target_name or target.name_or_path or "an in-memory model (no path)", template,
                           source, data)
-    return write_folder(drafter.cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
-                        info)
+    return write_folder(kind, drafter.cfg, weights, out_dir, dtype,
+                        int(getattr(hf, "max_position_embeddings", 0) or 0), info)
 
 
 def save_drafter(drafter: "DFlashDrafter", directory: Path, weights: dict[str, torch.Tensor] | None = None,
@@ -186,7 +115,8 @@ def save_drafter(drafter: "DFlashDrafter", directory: Path, weights: dict[str, t
 
 # -- reading -------------------------------------------------------------------------------------------------
 def read_doc(directory: str | Path) -> dict[str, Any]:
-    """config.json of a drafter folder, refusing anything that is not a DFlash drafter we can run."""
+    """config.json of a drafter folder, refusing anything that is not a drafter of a kind we run
+    (`kind_of_folder`) or that its kind cannot run (`DrafterKind.check_doc`)."""
     src = Path(directory)
     path = src / CONFIG_FILE
     for p in (path, src / WEIGHTS_FILE):
@@ -201,69 +131,14 @@ def read_doc(directory: str | Path) -> dict[str, Any]:
     if doc.get("format") == "dflash-drafter":
         raise ConfigError(f"{path}: an old dflash-lab drafter format (dflash-drafter v1), no longer read; export "
                           f"its run again: python -m dflash_lib export RUN_DIR OUT_DIR")
-    if ARCHITECTURE not in (doc.get("architectures") or []):
-        raise ConfigError(f"{path}: architectures {doc.get('architectures')!r} does not name {ARCHITECTURE}")
-    unsupported = {"model_type": (doc.get("model_type"), "qwen3"), "attention_bias": (doc.get("attention_bias", False), False),
-                   "hidden_act": (doc.get("hidden_act", "silu"), "silu")}
-    kinds = set(doc.get("layer_types") or ["full_attention"])
-    if not kinds <= {"full_attention", "sliding_attention"}:
-        unsupported["layer_types"] = (sorted(kinds), ["full_attention", "sliding_attention"])
-    if "sliding_attention" in kinds and not doc.get("sliding_window"):
-        raise ConfigError(f"{path}: layer_types has sliding_attention layers but sliding_window is "
-                          f"{doc.get('sliding_window')!r} (their window in positions)")
-    if (doc.get("dflash_config") or {}).get("causal") is not None or (doc.get("dflash_config") or {}).get("use_swa"):
-        raise ConfigError(f"{path}: dflash_config.causal / use_swa are not supported (this drafter implements "
-                          "vLLM's default: sliding layers causal in their block, full layers not)")
-    rope_type = (doc.get("rope_parameters") or doc.get("rope_scaling") or {}).get("rope_type", "default")
-    unsupported["rope_type"] = (rope_type, "default")
-    for key, (got, want) in unsupported.items():
-        if got != want:
-            raise ConfigError(f"{path}: {key} {got!r} is not supported (this drafter implements {want!r})")
-    dc = doc.get("dflash_config")
-    if not isinstance(dc, dict):
-        raise ConfigError(f"{path}: no dflash_config object")
-    for key in ("mask_token_id", "target_layer_ids"):
-        if key not in dc:
-            raise ConfigError(f"{path}: dflash_config.{key} is missing (it must be explicit: the loaders' "
-                              "fallback guesses wrong layers)")
+    kind_of_folder(doc, str(path)).check_doc(doc, path)
     return doc
 
 
-def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> DrafterConfig:
-    """DrafterConfig from a serving config.json `doc`; training settings default when the folder has none."""
-    dc = doc["dflash_config"]
-    rope = doc.get("rope_parameters") or {}
-    try:
-        heads = int(doc["num_attention_heads"])
-        return DrafterConfig(
-            hidden_size=int(doc["hidden_size"]), num_layers=int(doc["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(doc.get("num_key_value_heads") or heads),
-            head_dim=int(doc.get("head_dim") or int(doc["hidden_size"]) // heads),
-            intermediate_size=int(doc["intermediate_size"]), vocab_size=int(doc["vocab_size"]),
-            target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
-            target_num_layers=int(doc["num_target_layers"]),
-            block_size=int(dc.get("block_size", doc.get("block_size", 0))), mask_id=int(dc["mask_token_id"]),
-            rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 1_000_000.0))),
-            **_layer_kinds(doc), draft_vocab_size=_draft_vocab_size(doc),
-            **{k: v for k, v in (dc.get("training") or {}).items() if k in TRAINING_KEYS},
-        )
-    except KeyError as e:
-        raise ConfigError(f"{where}: required field {e.args[0]!r} is missing") from None
-
-
-def _draft_vocab_size(doc: dict[str, Any]) -> int:
-    """N of a draft vocabulary (config.json's draft_vocab_size below vocab_size), else 0."""
-    n = int(doc.get("draft_vocab_size") or 0)
-    return n if n < int(doc["vocab_size"]) else 0
-
-
-def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
-    """DrafterConfig's layer_types and sliding_window from a config.json: none for an all-full drafter."""
-    kinds = [str(k) for k in doc.get("layer_types") or []]
-    if "sliding_attention" not in kinds:
-        return {}
-    return dict(layer_types=kinds, sliding_window=int(doc["sliding_window"]))
+def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> Any:
+    """The config of the drafter a serving config.json `doc` holds (its kind's `read_config`); training settings
+    default when the folder has none."""
+    return kind_of_folder(doc, where).read_config(doc, where)
 
 
 def check_target(cfg: DrafterConfig, target: "TargetModel", where: str) -> None:
@@ -295,8 +170,8 @@ def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where
     """Fill the drafter's trainable weights from `state` (names and shapes must match exactly; values are cast
     to each parameter's dtype) and, with `vocabulary`, its draft vocabulary from the file's d2t and lm_head
     (`init_from` keeps the run's own: its rows are the target's, chosen by the run's data)."""
-    state = dict(state)
-    d2t, rows = state.pop("d2t", None), state.pop("lm_head.weight", None)
+    state, names = dict(state), kind_of_drafter(drafter).tensors
+    d2t, rows = state.pop(names["draft_ids"], None), state.pop(names["draft_head"], None)
     n, H = drafter.cfg.draft_vocab_size, drafter.cfg.hidden_size
     if vocabulary and not n and (d2t is not None or rows is not None):
         raise ConfigError(f"{where}: holds an LM head or d2t, but its config.json sets no draft_vocab_size below "
@@ -304,8 +179,8 @@ def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where
     if vocabulary and n:
         if d2t is None or rows is None or tuple(d2t.shape) != (n,) or tuple(rows.shape) != (n, H):
             shapes = [None if t is None else tuple(t.shape) for t in (d2t, rows)]
-            raise ConfigError(f"{where}: draft_vocab_size {n} needs d2t ({n},) and lm_head.weight ({n}, {H}), "
-                              f"found {shapes[0]} and {shapes[1]}")
+            raise ConfigError(f"{where}: draft_vocab_size {n} needs {names['draft_ids']} ({n},) and "
+                              f"{names['draft_head']} ({n}, {H}), found {shapes[0]} and {shapes[1]}")
         ids = from_d2t(d2t, drafter.cfg.vocab_size, where)
         drafter.set_draft_vocab(ids.to(drafter.draft_ids.device), rows.to(drafter.draft_head))
     own = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
@@ -326,9 +201,11 @@ def read_drafter(directory: str | Path, target: "TargetModel", dtype: torch.dtyp
     stored weights' dtype. Training settings absent from the folder take DrafterConfig's defaults."""
     src = Path(directory)
     where = str(src / CONFIG_FILE)
-    cfg = drafter_config(read_doc(src), where)
+    doc = read_doc(src)
+    kind = kind_of_folder(doc, where)
+    cfg = kind.read_config(doc, where)
     check_target(cfg, target, where)
-    drafter = DFlashDrafter(cfg, target, attention, checkpointing)
+    drafter = kind.module_class(cfg, target, attention, checkpointing)
     state = read_weights(src, target.device)
     dtype = dtype or next(t.dtype for t in state.values() if t.is_floating_point())
     for p in drafter.parameters():  # parameters only: the rotary buffer stays fp32
@@ -345,9 +222,14 @@ def init_from(drafter: "DFlashDrafter", directory: str | Path) -> None:
     if not src.is_dir():
         raise ConfigError(f"init_from {str(src)!r} is not a folder")
     where = str(src / CONFIG_FILE)
-    saved = drafter_config(read_doc(src), where)
+    doc = read_doc(src)
+    kind, theirs = kind_of_drafter(drafter), kind_of_folder(doc, where)
+    if theirs is not kind:
+        raise ConfigError(f"init_from {src}: a {theirs.name} drafter there, this config builds {kind.name} "
+                          f"(set drafter_kind to match)")
+    saved = kind.read_config(doc, where)
     check_target(saved, drafter.target, where)
-    for key, param in ARCH_FIELDS.items():
+    for key, param in kind.arch_fields.items():
         mine, theirs = getattr(drafter.cfg, key), getattr(saved, key)
         if mine != theirs:
             raise ConfigError(f"init_from {src}: {key} is {theirs} there, this config builds {mine} "
@@ -357,7 +239,8 @@ def init_from(drafter: "DFlashDrafter", directory: str | Path) -> None:
 
 # -- the `export` command --------------------------------------------------------------------------------------
 class _ShapeOnlyTarget:
-    """What `DrafterConfig.from_model_config` reads of a target, from its HF config alone (no weight loaded)."""
+    """What a kind's `config_class.from_model_config` reads of a target, from its HF config alone (no weight
+    loaded)."""
 
     def __init__(self, hf: transformers.PretrainedConfig, layer_ids: list[int]):
         self.hf = hf
@@ -408,10 +291,12 @@ def export_run_weights(doc: dict[str, Any], weights: dict[str, torch.Tensor], ou
         raise ConfigError(f"{where}: its target {m.target!r} is not a local folder here (its config.json "
                           f"gives the drafter's shapes)")
     ids = chosen_layer_ids(m.target_layer_ids, hf.num_hidden_layers, m.num_features)
-    cfg = DrafterConfig.from_model_config(m, _ShapeOnlyTarget(hf, ids))  # type: ignore[arg-type]
+    kind = drafter_kind(m.drafter_kind)
+    cfg = kind.config_class.from_model_config(m, _ShapeOnlyTarget(hf, ids))
     info = _training_info(hf, run_target_name(m, config.train.seed), config.data.template, source,
                           data_info(config.data))
-    return write_folder(cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0), info)
+    return write_folder(kind, cfg, weights, out_dir, dtype, int(getattr(hf, "max_position_embeddings", 0) or 0),
+                        info)
 
 
 def export_folder(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -422,8 +307,9 @@ def export_folder(src: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
     if not (folder / CONFIG_FILE).is_file():
         raise ConfigError(f"{src} holds no checkpoint (checkpoints/ckpt-*), no drafter/ and no {CONFIG_FILE}")
     doc = read_doc(folder)
-    cfg = drafter_config(doc, str(folder / CONFIG_FILE))
-    training = {k: v for k, v in doc["dflash_config"].get("training", {}).items() if k not in TRAINING_KEYS}
+    kind = kind_of_folder(doc, str(folder / CONFIG_FILE))
+    cfg = kind.read_config(doc, str(folder / CONFIG_FILE))
+    training = kind.training(doc)
     training["source"] = training.get("source") or str(folder)
-    return write_folder(cfg, read_weights(folder), out_dir, dtype, int(doc.get("max_position_embeddings") or 0),
+    return write_folder(kind, cfg, read_weights(folder), out_dir, dtype, int(doc.get("max_position_embeddings") or 0),
                         training)

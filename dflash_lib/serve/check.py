@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import export_drafter
 from dflash_lib.serve.client import EngineClient
 from dflash_lib.serve.adapter import EngineSpec
@@ -19,22 +21,27 @@ from dflash_lib.serve.server import EngineServer
 VOCAB, LAYERS, HIDDEN, HEAD_DIM = 512, 4, 128, 32
 
 
-def check_models() -> tuple[TargetModel, DFlashDrafter]:
-    """The check's target (seeded, random) and a random drafter reading its layers 0 and 2, blocks of 4."""
+def check_models(kind: str = "dflash") -> tuple[TargetModel, Any]:
+    """The check's target (seeded, random) and a random drafter of `kind` (a drafter_kind value) reading its
+    layers 0 and 2, blocks of 4."""
     hf = tiny_qwen3_config(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HIDDEN // HEAD_DIM, num_kv_heads=2,
                            vocab_size=VOCAB)
     target = TargetModel.from_hf_config(hf, 2, layer_ids=[0, 2], seed=0)
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_layers=1, num_heads=HIDDEN // HEAD_DIM, num_kv_heads=2,
-                        head_dim=HEAD_DIM, intermediate_size=2 * HIDDEN, vocab_size=VOCAB, target_layer_ids=[0, 2],
-                        target_num_layers=LAYERS, block_size=4, mask_id=VOCAB - 1, num_anchors=64)
+    declared = drafter_kind(kind)
+    cfg = declared.config_class(hidden_size=HIDDEN, num_layers=1, num_heads=HIDDEN // HEAD_DIM, num_kv_heads=2,
+                                head_dim=HEAD_DIM, intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                                target_layer_ids=[0, 2], target_num_layers=LAYERS, block_size=4, mask_id=VOCAB - 1,
+                                num_anchors=64)
     torch.manual_seed(0)
-    return target, DFlashDrafter(cfg, target)
+    return target, declared.module_class(cfg, target)
 
 
-def engine_check(python: str | None = None, new_tokens: int = 16, log: str | Path | None = None) -> str:
-    """Serve the check's models and decode one prompt; returns the verdict line. RuntimeError (with the engine's
-    log) when the engine does not start or its answer differs from the target's greedy one."""
-    target, drafter = check_models()
+def engine_check(python: str | None = None, new_tokens: int = 16, log: str | Path | None = None,
+                 kind: str = "dflash") -> str:
+    """Serve the check's models (a drafter of `kind`) and decode one prompt; returns the verdict line.
+    RuntimeError (with the engine's log) when the engine does not start or its answer differs from the target's
+    greedy one."""
+    target, drafter = check_models(kind)
     prompt = list(range(1, 9))
     want = target.greedy(prompt, new_tokens)
     with tempfile.TemporaryDirectory(prefix="dflash-engine-check-") as tmp:

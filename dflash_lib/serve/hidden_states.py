@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models.export import vllm_aux_layer_ids
+from dflash_lib.models.drafters.dflash import vllm_aux_layer_ids
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 
 FILE_WAIT_S = 60.0  # seconds a response's file may take to appear (the engine writes it in its next step)
@@ -31,7 +31,7 @@ RETRIES = 1  # a request whose file is missing or wrong is sent again this many 
 
 
 def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
-    """vLLM's aux hidden-state ids for our feature layers (`export.vllm_aux_layer_ids`: vLLM counts layer
+    """vLLM's aux hidden-state ids for our feature layers (`drafters.dflash.vllm_aux_layer_ids`: vLLM counts layer
     BOUNDARIES, so the output of our layer i is its id i + 1; the last layer's id holds the pre-norm output).
     Sorted and unique: the engine's file holds its layers in ascending id order."""
     return sorted(set(vllm_aux_layer_ids(list(layer_ids))))

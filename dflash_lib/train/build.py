@@ -22,9 +22,10 @@ from dflash_lib.config import Config, ConfigError, checkpointed_layers, target_t
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.split import HeldOutSplit, SubsetStore, split_store
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.models import DFlashDrafter, DrafterConfig
+from dflash_lib.models import DFlashDrafter
 from dflash_lib.models.draft_vocab import coverage, scored_token_counts, top_tokens
 from dflash_lib.models.attention import resolve_attention
+from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import init_from
 from dflash_lib.models.target import target_hf_config
 from dflash_lib.plan import sampler as samplers
@@ -244,10 +245,9 @@ def build_parts(config: Config, device: torch.device, data_shards: int = 0,
     sharded = plan.parallel == "fsdp"
     shared = targets[0].target if sharded else targets[0]  # the model whose embedding and LM head the drafter shares
     torch.manual_seed(config.train.seed)
-    drafter = DFlashDrafter(DrafterConfig.from_model_config(config.model, shared), shared,
-                            attention=config.model.drafter_attention,
-                            checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device,
-                                                                        config.model.drafter_layers))
+    drafter = drafter_kind(config.model.drafter_kind).build(
+        config.model, shared, attention=config.model.drafter_attention,
+        checkpointing=drafter_checkpointing(config.model.drafter_checkpointing, device, config.model.drafter_layers))
     if config.model.init_from:  # fine-tune a saved or exported drafter instead of the random init
         init_from(drafter, config.model.init_from)
     if config.model.draft_vocab:
