@@ -79,6 +79,7 @@ def test_muon_takes_the_drafters_matrices_and_adamw_the_rest():
     params = list(model.parameters())
     muon, adamw = build_optimizer(params, TrainConfig(optimizer="muon", lr=1e-2), torch.device("cpu"))
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"  # AdamW's RMS: one lr and schedule for both
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     assert in_muon == {id(p) for p in params if p.ndim == 2}
     assert {id(p) for g in adamw.param_groups for p in g["params"]} == {id(p) for p in params if p.ndim != 2}
