@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_lib.config import ConfigError
+from dflash_lib.serve.adapter import EngineSpec
 from dflash_lib.serve.client import EngineClient, ServedDecode
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.adapter import EngineSpec
 from dflash_lib.serve.server import EngineServer, engine_adapter
+
 
 @dataclass
 class ServedSet:
