@@ -721,16 +721,16 @@ def smoke() -> Config:
 def demo() -> Config:
     """The `make demo` scale for a real 135M target (SmolLM2-135M-Instruct, `lab.real_target`) on 2 CPU cores: the
     bundled corpus analysed at max_len 1024, the probe 6 steps a strategy, the drafter (1 layer, blocks of 4, 3
-    target layers fused) 500 steps of 48 anchors a document at lr 1e-3 in bf16 on the target's answers, the
+    target layers fused) 1,000 steps of 48 anchors a document at lr 1e-3 in bf16 on the target's answers, the
     target's features kept after the first epoch (`pipeline.target_cache_gib`: the later epochs run the drafter
-    alone), a held-out evaluation of every held-out answer (15 of the 320) every 100 steps and a checkpoint every
-    250, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32
-    tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38); the levers measured since, none
-    moving tau on this data: LOG.md (issue 52)."""
+    alone), a held-out evaluation of every held-out answer (15 of the 320) every 200 steps and a checkpoint every
+    500, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32
+    tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38); the levers measured since, of
+    which only 1,000 steps instead of 500 moved served tau (1.239 -> 1.274): docs/peers.md, LOG.md (issue 52)."""
     return from_params(
         dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
-             num_features=3, num_anchors=48, block_size=4, steps=500, lr=1e-3, precision="bf16", probe_steps=6,
-             probe_rounds=1, log_every=10, prefetch=4, ckpt_every=250, eval_every=100, prompts=2, max_new_tokens=32,
+             num_features=3, num_anchors=48, block_size=4, steps=1000, lr=1e-3, precision="bf16", probe_steps=6,
+             probe_rounds=1, log_every=10, prefetch=4, ckpt_every=500, eval_every=200, prompts=2, max_new_tokens=32,
              eval_samples=16, decode_threads=0, prompts_from="heldout,humaneval,mt-bench", target_cache_gib=1.0)
     )
 
