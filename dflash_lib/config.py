@@ -726,7 +726,7 @@ def demo() -> Config:
     alone), a held-out evaluation of every held-out answer (15 of the 320) every 200 steps and a checkpoint every
     500, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32
     tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38); the levers measured since, of
-    which only 1,000 steps instead of 500 moved served tau (1.239 -> 1.274): docs/peers.md, LOG.md (issue 52)."""
+    which only 1,000 steps instead of 500 moved served tau: docs/peers.md, LOG.md (issue 52)."""
     return from_params(
         dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
              num_features=3, num_anchors=48, block_size=4, steps=1000, lr=1e-3, precision="bf16", probe_steps=6,

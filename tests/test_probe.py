@@ -136,7 +136,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
 
 def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
     """A probe times training alone, target included: the demo preset checkpoints, evaluates periodically and
-    caches the target's features; no probe does."""
+    caches the target's features; no probe does, nor evaluates at its end."""
     from dflash_lib.config import preset
     from dflash_lib.lab.probe import PROBES, strategy_config
 
@@ -146,7 +146,7 @@ def test_probes_run_no_periodic_checkpoint_or_held_out_evaluation():
         cfg = strategy_config(base, strategy, steps=30, stop_at_step=10)
         assert (cfg.train.eval_every, cfg.train.ckpt_every, cfg.train.steps, cfg.train.stop_at_step) == (0, 0, 30, 10)
         assert cfg.pipeline.target_cache_gib == 0
-        assert cfg.train.eval_samples == base.train.eval_samples  # the end-of-run evaluation is left as it was
+        assert base.train.eval_samples > 0 and cfg.train.eval_samples == 0  # no evaluation at the end either
 
 
 def test_static_probe_pads_to_bucket_edges_and_predicts_its_efficiency_exactly():

@@ -63,12 +63,14 @@ class StrategyProbe:
 
 def strategy_config(base: Config, strategy: str, steps: int, stop_at_step: int = 0) -> Config:
     """`base` with the strategy and probe length replaced (everything else, budget included, identical), no
-    periodic checkpoint, no periodic held-out evaluation (`eval_every` 0) and no target feature cache: a probe
-    measures training throughput, target included; an evaluation inside it would distort it."""
+    periodic checkpoint, no held-out evaluation (`eval_samples` 0: none at the end either, whose drafter of a
+    few steps nobody reads, and which took longer than the probe's steps on the demo) and no target feature
+    cache: a probe measures training throughput, target included; an evaluation inside it would distort it."""
     if strategy not in PROBES:
         raise ConfigError(f"strategy {strategy!r} is not one of {list(PROBES)}")
     sampler = dict(strategy="bucketed", static_shapes=True) if strategy == "static" else dict(strategy=strategy)
-    return from_params({**sampler, "steps": steps, "ckpt_every": 0, "eval_every": 0, "stop_at_step": stop_at_step,
+    return from_params({**sampler, "steps": steps, "ckpt_every": 0, "eval_every": 0, "eval_samples": 0,
+                        "stop_at_step": stop_at_step,
                         "target_cache_gib": 0.0}, base)
 
 
