@@ -44,7 +44,7 @@ from dflash_lib.models.acceptance import acceptance_length  # noqa: E402
 from dflash_lib.rundir import load_config  # noqa: E402
 from dflash_lib.evaluate.served import histogram_tau_se  # noqa: E402
 from dflash_lib.train.loop import train  # noqa: E402
-from dflash_lib.train.metrics import load_metrics  # noqa: E402
+from dflash_lib.rundir.reader import load_metrics  # noqa: E402
 
 CURVE_FILE = "learning_curve.json"
 

@@ -12,7 +12,8 @@ import torch
 
 from dflash_lib.config import ConfigError
 from dflash_lib.models.export import CONFIG_FILE, README_FILE, WEIGHTS_FILE, export_folder, export_run_weights
-from dflash_lib.train.checkpoint import MANIFEST_FILE, CheckpointError, list_checkpoints, load_checkpoint
+from dflash_lib.rundir.reader import MANIFEST_FILE, CheckpointError, list_checkpoints
+from dflash_lib.train.checkpoint import load_checkpoint
 from dflash_lib.train.resume import RUN_OUTPUTS, is_training_run
 
 

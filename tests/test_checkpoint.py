@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from checkpoints import load_latest, save_checkpoint
+from dflash_lib.rundir import reader
+from dflash_lib.rundir.reader import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train import checkpoint as ckpt
-from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, capture_rng, fresh_run_dir,
-                                         list_checkpoints, read_manifest, restore_rng)
+from dflash_lib.train.checkpoint import CheckpointMismatchError, capture_rng, fresh_run_dir, restore_rng
 
 REPO = Path(__file__).resolve().parent.parent
 H = "cfg0123456789abc"  # a config hash for tests
@@ -115,10 +116,10 @@ def _flip_byte(p: Path) -> None:
 CORRUPTIONS = {
     "flipped byte": (_flip_byte, "fails its checksum"),
     "truncated": (lambda p: os.truncate(p / SHARD, 100), "truncated"),
-    "no manifest": (lambda p: (p / ckpt.MANIFEST_FILE).unlink(), "manifest.json is missing"),
-    "garbage manifest": (lambda p: (p / ckpt.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
-    "manifest wrong type": (lambda p: (p / ckpt.MANIFEST_FILE).write_text(
-        (p / ckpt.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
+    "no manifest": (lambda p: (p / reader.MANIFEST_FILE).unlink(), "manifest.json is missing"),
+    "garbage manifest": (lambda p: (p / reader.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
+    "manifest wrong type": (lambda p: (p / reader.MANIFEST_FILE).write_text(
+        (p / reader.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
     "shard missing": (lambda p: (p / SHARD).unlink(), "__0_0.distcp is missing"),
     "objects missing": (lambda p: (p / ckpt.OBJECTS_FILE).unlink(), "objects.pt is missing"),
 }
@@ -174,7 +175,7 @@ def test_config_hash_mismatch_is_an_error(tmp_path: Path) -> None:
 def test_a_checkpoint_of_another_world_size_loads(tmp_path: Path) -> None:
     """DCP reshards and the trainer's data position is global: the world size is recorded, never refused."""
     _write_steps(tmp_path, [1])
-    manifest = tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE
+    manifest = tmp_path / "ckpt-00000001" / reader.MANIFEST_FILE
     manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
     assert read_manifest(tmp_path / "ckpt-00000001").world_size == 2
     state, _ = load_latest(tmp_path, H)
@@ -185,7 +186,7 @@ def test_manifest_records_what_was_saved(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, {"x": torch.ones(3), "n": 2}, 12, config_hash=H,
                            meta={"epoch": 1.5, "config": {"lr": 0.1}}, rank_state={"rng": torch.arange(3)})
     m = read_manifest(path)
-    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 1, ckpt.FORMAT_VERSION)
+    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 1, reader.FORMAT_VERSION)
     assert m.meta == {"epoch": 1.5, "config": {"lr": 0.1}}
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert sorted(m.files) == on_disk == ["dcp/.metadata", SHARD, "objects.pt", "rank-0.pt"]  # every file listed
@@ -266,7 +267,7 @@ WRITER_SERVER = textwrap.dedent("""
 ATOMIC_N = 1 << 20  # floats per saved tensor: 4 MiB, a save of ~20 ms
 
 
-def _consistent(state: dict, manifest: ckpt.Manifest) -> str | None:
+def _consistent(state: dict, manifest: reader.Manifest) -> str | None:
     """Why a loaded checkpoint is not one whole save (None when it is)."""
     step = state.get("step")
     if not (step == manifest.step == manifest.meta.get("step")):
@@ -366,4 +367,4 @@ def test_stale_temp_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
     live.mkdir(), dead.mkdir()
     save_checkpoint(tmp_path, {"a": 1}, 1, config_hash=H)
     assert live.exists() and not dead.exists()
-    assert json.loads((tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE).read_text())["step"] == 1
+    assert json.loads((tmp_path / "ckpt-00000001" / reader.MANIFEST_FILE).read_text())["step"] == 1

@@ -371,7 +371,8 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     from dflash_lib.evaluate import (RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, loss_figures, prepare,
                                      run_summary)
     from dflash_lib.models.export import read_doc
-    from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
+    from dflash_lib.rundir.reader import load_metrics
+    from dflash_lib.rundir.records import BUDGET_FIGURES
 
     run_dir, config = smoke_run
     notebook_run = tmp_path / "nb04"
@@ -448,7 +449,7 @@ def test_evaluation_figures_show_what_they_are_given():
 
 
 def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, monkeypatch):
-    import dflash_lib.evaluate as evaluate_mod  # evaluate binds the decoders at import
+    import dflash_lib.evaluate.decode as evaluate_mod  # evaluate's decoding binds the decoders at import
     import dflash_lib.models.acceptance as acceptance
     from dflash_lib.evaluate import evaluate
 

@@ -22,8 +22,8 @@ from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
 from dflash_lib.train.feed import epoch_batches
 from dflash_lib.train.loop import run_training
-from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import HELDOUT_KEYS, StepMetrics
+from dflash_lib.rundir.records import HELDOUT_KEYS, RunSummary
+from dflash_lib.train.metrics import StepMetrics
 from dflash_lib.train.resume import resume_config_hash
 from run_folder import metrics_rows as rows_of
 

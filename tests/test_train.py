@@ -21,8 +21,8 @@ from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
 from dflash_lib.train.loop import run_training
-from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import BUDGET_FIGURES, HELDOUT_KEYS, StepMetrics, format_duration
+from dflash_lib.rundir.records import BUDGET_FIGURES, HELDOUT_KEYS, RunSummary
+from dflash_lib.train.metrics import StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, count_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard

@@ -4,6 +4,7 @@ One checkpoint is `ckpt-<step:08d>/` (`dcp/` the tensors, `objects.pt` the rest 
 rank's RNG streams, `manifest.json` with checksums, written last), committed by a rename. `TrainingCheckpoints`
 saves and loads for the trainer, `find_latest` verifies, `load_checkpoint` reads a whole one as plain tensors
 (export), `load_into` into this run's sharding; `capture_rng` / `restore_rng` carry every global random stream.
+The folder names, the manifest and its listing are the run folder's format, read without train/: `rundir.reader`.
 Atomic commits, async saves, nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
@@ -23,7 +24,6 @@ import secrets
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,24 +32,19 @@ import torch
 import torch.distributed as dist
 
 from dflash_lib.config import TrainConfig
+from dflash_lib.rundir.reader import (CHECKPOINT_NAME, FORMAT_VERSION, MANIFEST_FILE, CheckpointError, FileEntry,
+                                     Manifest, list_checkpoints, read_manifest)
 from dflash_lib.train import distributed
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the on-disk layout changes; loads refuse other versions (2: DCP shards)
 DCP_DIR = "dcp"  # torch.distributed.checkpoint folder of the state's tensors
 OBJECTS_FILE = "objects.pt"  # the state without its tensors (placeholders name them)
 RANK_FILE = "rank-{rank}.pt"  # one rank's own state
-MANIFEST_FILE = "manifest.json"  # plain JSON metadata and checksums: the completion marker, written last
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 _TEMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(\d+)-[0-9a-f]{8}$")  # .tmp-<name>-<pid>-<hex>, .trash-<name>-<pid>-<hex>
 _HASH_CHUNK = 1 << 20  # bytes read per sha256 update
 _TENSOR = "__dcp_tensor__"  # placeholder key in objects.pt: {_TENSOR: "<key of the tensor in dcp/>"}
 RNG_FORMAT = 1  # bump when the captured RNG layout changes
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or one on disk is missing, partial, corrupt or unreadable."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -63,51 +58,6 @@ class CheckpointMismatchError(CheckpointError):
 
 class RngStateError(ValueError):
     """A captured RNG state does not fit this process (another format, another number of CUDA devices)."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    sha256: str  # hex digest of the file's bytes
-    bytes: int  # file size in bytes
-
-
-@dataclass(frozen=True)
-class Manifest:
-    format_version: int  # FORMAT_VERSION of the writer
-    step: int  # optimizer steps completed when the checkpoint was taken
-    config_hash: str  # the run's resume hash (`resume.resume_config_hash`)
-    world_size: int  # number of processes of the run that wrote it (a resume may have another)
-    files: dict[str, FileEntry]  # path inside the checkpoint directory ("dcp/__0_0.distcp") -> checksum and size
-    meta: dict[str, Any]  # free-form JSON the caller attached (e.g. the config as a dict, epoch)
-    created_utc: str  # ISO-8601 time of the save
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str, where: Path) -> Manifest:
-        """Parse a manifest, refusing anything malformed with a CheckpointError naming `where`."""
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise CheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        if not isinstance(raw, dict) or set(raw) != set(_MANIFEST_TYPES):
-            raise CheckpointError(f"{where}: manifest is not an object with the keys {sorted(_MANIFEST_TYPES)}")
-        for key, typ in _MANIFEST_TYPES.items():
-            if type(raw[key]) is not typ:
-                raise CheckpointError(f"{where}: manifest field {key!r} must be {typ.__name__}, got {raw[key]!r}")
-        if raw["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(f"{where}: checkpoint format version {raw['format_version']} is not the "
-                                  f"supported version {FORMAT_VERSION}")
-        try:
-            files = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
-        except TypeError:
-            raise CheckpointError(f"{where}: manifest file entries are not {{sha256, bytes}} objects") from None
-        return cls(**{**raw, "files": files})
-
-
-_MANIFEST_TYPES = {"format_version": int, "step": int, "config_hash": str, "world_size": int, "files": dict,
-                   "meta": dict, "created_utc": str}
 
 
 # -- the state: tensors for DCP, everything else for objects.pt -------------------------------------------------
@@ -423,7 +373,7 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return 0
-    found = [p for p in ckpt_dir.iterdir() if (_CKPT_RE.match(p.name) or _TEMP_RE.match(p.name)) and p.is_dir()]
+    found = [p for p in ckpt_dir.iterdir() if (CHECKPOINT_NAME.match(p.name) or _TEMP_RE.match(p.name)) and p.is_dir()]
     for p in found:
         shutil.rmtree(_out_of_sight(p))
     if found:
@@ -434,33 +384,12 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
 # -- loading -----------------------------------------------------------------------------------------------------
 
 
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """The `ckpt-<step>` directories in `ckpt_dir`, oldest step first (temp directories are never listed)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def read_manifest(path: str | Path) -> Manifest:
-    """Parse `<path>/manifest.json`; CheckpointError naming the file when missing or malformed."""
-    mpath = Path(path) / MANIFEST_FILE
-    try:
-        text = mpath.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{mpath} is missing (an interrupted or foreign checkpoint)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} cannot be read: {e}") from None
-    return Manifest.from_json(text, mpath)
-
-
 def verify_checkpoint(path: str | Path, checksums: bool = True) -> Manifest:
     """Check that every file the manifest lists exists with its recorded size and (`checksums`) sha256; return
     the manifest."""
     path = Path(path)
     manifest = read_manifest(path)
-    m = _CKPT_RE.match(path.name)
+    m = CHECKPOINT_NAME.match(path.name)
     if m and int(m.group(1)) != manifest.step:
         raise CheckpointError(f"{path / MANIFEST_FILE} records step {manifest.step}, not the directory's step")
     for name, entry in manifest.files.items():

@@ -30,7 +30,7 @@ from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
 from dflash_lib.train.distributed import DrafterParallel
 from dflash_lib.train.feed import anchor_seed, validate_sample
-from dflash_lib.train.metrics import HeldoutFigures
+from dflash_lib.rundir.records import HeldoutFigures
 
 EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: training shards are >= 0
 
