@@ -342,7 +342,7 @@ def _engine_check_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_check(args: argparse.Namespace) -> None:
-    from dflash_lib.serve.check import engine_check
+    from dflash_lib.evaluate.engine_check import engine_check
 
     print(engine_check(args.python, log=args.log))
 

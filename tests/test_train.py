@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.data import LoadReport
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import DFlashDrafter, DrafterConfig
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate

@@ -2,11 +2,12 @@
 
     python -m dflash_lib evaluate --drafter DIR [--target DIR|tiny] [-p prompts N] [-p max_new_tokens M] [-p KEY V]
 
-DIR: a saved drafter or a trainer run folder. `evaluate(...)` decodes with the drafter (`models.acceptance`,
+DIR: a saved drafter or a trainer run folder. `evaluate(...)` decodes with the drafter (`evaluate.acceptance`,
 `models.sampling`) and the target alone: `DecodeReport`, the last stdout line; `evaluate_run(...)` every checkpoint
-of a run. Modules: `setup` (the drafter, its run, the config, the target and the prompts, checked), `decode` (in
-process), `engine` (the same prompts served by the engine), `served` (the engine's figures judged), `run` (a whole
-run, read through `rundir.reader`), `reports` (the records). docs/serving.md, "Measuring a drafter: speculative
+of a run. Modules: `setup` (the drafter, its run, the config, the target and the prompts, checked), `acceptance`
+(the speculative decoding loop and tau), `decode` (in process), `engine` (the same prompts served by the engine),
+`served` (the engine's figures judged), `run` (a whole run, read through `rundir.reader`), `reports` (the records),
+`engine_check` (`python -m dflash_lib engine-check`). docs/serving.md, "Measuring a drafter: speculative
 decoding on held-out prompts"; the prompts (`-p prompts_from`, `data.prompts`): docs/evaluation.md.
 """
 
@@ -27,6 +28,6 @@ __all__ = [
     "Say", "Setup", "_baseline", "_warm", "_warn_differ", "best_drafter", "build_config", "check_engine", "check_fit",
     "check_positions", "checkpoint_drafter", "decode", "decode_groups", "decode_report", "decode_threads", "evaluate",
     "evaluate_run", "find_drafter", "initial_drafter", "load_drafter", "loss_figures", "overall_served_tau", "prepare",
-    "run_checkpoints", "run_doctor", "run_summary", "sampled_setup", "serve_drafter", "served", "served_sets", "summary",
-    "target_positions", "trainer_folder",
+    "run_checkpoints", "run_doctor", "run_summary", "sampled_setup", "serve_drafter", "served", "served_sets",
+    "summary", "target_positions", "trainer_folder",
 ]

@@ -1,4 +1,4 @@
-"""Speculative decoding of the setup's prompts in process (`models.acceptance`) against plain decoding of the same
+"""Speculative decoding of the setup's prompts in process (`evaluate.acceptance`) against plain decoding of the same
 prompts, later turns asked after the target's own answers (`Baseline`); `evaluate`: one drafter, loaded, decoded,
 timed and compared (`DecodeReport`), then served by the engine with `-p engine vllm` (`evaluate.engine`).
 """
@@ -12,11 +12,11 @@ from typing import Any, Mapping
 from dflash_lib.benchmark_report import (GroupDecode, benchmark_rows, by_context, merged_figures, prompt_records,
                                          slices)
 from dflash_lib.data.prompts import PromptGroup, next_turn
+from dflash_lib.evaluate.acceptance import acceptance_length, greedy_decode
 from dflash_lib.evaluate.engine import served
 from dflash_lib.evaluate.reports import DecodeReport, summary
 from dflash_lib.evaluate.setup import (Say, Setup, _check_vocabulary, _stderr, check_positions, decode_threads,
                                        prepare, target_positions)
-from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 
 
 def _warm(setup: Setup, drafter: Any) -> None:

@@ -12,9 +12,9 @@ from typing import Sequence
 from dflash_lib.benchmark_report import GroupDecode
 from dflash_lib.data.prompts import PromptGroup
 from dflash_lib.doctor import diagnose
+from dflash_lib.evaluate.acceptance import acceptance_length
 from dflash_lib.evaluate.served import ServedReport, serve_passes, served_table
 from dflash_lib.evaluate.setup import Say, Setup, _stderr, load_drafter
-from dflash_lib.models.acceptance import acceptance_length
 from dflash_lib.serve.measure import ServedPass, ServedSet
 from dflash_lib.serve.vllm import engine_dtype
 

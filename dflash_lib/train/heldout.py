@@ -150,7 +150,7 @@ def decoded_answer_tokens(tokens: Any, loss_mask: Any, stop_id: int | None) -> i
 def decoding_walk(runs: Mapping[int, int], answer_tokens: int, max_new_tokens: int) -> list[int]:
     """Tokens of each cycle of greedy speculative decoding along one answer of `answer_tokens` tokens (its last
     one the end of turn) when the block anchored at answer index j accepts `runs[j]` drafts: as
-    `models.acceptance.acceptance_length` decodes, the prefill gives answer token 0, each cycle starts at the
+    `evaluate.acceptance.acceptance_length` decodes, the prefill gives answer token 0, each cycle starts at the
     pending token j and ends on j + runs[j] + 1, and cycles run while fewer than min(max_new_tokens,
     answer_tokens) tokens are out (the last one may overshoot and counts in full)."""
     j, cycles = 0, []
