@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     1 when training failed (the message names the checkpoint, stage or rank at fault, or says no sample was fit
     for training; --debug: its traceback)."""
     from dflash_lib.rundir import load_config
-    from dflash_lib.rundir.reader import CheckpointError
+    from dflash_lib.rundir.checkpoints import CheckpointError
     from dflash_lib.train.distributed import DistributedError
     from dflash_lib.train.feed import NothingTrainedError
     from dflash_lib.train.loop import train

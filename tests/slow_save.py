@@ -14,7 +14,7 @@ PAUSING = "slow save: pausing"  # what the line on stderr starts with
 def main(delay_s: float, args: list[str]) -> int:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the library of this checkout, as `-m` in the repo
     from dflash_lib.__main__ import main as command_line
-    from dflash_lib.rundir.reader import Manifest
+    from dflash_lib.rundir.checkpoints import Manifest
     from dflash_lib.train import checkpoint
 
     commit = checkpoint._commit

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from checkpoints import load_latest, save_checkpoint
-from dflash_lib.rundir import reader
-from dflash_lib.rundir.reader import CheckpointError, list_checkpoints, read_manifest
+from dflash_lib.rundir import checkpoints as reader
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train import checkpoint as ckpt
 from dflash_lib.train.checkpoint import CheckpointMismatchError, capture_rng, fresh_run_dir, restore_rng
 

@@ -18,7 +18,7 @@ from dflash_lib.data.batch import collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, default_gamma, tiny_qwen3_config
 from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import export_drafter, export_folder, read_drafter, read_weights
-from dflash_lib.rundir.reader import list_checkpoints
+from dflash_lib.rundir.checkpoints import list_checkpoints
 from dflash_lib.train.resume import resume_config_hash
 from tiny_models import save_tiny_qwen3
 

@@ -26,7 +26,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig
 from dflash_lib.target.local import TargetModel
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts
-from dflash_lib.rundir.reader import list_checkpoints
+from dflash_lib.rundir.checkpoints import list_checkpoints
 from dflash_lib.train.loop import run_training
 from dflash_lib.train.resume import resume_config_hash
 from dflash_lib.train.state import NonFiniteLossError, StopRequest

@@ -25,8 +25,8 @@ from dflash_lib.evaluate.reports import DecodeReport, DrafterMeasurement, RunEva
 from dflash_lib.evaluate.setup import Say, Setup, _stderr, decode_threads, initial_drafter, load_drafter, prepare
 from dflash_lib.export import export_source
 from dflash_lib.models.export import DTYPES, export_drafter
-from dflash_lib.rundir.reader import (CHECKPOINTS, CONFIG_FILE, SUMMARY_FILE, CheckpointError, list_checkpoints,
-                                      load_metrics, read_manifest, read_summary)
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints, read_manifest
+from dflash_lib.rundir.reader import CHECKPOINTS, CONFIG_FILE, SUMMARY_FILE, load_metrics, read_summary
 from dflash_lib.rundir.records import BUDGET_FIGURES
 from dflash_lib.serve.measure import ServedPass
 

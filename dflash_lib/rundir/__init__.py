@@ -2,7 +2,8 @@
 typed JSON records (`JsonRecord`: a dataclass whose fields are the keys of a JSON object a run writes), what a run
 ran on (`environment`, `git_state`) and a validated Config from a preset and flat parameters (`load_config`).
 Stdlib and config only. A trainer run folder's format, read by every stage above train/ without importing it:
-`rundir.records` (its JSON records) and `rundir.reader` (its file names, checkpoints' manifests, metrics, summary)."""
+`rundir.records` (its JSON records), `rundir.reader` (its file names, metrics, summary) and `rundir.checkpoints`
+(its checkpoints: manifest, verification, the whole state loaded)."""
 
 from __future__ import annotations
 

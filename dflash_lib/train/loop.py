@@ -18,6 +18,7 @@ from dflash_lib.config import Config, ConfigError, uses_bf16
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.rundir import write_json
+from dflash_lib.rundir.checkpoints import load_objects
 from dflash_lib.rundir.reader import CHECKPOINTS, DRAFTER_DIR, SUMMARY_FILE
 from dflash_lib.rundir.records import RunSummary
 from dflash_lib.target.feature_cache import FeatureCache
@@ -25,7 +26,7 @@ from dflash_lib.target.open import check_target, engine_url
 from dflash_lib.target.sharded import per_step_passes
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
-from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
+from dflash_lib.train.checkpoint import TrainingCheckpoints
 from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_states, rank_shards
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)

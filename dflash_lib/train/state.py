@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_lib.rundir.reader import CheckpointError, list_checkpoints
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints
 from dflash_lib.rundir.records import BUDGET_FIGURES
 from dflash_lib.train.feed import ArrayLike, validate_sample
 from dflash_lib.train.metrics import StepMetrics, ThroughputMeter
