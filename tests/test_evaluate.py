@@ -450,7 +450,7 @@ def test_evaluation_figures_show_what_they_are_given():
 
 
 def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, monkeypatch):
-    import dflash_lib.evaluate.decode as evaluate_mod  # evaluate's decoding binds the decoders at import
+    import dflash_lib.evaluate.decoding as evaluate_mod  # evaluate's decoding binds the decoders at import
     import dflash_lib.evaluate.acceptance as acceptance
     from dflash_lib.evaluate import evaluate
 

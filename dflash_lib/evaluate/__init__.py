@@ -5,14 +5,14 @@
 DIR: a saved drafter or a trainer run folder. `evaluate(...)` decodes with the drafter (`evaluate.acceptance`,
 `models.sampling`) and the target alone: `DecodeReport`, the last stdout line; `evaluate_run(...)` every checkpoint
 of a run. Modules: `setup` (the drafter, its run, the config, the target and the prompts, checked), `acceptance`
-(the speculative decoding loop and tau), `decode` (in process), `engine` (the same prompts served by the engine),
+(the speculative decoding loop and tau), `decoding` (in process), `engine` (the same prompts served by the engine),
 `served` (the engine's figures judged), `run` (a whole run, read through `rundir.reader`), `reports` (the records),
 `engine_check` (`python -m dflash_lib engine-check`). docs/serving.md, "Measuring a drafter: speculative
 decoding on held-out prompts"; the prompts (`-p prompts_from`, `data.prompts`): docs/evaluation.md.
 """
 
-from dflash_lib.evaluate.decode import (Baseline, _baseline, _warm, _warn_differ, decode, decode_groups, decode_report,
-                                        evaluate)
+from dflash_lib.evaluate.decoding import (Baseline, _baseline, _warm, _warn_differ, decode, decode_groups,
+                                          decode_report, evaluate)
 from dflash_lib.evaluate.engine import overall_served_tau, serve_drafter, served, served_sets
 from dflash_lib.evaluate.reports import (RUN_SUMMARY_KEYS, DecodeReport, DrafterMeasurement, RunEvaluation, run_summary,
                                          summary)

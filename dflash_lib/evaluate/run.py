@@ -19,7 +19,7 @@ import torch
 from dflash_lib.benchmark_report import GroupDecode
 from dflash_lib.config import Config, ConfigError, from_params
 from dflash_lib.doctor import diagnose
-from dflash_lib.evaluate.decode import _baseline, _warm, _warn_differ, decode_groups, decode_report
+from dflash_lib.evaluate.decoding import _baseline, _warm, _warn_differ, decode_groups, decode_report
 from dflash_lib.evaluate.engine import overall_served_tau, serve_drafter, served_sets
 from dflash_lib.evaluate.reports import DecodeReport, DrafterMeasurement, RunEvaluation, summary
 from dflash_lib.evaluate.setup import Say, Setup, _stderr, decode_threads, initial_drafter, load_drafter, prepare
