@@ -29,7 +29,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from dflash_lib.data.batch import collate_padded  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.train import distributed  # noqa: E402
 from dflash_lib.train.distributed import all_reduce_floats  # noqa: E402
 from dflash_lib.train.feed import Item  # noqa: E402

@@ -31,7 +31,8 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from dflash_lib.config import demo  # noqa: E402
 from dflash_lib.data.batch import collate_packed, collate_padded  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.models.attention import sdpa_flop_mapping  # noqa: E402
 from dflash_lib.models.layout import build_layout  # noqa: E402
 

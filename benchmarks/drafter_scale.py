@@ -43,7 +43,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from dflash_lib.data.batch import Batch, collate_padded  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, build_layout, tiny_qwen3_config  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig, build_layout, tiny_qwen3_config  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.models.attention import sdpa_flop_mapping  # noqa: E402
 from dflash_lib.models.layout import DraftLayout, attention_work  # noqa: E402
 

@@ -70,7 +70,9 @@ import torch
 
 from dflash_lib.config import Config, ModelConfig, PipelineConfig  # noqa: E402
 from dflash_lib.data.batch import collate_packed, collate_padded  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, acceptance_length  # noqa: E402
+from dflash_lib.evaluate.acceptance import acceptance_length  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.train.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402
 from dflash_lib.train.pipeline import Pipeline  # noqa: E402
 from dflash_lib.train.state import BadStepGuard  # noqa: E402

@@ -40,14 +40,14 @@ import torch  # noqa: E402
 
 from dflash_lib.config import uses_bf16  # noqa: E402
 from dflash_lib.data.batch import collate_padded  # noqa: E402
-from dflash_lib.data.split import HELDOUT_FILE  # noqa: E402
 from dflash_lib.data.store import build_token_store_from_config  # noqa: E402
 from dflash_lib.evaluate import build_config, load_drafter, run_checkpoints  # noqa: E402
+from dflash_lib.evaluate.acceptance import acceptance_length  # noqa: E402
 from dflash_lib.export import export_source  # noqa: E402
-from dflash_lib.models import TargetModel  # noqa: E402
-from dflash_lib.models.acceptance import acceptance_length  # noqa: E402
 from dflash_lib.models.anchors import answer_span, decoding_anchors  # noqa: E402
 from dflash_lib.models.export import DTYPES  # noqa: E402
+from dflash_lib.rundir.reader import HELDOUT_FILE  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.train.heldout import build_eval_set, evaluate  # noqa: E402
 
 POSITION_EDGES = (0, 1, 8, 16, 32, 64, 128)  # answer-position buckets of the per-anchor figure (tokens)

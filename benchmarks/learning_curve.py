@@ -9,7 +9,7 @@ Trains one run (`dflash_lib.train.train`: `--preset`, `-p KEY VALUE` as `python 
 with a checkpoint every `--every` steps, all kept, and stops it early, checkpointed, past `--minutes` of training
 or `--tokens` real training tokens. With the demo preset it trains on the demo's data: the real target's answers
 (`lab.demo.prepare_target`, made or read from the cache as `make demo` does) split as notebook 04 splits them.
-Then every checkpoint is decoded greedily on the same held-out prompts (`models.acceptance`: served tau in vLLM
+Then every checkpoint is decoded greedily on the same held-out prompts (`evaluate.acceptance`: served tau in vLLM
 equals it, greedy fp32) and one row printed per checkpoint: training tokens, epoch, wall seconds, training loss, the
 trainer's teacher-forced held-out tau where it evaluated, decoded tau with its standard error over cycles.
 The rows also go to `<run>/learning_curve.json`. The learning-rate schedule spans `--steps`: each point is that
@@ -39,12 +39,12 @@ from dflash_lib.config import Config  # noqa: E402
 from dflash_lib.evaluate import build_config, checkpoint_drafter, decode_threads, run_checkpoints  # noqa: E402
 from dflash_lib.evaluate import Setup  # noqa: E402
 from dflash_lib.data.prompts import prompt_sets  # noqa: E402
-from dflash_lib.models import TargetModel  # noqa: E402
-from dflash_lib.models.acceptance import acceptance_length  # noqa: E402
+from dflash_lib.evaluate.acceptance import acceptance_length  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.rundir import load_config  # noqa: E402
 from dflash_lib.evaluate.served import histogram_tau_se  # noqa: E402
 from dflash_lib.train.loop import train  # noqa: E402
-from dflash_lib.train.metrics import load_metrics  # noqa: E402
+from dflash_lib.rundir.reader import load_metrics  # noqa: E402
 
 CURVE_FILE = "learning_curve.json"
 

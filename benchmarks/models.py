@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 from dflash_lib.config import demo  # noqa: E402
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 
 
 def synthetic_docs(n: int, max_len: int, seed: int, vocab: int = 151000) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded  # noqa: E402
-from dflash_lib.models import TargetModel, tiny_qwen3_config  # noqa: E402
+from dflash_lib.models import tiny_qwen3_config  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 
 # 8 documents, 2,910 real tokens in 8 x 512 slots: 71% real, ~30% padding
 LENGTHS = (512, 470, 420, 380, 340, 300, 260, 228)

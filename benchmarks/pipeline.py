@@ -40,7 +40,8 @@ import torch  # noqa: E402
 from dflash_lib.config import Config, from_params, preset  # noqa: E402
 from dflash_lib.data import build_token_store_from_config  # noqa: E402
 from dflash_lib.data.stats import store_drafter_queries  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.plan.sampler import FixedBatchSampler  # noqa: E402
 from dflash_lib.train.build import TrainingParts, bucket_edges, build_sampler, drafter_checkpointing  # noqa: E402
 from dflash_lib.train.feed import Work, make_collate, make_prepare, make_target_workers  # noqa: E402

@@ -48,7 +48,7 @@ from dflash_lib.plan.costmodel import held_out_noise, select_cost_model, through
 from dflash_lib.plan.sampler import budget_use  # noqa: E402
 from dflash_lib.rundir import new_run_dir  # noqa: E402
 from dflash_lib.train.build import bucket_edges, build_sampler  # noqa: E402
-from dflash_lib.train.metrics import load_metrics  # noqa: E402
+from dflash_lib.rundir.reader import load_metrics  # noqa: E402
 
 COLUMNS = ["ktok_s", "ratio_to_sorted", "ktok_s_noise_pct", "realized_efficiency", "token_fill", "query_fill",
            "bound_tokens", "bound_blocks", "cost_model_error_pct", "nested_error_pct", "nested_noise_pct",

@@ -1,4 +1,4 @@
-"""What loading a local target costs: seconds and peak host RSS of `models.target.load_pretrained` (transformers'
+"""What loading a local target costs: seconds and peak host RSS of `target.local.load_pretrained` (transformers'
 `from_pretrained`) vs the hand-written safetensors loader it replaced, on a ~500 M-parameter random Qwen3 folder.
 
 Run: .venv/bin/python -P benchmarks/target_load.py [--dir PATH] [--device cpu|cuda] [--dtype bfloat16|float32]
@@ -24,8 +24,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from dflash_lib.models.target import (IMPLEMENTATION, QWEN3_VOCAB, load_pretrained, local_hf_config,  # noqa: E402
-                                      weight_files)
+from dflash_lib.models.shapes import QWEN3_VOCAB  # noqa: E402
+from dflash_lib.models.target_config import local_hf_config, weight_files  # noqa: E402
+from dflash_lib.target.attention import IMPLEMENTATION  # noqa: E402
+from dflash_lib.target.local import load_pretrained  # noqa: E402
 
 SHAPE = dict(vocab_size=QWEN3_VOCAB, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,

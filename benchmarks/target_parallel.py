@@ -31,7 +31,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from dflash_lib.config import preset  # noqa: E402
 from dflash_lib.data.batch import collate_packed  # noqa: E402
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel  # noqa: E402
+from dflash_lib.models import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_lib.target.local import TargetModel  # noqa: E402
 from dflash_lib.train import distributed  # noqa: E402
 from dflash_lib.train.feed import Item  # noqa: E402
 from dflash_lib.train.state import BadStepGuard  # noqa: E402

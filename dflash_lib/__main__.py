@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     1 when training failed (the message names the checkpoint, stage or rank at fault, or says no sample was fit
     for training; --debug: its traceback)."""
     from dflash_lib.rundir import load_config
-    from dflash_lib.train.checkpoint import CheckpointError
+    from dflash_lib.rundir.checkpoints import CheckpointError
     from dflash_lib.train.distributed import DistributedError
     from dflash_lib.train.feed import NothingTrainedError
     from dflash_lib.train.loop import train
@@ -342,7 +342,7 @@ def _engine_check_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_check(args: argparse.Namespace) -> None:
-    from dflash_lib.serve.check import engine_check
+    from dflash_lib.evaluate.engine_check import engine_check
 
     print(engine_check(args.python, log=args.log))
 

@@ -197,13 +197,14 @@ class ModelConfig:
 
 def text_config_doc(doc: Any) -> Any:
     """A config.json document's text model: its `text_config` for a vision-language wrapper (Qwen3.5's
-    checkpoints), else the document itself (`models.target.text_config` does the same for a transformers config)."""
+    checkpoints), else the document itself (`models.target_config.text_config` does the same for a transformers
+    config)."""
     return doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
 
 
 def folder_vocab_size(target: str) -> int | None:
     """The vocab_size a local model folder's config.json states (its `text_config`'s for a vision-language
-    wrapper, the text model `models.target.local_hf_config` builds); None when `target` is no folder or its
+    wrapper, the text model `models.target_config.local_hf_config` builds); None when `target` is no folder or its
     config.json states none. Read as JSON: this stage imports no model code and loads no weight."""
     if not target or not Path(target).is_dir():  # "tiny", a named shape
         return None
@@ -807,7 +808,7 @@ PRESETS["qwen3-8b"] = qwen3_8b
 def _paper_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
     """`qwen3_8b`'s recipe (drafter, anchors, block, max_len, optimiser, token budget) for the target whose
     published shapes `target` names (models/shapes.py), with its five feature layers: the layer-id rule
-    (`models.target.feature_layer_ids`) for its depth, written out because this stage cannot import models/
+    (`models.target_config.feature_layer_ids`) for its depth, written out because this stage cannot import models/
     (tests/test_dryrun.py checks them against the rule). The drafter's width follows the target
     (`models.drafter.drafter_shape`: dense, also for a mixture-of-experts target)."""
     return from_params({"target": target, "target_layer_ids": target_layer_ids}, qwen3_8b())

@@ -24,7 +24,7 @@ from dflash_lib.data.tokenizers import ChatTokenizer, is_mapped_tokenizer, load_
 from dflash_lib.models.drafters import KINDS, DrafterKind
 from dflash_lib.models.drafters.kind import CONFIG_FILE, WEIGHTS_FILE
 from dflash_lib.models.export import file_sha256
-from dflash_lib.models.target import local_hf_config
+from dflash_lib.models.target_config import local_hf_config
 from dflash_lib.rundir import read_json_object
 
 DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}  # torch_dtype -> safetensors header dtype

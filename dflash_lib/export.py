@@ -12,8 +12,8 @@ import torch
 
 from dflash_lib.config import ConfigError
 from dflash_lib.models.export import CONFIG_FILE, README_FILE, WEIGHTS_FILE, export_folder, export_run_weights
-from dflash_lib.train.checkpoint import MANIFEST_FILE, CheckpointError, list_checkpoints, load_checkpoint
-from dflash_lib.train.resume import RUN_OUTPUTS, is_training_run
+from dflash_lib.rundir.checkpoints import MANIFEST_FILE, CheckpointError, list_checkpoints, load_checkpoint
+from dflash_lib.rundir.reader import RUN_OUTPUTS, is_training_run
 
 
 def export_checkpoint(ckpt: Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -32,7 +32,7 @@ def export_checkpoint(ckpt: Path, out_dir: str | Path, dtype: torch.dtype = torc
 def check_destination(out_dir: str | Path, src: str | Path, force: bool = False) -> None:
     """Refuse (ConfigError naming the folder) to export into `out_dir` when it is not a new or empty folder,
     unless `force`; and, even with `force`, when it is the source `src`, a training run folder or one of its own
-    outputs (`resume.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
+    outputs (`rundir.reader.RUN_OUTPUTS`: its config.json, drafter/, checkpoints/, ...) or a checkpoint."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"destination {out} exists and is not a folder")

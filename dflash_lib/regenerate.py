@@ -26,7 +26,7 @@ from dflash_lib.data.benchmarks import render_prompt
 from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
 from dflash_lib.data.tokenizers import load_tokenizer
-from dflash_lib.models.target import TargetModel
+from dflash_lib.target.local import TargetModel
 
 # An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
 REFUSAL = re.compile(r"^\s*(I'm sorry|I am sorry|I apologi[sz]e|Sorry, (but )?I|I can(no|')t (help|assist|do|provide)|"

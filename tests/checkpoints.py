@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from dflash_lib.train.checkpoint import find_latest, load_checkpoint, start_save
+from dflash_lib.rundir.checkpoints import load_checkpoint
+from dflash_lib.train.checkpoint import find_latest, start_save
 
 
 def save_checkpoint(ckpt_dir: str | Path, state: dict[str, Any], step: int, **kwargs: Any) -> Path:

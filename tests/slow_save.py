@@ -14,11 +14,12 @@ PAUSING = "slow save: pausing"  # what the line on stderr starts with
 def main(delay_s: float, args: list[str]) -> int:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the library of this checkout, as `-m` in the repo
     from dflash_lib.__main__ import main as command_line
+    from dflash_lib.rundir.checkpoints import Manifest
     from dflash_lib.train import checkpoint
 
     commit = checkpoint._commit
 
-    def slow_commit(tmp: Path, final: Path, manifest: checkpoint.Manifest) -> None:
+    def slow_commit(tmp: Path, final: Path, manifest: Manifest) -> None:
         print(f"{PAUSING} {delay_s} s before committing the checkpoint of step {manifest.step} ({tmp.name})",
               file=sys.stderr, flush=True)
         time.sleep(delay_s)

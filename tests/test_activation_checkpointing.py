@@ -9,7 +9,8 @@ import torch
 
 from dflash_lib.config import ConfigError, from_params
 from dflash_lib.data.batch import collate_packed
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib import dryrun
 from dflash_lib.train.build import drafter_checkpointing
 

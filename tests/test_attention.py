@@ -18,7 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping, window_mask
 from dflash_lib.models.layout import attention_work, block_groups, build_layout
 from tiny_models import BLOCK, HIDDEN, MASK, VOCAB, tiny_drafter, tiny_target

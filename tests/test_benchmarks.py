@@ -16,8 +16,7 @@ from dflash_lib.config import ConfigError, from_params
 from dflash_lib.data.benchmarks import (HUMANEVAL_FILE, MT_BENCH_FILE, PackagedFile, humaneval_prompts, jsonl_prompts,
                                         mtbench_prompts, packaged_file, prompt_set, render_prompt)
 from dflash_lib.data.readers import DataError
-from dflash_lib.models import acceptance_length
-from dflash_lib.models.acceptance import AcceptanceResult, DecodeResult, greedy_decode
+from dflash_lib.evaluate.acceptance import AcceptanceResult, DecodeResult, acceptance_length, greedy_decode
 from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts, save_tiny_run
 
 

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from checkpoints import load_latest, save_checkpoint
+from dflash_lib.rundir import checkpoints as ckpt_format
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints, read_manifest
 from dflash_lib.train import checkpoint as ckpt
-from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, capture_rng, fresh_run_dir,
-                                         list_checkpoints, read_manifest, restore_rng)
+from dflash_lib.train.checkpoint import CheckpointMismatchError, capture_rng, fresh_run_dir, restore_rng
 
 REPO = Path(__file__).resolve().parent.parent
 H = "cfg0123456789abc"  # a config hash for tests
@@ -103,7 +104,7 @@ def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
     assert state["v"] == 2 and sorted(os.listdir(tmp_path)) == ["ckpt-00000007"]
 
 
-SHARD = f"{ckpt.DCP_DIR}/__0_0.distcp"  # the tensor bytes rank 0 wrote
+SHARD = f"{ckpt_format.DCP_DIR}/__0_0.distcp"  # the tensor bytes rank 0 wrote
 
 
 def _flip_byte(p: Path) -> None:
@@ -115,12 +116,12 @@ def _flip_byte(p: Path) -> None:
 CORRUPTIONS = {
     "flipped byte": (_flip_byte, "fails its checksum"),
     "truncated": (lambda p: os.truncate(p / SHARD, 100), "truncated"),
-    "no manifest": (lambda p: (p / ckpt.MANIFEST_FILE).unlink(), "manifest.json is missing"),
-    "garbage manifest": (lambda p: (p / ckpt.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
-    "manifest wrong type": (lambda p: (p / ckpt.MANIFEST_FILE).write_text(
-        (p / ckpt.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
+    "no manifest": (lambda p: (p / ckpt_format.MANIFEST_FILE).unlink(), "manifest.json is missing"),
+    "garbage manifest": (lambda p: (p / ckpt_format.MANIFEST_FILE).write_bytes(b"\x00{not json"), "not valid JSON"),
+    "manifest wrong type": (lambda p: (p / ckpt_format.MANIFEST_FILE).write_text(
+        (p / ckpt_format.MANIFEST_FILE).read_text().replace('"step": 2', '"step": "2"')), "'step' must be int"),
     "shard missing": (lambda p: (p / SHARD).unlink(), "__0_0.distcp is missing"),
-    "objects missing": (lambda p: (p / ckpt.OBJECTS_FILE).unlink(), "objects.pt is missing"),
+    "objects missing": (lambda p: (p / ckpt_format.OBJECTS_FILE).unlink(), "objects.pt is missing"),
 }
 
 
@@ -174,7 +175,7 @@ def test_config_hash_mismatch_is_an_error(tmp_path: Path) -> None:
 def test_a_checkpoint_of_another_world_size_loads(tmp_path: Path) -> None:
     """DCP reshards and the trainer's data position is global: the world size is recorded, never refused."""
     _write_steps(tmp_path, [1])
-    manifest = tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE
+    manifest = tmp_path / "ckpt-00000001" / ckpt_format.MANIFEST_FILE
     manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
     assert read_manifest(tmp_path / "ckpt-00000001").world_size == 2
     state, _ = load_latest(tmp_path, H)
@@ -185,12 +186,12 @@ def test_manifest_records_what_was_saved(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, {"x": torch.ones(3), "n": 2}, 12, config_hash=H,
                            meta={"epoch": 1.5, "config": {"lr": 0.1}}, rank_state={"rng": torch.arange(3)})
     m = read_manifest(path)
-    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 1, ckpt.FORMAT_VERSION)
+    assert (m.step, m.config_hash, m.world_size, m.format_version) == (12, H, 1, ckpt_format.FORMAT_VERSION)
     assert m.meta == {"epoch": 1.5, "config": {"lr": 0.1}}
     on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert sorted(m.files) == on_disk == ["dcp/.metadata", SHARD, "objects.pt", "rank-0.pt"]  # every file listed
     assert all(m.files[n].bytes == (path / n).stat().st_size for n in on_disk)
-    assert torch.equal(ckpt.load_rank_state(path, 0)["rng"], torch.arange(3)) and ckpt.load_rank_state(path, 1) is None
+    assert torch.equal(ckpt_format.load_rank_state(path, 0)["rng"], torch.arange(3)) and ckpt_format.load_rank_state(path, 1) is None
     assert torch.load(path / "objects.pt", weights_only=True) == {"x": {"__dcp_tensor__": "x"}, "n": 2}
 
 
@@ -266,7 +267,7 @@ WRITER_SERVER = textwrap.dedent("""
 ATOMIC_N = 1 << 20  # floats per saved tensor: 4 MiB, a save of ~20 ms
 
 
-def _consistent(state: dict, manifest: ckpt.Manifest) -> str | None:
+def _consistent(state: dict, manifest: ckpt_format.Manifest) -> str | None:
     """Why a loaded checkpoint is not one whole save (None when it is)."""
     step = state.get("step")
     if not (step == manifest.step == manifest.meta.get("step")):
@@ -287,7 +288,7 @@ def _watch(d: Path, stop, accepted: list, problems: list) -> None:
             continue
         newest = listed[-1]
         try:
-            state, manifest = ckpt.load_checkpoint(newest)
+            state, manifest = ckpt_format.load_checkpoint(newest)
         except CheckpointError as e:
             if newest.is_dir():
                 problems.append(f"{newest.name} is listed and in place but refused: {e}")
@@ -338,7 +339,7 @@ def test_a_reader_never_sees_a_partial_checkpoint_while_writers_are_killed(tmp_p
             listed = list_checkpoints(d)
             assert listed, "the writer completed no save before it was killed"
             for path in listed:  # at rest: whatever is listed is a whole save
-                state, manifest = ckpt.load_checkpoint(path)
+                state, manifest = ckpt_format.load_checkpoint(path)
                 assert _consistent(state, manifest) is None, path
             state, path = load_latest(d, "h")
             assert path == listed[-1] and state["step"] >= max(newest_seen, start)
@@ -366,4 +367,4 @@ def test_stale_temp_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
     live.mkdir(), dead.mkdir()
     save_checkpoint(tmp_path, {"a": 1}, 1, config_hash=H)
     assert live.exists() and not dead.exists()
-    assert json.loads((tmp_path / "ckpt-00000001" / ckpt.MANIFEST_FILE).read_text())["step"] == 1
+    assert json.loads((tmp_path / "ckpt-00000001" / ckpt_format.MANIFEST_FILE).read_text())["step"] == 1

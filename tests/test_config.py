@@ -186,7 +186,7 @@ def test_a_draft_vocabulary_as_large_as_the_targets_is_refused_before_a_run_fold
     import transformers
 
     from dflash_lib.__main__ import main
-    from dflash_lib.models.target import local_hf_config
+    from dflash_lib.models.target_config import local_hf_config
     from dflash_lib.serve.vllm import linear_attention_target
 
     text = transformers.Qwen3Config(vocab_size=300, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,

@@ -15,7 +15,7 @@ from dflash_lib.data.readers import DataError
 from dflash_lib.data.split import split_store
 from dflash_lib.data.tokenizers import MASK_MARKER, UNK_MARKER, MappedTokenizer, MappedVocab
 from dflash_lib.lab import demo_target as dt
-from dflash_lib.models.target import TargetModel
+from dflash_lib.target.local import TargetModel
 from run_folder import metrics_rows
 
 # Tiny: a 32-hidden, 2-layer target, 25 steps of 512 tokens. vocab_size above the ids the training split holds,

@@ -20,7 +20,8 @@ from checkpoints import save_checkpoint
 from dflash_lib.config import smoke
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.train import distributed as D
-from dflash_lib.train.checkpoint import CheckpointError, TrainingCheckpoints, capture_rng, restore_rng
+from dflash_lib.rundir.checkpoints import CheckpointError
+from dflash_lib.train.checkpoint import TrainingCheckpoints, capture_rng, restore_rng
 from dflash_lib.train.feed import Item
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import filler_item, train_step

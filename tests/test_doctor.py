@@ -15,7 +15,8 @@ from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError
 from dflash_lib.data.tokenizers import QWEN, MappedVocab
 from dflash_lib.doctor import TargetReading, config_rules, diagnose, engine_layer_ids, safetensors_header
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import drafter_config, export_drafter, read_doc, read_weights
 from tiny_models import tiny_chatml_tokenizer
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.doctor import weight_rules
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.draft_vocab import (coverage, from_d2t, scored_token_counts, target_to_draft, to_d2t,
                                            top_tokens)
 from dflash_lib.models.export import export_drafter, init_from, read_drafter
@@ -222,7 +223,7 @@ def test_a_draft_vocabulary_of_the_whole_vocabulary_is_refused_wherever_it_is_se
     config.py cannot read); N = V - 1 taken by both."""
     from dflash_lib.config import from_params, preset
     from dflash_lib.models import DrafterConfig
-    from dflash_lib.models.target import target_hf_config
+    from dflash_lib.models.target_config import target_hf_config
     from dflash_lib.train.build import check_vocabulary
 
     fields = tiny_drafter(target64).cfg.to_dict()

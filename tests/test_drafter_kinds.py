@@ -111,8 +111,9 @@ def test_every_builder_resolves_the_setting_through_the_kinds(monkeypatch, tmp_p
     models and the export of a run's weights all build or write what KINDS[config.model.drafter_kind] declares."""
     from dflash_lib import dryrun
     from dflash_lib.evaluate import initial_drafter
-    from dflash_lib.models.target import TargetModel, tiny_qwen3_config
-    from dflash_lib.serve.check import check_models
+    from dflash_lib.evaluate.engine_check import check_models
+    from dflash_lib.models.target_config import tiny_qwen3_config
+    from dflash_lib.target.local import TargetModel
     from dflash_lib.train.build import build_parts
 
     marked = dataclasses.replace(dflash.KIND, module_class=ToyDrafter, serving_config=lambda *a: {

@@ -23,7 +23,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import DFlashDrafter, TargetModel
+from dflash_lib.models import DFlashDrafter
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.attention import unmasked_attend
 from dflash_lib.models.layers import DraftLayer, Rotary
 from dflash_lib.models.layout import build_layout

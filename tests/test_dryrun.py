@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_lib.config import from_params, preset
-from dflash_lib.models.target import tiny_qwen3_config
+from dflash_lib.models.target_config import tiny_qwen3_config
 from dflash_lib import dryrun
 
 VOCAB = 1000
@@ -305,7 +305,7 @@ def test_larger_presets_are_the_paper_recipe_on_the_published_shapes(name, layer
     import transformers
 
     from dflash_lib.models.shapes import NAMED_SHAPES
-    from dflash_lib.models.target import feature_layer_ids, target_hf_config
+    from dflash_lib.models.target_config import feature_layer_ids, target_hf_config
 
     cfg, paper = preset(name), preset("qwen3-8b")
     hf = target_hf_config(cfg.model)

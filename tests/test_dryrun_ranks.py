@@ -82,7 +82,8 @@ def test_the_prefetch_chain_gathers_the_layers_of_the_pass_once_per_pass(final):
     import numpy as np
 
     from dflash_lib.data.batch import collate_padded
-    from dflash_lib.models import TargetModel, tiny_qwen3_config
+    from dflash_lib.models import tiny_qwen3_config
+    from dflash_lib.target.local import TargetModel
     from dflash_lib.dryrun.fake_ranks import CommTally
     from dflash_lib.target.sharded import pass_depth, shard_layers
 

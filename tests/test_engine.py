@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models import acceptance_length
+from dflash_lib.evaluate.acceptance import acceptance_length
 from dflash_lib.models.export import export_drafter
 from dflash_lib.serve import EngineClient, EngineServer, EngineSpec, SpecCounters, engine_python, parse_spec_counters
 from dflash_lib.serve.vllm import server_args
-from dflash_lib.serve.check import VOCAB as V
-from dflash_lib.serve.check import check_models
+from dflash_lib.evaluate.engine_check import VOCAB as V, check_models
 from dflash_lib.evaluate.served import (ServedReport, judge, served_acceptance, served_histogram, served_table,
                                         served_tau_se, tau_se, verdict_line)
 from dflash_lib.serve.measure import ServedSet
@@ -321,9 +320,9 @@ def test_a_linear_attention_target_is_served_in_bf16_without_prefix_caching(tmp_
 
 @pytest.fixture(scope="module")
 def served(installed_engine_python, tmp_path_factory):
-    """(target, drafter, client, server): the engine check's models (`serve.check`), the target saved as a Hugging
-    Face folder with a tokenizer, the drafter trained 30 steps on the target's greedy answers to TRAINED (tau ~2.7
-    of 4 on them: every draft position sometimes accepted, sometimes not) and exported in fp32, both served by the
+    """(target, drafter, client, server): the engine check's models (`evaluate.engine_check`), the target saved as a
+    Hugging Face folder with a tokenizer, the drafter trained 30 steps on the target's greedy answers to TRAINED (tau
+    ~2.7 of 4 on them: every draft position sometimes accepted, sometimes not) and exported in fp32, both served by the
     engine in fp32."""
     python = installed_engine_python
     root = tmp_path_factory.mktemp("engine")
@@ -425,7 +424,8 @@ def _served_family(family: str, dtype: str, python, tmp_path: Path, edit=None):
     (`acceptance_length(answers=...)`), the engine's decoding, and (bf16) the engine's answers without the
     drafter."""
     from dflash_lib.config import ModelConfig
-    from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+    from dflash_lib.target.local import TargetModel
     from dflash_lib.serve.vllm import engine_dtype
 
     folder = _family_folder(tmp_path / "target", family)

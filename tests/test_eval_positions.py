@@ -9,7 +9,8 @@ import pytest
 from dflash_lib.config import ConfigError
 from dflash_lib.data.prompts import PromptGroup
 from dflash_lib.evaluate import check_positions, target_positions
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from tiny_models import save_tiny_run
 
 

@@ -15,8 +15,9 @@ import torch
 from dflash_lib.__main__ import main
 from dflash_lib.config import from_params
 from dflash_lib.evaluate import DecodeReport, DrafterMeasurement, RunEvaluation
-from dflash_lib.models import DFlashDrafter, TargetModel, acceptance_length, tiny_qwen3_config
-from dflash_lib.models.acceptance import TargetCache, greedy_decode
+from dflash_lib.evaluate.acceptance import TargetCache, acceptance_length, greedy_decode
+from dflash_lib.models import DFlashDrafter, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from fp_tolerance import assert_equal_but_near_ties
 from tiny_models import SMALL_STORE, decode_drafter, decode_target, overfit_on_greedy, random_prompts, save_tiny_run
 
@@ -113,7 +114,7 @@ def test_stop_ids_end_the_output_the_same_way(target):
 def test_greedy_masks_stop_ids_exactly_before_min_new_tokens():
     """Rows are output tokens first .. first+T-1; stop ids may win only from output token min_new_tokens on.
     Every row's argmax is the stop id 3 (runner-up 1): the expectation is written out, not computed by _greedy."""
-    from dflash_lib.models.acceptance import _greedy
+    from dflash_lib.evaluate.acceptance import _greedy
 
     logits = torch.zeros(4, 5)
     logits[:, 3], logits[:, 1] = 2.0, 1.0  # (T=4, V=5)
@@ -371,7 +372,8 @@ def test_evaluate_run_decodes_every_checkpoint_and_exports_the_final_drafter(smo
     from dflash_lib.evaluate import (RUN_SUMMARY_KEYS, evaluate, evaluate_run, initial_drafter, loss_figures, prepare,
                                      run_summary)
     from dflash_lib.models.export import read_doc
-    from dflash_lib.train.metrics import BUDGET_FIGURES, load_metrics
+    from dflash_lib.rundir.reader import load_metrics
+    from dflash_lib.rundir.records import BUDGET_FIGURES
 
     run_dir, config = smoke_run
     notebook_run = tmp_path / "nb04"
@@ -448,8 +450,8 @@ def test_evaluation_figures_show_what_they_are_given():
 
 
 def test_decoding_runs_on_decode_threads_and_restores_torchs_count(tmp_path, monkeypatch):
-    import dflash_lib.evaluate as evaluate_mod  # evaluate binds the decoders at import
-    import dflash_lib.models.acceptance as acceptance
+    import dflash_lib.evaluate.decoding as evaluate_mod  # evaluate's decoding binds the decoders at import
+    import dflash_lib.evaluate.acceptance as acceptance
     from dflash_lib.evaluate import evaluate
 
     run, _ = save_tiny_run(tmp_path)

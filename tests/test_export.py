@@ -15,9 +15,10 @@ from safetensors import safe_open
 from dflash_lib.__main__ import main
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, default_gamma, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, default_gamma, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import export_drafter, export_folder, read_drafter, read_weights
-from dflash_lib.train.checkpoint import list_checkpoints
+from dflash_lib.rundir.checkpoints import list_checkpoints
 from dflash_lib.train.resume import resume_config_hash
 from tiny_models import save_tiny_qwen3
 

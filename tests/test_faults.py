@@ -22,10 +22,11 @@ import torch
 
 from checkpoints import load_latest
 from dflash_lib.config import from_params, preset
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import DFlashDrafter, DrafterConfig
+from dflash_lib.target.local import TargetModel
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts
-from dflash_lib.train.checkpoint import list_checkpoints
+from dflash_lib.rundir.checkpoints import list_checkpoints
 from dflash_lib.train.loop import run_training
 from dflash_lib.train.resume import resume_config_hash
 from dflash_lib.train.state import NonFiniteLossError, StopRequest
@@ -161,7 +162,7 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path, reference):
 STAGE_FAILURE = """
 import sys
 from dflash_lib.__main__ import main
-from dflash_lib.models import TargetModel
+from dflash_lib.target.local import TargetModel
 
 original, calls = TargetModel.context_features, []
 

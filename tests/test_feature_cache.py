@@ -10,7 +10,8 @@ import torch
 
 from dflash_lib.config import ConfigError, from_params
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.target.feature_cache import FeatureCache
 from dflash_lib.train.feed import Collated, Work, make_target_workers
 from run_folder import metrics_rows

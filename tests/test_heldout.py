@@ -15,15 +15,16 @@ import torch
 
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.data.split import SubsetStore, sample_hash, split_store
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, expected_acceptance
+from dflash_lib.models import DFlashDrafter, DrafterConfig, expected_acceptance
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import leading_run_stats, weighted_loss
 from dflash_lib.plan.sampler import FixedBatchSampler
 from dflash_lib.train.build import TrainingParts, build_sampler
 from dflash_lib.train.feed import epoch_batches
 from dflash_lib.train.loop import run_training
-from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import HELDOUT_KEYS, StepMetrics
+from dflash_lib.rundir.records import HELDOUT_KEYS, RunSummary
+from dflash_lib.train.metrics import StepMetrics
 from dflash_lib.train.resume import resume_config_hash
 from run_folder import metrics_rows as rows_of
 
@@ -288,7 +289,7 @@ def test_heldout_tau_is_the_decoded_tau_along_the_same_answers():
     """A partly trained drafter on held-out samples whose answers are the target's own greedy ones (one cut short
     by an end-of-turn id): the trainer's held-out tau equals speculative decoding's on those prompts, cycle for
     cycle, in fp32; the mean over random anchors (the figure heldout_tau was before issue 52) does not."""
-    from dflash_lib.models.acceptance import acceptance_length
+    from dflash_lib.evaluate.acceptance import acceptance_length
     from dflash_lib.train.heldout import build_eval_set, evaluate
     from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 

@@ -25,7 +25,7 @@ def tiny_target_folder(root: Path) -> Path:
     root/qwen3."""
     import transformers
 
-    from dflash_lib.models.target import QWEN3_VOCAB
+    from dflash_lib.models.shapes import QWEN3_VOCAB
     from tiny_models import save_random_model
 
     cfg = transformers.Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -40,7 +40,7 @@ def capture_locally(config, out: Path) -> dict:
     the last layer must be a feature layer: its output is then what the engine hands over). Returns the
     manifest."""
     from dflash_lib.data.batch import collate_padded
-    from dflash_lib.models import TargetModel
+    from dflash_lib.target.local import TargetModel
     from dflash_lib.target.cached import CacheIdentity, capture
     from dflash_lib.target.facts import read_facts
     from dflash_lib.train.build import load_training_data

@@ -2,7 +2,8 @@
 
 Stages, bottom to top: config, rundir < data < plan < models < serve (the engine) < target (every source of the
 target's features) < train < evaluate (and its benchmark_report), regenerate, doctor, export, dryrun < lab < __main__.
-The trainer reads the engine through target/ only: train/ never imports serve/ (nor serve/ train/).
+The trainer reads the engine through target/ only: train/ never imports serve/ (nor serve/ train/). The evaluation
+reads run folders through rundir.reader: evaluate/ never imports train/.
 Every import statement of every dflash_lib module counts (module level, TYPE_CHECKING blocks, inside
 functions); the files are parsed, nothing is imported.
 """
@@ -17,7 +18,8 @@ PKG = "dflash_lib"
 STAGES = {"config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "serve": 4, "target": 5, "train": 6,
           "evaluate": 7, "benchmark_report": 7, "regenerate": 7, "doctor": 7, "export": 7, "dryrun": 7, "lab": 8,
           "__main__": 9}
-APART = {("train", "serve"), ("serve", "train")}  # (importer, imported): packages that never import each other
+APART = {("train", "serve"), ("serve", "train"),  # (importer, imported): packages that never import each other
+         ("evaluate", "train")}  # the evaluation reads a run folder through rundir.reader, not the trainer's modules
 MAX_ENTRIES = 17  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/;
 # 17th: target/, out of models/, train/ and serve/)
 
@@ -132,7 +134,7 @@ def package(module: str) -> str:
     return parts[0] if parts else ""
 
 
-def test_the_trainer_reads_the_engine_through_the_target_package_only(tree):
+def test_the_trainer_reads_the_engine_through_target_and_the_evaluation_runs_through_rundir(tree):
     mods, found = tree
     crossing = [f"{mods[m].relative_to(ROOT)}:{line}: {m} -> {t}" for m, lst in found.items() for t, line, _ in lst
                 if (package(m), package(t)) in APART]
@@ -176,6 +178,13 @@ def test_a_planted_import_of_the_engine_by_the_trainer_is_caught(tmp_path):
     _, found = graph(root)
     assert [(m, t) for m, lst in found.items() for t, _, _ in lst if (package(m), package(t)) in APART] == \
         [(f"{PKG}.train.build", f"{PKG}.serve.hidden_states")]
+
+
+def test_a_planted_import_of_the_trainer_by_the_evaluation_is_caught(tmp_path):
+    root = _copy_with(tmp_path, "evaluate/run.py", "from dflash_lib.train.summary import run_summary\n")
+    _, found = graph(root)
+    assert [(m, t) for m, lst in found.items() for t, _, _ in lst if (package(m), package(t)) in APART] == \
+        [(f"{PKG}.evaluate.run", f"{PKG}.train.summary")]
 
 
 def test_a_planted_circle_is_caught_even_inside_a_function(tmp_path):

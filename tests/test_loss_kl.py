@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.anchors import decay_weights, position_weights
 from dflash_lib.models.loss import _FusedHeadCEKL, dpace_weights, head_cross_entropy, subnormals_flushed
 from tiny_models import HIDDEN, VOCAB, tiny_drafter
@@ -251,7 +252,7 @@ def test_training_with_kl_or_dpace_learns(settings):
     3.3 with loss kl, 4.0 with dpace, of at most B = 4: LOG.md 2026-12-02)."""
     import dataclasses
 
-    from dflash_lib.models import acceptance_length
+    from dflash_lib.evaluate.acceptance import acceptance_length
     from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 
     B, NEW = 4, 20

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 
 from dflash_lib.rundir import omitted
-from dflash_lib.train.metrics import (HELDOUT_KEYS, HeldoutFigures, JsonlSink, NullSink, SteadyStateDetector,
-                                      ThroughputMeter, WandbSink, WithHeldoutFigures, _wandb_scalars, eta_seconds,
-                                      format_duration, format_log_line)
+from dflash_lib.rundir.records import HELDOUT_KEYS, HeldoutFigures, WithHeldoutFigures
+from dflash_lib.train.metrics import (JsonlSink, NullSink, SteadyStateDetector, ThroughputMeter, WandbSink,
+                                      _wandb_scalars, eta_seconds, format_duration, format_log_line)
 
 SEED_LIKE = dict(step=58, loss=1.4213, acc=0.6071, lr=1.2e-05, noise=1.0, ktok_s=25.13, data_wait_pct=0.42,
                  bucket=3, eta_s=5.1 * 86400, steady=True, q_pre=[50, 50], q_hs=[0])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lib.models import TargetModel, acceptance_length
-from dflash_lib.models.acceptance import greedy_decode
+from dflash_lib.evaluate.acceptance import acceptance_length, greedy_decode
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import export_drafter, read_drafter
 from tiny_models import decode_drafter, decode_target, overfit_on_greedy, random_prompts
 

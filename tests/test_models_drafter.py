@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import (DFlashDrafter, DrafterConfig, TargetModel, decay_weights, default_gamma,
-                               expected_acceptance, head_cross_entropy, sample_anchors,
-                               tiny_qwen3_config)
+from dflash_lib.models import (DFlashDrafter, DrafterConfig, decay_weights, default_gamma, expected_acceptance,
+                               head_cross_entropy, sample_anchors, tiny_qwen3_config)
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import export_drafter, read_drafter
 
 VOCAB, MASK, H = 300, 299, 32

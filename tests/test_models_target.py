@@ -8,7 +8,9 @@ import torch
 
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import TargetModel, feature_layer_ids, resolve_backend, segment_cu_seqlens, tiny_qwen3_config
+from dflash_lib.models import feature_layer_ids, segment_cu_seqlens, tiny_qwen3_config
+from dflash_lib.target.attention import resolve_backend
+from dflash_lib.target.local import TargetModel
 from tiny_models import save_tiny_qwen3, train_two_steps
 
 VOCAB = 300
@@ -34,7 +36,7 @@ def test_feature_layer_rule():
 
 
 def test_configured_layer_ids_win_over_the_rule():
-    from dflash_lib.models.target import chosen_layer_ids
+    from dflash_lib.models.target_config import chosen_layer_ids
 
     assert chosen_layer_ids([], 36, 5) == [1, 9, 17, 25, 33]  # none configured: the rule
     assert chosen_layer_ids(None, 36, 1) == [18]

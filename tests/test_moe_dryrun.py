@@ -15,7 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_lib.config import from_params
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import DFlashDrafter, DrafterConfig
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.drafter import DrafterShape, drafter_shape
 from dflash_lib.models.export import export_drafter, read_drafter
 from dflash_lib import dryrun

@@ -111,7 +111,7 @@ def test_probes_in_rounds_take_turns_resume_and_leave_out_each_resume_warm_up(tm
     import dflash_lib.train.loop as train_mod
     from dflash_lib.config import preset
     from dflash_lib.lab.probe import RESUME_WARMUP, run_probes
-    from dflash_lib.train.metrics import load_metrics
+    from dflash_lib.rundir.reader import load_metrics
 
     calls = []
     real_train = train_mod.train

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_lib.lab.report.training import dashboard, loss_by_bucket, smooth_by_bucket, steady_window
 from dflash_lib.rundir import REPO_ROOT
-from dflash_lib.train.metrics import load_metrics
+from dflash_lib.rundir.reader import load_metrics
 
 
 def _rows(n=12):

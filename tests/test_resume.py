@@ -18,11 +18,13 @@ import run_folder
 from checkpoints import load_latest, save_checkpoint
 from dflash_lib.__main__ import main
 from dflash_lib.config import FLAT_FIELDS, ConfigError, from_params, preset
-from dflash_lib.train.checkpoint import CheckpointError, CheckpointMismatchError, list_checkpoints
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints
+from dflash_lib.rundir.reader import RUN_OUTPUTS
+from dflash_lib.train.checkpoint import CheckpointMismatchError
 from dflash_lib.train.loop import train
-from dflash_lib.train.metrics import BUDGET_FIGURES
-from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, RUN_OUTPUTS, config_differences, prepare_run_dir,
-                                     resume_config_hash, truncate_metrics)
+from dflash_lib.rundir.records import BUDGET_FIGURES
+from dflash_lib.train.resume import (RESUME_NEUTRAL_KEYS, config_differences, prepare_run_dir, resume_config_hash,
+                                     truncate_metrics)
 from run_folder import metrics_rows as rows
 
 # lr high enough that a step taken with the wrong weights, optimizer moments, batch or anchors shows in the loss

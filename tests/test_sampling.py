@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import dflash_lib.models.sampling as sampling
-from dflash_lib.models import TargetModel, acceptance_length
-from dflash_lib.models.acceptance import greedy_decode
+from dflash_lib.evaluate.acceptance import acceptance_length, greedy_decode
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.sampling import BlockRule, block_rule, draw, nucleus, sampling_probs, speculative_step
 from tiny_models import decode_drafter, decode_target, random_prompts
 
@@ -381,7 +381,7 @@ def test_the_proposal_is_the_drafters_own_nucleus_at_top_p(small, monkeypatch):
     by brute force: a token is kept when the mass strictly more probable than it is < top_p), and every drafted
     token lies inside it. A q left uncut keeps the output law exact (so the chi-square cannot see it) but changes
     the acceptance and so tau."""
-    import dflash_lib.models.acceptance as acceptance
+    import dflash_lib.evaluate.acceptance as acceptance
 
     T, top_p = 1.0, 0.5
     drafter = _Recording(decode_drafter(small, B, seed=3))

@@ -228,7 +228,7 @@ def test_a_target_whose_untied_lm_head_is_missing_or_misshapen_is_refused(tmp_pa
     either refused when not (vocab_size, hidden_size) of config.json."""
     from safetensors.torch import load_file
 
-    from dflash_lib.models.target import local_hf_config
+    from dflash_lib.models.target_config import local_hf_config
     from dflash_lib.target.served import shared_weights
 
     folder = tmp_path / "t"
@@ -264,7 +264,7 @@ def _tiny_target(root: Path, family: str, seed: int = 0) -> Path:
     head_dim 32 (the CPU build has no kernel for 16)."""
     import transformers
 
-    from dflash_lib.models.target import QWEN3_VOCAB
+    from dflash_lib.models.shapes import QWEN3_VOCAB
 
     shape = dict(vocab_size=QWEN3_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, intermediate_size=128)
@@ -295,7 +295,7 @@ def test_features_from_the_engine_equal_the_local_targets(served_target):
     another kernel order: measured 2.7e-7 for Qwen3); its embedding and LM head are the folder's."""
     from dflash_lib.config import ModelConfig
     from dflash_lib.data.batch import collate_padded
-    from dflash_lib.models import TargetModel
+    from dflash_lib.target.local import TargetModel
     from dflash_lib.target.facts import read_facts
     from dflash_lib.target.served import ServedTarget
 

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.train.feed import Item
 from dflash_lib.train.state import BadStepGuard
 from dflash_lib.train.step import train_step

@@ -12,9 +12,10 @@ import transformers
 
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models import TargetModel
-import dflash_lib.models.target as target_module
-from dflash_lib.models.target import QWEN3_VOCAB, document_attention
+from dflash_lib.models.shapes import QWEN3_VOCAB
+import dflash_lib.target.attention as target_module
+from dflash_lib.target.attention import document_attention
+from dflash_lib.target.local import TargetModel
 from fp_tolerance import rounding_atol
 from tiny_models import save_random_model, train_two_steps
 
@@ -120,7 +121,7 @@ def test_fixed_shapes_run_the_padding_apart_from_the_documents(family):
 def test_the_kv_cache_decoder_equals_one_forward(family):
     """The evaluation's `TargetCache` (transformers' own masks over its KV cache, windows and sinks included)
     gives the logits and features of one forward over the whole sequence."""
-    from dflash_lib.models.acceptance import TargetCache
+    from dflash_lib.evaluate.acceptance import TargetCache
 
     name, directory, _ = family
     target = _load(directory, num_features=1, target_layer_ids=[2])
@@ -137,7 +138,7 @@ def test_the_kv_cache_decoder_equals_one_forward(family):
 def test_the_kv_cache_decoder_drops_rejected_positions_exactly(family):
     """A verification of 4 tokens, then a crop keeping 0 or 2 of them (a linear layer's state, a sliding layer past
     its window: restored and run again), then 3 more tokens: the logits of one forward over what was kept."""
-    from dflash_lib.models.acceptance import TargetCache
+    from dflash_lib.evaluate.acceptance import TargetCache
 
     name, directory, _ = family
     target = _load(directory, num_features=1, target_layer_ids=[2])
@@ -169,7 +170,7 @@ class _HalfRight:
 def test_speculative_decoding_equals_greedy_on_every_family(family):
     """Our in-process speculative decoding over the family's cache (a crop after every verification) gives the
     target's greedy answer token for token."""
-    from dflash_lib.models.acceptance import acceptance_length, greedy_decode
+    from dflash_lib.evaluate.acceptance import acceptance_length, greedy_decode
 
     name, directory, _ = family
     target = _load(directory, num_features=1, target_layer_ids=[2])
@@ -304,7 +305,7 @@ def test_a_planted_state_leak_across_documents_is_caught(name, leak, monkeypatch
 def test_an_unrunnable_config_is_refused_before_any_weight_is_read(tmp_path):
     """`trainable_target_config` reads config.json only: a folder without a single weight gets the one-line reason
     (a layer kind, bidirectional attention, a distribution loss on soft-capped logits), not 'no safetensors'."""
-    from dflash_lib.models.target import trainable_target_config
+    from dflash_lib.target.local import trainable_target_config
 
     cases = [(transformers.Qwen3Config(**SHAPE, layer_types=["chunked_attention"] + ["full_attention"] * 3), {},
               r"layer types \['chunked_attention'\] are not run"),
@@ -345,7 +346,7 @@ def test_a_qwen3_5_vision_language_folder_runs_its_text_model_alone(tmp_path):
     """Qwen3.5 checkpoints are vision-language wrappers (`model_type` qwen3_5, the text weights under
     model.language_model.*): the target is the text model alone, its config the text config (what the dry run,
     the refusals and the drafter read), its features those of the wrapper's own language model."""
-    from dflash_lib.models.target import local_hf_config
+    from dflash_lib.models.target_config import local_hf_config
 
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
                   spatial_merge_size=1, temporal_patch_size=1)

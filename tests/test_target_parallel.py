@@ -20,7 +20,8 @@ import torch
 
 from dflash_lib.config import ConfigError, from_params, preset
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 from dflash_lib.target import sharded as target_shard
 from dflash_lib.train.feed import Collated, Work, make_target_workers
 from dflash_lib.train.pipeline import Pipeline, PipelineError

@@ -12,9 +12,10 @@ import torch
 
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import TargetModel
+from dflash_lib.models.target_parts import TargetParts
 from dflash_lib.target.cached import CacheIdentity, CapturedFeatures, capture
 from dflash_lib.target.facts import read_facts
+from dflash_lib.target.local import TargetModel
 from dflash_lib.target.protocol import FeatureSource
 from dflash_lib.target.served import ServedTarget
 from dflash_lib.target.sharded import ShardedTarget
@@ -97,8 +98,10 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
         assert torch.equal(served.lm_head.weight, local.lm_head.weight)
     finally:
         served.close()
-    members = [*FeatureSource.__annotations__, *(n for n, v in vars(FeatureSource).items()
-                                                  if not n.startswith("_") and callable(v) or isinstance(v, property))]
+    members = [m for proto in (TargetParts, FeatureSource)  # FeatureSource extends what the drafter shares
+               for m in [*proto.__annotations__,
+                         *(n for n, v in vars(proto).items()
+                           if not n.startswith("_") and callable(v) or isinstance(v, property))]]
     assert len(members) == 14 and [m for m in members if not hasattr(ShardedTarget, m)] == []
     assert not isinstance(object(), FeatureSource)  # the check can fail
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from dflash_lib.config import from_params, preset
 from dflash_lib.train.build import build_parts
-from dflash_lib.train.checkpoint import list_checkpoints, load_checkpoint, read_manifest
+from dflash_lib.rundir.checkpoints import list_checkpoints, load_checkpoint, read_manifest
 from dflash_lib.train.loop import run_training, train
 from dflash_lib.train.resume import prepare_run_dir
 from fp_tolerance import rounding_atol

@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 from dflash_lib.config import ConfigError, TrainConfig, from_params, preset
 from dflash_lib.data import LoadReport
 from dflash_lib.data.batch import collate_padded
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel
+from dflash_lib.models import DFlashDrafter, DrafterConfig
+from dflash_lib.target.local import TargetModel
 from dflash_lib.models.export import read_drafter
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.feed import Item, Work, epoch_batches, make_collate
 from dflash_lib.train.loop import run_training
-from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import BUDGET_FIGURES, HELDOUT_KEYS, StepMetrics, format_duration
+from dflash_lib.rundir.records import BUDGET_FIGURES, HELDOUT_KEYS, RunSummary
+from dflash_lib.train.metrics import StepMetrics, format_duration
 from dflash_lib.train.pipeline import PipelineError
 from dflash_lib.train.schedule import lr_at, count_steps, warmup_steps
 from dflash_lib.train.state import BadStepGuard

@@ -18,7 +18,7 @@ from dflash_lib.config import ConfigError, from_params, preset, read_preset_file
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
 from dflash_lib.lab.runs import notebook_config, resolve_params
-from dflash_lib.models.target import target_hf_config
+from dflash_lib.models.target_config import target_hf_config
 from dflash_lib.rundir import REPO_ROOT, load_config
 from dflash_lib import dryrun
 from dflash_lib.dryrun import search

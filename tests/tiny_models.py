@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_lib.models import DFlashDrafter, DrafterConfig, TargetModel, tiny_qwen3_config
+from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
+from dflash_lib.target.local import TargetModel
 
 VOCAB, MASK, HIDDEN, BLOCK = 300, 299, 32, 4  # vocabulary, MASK id (its last row), hidden size, block size (tokens)
 SMALL_STORE = {"limit": 300, "max_len": 512}  # the smoke preset's token store (cached once for all tests)

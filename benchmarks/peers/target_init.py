@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_lib.models.target import weight_files
+from dflash_lib.models.target_config import weight_files
 
 
 def target_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -17,10 +17,11 @@ import numpy as np
 from dflash_lib.config import Config, ConfigError
 from dflash_lib.data.benchmarks import HELDOUT, BenchmarkPrompt, prompt_set, render_prompt
 from dflash_lib.data.readers import DataError
-from dflash_lib.data.split import HELDOUT_FILE, sample_hash, split_store
+from dflash_lib.data.split import sample_hash, split_store
 from dflash_lib.data.store import build_token_store_from_config
 from dflash_lib.data.templates import get_template
 from dflash_lib.data.tokenizers import load_tokenizer
+from dflash_lib.rundir.reader import HELDOUT_FILE
 
 
 # -- the held-out prompts ----------------------------------------------------------------------------------------

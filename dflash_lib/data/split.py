@@ -18,7 +18,6 @@ import numpy as np
 HASH_PREFIX = b"dflash-heldout-v1:"
 HASH_RULE = ("u = first 8 bytes of sha256(b'dflash-heldout-v1:' + token ids as uint32 little-endian), read as a "
              "little-endian uint64; held out iff u < fraction * 2**64")
-HELDOUT_FILE = "heldout.json"
 
 
 def sample_hash(tokens: np.ndarray) -> int:

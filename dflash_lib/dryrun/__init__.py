@@ -8,7 +8,7 @@ from dflash_lib.dryrun.step import (FLEX_TILE, GIB, H200_BF16_TFLOPS, NVLINK4_GB
                                     StepFigures, StepModels, StepSettings, build_step_models, flex_tiles, for_cuda,
                                     measure_step)
 from dflash_lib.dryrun.worst import WorstBatch, host_batch, worst_batches, worst_bucket_batch, worst_packed_batch
-from dflash_lib.models.target import target_hf_config  # the tests read configs through it
+from dflash_lib.models.target_config import target_hf_config  # the tests read configs through it
 
 __all__ = ["BackendComparison", "BatchRecord", "BatchResult", "DryRunAssumptions", "DryRunEta", "DryRunReport", "dry_run",
            "format_report", "measure_batches", "measure_plan", "run_cli", "FLEX_TILE", "GIB", "H200_BF16_TFLOPS",

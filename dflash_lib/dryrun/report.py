@@ -22,7 +22,7 @@ import torch
 from dflash_lib.config import Config, ConfigError, from_params
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.models.target import target_hf_config
+from dflash_lib.models.target_config import target_hf_config
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.rundir import JsonRecord, load_config, omitted
 from dflash_lib.train.build import bucket_edges, build_sampler

@@ -23,7 +23,7 @@ import numpy as np
 from dflash_lib.config import Config, ConfigError, from_params, preset_file, read_preset_file
 from dflash_lib.data import build_token_store_from_config
 from dflash_lib.data.stats import store_drafter_queries
-from dflash_lib.models.target import target_hf_config
+from dflash_lib.models.target_config import target_hf_config
 from dflash_lib.plan.buckets import SampleCost
 from dflash_lib.plan.sampler import resolve_block_budget
 from dflash_lib.plan.sampler.budget import derived_block_budget

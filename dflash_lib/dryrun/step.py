@@ -24,7 +24,6 @@ import dflash_lib.models.drafter as drafter_module
 from dflash_lib.models import linear_attention
 from dflash_lib.config import Config, ConfigError, reads_final_states
 from dflash_lib.data.batch import Batch
-from dflash_lib.models import TargetModel
 from dflash_lib.models.drafters import DrafterKind, drafter_kind
 from dflash_lib.models.attention import resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, build_layout
@@ -32,6 +31,7 @@ from dflash_lib.dryrun.balanced_experts import grouped_mm_flops, install_balance
 from dflash_lib.train.build import drafter_checkpointing
 from dflash_lib.train.step import build_optimizer
 from dflash_lib.dryrun.fake_ranks import CommTally
+from dflash_lib.target.local import TargetModel
 from dflash_lib.target.sharded import shard_layers
 
 GIB = 2 ** 30

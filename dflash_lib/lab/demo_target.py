@@ -31,7 +31,7 @@ from dflash_lib.data.split import split_store
 from dflash_lib.data.store import StoreSettings, build_token_store_from_config, publish_folder
 from dflash_lib.data.templates import get_template
 from dflash_lib.data.tokenizers import MappedVocab, is_mapped_tokenizer, load_tokenizer, tokenizer_identity
-from dflash_lib.models.target import tiny_qwen3_config
+from dflash_lib.models.target_config import tiny_qwen3_config
 from dflash_lib.regenerate import leading_assistant_turns, regenerate, report_path
 from dflash_lib.rundir import load_config
 from dflash_lib.serve.adapter import EngineSpec

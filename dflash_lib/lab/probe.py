@@ -29,8 +29,8 @@ from dflash_lib.plan.costmodel import (CostModelChoice, CostModelError, StepObse
 from dflash_lib.plan.sampler import packing_efficiency, padding_efficiency, randomness
 from dflash_lib.train.build import bucket_edges, build_sampler
 from dflash_lib.train.loop import train
-from dflash_lib.train.summary import RunSummary
-from dflash_lib.train.metrics import load_metrics
+from dflash_lib.rundir.reader import load_metrics
+from dflash_lib.rundir.records import RunSummary
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # the demo's summary needs these four
 # plus bucketed with static shapes (rows padded to the bucket edge): the one strategy whose padding is

@@ -135,7 +135,7 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
 def decoding_anchors(batch: Batch, max_new_tokens: int, block_size: int, gamma: float, mask_id: int,
                      position_weight: str = "decay", stop_id: int | None = None) -> Anchors:
     """An anchor at every answer position where greedy speculative decoding of `max_new_tokens` tokens may start a
-    cycle, every block fed MASK (what `models.acceptance.acceptance_length` drafts from when a document's answer
+    cycle, every block fed MASK (what `evaluate.acceptance.acceptance_length` drafts from when a document's answer
     is the target's own). A document's answer is `answer_span`'s (cut after its first `stop_id`, the end of turn
     decoding stops at; nothing after it is scored); the prompt decoding starts from ends where it starts. A
     cycle's anchor is its pending output token, answer index j = 0 .. min(max_new_tokens, L) - 2 (a cycle runs

@@ -30,7 +30,7 @@ from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
 from dflash_lib.models.layout import DraftLayout, build_layout
 from dflash_lib.models.draft_vocab import target_to_draft
 from dflash_lib.models.loss import DrafterLoss, LinearHead, LossSpec, weighted_loss
-from dflash_lib.models.target import TargetModel
+from dflash_lib.models.target_parts import TargetParts
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class DrafterConfig:
         return [self.sliding_window if k == "sliding_attention" else 0 for k in kinds]
 
     @classmethod
-    def from_model_config(cls, cfg: "ModelConfig", target: TargetModel) -> "DrafterConfig":
+    def from_model_config(cls, cfg: "ModelConfig", target: TargetParts) -> "DrafterConfig":
         """Attention shape and MLP width by `drafter_shape`, RoPE base from the target, the rest from `cfg`."""
         hf = target.hf
         shape = drafter_shape(hf)
@@ -205,7 +205,7 @@ def _window_attend(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> Att
 class DFlashDrafter(nn.Module):
     """Block drafter. The target is referenced, not owned: its weights are neither parameters nor saved here."""
 
-    def __init__(self, cfg: DrafterConfig, target: TargetModel, attention: str = "auto",
+    def __init__(self, cfg: DrafterConfig, target: TargetParts, attention: str = "auto",
                  checkpointing: bool | int = False):
         super().__init__()
         if cfg.hidden_size != target.hidden_size:

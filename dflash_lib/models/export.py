@@ -28,7 +28,8 @@ from dflash_lib.models.draft_vocab import from_d2t, to_d2t
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_lib.models.drafters import drafter_kind, kind_of_drafter, kind_of_folder
 from dflash_lib.models.drafters.kind import CONFIG_FILE, README_FILE, WEIGHTS_FILE, DrafterKind
-from dflash_lib.models.target import TargetModel, chosen_layer_ids, tiny_qwen3_config
+from dflash_lib.models.target_config import chosen_layer_ids, tiny_qwen3_config
+from dflash_lib.models.target_parts import TargetParts
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype choices
 
@@ -141,7 +142,7 @@ def drafter_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> Any:
     return kind_of_folder(doc, where).read_config(doc, where)
 
 
-def check_target(cfg: DrafterConfig, target: "TargetModel", where: str) -> None:
+def check_target(cfg: DrafterConfig, target: "TargetParts", where: str) -> None:
     """Refuse a target the drafter `cfg` was not made for, naming the field."""
     pairs = (("hidden_size", cfg.hidden_size, target.hidden_size), ("vocab_size", cfg.vocab_size, target.vocab_size),
              ("num_target_layers", cfg.target_num_layers, target.num_layers))
@@ -194,7 +195,7 @@ def copy_weights(drafter: "DFlashDrafter", state: dict[str, torch.Tensor], where
             p.copy_(state[name])
 
 
-def read_drafter(directory: str | Path, target: "TargetModel", dtype: torch.dtype | None = None,
+def read_drafter(directory: str | Path, target: "TargetParts", dtype: torch.dtype | None = None,
                  attention: str = "auto", checkpointing: bool = False) -> "DFlashDrafter":
     """Rebuild a saved or exported drafter (the serving layout, ours or a published one) on `target`,
     refusing a target whose shapes or layers differ (the message names the field). `dtype` None = the

@@ -191,7 +191,7 @@ class EngineClient:
     def decode(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, stop_ids: Sequence[int] = (),
                min_tokens: int = 0) -> ServedDecode:
-        """Every prompt answered in turn (batch 1, as `models.acceptance_length` decodes), the counters read
+        """Every prompt answered in turn (batch 1, as `evaluate.acceptance` decodes), the counters read
         around each request, which must be the engine's only one then (`alone`); prompt i samples with seed
         `seed + i`."""
         outputs, per_prompt = [], []

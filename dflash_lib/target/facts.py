@@ -1,6 +1,6 @@
 """The target's facts, read once from its config (`read_facts`) into the record every source of features takes:
 its Hugging Face config, layer count and kinds, width, vocabulary, whether the LM head is the embedding, and the
-feature layers the drafter reads (`models.target.chosen_layer_ids`; what an engine hands over of them, and of the
+feature layers the drafter reads (`models.target_config.chosen_layer_ids`; what an engine hands over of them, and of the
 last layer for a loss reading the target's final states, in vLLM's numbering: `engine_layers`).
 """
 
@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models.target import chosen_layer_ids, target_hf_config
+from dflash_lib.models.target_config import chosen_layer_ids, target_hf_config
 from dflash_lib.serve.hidden_states import engine_layer_ids, engine_pick
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class TargetFacts:
 
 
 def read_facts(cfg: "ModelConfig") -> TargetFacts:
-    """The facts of `cfg.target` (`models.target.target_hf_config`: config.json only) and its feature layers
+    """The facts of `cfg.target` (`models.target_config.target_hf_config`: config.json only) and its feature layers
     (`cfg.target_layer_ids`, else the rule of docs/dflash.md). ConfigError when an id is outside the target."""
     hf = target_hf_config(cfg)
     num_layers = int(hf.num_hidden_layers)

@@ -17,10 +17,10 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from dflash_lib.config import ConfigError, reads_final_states
-from dflash_lib.models.target import TargetModel, check_trainable
 from dflash_lib.serve.hidden_states import EngineFiles
 from dflash_lib.target.cached import CapturedFeatures, open_cache
 from dflash_lib.target.facts import TargetFacts, read_facts
+from dflash_lib.target.local import TargetModel, check_trainable
 from dflash_lib.target.protocol import FeatureSource
 from dflash_lib.target.served import ServedTarget, engine_files, probe_engine, target_engine_url
 from dflash_lib.target.sharded import load_sharded_target

@@ -1,5 +1,5 @@
 """The one interface every source of the target's features answers (`FeatureSource`): the local model
-(`models.target.TargetModel`), the sharded one (`target.sharded.ShardedTarget`), the served one
+(`target.local.TargetModel`), the sharded one (`target.sharded.ShardedTarget`), the served one
 (`target.served.ServedTarget`, which also reads the captured cache `target.cached.CapturedFeatures`). The
 in-memory cache (`target.feature_cache.FeatureCache`) stands in front of any of them in the feed. `target.open`
 picks the source.
@@ -7,36 +7,23 @@ picks the source.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens
+from dflash_lib.models.target_parts import TargetParts
 
 
 @runtime_checkable
-class FeatureSource(Protocol):
+class FeatureSource(TargetParts, Protocol):
     """What the trainer reads of its frozen target: the drafter's context features of a batch, the final-normed
-    states where the source has them, the shared embedding and LM head, and the target's shapes.
+    states where the source has them, and what the drafter shares with it (`TargetParts`: the embedding and LM
+    head, the config, the feature layers, the device).
 
     Shapes: C context entries (the batch's real tokens in row-major order, or every slot when the padding ran),
     F feature layers, H the target's width, u the rows a loss reading the target's distribution asks for."""
-
-    hf: Any  # the target's transformers config (its config.json as transformers reads it)
-    layer_ids: list[int]  # the F feature layers (0-based), in concatenation order
-    num_features: int  # F
-    num_layers: int  # the target's decoder layers
-    hidden_size: int  # H
-    vocab_size: int  # V
-    gather: bool  # True: the context is the real tokens only; False: every slot (zero on padding)
-    embed_tokens: torch.nn.Embedding  # (V, H), frozen, shared with the drafter
-    lm_head: torch.nn.Linear  # (V, H), frozen, shared with the drafter
-
-    @property
-    def device(self) -> torch.device:
-        """Where the features come out."""
-        ...
 
     def segments(self, host_doc_ids: torch.Tensor) -> RealTokens:
         """The sequence a pass runs and its documents, from a batch's HOST doc_ids (R, T)."""

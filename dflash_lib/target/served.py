@@ -21,7 +21,7 @@ from safetensors import safe_open
 from dflash_lib.config import ConfigError, reads_final_states, uses_bf16
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.masks import RealTokens, real_tokens
-from dflash_lib.models.target import weight_files
+from dflash_lib.models.target_config import weight_files
 from dflash_lib.serve.hidden_states import EngineFiles, HiddenStatesClient
 from dflash_lib.serve.adapter import EngineSpec
 from dflash_lib.serve.server import EngineServer, engine_adapter

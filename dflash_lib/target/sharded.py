@@ -23,7 +23,8 @@ import transformers
 from dflash_lib.config import ConfigError, ModelConfig, reads_final_states
 from dflash_lib.data.batch import Batch, collate_padded
 from dflash_lib.models.masks import RealTokens
-from dflash_lib.models.target import IMPLEMENTATION, TargetModel, resolve_backend
+from dflash_lib.target.attention import IMPLEMENTATION, resolve_backend
+from dflash_lib.target.local import TargetModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

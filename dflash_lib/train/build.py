@@ -27,7 +27,7 @@ from dflash_lib.models.draft_vocab import coverage, scored_token_counts, top_tok
 from dflash_lib.models.attention import resolve_attention
 from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import init_from
-from dflash_lib.models.target import target_hf_config
+from dflash_lib.models.target_config import target_hf_config
 from dflash_lib.plan import sampler as samplers
 from dflash_lib.plan.buckets import BucketPlan, SampleCost, bucket_of, optimal_boundaries
 from dflash_lib.plan.sampler.budget import TokenBudget

@@ -2,17 +2,16 @@
 
 One checkpoint is `ckpt-<step:08d>/` (`dcp/` the tensors, `objects.pt` the rest of the state, `rank-<r>.pt` each
 rank's RNG streams, `manifest.json` with checksums, written last), committed by a rename. `TrainingCheckpoints`
-saves and loads for the trainer, `find_latest` verifies, `load_checkpoint` reads a whole one as plain tensors
-(export), `load_into` into this run's sharding; `capture_rng` / `restore_rng` carry every global random stream.
-Atomic commits, async saves, nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
+saves and loads for the trainer, `find_latest` verifies, `load_into` reads into this run's sharding; `capture_rng`
+/ `restore_rng` carry every global random stream. A checkpoint's names, manifest, verification and whole-state load
+(export) are the run folder's format, read without train/: `rundir.checkpoints`. Atomic commits, async saves,
+nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import errno
-import hashlib
 import io
 import json
 import logging
@@ -22,8 +21,6 @@ import re
 import secrets
 import shutil
 import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,24 +29,17 @@ import torch
 import torch.distributed as dist
 
 from dflash_lib.config import TrainConfig
+from dflash_lib.rundir.checkpoints import (CHECKPOINT_NAME, DCP_DIR, FORMAT_VERSION, MANIFEST_FILE, OBJECTS_FILE,
+                                           RANK_FILE, CheckpointError, FileEntry, Manifest, dcp_read, describe_error,
+                                           file_entry, join_state, list_checkpoints, load_objects, load_rank_state,
+                                           os_error, read_manifest, single_process_intended, split_state,
+                                           verify_checkpoint)
 from dflash_lib.train import distributed
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the on-disk layout changes; loads refuse other versions (2: DCP shards)
-DCP_DIR = "dcp"  # torch.distributed.checkpoint folder of the state's tensors
-OBJECTS_FILE = "objects.pt"  # the state without its tensors (placeholders name them)
-RANK_FILE = "rank-{rank}.pt"  # one rank's own state
-MANIFEST_FILE = "manifest.json"  # plain JSON metadata and checksums: the completion marker, written last
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 _TEMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(\d+)-[0-9a-f]{8}$")  # .tmp-<name>-<pid>-<hex>, .trash-<name>-<pid>-<hex>
-_HASH_CHUNK = 1 << 20  # bytes read per sha256 update
-_TENSOR = "__dcp_tensor__"  # placeholder key in objects.pt: {_TENSOR: "<key of the tensor in dcp/>"}
 RNG_FORMAT = 1  # bump when the captured RNG layout changes
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or one on disk is missing, partial, corrupt or unreadable."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -63,84 +53,6 @@ class CheckpointMismatchError(CheckpointError):
 
 class RngStateError(ValueError):
     """A captured RNG state does not fit this process (another format, another number of CUDA devices)."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    sha256: str  # hex digest of the file's bytes
-    bytes: int  # file size in bytes
-
-
-@dataclass(frozen=True)
-class Manifest:
-    format_version: int  # FORMAT_VERSION of the writer
-    step: int  # optimizer steps completed when the checkpoint was taken
-    config_hash: str  # the run's resume hash (`resume.resume_config_hash`)
-    world_size: int  # number of processes of the run that wrote it (a resume may have another)
-    files: dict[str, FileEntry]  # path inside the checkpoint directory ("dcp/__0_0.distcp") -> checksum and size
-    meta: dict[str, Any]  # free-form JSON the caller attached (e.g. the config as a dict, epoch)
-    created_utc: str  # ISO-8601 time of the save
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str, where: Path) -> Manifest:
-        """Parse a manifest, refusing anything malformed with a CheckpointError naming `where`."""
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise CheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        if not isinstance(raw, dict) or set(raw) != set(_MANIFEST_TYPES):
-            raise CheckpointError(f"{where}: manifest is not an object with the keys {sorted(_MANIFEST_TYPES)}")
-        for key, typ in _MANIFEST_TYPES.items():
-            if type(raw[key]) is not typ:
-                raise CheckpointError(f"{where}: manifest field {key!r} must be {typ.__name__}, got {raw[key]!r}")
-        if raw["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(f"{where}: checkpoint format version {raw['format_version']} is not the "
-                                  f"supported version {FORMAT_VERSION}")
-        try:
-            files = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
-        except TypeError:
-            raise CheckpointError(f"{where}: manifest file entries are not {{sha256, bytes}} objects") from None
-        return cls(**{**raw, "files": files})
-
-
-_MANIFEST_TYPES = {"format_version": int, "step": int, "config_hash": str, "world_size": int, "files": dict,
-                   "meta": dict, "created_utc": str}
-
-
-# -- the state: tensors for DCP, everything else for objects.pt -------------------------------------------------
-
-
-def split_state(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """(the state with every tensor replaced by {_TENSOR: key}, {key: tensor}); keys are the '/'-joined paths."""
-    if isinstance(state, torch.Tensor):
-        return {_TENSOR: path}, {path: state}
-    if isinstance(state, dict):
-        out, tensors = {}, {}
-        for k, v in state.items():
-            out[k], sub = split_state(v, f"{path}/{k}" if path else str(k))
-            tensors.update(sub)
-        return out, tensors
-    if isinstance(state, (list, tuple)):
-        pairs = [split_state(v, f"{path}/{i}") for i, v in enumerate(state)]
-        items = [p[0] for p in pairs]
-        tensors = {k: t for _, sub in pairs for k, t in sub.items()}
-        return (items if isinstance(state, list) else tuple(items)), tensors
-    return state, {}
-
-
-def join_state(objects: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `split_state`; a placeholder whose tensor `tensors` lacks becomes None."""
-    if isinstance(objects, dict):
-        if set(objects) == {_TENSOR}:
-            return tensors.get(objects[_TENSOR])
-        return {k: join_state(v, tensors) for k, v in objects.items()}
-    if isinstance(objects, (list, tuple)):
-        items = [join_state(v, tensors) for v in objects]
-        return items if isinstance(objects, list) else tuple(items)
-    return objects
 
 
 # -- saving ------------------------------------------------------------------------------------------------------
@@ -159,28 +71,6 @@ def _all_gather(value: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
-
-
-def _os_error(e: BaseException | None) -> OSError | None:
-    """The OSError behind a failed write: itself, its cause, or the one a DCP CheckpointException wraps."""
-    for _ in range(10):
-        if e is None or isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)  # a DCP CheckpointException: {rank: (exception, traceback)}
-        for exc, _ in failures.values() if isinstance(failures, dict) else ():
-            if (found := _os_error(exc)) is not None:
-                return found
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _describe(e: BaseException) -> str:
-    os_err = _os_error(e)
-    if os_err is not None:
-        code = errno.errorcode.get(os_err.errno, str(os_err.errno)) if os_err.errno else "?"
-        return f"{os_err.strerror or os_err} [{code}] (file {os_err.filename or '?'})"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
 
 
 def _failure(ckpt_dir: Path, step: int, detail: str) -> str:
@@ -204,7 +94,7 @@ class PendingSave:
 
     def fail(self, e: BaseException) -> None:
         if self.error is None:
-            self.error, self.cause = _describe(e), e
+            self.error, self.cause = describe_error(e), e
 
     def wait(self) -> Path:
         if self.done:
@@ -237,10 +127,10 @@ class PendingSave:
                 if isinstance(e, OSError):
                     self.cause = e
                 verdict = _failure(self.final.parent, self.step,
-                                   str(e) if isinstance(e, CheckpointError) else _describe(e))
+                                   str(e) if isinstance(e, CheckpointError) else describe_error(e))
         verdict = _all_gather(verdict, self.group)[0]  # rank 0's verdict, on every rank
         if verdict is not None:
-            raise CheckpointError(verdict) from (_os_error(self.cause) or self.cause)
+            raise CheckpointError(verdict) from (os_error(self.cause) or self.cause)
         if rank == 0:
             try:
                 _prune(self.final.parent, self.keep_last)
@@ -279,7 +169,7 @@ def start_save(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config
             name = tmp.name
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            error, cause = _failure(ckpt_dir, step, _describe(e)), e
+            error, cause = _failure(ckpt_dir, step, describe_error(e)), e
     name, error = _all_gather((name, error), group)[0]
     if error is not None:
         raise CheckpointError(error) from cause
@@ -296,7 +186,7 @@ def start_save(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config
         pending.fail(e)
     writer = dcp.FileSystemWriter(str(pending.tmp / DCP_DIR), sync_files=True)
     kwargs = {"process_group": group} if group is not None else {"no_dist": True}
-    _one_process_is_intended()
+    single_process_intended()
     tensors = tensors or {"_": torch.zeros(1)}  # DCP writes its .metadata for any state: one layout for all
     try:  # every rank joins DCP's collectives, even one that failed above: its peers would wait for it
         if async_save:
@@ -308,13 +198,6 @@ def start_save(ckpt_dir: str | Path, state: dict[str, Any], step: int, *, config
     except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException) on every rank
         pending.fail(e)
     return pending
-
-
-def _one_process_is_intended() -> None:
-    """Silence DCP's "assuming the intent is to save (load) in a single process" warning, which it gives
-    whenever no process group is active (from an async save's background thread too): one process is what we
-    intend. The filter stays for the process; adding it again is a no-op."""
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
 
 
 def _write_durable(path: Path, data: bytes) -> None:
@@ -338,22 +221,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> FileEntry:
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return FileEntry(sha.hexdigest(), size)
-
-
 def _hash_own_files(tmp: Path, rank: int) -> dict[str, FileEntry]:
     """{relative path: checksum} of the files this rank wrote (DCP names them __<rank>_<i>.distcp; rank 0 also
     owns .metadata and objects.pt): the ranks hash in parallel, each reading back only its own bytes."""
     mine = [tmp / RANK_FILE.format(rank=rank), *sorted((tmp / DCP_DIR).glob(f"__{rank}_*"))]
     if rank == 0:
         mine += [tmp / OBJECTS_FILE, tmp / DCP_DIR / ".metadata"]
-    return {str(p.relative_to(tmp)): _sha256(p) for p in mine if p.is_file()}
+    return {str(p.relative_to(tmp)): file_entry(p) for p in mine if p.is_file()}
 
 
 def _commit(tmp: Path, final: Path, manifest: Manifest) -> None:
@@ -423,7 +297,7 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return 0
-    found = [p for p in ckpt_dir.iterdir() if (_CKPT_RE.match(p.name) or _TEMP_RE.match(p.name)) and p.is_dir()]
+    found = [p for p in ckpt_dir.iterdir() if (CHECKPOINT_NAME.match(p.name) or _TEMP_RE.match(p.name)) and p.is_dir()]
     for p in found:
         shutil.rmtree(_out_of_sight(p))
     if found:
@@ -432,102 +306,6 @@ def fresh_run_dir(ckpt_dir: str | Path) -> int:
 
 
 # -- loading -----------------------------------------------------------------------------------------------------
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """The `ckpt-<step>` directories in `ckpt_dir`, oldest step first (temp directories are never listed)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def read_manifest(path: str | Path) -> Manifest:
-    """Parse `<path>/manifest.json`; CheckpointError naming the file when missing or malformed."""
-    mpath = Path(path) / MANIFEST_FILE
-    try:
-        text = mpath.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{mpath} is missing (an interrupted or foreign checkpoint)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} cannot be read: {e}") from None
-    return Manifest.from_json(text, mpath)
-
-
-def verify_checkpoint(path: str | Path, checksums: bool = True) -> Manifest:
-    """Check that every file the manifest lists exists with its recorded size and (`checksums`) sha256; return
-    the manifest."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    m = _CKPT_RE.match(path.name)
-    if m and int(m.group(1)) != manifest.step:
-        raise CheckpointError(f"{path / MANIFEST_FILE} records step {manifest.step}, not the directory's step")
-    for name, entry in manifest.files.items():
-        fpath = path / name
-        try:
-            size = fpath.stat().st_size
-            if size != entry.bytes:
-                raise CheckpointError(f"{fpath} has {size} bytes, the manifest records {entry.bytes} (truncated?)")
-            got = _sha256(fpath) if checksums else entry
-        except FileNotFoundError:
-            raise CheckpointError(f"{fpath} is missing") from None
-        except OSError as e:
-            raise CheckpointError(f"{fpath} cannot be read: {e}") from None
-        if got.sha256 != entry.sha256:
-            raise CheckpointError(f"{fpath} fails its checksum (sha256 {got.sha256[:12]}... != recorded "
-                                  f"{entry.sha256[:12]}...): the file is corrupt")
-    return manifest
-
-
-def _load_small(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many types for unreadable files; name the file
-        raise CheckpointError(f"{path} cannot be loaded with weights_only=True: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-
-
-def load_objects(path: str | Path) -> dict[str, Any]:
-    """The non-tensor part of a checkpoint's state (tensors still as placeholders)."""
-    return _load_small(Path(path) / OBJECTS_FILE)
-
-
-def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
-    """Rank `rank`'s own state saved alongside (None when the writing run had no such rank)."""
-    p = Path(path) / RANK_FILE.format(rank=rank)
-    return _load_small(p) if p.is_file() else None
-
-
-def _dcp_read(path: Path, read: Callable[[Any], None]) -> None:
-    """`read(reader)` of the checkpoint's dcp/ folder, DCP's failures as a CheckpointError naming it."""
-    import torch.distributed.checkpoint as dcp  # heavy to import; only checkpoint I/O needs it
-
-    _one_process_is_intended()
-    try:
-        read(dcp.FileSystemReader(str(path / DCP_DIR)))
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-        raise CheckpointError(f"{path / DCP_DIR} cannot be read: {_describe(e)}") from None
-
-
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], Manifest]:
-    """Verify one checkpoint directory and load its whole state in THIS process, every tensor full and plain
-    (a DTensor shard of any world size comes back as the full tensor). For export and inspection; the trainer
-    reads into its own sharding with `load_into`."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # what dcp_to_torch_save uses
-
-    path = Path(path)
-    manifest = verify_checkpoint(path)
-    objects = load_objects(path)
-    flat: dict[str, Any] = {}  # the planner fills it with every tensor of the checkpoint
-    _dcp_read(path, lambda reader: _load_state_dict(flat, storage_reader=reader,
-                                                    planner=_EmptyStateDictLoadPlanner(), no_dist=True))
-    return join_state(objects, {k: v.to(map_location) for k, v in flat.items()}), manifest
 
 
 def load_into(path: str | Path, template: dict[str, Any], group: Any = None) -> dict[str, Any]:
@@ -540,7 +318,7 @@ def load_into(path: str | Path, template: dict[str, Any], group: Any = None) -> 
     path = Path(path)
     _, flat = split_state(template)
     kwargs = {"process_group": group} if group is not None else {"no_dist": True}
-    _dcp_read(path, lambda reader: dcp.load(flat, storage_reader=reader, **kwargs))
+    dcp_read(path, lambda reader: dcp.load(flat, storage_reader=reader, **kwargs))
     return join_state(load_objects(path), flat)
 
 

@@ -21,16 +21,16 @@ import torch
 
 from dflash_lib.config import TrainConfig, uses_bf16
 from dflash_lib.data.batch import Batch, collate_padded
-from dflash_lib.data.split import HELDOUT_FILE
 from dflash_lib.models.anchors import answer_span, decoding_anchors
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import expected_acceptance, stats_size, weighted_loss
 from dflash_lib.rundir import write_json
+from dflash_lib.rundir.reader import HELDOUT_FILE
+from dflash_lib.rundir.records import HeldoutFigures
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
 from dflash_lib.train.distributed import DrafterParallel
 from dflash_lib.train.feed import anchor_seed, validate_sample
-from dflash_lib.train.metrics import HeldoutFigures
 
 EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: training shards are >= 0
 
@@ -150,7 +150,7 @@ def decoded_answer_tokens(tokens: Any, loss_mask: Any, stop_id: int | None) -> i
 def decoding_walk(runs: Mapping[int, int], answer_tokens: int, max_new_tokens: int) -> list[int]:
     """Tokens of each cycle of greedy speculative decoding along one answer of `answer_tokens` tokens (its last
     one the end of turn) when the block anchored at answer index j accepts `runs[j]` drafts: as
-    `models.acceptance.acceptance_length` decodes, the prefill gives answer token 0, each cycle starts at the
+    `evaluate.acceptance.acceptance_length` decodes, the prefill gives answer token 0, each cycle starts at the
     pending token j and ends on j + runs[j] + 1, and cycles run while fewer than min(max_new_tokens,
     answer_tokens) tokens are out (the last one may overshoot and counts in full)."""
     j, cycles = 0, []

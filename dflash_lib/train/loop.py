@@ -18,23 +18,26 @@ from dflash_lib.config import Config, ConfigError, uses_bf16
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.rundir import write_json
+from dflash_lib.rundir.checkpoints import load_objects
+from dflash_lib.rundir.reader import CHECKPOINTS, DRAFTER_DIR, SUMMARY_FILE
+from dflash_lib.rundir.records import RunSummary
 from dflash_lib.target.feature_cache import FeatureCache
 from dflash_lib.target.open import check_target, engine_url
 from dflash_lib.target.sharded import per_step_passes
 from dflash_lib.train import distributed
 from dflash_lib.train.build import TrainingParts, build_parts, load_training_data
-from dflash_lib.train.checkpoint import TrainingCheckpoints, load_objects
+from dflash_lib.train.checkpoint import TrainingCheckpoints
 from dflash_lib.train.distributed import all_reduce_floats, any_rank, gather_states, rank_shards
 from dflash_lib.train.feed import (Item, NothingTrainedError, epoch_batches, make_collate, make_prepare,
                                    make_target_workers, next_step_items)
 from dflash_lib.train.heldout import HeldOutEvaluator
 from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
-from dflash_lib.train.resume import CHECKPOINTS, prepare_run_dir, resume_config_hash, shared_new_run_dir
+from dflash_lib.train.resume import prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, count_steps
 from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
-from dflash_lib.train.summary import RunLog, RunSummary, batch_shape, budget_fill, full_run_tokens, run_summary
+from dflash_lib.train.summary import RunLog, batch_shape, budget_fill, full_run_tokens, run_summary
 
 
 class Trainer:
@@ -249,10 +252,10 @@ class Trainer:
         weights = self.parallel.full_weights() if p.step > 0 else {}  # a collective under FSDP
         if self.main:
             if p.step > 0:
-                save_drafter(self.parts.drafter, self.run_dir / "drafter", weights,
+                save_drafter(self.parts.drafter, self.run_dir / DRAFTER_DIR, weights,
                              **run_info(self.config.model, self.config.train.seed, self.config.data.template,
                                         f"{self.run_dir} (step {p.step})", self.config.data))
-            write_json(self.run_dir / "summary.json", summary.to_json())
+            write_json(self.run_dir / SUMMARY_FILE, summary.to_json())
         if self.stop_reason is not None:
             say(f"stopped ({self.stop_reason}) after step {p.step} of {p.total_steps}; "
                 f"{'checkpoint ' + str(self.ckpts.latest) if self.ckpts.latest else 'nothing to checkpoint yet'}; "

@@ -1,9 +1,9 @@
-"""Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row) and one held-out evaluation's
-(`HeldoutFigures`, written flat), the console log line, the metrics.jsonl and wandb sinks, throughput, data wait and
-ETA (`SteadyStateDetector`, `ThroughputMeter`).
+"""Training metrics: one step's record (`StepMetrics`, a metrics.jsonl row; the held-out figures it holds flat and
+the reader of the file: `rundir.records`, `rundir.reader`), the console log line, the metrics.jsonl and wandb sinks,
+throughput, data wait and ETA (`SteadyStateDetector`, `ThroughputMeter`).
 
-Stdlib only in the loop (wandb is imported lazily, pandas only by `load_metrics`); every timing takes an injected
-clock, so tests drive it with a synthetic one. The log line and the ETA: docs/runs.md, "Training outside notebooks".
+Stdlib only (wandb is imported lazily); every timing takes an injected clock, so tests drive it with a synthetic
+one. The log line and the ETA: docs/runs.md, "Training outside notebooks".
 """
 
 from __future__ import annotations
@@ -13,76 +13,12 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Self
+from typing import Any, Callable, Mapping
 
-from dflash_lib.rundir import JsonRecord, omitted
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-
-@dataclass
-class HeldoutFigures(JsonRecord):
-    """One held-out evaluation in figures (`heldout.evaluate`): the first `eval_samples` held-out samples
-    (`dflash_lib.data.split`) in fixed batches with fixed anchors, every block fed MASK. The files hold it flat, each
-    field as `heldout_<field>` (`HELDOUT_KEYS`), in a metrics.jsonl row and in summary.json."""
-
-    loss: float  # cross-entropy (nats per scored position), weighted as in training; NaN with nothing scored
-    acc: float  # top-1 accuracy, weighted as in training
-    acc_per_pos: list[float]  # (B-1,) top-1 accuracy per draft position after the anchor, unweighted
-    tau: float  # acceptance length (tokens per cycle) of greedy speculative decoding along the stored answers:
-    # cycles laid as `evaluate` lays them, from each answer's first token over its first max_new_tokens
-    # (`heldout.decoding_walk`); what `evaluate` measures on these prompts when the answers are the target's greedy
-    # ones at the evaluation's precision; NaN with no cycle. Before issue 52 this key held tau_anchors
-    eal: float  # marginal-product ESTIMATE of tau_anchors from acc_per_pos (tokens, `expected_acceptance`): it
-    # misses how errors correlate within a block
-    blocks: int  # random anchor blocks scored
-    samples: int  # held-out samples evaluated
-    s: float  # seconds the evaluation took
-    tau_anchors: float = math.nan  # EXACT mean over the random anchor blocks of 1 + the block's own leading run of
-    # correct positions (the in-batch figure, as `tau_inbatch`): each anchor counted once (a stretch the drafter
-    # gets right holds many anchors, decoding crosses it in few cycles) and anywhere in the answer (decoding reads
-    # its first max_new_tokens), so it strays from decoding either way, answer by answer (LOG.md, issue 52); NaN
-    # with no block
-    cycles: int = 0  # decoding cycles `tau` averages over
-
-
-HELDOUT_KEYS = tuple(f"heldout_{f.name}" for f in fields(HeldoutFigures))  # its keys in the files
-# keys of files an older trainer wrote (summary.json, a checkpoint's last row), read under today's name; None: a
-# copy of another key, dropped
-RENAMED_KEYS = {"heldout_eal_marginal": "heldout_eal", "eal_marginal": None}
-
-
-class WithHeldoutFigures(JsonRecord):
-    """A JsonRecord whose `heldout: HeldoutFigures | None` field the JSON object holds flat: the HELDOUT_KEYS in
-    its place (none while it is None), so the files keep one flat object per row."""
-
-    @classmethod
-    def json_keys(cls) -> list[str]:
-        """Every key the JSON object can hold, in order: the fields, `heldout` as the HELDOUT_KEYS."""
-        return [k for f in fields(cls) for k in (HELDOUT_KEYS if f.name == "heldout" else (f.name,))]
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {}
-        for key, value in super().to_json().items():
-            doc.update({f"heldout_{k}": v for k, v in value.items()} if key == "heldout" else {key: value})
-        return doc
-
-    @classmethod
-    def from_json(cls, source: str | Path | Mapping[str, Any]) -> Self:
-        if isinstance(source, (str, Path)):
-            try:
-                return cls.from_json(json.loads(Path(source).read_text()))
-            except ValueError as e:
-                raise ValueError(f"{source}: {e}") from None
-        if isinstance(source, Mapping) and any(k in source for k in RENAMED_KEYS):
-            source = {RENAMED_KEYS.get(k, k): v for k, v in source.items() if RENAMED_KEYS.get(k, k) is not None}
-        if isinstance(source, Mapping) and any(k in source for k in HELDOUT_KEYS):
-            held = {k.removeprefix("heldout_"): source[k] for k in HELDOUT_KEYS if k in source}
-            source = {**{k: v for k, v in source.items() if k not in HELDOUT_KEYS}, "heldout": held}
-        return super().from_json(source)
+from dflash_lib.rundir import omitted
+from dflash_lib.rundir.records import HeldoutFigures, WithHeldoutFigures
 
 
 @dataclass
@@ -140,9 +76,6 @@ class StepMetrics(WithHeldoutFigures):
     heldout: HeldoutFigures | None = omitted()  # the held-out evaluation (`heldout.evaluate`), written flat as
     # HELDOUT_KEYS; on evaluation steps only (every `eval_every` steps and the run's last step)
 
-
-BUDGET_FIGURES = ("token_fill", "query_fill", "bound_tokens", "bound_blocks")  # StepMetrics' budget figures, whose
-# run means the summary keeps (`RunSummary`)
 
 LOG_LINE_KEYS = ("step", "loss", "acc", "lr", "noise", "ktok_s", "data_wait_pct", "bucket", "eta_s", "steady",
                  "q_pre", "q_hs")
@@ -448,29 +381,3 @@ class ThroughputMeter:
     def steady_tok_s(self) -> float | None:
         """Real tokens / second since the steady window began (None before steady state)."""
         return self._steady_tokens / self._steady_time if self.detector.steady else None
-
-
-def load_metrics(path: str | Path) -> pd.DataFrame:
-    """metrics.jsonl (or a run folder holding it) as a frame, one row per step, sorted by step.
-
-    A torn last line (a run killed mid-write) is ignored; any other bad line is an error naming the line.
-    """
-    import pandas as pd  # heavy to import; the training loop never reads a frame
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    lines = path.read_text().splitlines()
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if n == len(lines):
-                break
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-    if not rows:
-        raise ValueError(f"{path}: no steps logged")
-    return pd.DataFrame(rows).sort_values("step").reset_index(drop=True)

@@ -19,23 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lib.config import Config, ConfigError
-from dflash_lib.data.split import HELDOUT_FILE
 from dflash_lib.rundir import environment, new_run_dir, writable, write_json
+from dflash_lib.rundir.checkpoints import CheckpointError, load_objects
+from dflash_lib.rundir.reader import (CHECKPOINTS, CONFIG_FILE, DRAFTER_DIR, ENV_FILE, METRICS_FILE, RUN_OUTPUTS,
+                                     SUMMARY_FILE, is_training_run, recorded_run)
 from dflash_lib.train import distributed
-from dflash_lib.train.checkpoint import (CheckpointError, CheckpointMismatchError, find_latest, fresh_run_dir,
-                                         list_checkpoints, load_objects)
+from dflash_lib.train.checkpoint import CheckpointMismatchError, find_latest, fresh_run_dir
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"  # sub-folder of the run folder holding ckpt-<step>/ directories
-CONFIG_FILE = "config.json"  # {"config", "config_hash", "resume_hash"} of the run
-METRICS_FILE = "metrics.jsonl"  # one JSON object per step
-# Everything the trainer writes into a run folder (and the temp names of its atomic writes): what a training run
-# owns, and all that `fresh` deletes.
-RUN_OUTPUTS = frozenset({CONFIG_FILE, "env.json", METRICS_FILE, HELDOUT_FILE, "summary.json", "drafter", "wandb",
-                         CHECKPOINTS})
 # Outputs that only a finished run writes: present without a checkpoint, they are another run's results.
-FINAL_OUTPUTS = frozenset({"summary.json", "drafter"})
+FINAL_OUTPUTS = frozenset({SUMMARY_FILE, DRAFTER_DIR})
 # Settings that may change between a stop and a resume without changing the batches, anchors or losses.
 RESUME_NEUTRAL_KEYS = frozenset({
     "fresh", "ckpt_every", "keep_checkpoints", "log_every", "max_bad_steps", "dist_timeout_s", "wandb_mode",
@@ -71,24 +65,6 @@ def resume_config_hash(config: Config) -> str:
 
 def _own_name(name: str) -> bool:
     return name in RUN_OUTPUTS or (name.endswith(".tmp") and name[:-4] in RUN_OUTPUTS)
-
-
-def recorded_run(run_dir: Path) -> dict[str, Any] | None:
-    """run_dir/config.json as the trainer wrote it ({"config", "config_hash", "resume_hash"}); None when it is
-    absent, unreadable or another program's (an exported drafter's config.json, say)."""
-    try:
-        doc = json.loads((run_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(doc, dict) and isinstance(doc.get("config"), dict) and isinstance(doc.get("resume_hash"), str)):
-        return None
-    return doc
-
-
-def is_training_run(run_dir: str | Path) -> bool:
-    """True when `run_dir` holds a training run: a config.json the trainer wrote, or a checkpoint."""
-    run_dir = Path(run_dir)
-    return recorded_run(run_dir) is not None or bool(list_checkpoints(run_dir / CHECKPOINTS))
 
 
 def config_differences(config: Config, recorded: Any, most: int = 4) -> str:
@@ -278,7 +254,7 @@ def prepare_run_dir(config: Config, run_dir: Path) -> ResumePoint:
                 dropped = truncate_metrics(run_dir / METRICS_FILE, point.step)
                 write_json(run_dir / CONFIG_FILE, {"config": config.to_dict(), "config_hash": config.hash(),
                                                    "resume_hash": resume_hash})
-                write_json(run_dir / "env.json", environment())
+                write_json(run_dir / ENV_FILE, environment())
             if point.path is not None:
                 distributed.print0(f"resuming from {point.path}" + (f" (dropped {dropped} metrics rows logged "
                                                                      f"past it)" if dropped else ""))

@@ -20,9 +20,10 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_lib.train.checkpoint import CheckpointError, list_checkpoints
+from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints
+from dflash_lib.rundir.records import BUDGET_FIGURES
 from dflash_lib.train.feed import ArrayLike, validate_sample
-from dflash_lib.train.metrics import BUDGET_FIGURES, StepMetrics, ThroughputMeter
+from dflash_lib.train.metrics import StepMetrics, ThroughputMeter
 
 TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
 

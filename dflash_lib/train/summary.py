@@ -1,12 +1,12 @@
 """What a training run reports: `RunLog` (the metric sinks, a notebook's progress bar, the log lines on rank 0),
-`RunSummary` (summary.json, the last word of a run; `run_summary` reads it off the trainer), and the per-step
-figures of a step's batches (`batch_shape`, `budget_fill`). docs/runs.md."""
+`run_summary` (summary.json, the last word of a run, read off the trainer; its record: `rundir.records.RunSummary`),
+and the per-step figures of a step's batches (`batch_shape`, `budget_fill`). docs/runs.md."""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -15,12 +15,12 @@ import numpy as np
 from dflash_lib.config import Config, TrainConfig
 from dflash_lib.data.batch import Batch
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
-from dflash_lib.rundir import omitted
+from dflash_lib.rundir.reader import METRICS_FILE
+from dflash_lib.rundir.records import RunSummary
 from dflash_lib.train import distributed
 from dflash_lib.train.feed import Item
-from dflash_lib.train.metrics import (HeldoutFigures, JsonlSink, NullSink, StepMetrics, WandbSink, WithHeldoutFigures,
-                                     eta_seconds, format_duration, format_log_line)
-from dflash_lib.train.resume import METRICS_FILE
+from dflash_lib.train.metrics import (JsonlSink, NullSink, StepMetrics, WandbSink, eta_seconds, format_duration,
+                                     format_log_line)
 from dflash_lib.train.state import SkipCounter
 
 
@@ -101,71 +101,6 @@ class RunLog:
         self.bar.close()
         for sink in self.sinks:
             sink.close()
-
-
-@dataclass
-class RunSummary(WithHeldoutFigures):
-    """A training run in figures, as this invocation leaves it: its summary.json (`to_json`), what `train` returns.
-    Throughput and time figures are this invocation's; step, token, loss and skip figures the whole run's."""
-
-    run_dir: str  # the trainer's run folder
-    config_hash: str  # `Config.hash()` of the run's config (config.json records the same)
-    resume_hash: str  # the hash a checkpoint must carry for this config to resume from it
-    strategy: str  # sampler strategy: sorted | random | bucketed | packed
-    world_size: int  # ranks of this invocation
-    data_shards: int  # batches per sampler step, shared by the ranks (fixed by the run's first invocation)
-    parallel: str  # the drafter's wrapper: single | ddp | fsdp
-    device: str  # rank 0's torch device
-    steps: int  # optimizer steps done
-    planned_steps: int  # optimizer steps the lr schedule is planned for
-    empty_batches: int  # sampler steps read with nothing to score on any rank (no update, not a step)
-    complete: bool  # the run reached its end (False: stopped by `stop_at_step` or a signal)
-    stop_reason: str | None  # why it stopped early; None when complete
-    resumed_from_step: int  # the step this invocation resumed from; 0 when it started the run
-    checkpoint: str | None  # the newest checkpoint folder; None when none was written
-    last_epoch: int | None  # epoch of the last step; None without a step
-    real_tokens: int  # document tokens trained on, all ranks
-    padded_tokens: int  # token slots paid for, padding included, all ranks
-    padding_efficiency: float  # real_tokens / padded_tokens
-    final_loss: float | None  # the last step's training loss (nats); None without a step
-    mean_loss: float | None  # mean of the steps' finite losses (nats)
-    final_acc: float | None  # the last step's top-1 accuracy
-    mean_acc: float | None  # mean of the steps' accuracies
-    final_eal: float | None  # the last step's expected acceptance length (tokens, the marginal-product estimate)
-    bad_steps: int  # steps whose loss was not finite (update skipped)
-    # How full the batches were in each budget over the whole run: the means of rank 0's metrics rows (`StepMetrics`
-    # fields of the same names); None when no step had the figure (no budget, no block budget, a plan that did not
-    # say which budget closed its batches):
-    token_fill: float | None  # token cost / token budget (padding counted, as the budget counts it)
-    query_fill: float | None  # drafter query tokens / block budget
-    bound_tokens: float | None  # share of the micro-batches the token budget closed
-    bound_blocks: float | None  # share of the micro-batches the block budget closed (a batch both closed: in both)
-    skipped_samples: dict[str, int]  # reason -> samples left out by validation, every rank
-    skipped_sample_examples: dict[str, list[str]]  # reason -> the first such samples' store indices (as text)
-    data_records: dict[str, Any] | None  # the token store's records read, kept and skipped by reason with their
-    # first locations (`LoadReport.counts`, the line printed at the start); None for a store without a report
-    steady: bool  # the throughput's steady-state detector fired
-    steady_start_step: int | None  # first step of the steady window; None before steady state
-    steady_ktok_s: float | None  # real-token throughput since steady_start_step (thousand tokens / second)
-    ktok_s_last_window: float | None  # the last step's rolling-window throughput (thousand tokens / second)
-    data_wait_pct: float | None  # % of this invocation's loop wall time spent waiting for data, at the last step
-    steady_data_wait_pct: float | None  # the same over the steady window
-    full_run_epochs: float  # epochs of the full run the ETA is for
-    full_run_tokens: float  # real tokens of that full run
-    full_run_eta_s: float | None  # seconds the full run takes at the steady (else the last window's) throughput
-    full_run_eta: str  # the same in words ("5.1d"), " (provisional: no steady state)" appended before steady state
-    setup_s: float  # seconds before the trainer: data, run folder, models and sampler built
-    loop_s: float  # seconds of the training loop
-    wall_s: float  # seconds of the invocation: setup, then the trainer up to this summary
-    final_tau_inbatch: float | None  # the last step's EXACT in-batch acceptance length (tokens)
-    heldout_fraction: float  # share of the corpus held out of training (`dflash_lib.data.split`); 0 without a split
-    heldout_count: int  # samples held out
-    # The latest held-out evaluation; absent when the run evaluated none:
-    heldout_step: int | None = omitted()  # the optimizer step it followed
-    heldout: HeldoutFigures | None = omitted()  # its figures (as a metrics row holds them: flat, HELDOUT_KEYS)
-    target_cache: dict[str, int] | None = omitted()  # this rank's `feature_cache.CacheStats` (pipeline.target_cache_gib)
-    loop_cpu_s: float | None = omitted()  # this process's CPU seconds (every thread) from the trainer's start to this
-    # summary: real_tokens / loop_cpu_s is what a token costs in work, whatever else the machine ran (rank 0's)
 
 
 def run_summary(trainer: Any, skips: SkipCounter) -> RunSummary:

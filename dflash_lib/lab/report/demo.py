@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from dflash_lib.evaluate.served import range_text
-from dflash_lib.train.metrics import BUDGET_FIGURES
+from dflash_lib.rundir.records import BUDGET_FIGURES
 
 STRATEGIES = ("sorted", "random", "bucketed", "packed")  # every demo measures these four
 SUMMARY_KEYS = ("ktok_s", "ratio_to_sorted", "predicted_efficiency", "realized_efficiency", "co_batch_recurrence")

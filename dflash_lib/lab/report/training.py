@@ -1,5 +1,5 @@
 """Figures of a training run, read from its `metrics.jsonl` (one JSON object per optimizer step; the frame
-comes from `train.metrics.load_metrics`).
+comes from `rundir.reader.load_metrics`).
 
 The loss of a bucketed run jumps from step to step because consecutive steps draw batches from different length
 buckets; colouring each step by its bucket and smoothing per bucket shows that the jumps are the bucket mix, not
@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 if TYPE_CHECKING:  # the figures never import the trainer
-    from dflash_lib.train.summary import RunSummary
+    from dflash_lib.rundir.records import RunSummary
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf")

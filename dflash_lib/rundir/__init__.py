@@ -1,7 +1,9 @@
 """Run-folder basics every stage may use: a new immutable run folder (`new_run_dir`), atomic JSON (`write_json`),
 typed JSON records (`JsonRecord`: a dataclass whose fields are the keys of a JSON object a run writes), what a run
 ran on (`environment`, `git_state`) and a validated Config from a preset and flat parameters (`load_config`).
-Stdlib and config only."""
+Stdlib and config only. A trainer run folder's format, read by every stage above train/ without importing it:
+`rundir.records` (its JSON records), `rundir.reader` (its file names, metrics, summary) and `rundir.checkpoints`
+(its checkpoints: manifest, verification, the whole state loaded)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any, Iterator, Mapping, Self
 
 from dflash_lib.config import Config, ConfigError, from_params, preset as get_preset
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (editable install)
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout (editable install)
 RUNS_ROOT = Path(os.environ.get("DFLASH_RUNS_ROOT", REPO_ROOT / "runs"))  # override for tests
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _PACKAGES = ("torch", "transformers", "numpy", "pandas", "pyarrow", "plotly", "papermill", "tiktoken",

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from dflash_lib.models import TargetModel, tiny_qwen3_config
+from dflash_lib.models import tiny_qwen3_config
 from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import export_drafter
-from dflash_lib.serve.client import EngineClient
 from dflash_lib.serve.adapter import EngineSpec
+from dflash_lib.serve.client import EngineClient
 from dflash_lib.serve.server import EngineServer
+from dflash_lib.target.local import TargetModel
 
 VOCAB, LAYERS, HIDDEN, HEAD_DIM = 512, 4, 128, 32
 

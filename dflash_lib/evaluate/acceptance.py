@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_lib.models.sampling import draw, sampling_probs, speculative_step
-from dflash_lib.models.target import TargetModel, TargetStep
+from dflash_lib.target.local import TargetModel, TargetStep
 
 
 @dataclass

@@ -1,95 +1,35 @@
-"""The frozen target LLM: selected hidden layers for the drafter, plus next-token logits for verification.
-
-`TargetModel` wraps a local Hugging Face causal LM that transformers loads itself (`load_pretrained`) and runs the
-decoder layers itself: up to the deepest layer the drafter reads, over the batch's REAL tokens only, gathered into
-one sequence whose segments are the documents (`context_features`: the drafter's context as it is). Which families
-run and what is refused: docs/data.md, "Your own data, tokenizer and model"; what a batch then costs the target:
-docs/batching.md, "What padding still costs".
+"""The local target (`TargetModel`): a frozen Hugging Face causal LM, loaded by transformers itself
+(`load_pretrained`), whose decoder layers run here, up to the deepest layer the drafter reads, over the batch's
+REAL tokens only, gathered into one sequence whose segments are the documents (`context_features`: the drafter's
+context as it is); each layer's attention per document (`target.attention`: sliding windows and sinks), and what
+it cannot run refused in one line (`refuse_unrunnable`). A `target.protocol.FeatureSource`; its config
+without weights: `models.target_config`. Which families run: docs/data.md, "Your own data, tokenizer and model";
+what a batch then costs the target: docs/batching.md, "What padding still costs".
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers.cache_utils import KVSharingDict
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
 from dflash_lib.models import linear_attention
 from dflash_lib.models.masks import RealTokens, real_tokens
-from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
-from dflash_lib.rundir import read_json_object
+from dflash_lib.models.shapes import NAMED_SHAPES
+from dflash_lib.models.target_config import chosen_layer_ids, target_hf_config, tiny_qwen3_config, weight_files
+from dflash_lib.target.attention import IMPLEMENTATION, resolve_backend
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from dflash_lib.config import ModelConfig
-
-
-def tiny_qwen3_config(hidden_size: int = 64, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                      intermediate_size: int | None = None, vocab_size: int = QWEN3_VOCAB,
-                      max_position_embeddings: int = 4096) -> transformers.Qwen3Config:
-    """A small Qwen3 config for tests and the demo; `intermediate_size` None = 3 * hidden_size."""
-    if hidden_size % num_heads:
-        raise ConfigError(f"tiny target: hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"tiny target: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    return transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        intermediate_size=intermediate_size or 3 * hidden_size, max_position_embeddings=max_position_embeddings,
-        attn_implementation="sdpa",
-    )
-
-
-def target_hf_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
-    """The target's Hugging Face config for `cfg.target`: "tiny" (cfg.target_layers, cfg.hidden_size), a name in
-    NAMED_SHAPES (shapes only), or a LOCAL model directory (its config.json; no weight is read)."""
-    if cfg.target == "tiny":
-        return tiny_qwen3_config(hidden_size=cfg.hidden_size, num_layers=cfg.target_layers)
-    if cfg.target in NAMED_SHAPES:
-        return NAMED_SHAPES[cfg.target]()
-    if not os.path.isdir(cfg.target):
-        raise ConfigError(f"target {cfg.target!r} is neither 'tiny', a named shape {sorted(NAMED_SHAPES)} nor a local "
-                          "model directory (give a local Hugging Face folder with -p target DIR; nothing is downloaded)")
-    return local_hf_config(cfg.target)
-
-
-def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
-    """The config of the local Hugging Face model folder `directory` (its config.json; no weight is read), the
-    text model's for a vision-language wrapper. ConfigError naming the file when it is missing, is not a JSON
-    object, or names a model_type that this transformers does not know."""
-    path = Path(directory) / "config.json"
-    doc = read_json_object(path, f"target {str(directory)!r}: no config.json (not a Hugging Face model folder)")
-    model_type = doc.get("model_type")
-    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
-        raise ConfigError(f"{path}: model_type {model_type!r} is not a model type transformers "
-                          f"{transformers.__version__} knows (a newer transformers, or not a causal LM folder?)")
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as e:  # what transformers raises for a config it cannot build
-        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
-    text = text_config(cfg)
-    if text is not cfg:
-        text._name_or_path = cfg._name_or_path
-    return text
-
-
-def text_config(hf: Any) -> Any:
-    """A vision-language wrapper's text model config (Qwen3.5's checkpoints: the text weights under
-    model.language_model.*), so that the causal LM is the text model alone and the vision tower's weights are never
-    built; any other config (or a stand-in without `get_text_config`) itself."""
-    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
@@ -139,165 +79,8 @@ def refuse_unrunnable(hf_cfg: transformers.PretrainedConfig, name: str, loss: st
                           f"(final_logit_softcapping {hf_cfg.final_logit_softcapping}); train with loss 'ce'")
 
 
-def weight_files(directory: str | Path) -> list[str]:
-    """The safetensors files of a local model folder (from model.safetensors.index.json, else model.safetensors);
-    ConfigError when there is none (pickled .bin checkpoints are never loaded)."""
-    root = Path(directory)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{index}: not an index of safetensors files ({type(e).__name__}: {e})") from None
-    if (root / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    raise ConfigError(f"target {str(root)!r}: no model.safetensors(.index.json); only safetensors checkpoints "
-                      "are loaded (pickled .bin files are not)")
-
-
-def feature_layer_ids(num_layers: int, num_features: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (docs/dflash.md): spread evenly over 1 .. num_layers-3.
-
-    One feature: the middle layer. Python's `round` (half to even). A target too shallow for `num_features`
-    distinct layers in that range gets repeated ids (e.g. 4 layers, 2 features -> [1, 1]); pass explicit ids
-    to choose otherwise.
-    """
-    if num_features < 1:
-        raise ConfigError(f"num_features must be >= 1, got {num_features}")
-    if num_features == 1:
-        return [num_layers // 2]
-    if num_layers < 4:
-        raise ConfigError(f"the layer-id rule needs a target of >= 4 layers for {num_features} features, "
-                          f"got {num_layers}; set target_layer_ids explicitly")
-    span = num_layers - 4
-    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
-
-
-def chosen_layer_ids(ids: Sequence[int] | None, num_layers: int, num_features: int) -> list[int]:
-    """The target layers whose outputs feed the drafter: the configured `ids` (`-p target_layer_ids`) when there
-    are any, else `feature_layer_ids`' rule (docs/dflash.md) for a target of `num_layers` decoder layers."""
-    return list(ids) if ids else feature_layer_ids(int(num_layers), num_features)
-
-
-def flash_attn_available() -> bool:
-    """True when the `flash_attn` package is importable (it only runs on CUDA)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """"auto" -> "flash" on CUDA with flash-attn importable, else "sdpa". "flash" elsewhere is refused."""
-    on_cuda = torch.device(device).type == "cuda"
-    if requested == "auto":
-        return "flash" if on_cuda and flash_attn_available() else "sdpa"
-    if requested == "flash" and not (on_cuda and flash_attn_available()):
-        raise ConfigError("attn_backend='flash' needs a CUDA device and the flash_attn package")
-    if requested not in ("flash", "sdpa"):
-        raise ConfigError(f"attn_backend must be 'auto', 'sdpa' or 'flash', got {requested!r}")
-    return requested
-
-
-SDPA_VARLEN = "per_document_attention"  # sdpa_varlen_attention registered with transformers (a name with "flash"
-# in it would be taken for a flash-attn kernel to download, one with "sdpa" for the model's own SDPA support)
-IMPLEMENTATION = {"sdpa": SDPA_VARLEN, "flash": "flash_attention_2"}  # backend -> HF attn_implementation
-# flash-attn: transformers' own integration, which passes a layer's sliding window w to the varlen kernel as
-# window_size (w - 1, w - 1) with causal=True, i.e. the keys i - w < j <= i, as ours; flash-attn 2 has no
-# attention sinks (transformers drops them without a word), so `TargetModel` refuses a target with sinks there.
 # the `config.layer_types` the target runs exactly: attention per document, linear attention per document too
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
-REFUSED_KWARGS = ("softcap",)  # settings an attention module may pass that our attention does not implement
-SCORE_BUDGET = 1 << 24  # attention scores one windowed or sink chunk materialises at most (elements)
-
-
-def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          dflash_segments: Sequence[tuple[int, int]] | None = None, sliding_window: int | None = None,
-                          s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """A Hugging Face attention function: causal attention over each [start, end) segment of one flattened sequence.
-
-    query (1, Hq, N, D), key (1, Hkv, N, D), value (1, Hkv, N, Dv) (grouped-query heads are shared, not copied;
-    MLA's values are narrower than its keys) -> ((1, N, Hq, Dv), None). Slots outside every segment (padding) get
-    zeros. The attention module passes its own `sliding_window` w (a query at i sees the keys j of its document
-    with i - w < j <= i: transformers' `sliding_window_overlay`) and `s_aux` (gpt-oss' attention sinks: one logit
-    per head, (Hq,), added to the softmax denominator only). Called without `dflash_segments` (the wrapped model
-    used directly, e.g. `generate`) it attends under the mask transformers built (`sdpa_mask` is registered for
-    this implementation).
-    A setting in REFUSED_KWARGS (e.g. gemma's `softcap`) is refused rather than silently ignored.
-    """
-    refused = {k: kwargs[k] for k in REFUSED_KWARGS if kwargs.get(k) is not None}
-    if refused:
-        raise ConfigError(f"target {type(module).__name__}: attention with {refused} is not implemented by our "
-                          "per-document attention")
-    if dflash_segments is None:
-        if s_aux is None:
-            return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                                   dropout=dropout, **kwargs)
-        return attention_with_sinks(query, key, value, attention_mask, scaling, s_aux).transpose(1, 2), None
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])  # (1, N, Hq, Dv)
-    for s, e in dflash_segments:
-        o = document_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, sliding_window,
-                               s_aux)  # (1, Hq, e - s, D)
-        out[:, s:e] = o.transpose(1, 2)
-    return out, None
-
-
-def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-                       sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention within ONE document: query (1, Hq, L, D), key (1, Hkv, L, D), value (1, Hkv, L, Dv) ->
-    (1, Hq, L, Dv).
-
-    `sliding_window` w: a query at i sees keys i - w < j <= i. `sinks` (Hq,): a per-head logit in the softmax
-    denominator. Full causal attention is one SDPA call; a window that bites, or sinks, run in query chunks over
-    only the keys the chunk can see, so at most SCORE_BUDGET scores exist at once (never L x L for a long
-    document with a short window)."""
-    L, Hq = query.shape[2], query.shape[1]
-    gqa = Hq != key.shape[1]
-    window = sliding_window if sliding_window is not None and sliding_window < L else None
-    if window is None and sinks is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    span = L if window is None else min(L, 2 * window)  # keys one chunk sees: its own plus the window before it
-    chunk = max(1, min(L if window is None else window, SCORE_BUDGET // (Hq * span)))
-    out = query.new_empty(*query.shape[:3], value.shape[3])  # (1, Hq, L, Dv)
-    for a in range(0, L, chunk):
-        b = min(L, a + chunk)
-        lo = 0 if window is None else max(0, a - window + 1)  # the first key any query of the chunk sees
-        i = torch.arange(a, b, device=query.device)[:, None]  # (b - a, 1) query positions
-        j = torch.arange(lo, b, device=query.device)[None, :]  # (1, b - lo) key positions
-        allowed = (j <= i) if window is None else (j <= i) & (i - j < window)  # (b - a, b - lo)
-        q, k, v = query[:, :, a:b], key[:, :, lo:b], value[:, :, lo:b]
-        if sinks is None:
-            out[:, :, a:b] = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
-                                                            enable_gqa=gqa)
-        else:
-            out[:, :, a:b] = attention_with_sinks(q, k, v, allowed, scaling, sinks)
-    return out
-
-
-def attention_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                         scaling: float | None, sinks: torch.Tensor) -> torch.Tensor:
-    """Softmax attention with one sink logit per head (gpt-oss' eager attention, computed the same way):
-    query (B, Hq, Lq, D), key and value (B, Hkv, Lk, D), `mask` True where a key is seen (broadcast to
-    (B, Hq, Lq, Lk)), an additive float mask, or None (causal, the queries being the last Lq positions),
-    sinks (Hq,) -> (B, Hq, Lq, Dv) (value's width). The sink takes its share of the softmax and contributes no
-    value."""
-    B, Hq, Lq, D = query.shape
-    Hkv, Lk = key.shape[1], key.shape[2]
-    scale = D ** -0.5 if scaling is None else scaling
-    q = query.reshape(B, Hkv, Hq // Hkv, Lq, D)  # query heads grouped by the KV head they share
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, key).reshape(B, Hq, Lq, Lk) * scale  # (B, Hq, Lq, Lk)
-    if mask is None:
-        rows = torch.arange(Lk - Lq, Lk, device=query.device)[:, None]  # (Lq, 1) absolute query positions
-        mask = torch.arange(Lk, device=query.device)[None, :] <= rows  # (Lq, Lk)
-    scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
-              else scores + mask)
-    logits = torch.cat([scores, sinks.to(scores.dtype).reshape(1, Hq, 1, 1).expand(B, Hq, Lq, 1)], dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True)  # as gpt-oss does: no overflow in bf16
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(value.dtype)  # the sink's column dropped
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.reshape(B, Hkv, Hq // Hkv, Lq, Lk), value)
-    return out.reshape(B, Hq, Lq, value.shape[3])
-
-
-ALL_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, sdpa_varlen_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, sdpa_mask)  # the mask of a direct call: SDPA's
 
 
 @dataclass
