@@ -4,7 +4,8 @@ One checkpoint is `ckpt-<step:08d>/` (`dcp/` the tensors, `objects.pt` the rest 
 rank's RNG streams, `manifest.json` with checksums, written last), committed by a rename. `TrainingCheckpoints`
 saves and loads for the trainer, `find_latest` verifies, `load_checkpoint` reads a whole one as plain tensors
 (export), `load_into` into this run's sharding; `capture_rng` / `restore_rng` carry every global random stream.
-Atomic commits, async saves, nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
+Atomic commits, async saves; one pickle, DCP's dcp/.metadata, read only once its sha256 is the manifest's (trust
+only checkpoints you made): docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
@@ -501,11 +502,30 @@ def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
     return _load_small(p) if p.is_file() else None
 
 
+def _check_dcp_metadata(path: Path) -> None:
+    """CheckpointError unless dcp/.metadata is the file the manifest records (its size and sha256): DCP reads it
+    with pickle, which runs whatever code the file names, so a file swapped in is refused before torch reads it.
+    (A checkpoint made elsewhere vouches for itself: its manifest is its author's; docs/runs.md.)"""
+    name = f"{DCP_DIR}/.metadata"
+    entry = read_manifest(path).files.get(name)
+    if entry is None:
+        raise CheckpointError(f"{path / MANIFEST_FILE} records no {name}: its tensors are not read unchecked")
+    try:
+        got = _sha256(path / name)
+    except OSError as e:
+        raise CheckpointError(f"{path / name} cannot be read: {e}") from None
+    if (got.sha256, got.bytes) != (entry.sha256, entry.bytes):
+        raise CheckpointError(f"{path / name} is not the file its manifest records (sha256 {got.sha256[:12]}..., "
+                              f"{got.bytes} bytes; recorded {entry.sha256[:12]}..., {entry.bytes} bytes): refused "
+                              "before it is unpickled")
+
+
 def _dcp_read(path: Path, read: Callable[[Any], None]) -> None:
     """`read(reader)` of the checkpoint's dcp/ folder, DCP's failures as a CheckpointError naming it."""
     import torch.distributed.checkpoint as dcp  # heavy to import; only checkpoint I/O needs it
 
     _one_process_is_intended()
+    _check_dcp_metadata(path)
     try:
         read(dcp.FileSystemReader(str(path / DCP_DIR)))
     except KeyboardInterrupt:
