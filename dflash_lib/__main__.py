@@ -6,7 +6,7 @@ Serving: export, evaluate, doctor, engine-check. The study on the bundled corpus
 preset name goes, a preset file does too (`--preset FILE.json`, {"preset": NAME, "params": {...}}: what `tune` writes).
 
 A user error ends in ONE line `error: ...` on stderr and exit code 2; a run that fails (a stage, a checkpoint, a
-peer) in one line and exit 1; anything else is a bug and keeps its traceback (`--debug`: every traceback).
+peer, an engine) in one line and exit 1; anything else is a bug and keeps its traceback (`--debug`: every traceback).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def _train(args: argparse.Namespace) -> int:
     for training; --debug: its traceback)."""
     from dflash_lib.rundir import load_config
     from dflash_lib.rundir.checkpoints import CheckpointError
+    from dflash_lib.serve.connection import EngineError
     from dflash_lib.train.distributed import DistributedError
     from dflash_lib.train.feed import NothingTrainedError
     from dflash_lib.train.loop import train
@@ -91,7 +92,8 @@ def _train(args: argparse.Namespace) -> int:
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
     try:
         summary = train(config, Path(args.run_dir) if args.run_dir else None, tag=args.tag)
-    except (CheckpointError, DistributedError, NonFiniteLossError, NothingTrainedError, PipelineError) as e:
+    except (CheckpointError, DistributedError, EngineError, NonFiniteLossError, NothingTrainedError,
+            PipelineError) as e:
         if args.debug:
             raise
         print(f"error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
@@ -413,7 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.command.run(args) or 0
     except Exception as e:
+        from dflash_lib.serve.connection import EngineError
+
         message = _user_error_message(e)
+        if not args.debug and message is None and isinstance(e, EngineError):  # an engine's failure
+            print(f"error: EngineError: {_one_line(e)}", file=sys.stderr)
+            return 1
         if args.debug or message is None:
             raise
         print(f"error: {message}", file=sys.stderr)

@@ -26,6 +26,7 @@ from dflash_lib.data.benchmarks import render_prompt
 from dflash_lib.data.readers import Conversation, load_conversations, resolve_source
 from dflash_lib.data.templates import THINK_END, THINK_START, get_template
 from dflash_lib.data.tokenizers import load_tokenizer
+from dflash_lib.serve.connection import http_client
 from dflash_lib.target.local import TargetModel
 
 # An answer that opens like this is flagged as a refusal (kept, counted); the target's own words for "no".
@@ -166,12 +167,12 @@ class OpenAIBackend:
         self.cfg = config.regenerate
         self.thinking = config.data.thinking
         self.url = self.cfg.base_url.rstrip("/")
-        key = os.environ.get("OPENAI_API_KEY", "")  # sent when set (servers started with --api-key)
         # One pooled client for every request thread (httpx.Client is thread-safe): a connection kept alive per
-        # conversation in flight, so no request waits for a free one.
+        # conversation in flight, so no request waits for a free one. Its key: an engine started here's, else
+        # $OPENAI_API_KEY (servers started with --api-key); no proxy for a loopback address.
         pool = httpx.Limits(max_connections=self.cfg.concurrency, max_keepalive_connections=self.cfg.concurrency)
-        self.client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None, limits=pool,
-                                   timeout=self.cfg.request_timeout_s, follow_redirects=True)
+        self.client = http_client(self.url, self.cfg.request_timeout_s, env="OPENAI_API_KEY", limits=pool,
+                                  follow_redirects=True)
         try:
             self.model = self.cfg.model or self._first_model()
         except BaseException:

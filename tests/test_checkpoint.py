@@ -368,3 +368,36 @@ def test_stale_temp_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, {"a": 1}, 1, config_hash=H)
     assert live.exists() and not dead.exists()
     assert json.loads((tmp_path / "ckpt-00000001" / ckpt_format.MANIFEST_FILE).read_text())["step"] == 1
+
+
+class _Plant:
+    """A pickle that leaves a file behind when unpickled: a `.metadata` swapped into a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_swapped_dcp_metadata_is_refused_before_it_is_unpickled(tmp_path: Path) -> None:
+    """DCP reads dcp/.metadata with pickle: a file that is not the one the manifest records (its sha256) is
+    refused, in one line, before torch reads it, by the trainer's sharded load (`load_into`, which the other ranks
+    run without `find_latest`'s verification) as by export's `load_checkpoint`."""
+    import pickle
+
+    path = save_checkpoint(tmp_path / "ckpts", {"w": torch.full((4,), 1.0), "step": 1}, 1, config_hash=H)
+    template = {"w": torch.zeros(4), "step": 0}
+    assert torch.equal(ckpt.load_into(path, template)["w"], torch.full((4,), 1.0))  # the good one reads
+    marker = tmp_path / "code-ran"
+    (path / ckpt_format.DCP_DIR / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    for load in (lambda: ckpt.load_into(path, {"w": torch.zeros(4), "step": 0}), lambda: ckpt_format.load_checkpoint(path)):
+        with pytest.raises(CheckpointError, match=r"\.metadata") as e:
+            load()
+        assert "\n" not in str(e.value) and not marker.exists()
+    doc = json.loads((path / ckpt_format.MANIFEST_FILE).read_text())
+    del doc["files"][f"{ckpt_format.DCP_DIR}/.metadata"]
+    (path / ckpt_format.MANIFEST_FILE).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"records no dcp/\.metadata"):
+        ckpt.load_into(path, {"w": torch.zeros(4), "step": 0})
+    assert not marker.exists()

@@ -838,8 +838,8 @@ def test_evaluate_run_serves_every_drafter_and_names_the_best_by_served_tau(fold
 
 def test_a_second_engine_is_one_adapter_and_its_registry_entry(tmp_path, monkeypatch):
     """`EngineServer` starts whatever `EngineSpec.engine` names: its adapter's module, flags and environment (a
-    stand-in engine here: a module answering /health, found through the environment its adapter asks for); an
-    unknown engine is refused in one line."""
+    stand-in engine here: a module answering /health and naming the target in /v1/models, found through the
+    environment its adapter asks for); an unknown engine is refused in one line."""
     import sys
 
     import httpx
@@ -849,10 +849,12 @@ def test_a_second_engine_is_one_adapter_and_its_registry_entry(tmp_path, monkeyp
     from dflash_lib.serve.adapter import EngineAdapter
 
     (tmp_path / "fake_engine.py").write_text(
-        "import http.server, sys\n"
+        "import http.server, json, sys\n"
         "class H(http.server.BaseHTTPRequestHandler):\n"
         "    def do_GET(self):\n"
-        "        self.send_response(200 if self.path == '/health' else 404); self.end_headers()\n"
+        "        self.send_response(200 if self.path in ('/health', '/v1/models') else 404); self.end_headers()\n"
+        f"        models = {{'data': [{{'id': {str(tmp_path.resolve())!r}}}]}}\n"
+        "        self.wfile.write(json.dumps(models).encode() if self.path == '/v1/models' else b'')\n"
         "    def log_message(self, *a): pass\n"
         "http.server.HTTPServer(('127.0.0.1', int(sys.argv[sys.argv.index('--port') + 1])), H).serve_forever()\n")
     fake = EngineAdapter(name="fake", module="fake_engine", args=lambda spec, port: ["--port", str(port)],

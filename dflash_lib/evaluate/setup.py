@@ -153,8 +153,9 @@ def check_engine(config: Config) -> None:
     client = EngineClient(e.engine_url)
     try:
         check_served_model(client, config.model.target, 0)  # another target's server: refused before any load
-    except httpx.HTTPError as err:
-        raise ConfigError(f"engine_url {e.engine_url}: no answer to /v1/models ({type(err).__name__}: {err})") from None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:  # none, or no OpenAI server's
+        raise ConfigError(f"engine_url {e.engine_url}: no usable answer to /v1/models ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())[:200]})") from None
     finally:
         client.close()
 

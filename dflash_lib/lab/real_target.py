@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lib.config import ConfigError
-from dflash_lib.lab.gguf import convert_gguf, is_converted
+from dflash_lib.lab.gguf import conversion_lock, convert_gguf, is_converted
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,19 @@ def packaged_file(model: PackagedModel = SMOLLM2) -> Path:
 def ensure_real_target(model: PackagedModel = SMOLLM2, cache_dir: str | Path | None = None,
                        say: Any = print) -> Path:
     """The model's Hugging Face folder under `cache_dir` (.cache/real_targets): converted from the package's GGUF
-    the first time (~30 s), reused while it is a complete conversion of that very file."""
+    the first time (~30 s, under `conversion_lock`: one process converts, the others wait), reused while it is a
+    complete conversion of that very file."""
     gguf = packaged_file(model)
     folder = Path(cache_dir or DEFAULT_CACHE) / model.name
     if is_converted(folder, gguf):
         return folder
-    say(f"converting {gguf.name} ({model.package} {model.version}) into {folder} ...")
-    readme = (f"# {model.name}\n\n{model.homepage} (licence {model.licence}), as shipped in the PyPI package "
-              f"`{model.package}` {model.version} (`{model.file}`).")
-    return convert_gguf(gguf, folder, readme)
+    with conversion_lock(folder):  # another process converting it: wait, then use its folder
+        if is_converted(folder, gguf):
+            return folder
+        say(f"converting {gguf.name} ({model.package} {model.version}) into {folder} ...")
+        readme = (f"# {model.name}\n\n{model.homepage} (licence {model.licence}), as shipped in the PyPI package "
+                  f"`{model.package}` {model.version} (`{model.file}`).")
+        return convert_gguf(gguf, folder, readme)
 
 
 def mask_id(folder: str | Path, model: PackagedModel = SMOLLM2) -> int:

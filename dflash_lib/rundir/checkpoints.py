@@ -2,8 +2,9 @@
 `objects.pt` the rest of the state, `rank-<r>.pt` each rank's own, `manifest.json` written last), its manifest
 (`Manifest`, `read_manifest`), its verification (`verify_checkpoint`: sizes and sha256) and its state loaded whole
 in this process (`load_checkpoint`: every tensor full and plain, for export and inspection), the state's layout
-(`split_state` / `join_state`: tensors for DCP, placeholders in objects.pt). The writer, the resharded load and the
-resume: `train.checkpoint`. docs/runs.md, "Runs that survive: resume, stop, torchrun".
+(`split_state` / `join_state`: tensors for DCP, placeholders in objects.pt). One pickle is read, DCP's
+dcp/.metadata, and only once its sha256 is the manifest's (trust only checkpoints you made). The writer, the
+resharded load and the resume: `train.checkpoint`. docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
@@ -217,11 +218,31 @@ def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
     return _load_small(p) if p.is_file() else None
 
 
+def check_dcp_metadata(path: Path) -> None:
+    """CheckpointError unless dcp/.metadata is the file the manifest records (its size and sha256): DCP reads it
+    with pickle, which runs whatever code the file names, so a file swapped in is refused before torch reads it.
+    (A checkpoint made elsewhere vouches for itself: its manifest is its author's; docs/runs.md.)"""
+    name = f"{DCP_DIR}/.metadata"
+    entry = read_manifest(path).files.get(name)
+    if entry is None:
+        raise CheckpointError(f"{path / MANIFEST_FILE} records no {name}: its tensors are not read unchecked")
+    try:
+        got = file_entry(path / name)
+    except OSError as e:
+        raise CheckpointError(f"{path / name} cannot be read: {e}") from None
+    if (got.sha256, got.bytes) != (entry.sha256, entry.bytes):
+        raise CheckpointError(f"{path / name} is not the file its manifest records (sha256 {got.sha256[:12]}..., "
+                              f"{got.bytes} bytes; recorded {entry.sha256[:12]}..., {entry.bytes} bytes): refused "
+                              "before it is unpickled")
+
+
 def dcp_read(path: Path, read: Callable[[Any], None]) -> None:
-    """`read(reader)` of the checkpoint's dcp/ folder, DCP's failures as a CheckpointError naming it."""
+    """`read(reader)` of the checkpoint's dcp/ folder once its pickled .metadata is the manifest's
+    (`check_dcp_metadata`), DCP's failures as a CheckpointError naming it."""
     import torch.distributed.checkpoint as dcp  # heavy to import; only checkpoint I/O needs it
 
     single_process_intended()
+    check_dcp_metadata(path)
     try:
         read(dcp.FileSystemReader(str(path / DCP_DIR)))
     except KeyboardInterrupt:

@@ -45,3 +45,5 @@ class EngineAdapter:
     known_fault: Callable[[str, float], str]  # (its version, temperature) -> "; known engine fault: ..." or ""
     spec_prefix: str  # prefix of its speculative-decoding counters in /metrics (Prometheus)
     load_metrics: Mapping[str, str]  # its /metrics names of the load figures -> "in_flight" | "finished" | "generated"
+    api_key_env: str = "VLLM_API_KEY"  # the environment variable its server reads its API key from (a key sent
+    # as `Authorization: Bearer`; vLLM guards /v1 with it, not /health nor /metrics)

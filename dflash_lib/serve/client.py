@@ -14,6 +14,7 @@ import httpx
 
 from dflash_lib.config import ConfigError
 from dflash_lib.serve.adapter import EngineAdapter
+from dflash_lib.serve.connection import http_client
 from dflash_lib.serve.vllm import VLLM
 
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
@@ -127,13 +128,13 @@ class ServedDecode:
 
 class EngineClient:
     """An OpenAI-compatible engine at `url` (`engine`: its adapter, whose metrics names are read), prompts and
-    answers as token ids."""
+    answers as token ids; its API key sent, proxies bypassed on loopback (`connection.http_client`)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None,
                  engine: EngineAdapter = VLLM) -> None:
         self.url = url.rstrip("/")
         self.engine = engine
-        self.http = httpx.Client(timeout=timeout_s, transport=transport)  # `transport`: tests stand in a server
+        self.http = http_client(self.url, timeout_s, transport, engine.api_key_env)  # `transport`: a stand-in
         self._model: str | None = None
 
     def close(self) -> None:

@@ -7,10 +7,10 @@ target served by an engine".
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import itertools
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,10 +24,13 @@ from safetensors.torch import load_file
 
 from dflash_lib.config import ConfigError
 from dflash_lib.models.drafters.dflash import vllm_aux_layer_ids
+from dflash_lib.serve.connection import EngineError, http_client, log_note
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 
 FILE_WAIT_S = 60.0  # seconds a response's file may take to appear (the engine writes it in its next step)
 RETRIES = 1  # a request whose file is missing or wrong is sent again this many times, then the step fails
+STOP_WAIT_S = 30.0  # seconds a fetch still waits for the engine once a stop was asked (SIGTERM): a hung engine's
+# 600 s timeout, retried, would outlast a scheduler's grace period
 
 
 def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
@@ -120,10 +123,11 @@ class HiddenStatesClient:
                  timeout_s: float = 600.0, transport: httpx.BaseTransport | None = None) -> None:
         self.url, self.files, self.hidden_size = url.rstrip("/"), files, hidden_size
         self.layers = len(files.aux_layer_ids)
-        self.timeout_s, self.pool = timeout_s, concurrent.futures.ThreadPoolExecutor(concurrency)
-        self.http = httpx.Client(timeout=timeout_s, transport=transport)  # `transport`: tests stand in a server
+        self.timeout_s, self.concurrency = timeout_s, max(1, concurrency)
+        self.http = http_client(self.url, timeout_s, transport)  # `transport`: tests stand in a server
         self._count = itertools.count()  # file names: prefix + a number; itertools.count is thread-safe in CPython
         self._model = ""
+        self._give_up_at: float | None = None  # monotonic time past which a fetch stops waiting (`stop_waiting`)
         self.files.clean()
 
     @property
@@ -137,13 +141,47 @@ class HiddenStatesClient:
         return self._model
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
         self.http.close()
         self.files.clean()
 
+    def stop_waiting(self) -> None:
+        """A stop was asked (the trainer's SIGTERM handler calls this): fetches give the engine STOP_WAIT_S more,
+        then raise EngineError instead of waiting out its timeouts."""
+        if self._give_up_at is None:
+            self._give_up_at = time.monotonic() + STOP_WAIT_S
+
     def fetch(self, documents: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """(len_d, layers, hidden) hidden states of each document (token ids), in the engine's dtype."""
-        return list(self.pool.map(self._one, documents))
+        """(len_d, layers, hidden) hidden states of each document (token ids), in the engine's dtype; `concurrency`
+        requests at a time, on daemon threads (a request hung on the engine never holds up the process's exit)."""
+        out: list[torch.Tensor | None] = [None] * len(documents)
+        todo, errors, lock = iter(range(len(documents))), [], threading.Lock()
+
+        def work() -> None:
+            while not errors:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    out[i] = self._one(documents[i])
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    errors.append(e)
+
+        threads = [threading.Thread(target=work, daemon=True, name=f"engine-fetch-{k}")
+                   for k in range(min(self.concurrency, len(documents)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive() and not errors:
+                t.join(0.1)
+                if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                    errors.append(EngineError(
+                        f"a stop was asked and the engine at {self.url} has not answered for {STOP_WAIT_S:g} s more: "
+                        f"its requests are given up, nothing was trained on them{log_note(self.url)}"))
+                    raise errors[-1]  # (the threads take no other document)
+        if errors:
+            raise errors[0]
+        return out  # type: ignore[return-value]
 
     def _one(self, ids: Sequence[int]) -> torch.Tensor:
         ids = [int(t) for t in ids]
@@ -155,8 +193,9 @@ class HiddenStatesClient:
                 raise
             except (OSError, SafetensorError, ValueError, KeyError, httpx.HTTPError) as e:
                 why = f"{type(e).__name__}: {e}"
-        raise RuntimeError(f"the engine at {self.url} gave no usable hidden states for a document of {len(ids)} "
-                           f"tokens after {1 + RETRIES} tries ({why}); nothing was trained on them")
+        raise EngineError(f"the engine at {self.url} gave no usable hidden states for a document of {len(ids)} "
+                          f"tokens after {1 + RETRIES} tries ({' '.join(why.split())[:300]}); nothing was trained on "
+                          f"them{log_note(self.url)}")
 
     def _request(self, ids: list[int]) -> torch.Tensor:
         name = f"{self.files.prefix}{next(self._count)}-{uuid.uuid4().hex[:8]}"
@@ -165,7 +204,10 @@ class HiddenStatesClient:
                 "kv_transfer_params": {"name": name}}
         reply = self.http.post(self.url + "/v1/completions", json=body)
         reply.raise_for_status()
-        said = (reply.json().get("kv_transfer_params") or {}).get("hidden_states_path", "")
+        params = reply.json().get("kv_transfer_params") or {}
+        said = params.get("hidden_states_path", "")
+        if params.get("hidden_states_error"):
+            raise EngineFileError(f"the engine's connector refused {name!r}: {params['hidden_states_error']}")
         if not said:
             raise ValueError("the response names no hidden_states_path: is the server run with our connector?")
         if Path(said).name != want.name:

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
+import httpx
+
 from dflash_lib.config import ConfigError
 from dflash_lib.serve.adapter import EngineSpec
 from dflash_lib.serve.client import EngineClient, ServedDecode
+from dflash_lib.serve.connection import log_note
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
 from dflash_lib.serve.server import EngineServer, engine_adapter
 
@@ -119,8 +122,9 @@ def decode_passes(target_dir: str, drafter_dir: str, passes: Sequence[ServedPass
                 check_served_model(client, target_dir, longest)
             version = client.version()
             served = [_decode_all(client, s, max_new_tokens, stop_ids, min_new_tokens, timed) for s in passes]
-        except RuntimeError as e:
-            failure, served = " ".join(str(e).split())[:300], []
+        except (RuntimeError, httpx.HTTPError) as e:  # a refusal, or an engine gone (its log named)
+            what = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+            failure, served = " ".join(what.split())[:300] + log_note(server.url), []
         finally:
             client.close()
     where, log_file = (url, "") if url else (str(server.python), str(log))

@@ -24,7 +24,7 @@ from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.target_config import weight_files
 from dflash_lib.serve.hidden_states import EngineFiles, HiddenStatesClient
 from dflash_lib.serve.adapter import EngineSpec
-from dflash_lib.serve.server import EngineServer, engine_adapter
+from dflash_lib.serve.server import EngineServer, engine_adapter, private_folder
 from dflash_lib.serve.vllm import engine_dtype
 from dflash_lib.target.facts import TargetFacts
 
@@ -145,6 +145,11 @@ class ServedTarget:
             return feats, None
         return feats, (torch.cat(last) if last else torch.zeros(0, H)).to(self._device, self.dtype, non_blocking=True)
 
+    def stop_waiting(self) -> None:
+        """A stop was asked: a fetch waits at most `hidden_states.STOP_WAIT_S` more for the engine."""
+        if self.client is not None:
+            self.client.stop_waiting()
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
@@ -213,7 +218,8 @@ def engine_command(config: Any, facts: TargetFacts, folder: str | Path, device: 
     `target_engine_dir`): vLLM's OpenAI server (what `vllm serve` runs; `python` the engine's) on the target in
     `served_dtype`, its feature layers (and the last layer, for loss kl / ce+kl) in vLLM's numbering and our
     connector writing into `folder`, made by the same code as a server started here. Add the server's own flags
-    (--host, --port, parallelism, memory)."""
+    (--host, --port, parallelism, memory); its API key goes in its environment ($VLLM_API_KEY, which the trainer
+    sends too), never on this line."""
     m = config.model
     spec = EngineSpec(target=m.target, dtype=served_dtype(config, device), max_model_len=config.data.max_len + 1,
                       hidden_states=tuple(facts.engine_layers(reads_final_states(m.loss))),
@@ -232,8 +238,7 @@ def target_engine_url(config: Any, facts: TargetFacts, run_dir: Path, device: to
     if m.target_engine_url:
         yield m.target_engine_url
         return
-    out = Path(run_dir) / "engine_hidden_states"
-    out.mkdir(parents=True, exist_ok=True)
+    out = private_folder(Path(run_dir) / "engine_hidden_states")  # 0700: the user's hidden states
     spec = EngineSpec(target=m.target, dtype=served_dtype(config, device), max_model_len=config.data.max_len + 1,
                       hidden_states=tuple(facts.engine_layers(reads_final_states(m.loss))),
                       hidden_states_dir=str(out.resolve()))

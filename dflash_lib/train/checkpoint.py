@@ -4,8 +4,9 @@ One checkpoint is `ckpt-<step:08d>/` (`dcp/` the tensors, `objects.pt` the rest 
 rank's RNG streams, `manifest.json` with checksums, written last), committed by a rename. `TrainingCheckpoints`
 saves and loads for the trainer, `find_latest` verifies, `load_into` reads into this run's sharding; `capture_rng`
 / `restore_rng` carry every global random stream. A checkpoint's names, manifest, verification and whole-state load
-(export) are the run folder's format, read without train/: `rundir.checkpoints`. Atomic commits, async saves,
-nothing unpickled: docs/runs.md, "Runs that survive: resume, stop, torchrun".
+(export) are the run folder's format, read without train/: `rundir.checkpoints`. Atomic commits, async saves;
+one pickle, DCP's dcp/.metadata, read only once its sha256 is the manifest's: docs/runs.md, "Runs that survive:
+resume, stop, torchrun".
 """
 
 from __future__ import annotations

@@ -364,6 +364,7 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
             for target in parts.targets:
                 on.callback(target.close)
             with StopRequest() as stop:
+                stop.on_request += [t.stop_waiting for t in parts.targets if hasattr(t, "stop_waiting")]
                 return run_training(config, parts, run_dir, setup_s=time.perf_counter() - t0, resume=point.path,
                                     stop=stop, sinks=sinks)
     finally:

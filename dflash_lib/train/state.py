@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -141,6 +141,8 @@ class StopRequest:
     def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.signum: int | None = None  # the first signal received (None = no stop requested)
+        self.on_request: list[Callable[[], None]] = []  # called at the first signal (a served target's engine
+        # client stops waiting out a hung engine's timeouts)
         self._previous: dict[int, Any] = {}
 
     @property
@@ -176,6 +178,8 @@ class StopRequest:
             self._restore()
             raise KeyboardInterrupt(f"second stop signal ({name}): aborting without waiting for the checkpoint")
         self.signum = signum
+        for call in self.on_request:
+            call()
         print(f"received {name}: finishing the current step, then saving a checkpoint and exiting "
               f"(send it again to abort at once)", file=sys.stderr, flush=True)
 

@@ -2,10 +2,11 @@
 by dflash_lib): with vLLM's `extract_hidden_states` speculative method it writes, for each finished request, the
 prompt's hidden states of the configured layers to one safetensors file, `hidden_states` [tokens, layers, hidden]
 (layers in ascending id order) and `token_ids` [tokens] int64, on CPU and CUDA alike (no streams, no pinned
-memory). The file is OUTDIR/<kv_transfer_params.name>.safetensors (else the request id), written to a temporary
-name and renamed; the response's kv_transfer_params carry its path. Its safetensors metadata name what it holds
-(`identity`): the aux layer ids, the dtype, the model folder, its config.json's sha256 and weights' fingerprint
-(`model_identity`, beside this file). Read by `dflash_lib.serve.hidden_states`.
+memory). The file is OUTDIR/<kv_transfer_params.name>.safetensors (else the request id; a name the file system
+refuses is refused in the response, `file_names`), written to a temporary name (0600) and renamed; the response's
+kv_transfer_params carry its path. Its safetensors metadata name what it holds (`identity`): the aux layer ids,
+the dtype, the model folder, its config.json's sha256 and weights' fingerprint (`model_identity`, beside this
+file). Read by `dflash_lib.serve.hidden_states`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from model_identity import config_sha256, weights_fingerprint  # beside this file, on the engine's PYTHONPATH
+from file_names import PART, hidden_states_file  # beside this file, on the engine's PYTHONPATH
+from model_identity import config_sha256, weights_fingerprint
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, SupportsHMA)
@@ -97,9 +99,10 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             n = len(w.token_ids)
             slots = (torch.tensor(w.block_ids)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:n]
             states = self.cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [n, layers, H]
-            tmp = w.path + ".part"
+            tmp = w.path + PART
             save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w.token_ids)}, tmp,
                       metadata=self.metadata)
+            os.chmod(tmp, 0o600)  # the user's data: the owner's alone (its folder is 0700)
             os.replace(tmp, w.path)  # a reader never sees half a file
             done.add(req_id)
         return done or None, None
@@ -118,8 +121,10 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if request.prompt_token_ids is None or not block_ids:
             return False, None
-        name = os.path.basename(str((request.kv_transfer_params or {}).get("name") or request.request_id))
-        path = os.path.join(self.out_dir, name + ".safetensors")
+        path, why = hidden_states_file(self.out_dir, str((request.kv_transfer_params or {}).get("name")
+                                                          or request.request_id))
+        if not path:  # refused here, in the response: the worker never tries to write it
+            return False, {"hidden_states_error": why}
         computed = min(len(request.prompt_token_ids), request.num_computed_tokens)  # an aborted prefill: fewer
         self.queued[request.request_id] = _Write(path, list(request.prompt_token_ids[:computed]), list(block_ids))
         return True, {"hidden_states_path": path}  # True: the blocks stay until the worker has written them
