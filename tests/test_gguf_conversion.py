@@ -14,7 +14,7 @@ import transformers
 
 from dflash_lib.lab import gguf
 from dflash_lib.lab import real_target as rt
-from dflash_lib.models.target import tiny_qwen3_config
+from dflash_lib.models.target_config import tiny_qwen3_config
 from tiny_models import tiny_chatml_tokenizer
 
 
