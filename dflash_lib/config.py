@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+from dflash_lib.families import text_config
+
 
 class ConfigError(ValueError):
     """A parameter or config value is unknown, of the wrong type, or contradicts another."""
@@ -195,12 +197,6 @@ class ModelConfig:
                               f"{vocab}: pass -p draft_vocab N with N < {vocab} (0: the whole head)")
 
 
-def text_config_doc(doc: Any) -> Any:
-    """A config.json document's text model: its `text_config` for a vision-language wrapper (Qwen3.5's
-    checkpoints), else the document itself (`models.target.text_config` does the same for a transformers config)."""
-    return doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
-
-
 def folder_vocab_size(target: str) -> int | None:
     """The vocab_size a local model folder's config.json states (its `text_config`'s for a vision-language
     wrapper, the text model `models.target.local_hf_config` builds); None when `target` is no folder or its
@@ -211,7 +207,7 @@ def folder_vocab_size(target: str) -> int | None:
         doc = json.loads((Path(target) / "config.json").read_text())
     except (OSError, ValueError):  # no config.json, not JSON: the target's own checks say so
         return None
-    text = text_config_doc(doc)
+    text = text_config(doc)
     vocab = text.get("vocab_size") if isinstance(text, dict) else None
     return vocab if type(vocab) is int else None
 

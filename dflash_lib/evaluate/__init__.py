@@ -31,11 +31,12 @@ from dflash_lib.doctor import diagnose
 from dflash_lib.data.benchmarks import HELDOUT
 from dflash_lib.data.prompts import PromptGroup, PromptSets, next_turn, prompt_sets, thinking_modes
 from dflash_lib.export import export_source
+from dflash_lib.families import text_config
 from dflash_lib.models import TargetModel, export
 from dflash_lib.models.acceptance import acceptance_length, greedy_decode
 from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import DTYPES, export_drafter, init_from, read_drafter
-from dflash_lib.models.target import target_hf_config, text_config
+from dflash_lib.models.target import target_hf_config
 from dflash_lib.rundir import JsonRecord, omitted
 from dflash_lib.serve.client import EngineClient
 from dflash_lib.evaluate.served import ServedReport, serve_passes, served_table

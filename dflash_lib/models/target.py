@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
+from dflash_lib.families import text_config
 from dflash_lib.models import linear_attention
 from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
@@ -83,13 +84,6 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
     if text is not cfg:
         text._name_or_path = cfg._name_or_path
     return text
-
-
-def text_config(hf: Any) -> Any:
-    """A vision-language wrapper's text model config (Qwen3.5's checkpoints: the text weights under
-    model.language_model.*), so that the causal LM is the text model alone and the vision tower's weights are never
-    built; any other config (or a stand-in without `get_text_config`) itself."""
-    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
 def trainable_target_config(cfg: "ModelConfig") -> transformers.PretrainedConfig:
@@ -544,7 +538,7 @@ class TargetModel(torch.nn.Module):
         """Next-token logits (..., V) of final-normed states (..., H): the LM head, soft-capped as the model's
         own forward caps them (gemma's final_logit_softcapping c: c * tanh(z / c))."""
         z = self.lm_head(final)
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = getattr(text_config(self.model.config), "final_logit_softcapping", None)
         return z if not cap else cap * torch.tanh(z / cap)
 
     @torch.no_grad()
