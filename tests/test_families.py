@@ -49,3 +49,32 @@ def test_two_families_sharing_a_model_type_or_a_preset_are_refused():
     with pytest.raises(RuntimeError, match="two target families share the preset 'p'"):
         families.registry(TargetFamily("a", ("a",), presets={"p": dict}),
                           TargetFamily("b", ("b",), presets={"p": dict}))
+
+
+def _declared() -> list[TargetFamily]:
+    return list({id(f): f for f in families.FAMILIES.values()}.values())
+
+
+def test_each_family_holds_its_shapes_and_presets_and_the_settings_find_them():
+    """A published shape is built as its own family's config, each family preset trains on one of its family's
+    shapes, and the settings' registry holds the generic presets and exactly the families' others."""
+    from dflash_lib import config
+    from dflash_lib.models.shapes import NAMED_SHAPES
+
+    assert sorted(NAMED_SHAPES) == sorted(families.named_shapes()) and len(NAMED_SHAPES) == 8
+    assert sorted(config.PRESETS) == sorted(["smoke", "demo", "default", *families.named_presets()])
+    for family in _declared():
+        for name in family.shapes:
+            assert family_of(NAMED_SHAPES[name]()) is family, name
+        for name in family.presets:
+            assert config.preset(name).model.target in family.shapes, name
+
+
+def test_a_built_shape_shares_no_list_with_the_declaration():
+    """Each build is a fresh config: changing one's layer kinds changes neither the declaration nor the next one."""
+    from dflash_lib.models.shapes import NAMED_SHAPES
+
+    first = NAMED_SHAPES["qwen3.5-9b"]()
+    first.layer_types[0] = "full_attention"
+    assert NAMED_SHAPES["qwen3.5-9b"]().layer_types[0] == "linear_attention"
+    assert families.named_shapes()["qwen3.5-9b"]["layer_types"][0] == "linear_attention"

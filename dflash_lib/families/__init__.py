@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from dflash_lib.families.family import TargetFamily
+from dflash_lib.families.qwen3 import QWEN3, QWEN3_MOE
+from dflash_lib.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 
 __all__ = ["FAMILIES", "TargetFamily", "family_of", "named_presets", "named_shapes", "registry", "text_config"]
 
@@ -30,10 +32,7 @@ FAMILIES: dict[str, TargetFamily] = registry(  # by model_type
     TargetFamily("llama", ("llama",)),
     TargetFamily("mistral", ("mistral",)),
     TargetFamily("qwen2", ("qwen2",)),
-    TargetFamily("qwen3", ("qwen3",)),
-    TargetFamily("qwen3_moe", ("qwen3_moe",)),
-    TargetFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), linear_attention=True),
-    TargetFamily("qwen3_5_moe", ("qwen3_5_moe_text", "qwen3_5_moe"), linear_attention=True),
+    QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE,
     TargetFamily("qwen3_next", ("qwen3_next",), linear_attention=True),
     TargetFamily("gpt_oss", ("gpt_oss",)),
     TargetFamily("gemma4", ("gemma4_text", "gemma4")),

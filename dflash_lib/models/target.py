@@ -27,9 +27,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
 from dflash_lib.families import text_config
+from dflash_lib.families.qwen3 import QWEN3_VOCAB
 from dflash_lib.models import linear_attention
 from dflash_lib.models.masks import RealTokens, real_tokens
-from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB, qwen3_8b_config  # noqa: F401  (their old home)
+from dflash_lib.models.shapes import NAMED_SHAPES
 from dflash_lib.rundir import read_json_object
 
 if TYPE_CHECKING:
