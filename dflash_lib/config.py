@@ -407,7 +407,7 @@ class EvalConfig:
     stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
-    # tiny models can run faster on one thread than on several (LOG.md)
+    # tiny models can run faster on one thread than on several (docs/serving.md)
     # `python -m dflash_lib doctor` (dflash_lib/doctor.py):
     doctor_samples: int = 16  # corpus conversations the chat-template rule renders both ways (training vs target)
     # -- benchmark prompt sets (dflash_lib.data.benchmarks; the per-benchmark report: dflash_lib.benchmark_report)
@@ -723,8 +723,8 @@ def demo() -> Config:
     target's features kept after the first epoch (`pipeline.target_cache_gib`: the later epochs run the drafter
     alone), a held-out evaluation of every held-out answer (15 of the 320) every 200 steps and a checkpoint every
     500, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32
-    tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38); the levers measured since, of
-    which only 1,000 steps instead of 500 moved served tau (1.239 -> 1.274): docs/peers.md, LOG.md (issue 52)."""
+    tokens each, greedy and at temperature 1. Why these sizes: docs/data.md; the levers measured since, of
+    which only 1,000 steps instead of 500 moved served tau: docs/peers.md."""
     return from_params(
         dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
              num_features=3, num_anchors=48, block_size=4, steps=1000, lr=1e-3, precision="bf16", probe_steps=6,
