@@ -24,7 +24,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from dflash_lib.models.shapes import QWEN3_VOCAB  # noqa: E402
+from dflash_lib.families.qwen3 import QWEN3_VOCAB  # noqa: E402
 from dflash_lib.models.target_config import local_hf_config, weight_files  # noqa: E402
 from dflash_lib.target.attention import IMPLEMENTATION  # noqa: E402
 from dflash_lib.target.local import load_pretrained  # noqa: E402

@@ -1,4 +1,5 @@
-"""One config source: a tree of typed dataclasses, flat notebook/CLI parameters, and named presets.
+"""One config source: a tree of typed dataclasses, flat notebook/CLI parameters, and named presets (the generic
+ones here, a target family's beside its shapes in dflash_lib/families/).
 
 Notebook parameters and `-p KEY VALUE` pairs are FLAT (papermill wants flat literals); every flat key is the
 name of exactly one field in one section below, so `from_params` can validate and place it. Unknown keys and
@@ -24,6 +25,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
+
+from dflash_lib.families import named_presets, text_config
 
 
 class ConfigError(ValueError):
@@ -195,13 +198,6 @@ class ModelConfig:
                               f"{vocab}: pass -p draft_vocab N with N < {vocab} (0: the whole head)")
 
 
-def text_config_doc(doc: Any) -> Any:
-    """A config.json document's text model: its `text_config` for a vision-language wrapper (Qwen3.5's
-    checkpoints), else the document itself (`models.target_config.text_config` does the same for a transformers
-    config)."""
-    return doc.get("text_config") if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict) else doc
-
-
 def folder_vocab_size(target: str) -> int | None:
     """The vocab_size a local model folder's config.json states (its `text_config`'s for a vision-language
     wrapper, the text model `models.target_config.local_hf_config` builds); None when `target` is no folder or its
@@ -212,7 +208,7 @@ def folder_vocab_size(target: str) -> int | None:
         doc = json.loads((Path(target) / "config.json").read_text())
     except (OSError, ValueError):  # no config.json, not JSON: the target's own checks say so
         return None
-    text = text_config_doc(doc)
+    text = text_config(doc)
     vocab = text.get("vocab_size") if isinstance(text, dict) else None
     return vocab if type(vocab) is int else None
 
@@ -411,7 +407,7 @@ class EvalConfig:
     stop_at_eos: bool = True  # end an answer at the tokenizer's end-of-turn token
     timing_warmup: bool = True  # decode a few tokens once before timing (first-call overheads stay out of tokens/s)
     decode_threads: int = 0  # torch intra-op threads while decoding on CPU (0 = torch's default); batch-1 decoding of
-    # tiny models can run faster on one thread than on several (LOG.md)
+    # tiny models can run faster on one thread than on several (docs/serving.md)
     # `python -m dflash_lib doctor` (dflash_lib/doctor.py):
     doctor_samples: int = 16  # corpus conversations the chat-template rule renders both ways (training vs target)
     # -- benchmark prompt sets (dflash_lib.data.benchmarks; the per-benchmark report: dflash_lib.benchmark_report)
@@ -705,7 +701,8 @@ def new_target_tokenizer(params: Mapping[str, Any], was: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Presets: named functions returning a full Config. `PRESETS[name]()`.
+# Presets: named functions returning a full Config. `PRESETS[name]()`. The generic ones here; a target family's
+# (qwen3-8b, ...) beside its shapes in dflash_lib/families/.
 
 
 def smoke() -> Config:
@@ -726,8 +723,8 @@ def demo() -> Config:
     target's features kept after the first epoch (`pipeline.target_cache_gib`: the later epochs run the drafter
     alone), a held-out evaluation of every held-out answer (15 of the 320) every 200 steps and a checkpoint every
     500, notebook 05 decoding 2 prompts of each of the held-out answers, HumanEval and MT-Bench (both turns), 32
-    tokens each, greedy and at temperature 1. Why these sizes: LOG.md (issue 38); the levers measured since, of
-    which only 1,000 steps instead of 500 moved served tau: docs/peers.md, LOG.md (issue 52)."""
+    tokens each, greedy and at temperature 1. Why these sizes: docs/data.md; the levers measured since, of
+    which only 1,000 steps instead of 500 moved served tau: docs/peers.md."""
     return from_params(
         dict(limit=0, max_len=1024, k=6, k_max=12, token_budget=4096, target_layers=6, hidden_size=64,
              num_features=3, num_anchors=48, block_size=4, steps=1000, lr=1e-3, precision="bf16", probe_steps=6,
@@ -741,7 +738,14 @@ def default() -> Config:
     return Config()
 
 
-PRESETS: dict[str, Callable[[], Config]] = {"smoke": smoke, "demo": demo, "default": default}
+def family_preset(params: Callable[[], dict[str, Any]]) -> Callable[[], Config]:
+    """A target family's named preset (a function of its flat parameters, dflash_lib/families/) as a preset."""
+    return lambda: from_params(params())
+
+
+PRESETS: dict[str, Callable[[], Config]] = {  # the generic presets above, then every target family's (families/)
+    "smoke": smoke, "demo": demo, "default": default,
+    **{name: family_preset(params) for name, params in named_presets().items()}}
 
 
 def preset(name: str) -> Config:
@@ -779,98 +783,3 @@ def read_preset_file(path: str | Path) -> tuple[str, dict[str, Any]]:
     except ConfigError as e:
         raise ConfigError(f"preset file {str(path)!r}: {e}") from None
     return checked["preset"], checked["params"]
-
-
-def qwen3_8b() -> Config:
-    """The paper recipe (docs/dflash.md "The paper's recipe") for a Qwen3-8B target: a 5-layer drafter, block 16,
-    512 anchors, max_len 3072, the features of layers [1, 9, 17, 25, 33], AdamW 6e-4, warmup 4 %, clip 1.0, 6
-    epochs; on CUDA FlexAttention, activation checkpointing, bf16 target and autocast. `target` names the Qwen3-8B
-    SHAPES only (the dry run needs no weights); training needs the model: `-p target DIR` (a local Hugging Face
-    folder).
-
-    token_budget 16384: 5 documents of 3072 tokens, so the derived block budget (sampler.resolve_block_budget) is
-    5 x 512 x 16 = 40960 drafter queries per micro-batch, and every bucket's worst batch fits 80 GiB on the flex
-    path with its reserve, with room for the dense reference path (`python -m dflash_lib dryrun`; its table in
-    docs/scale.md). ce_chunk_blocks 64 (1024 scored positions, a 0.6 GiB fp32 logits chunk per LM-head call): the
-    step's peak is in a drafter layer's backward, not in the head, so a larger chunk (fewer, larger matmuls) is
-    free until the head's chunk becomes the peak (the dry run's figures: LOG.md)."""
-    return from_params(dict(
-        target="qwen3-8b", drafter_layers=5, block_size=16, num_anchors=512, max_len=3072, num_features=5,
-        target_layer_ids=[1, 9, 17, 25, 33], mask_id=151669, lr=6e-4, warmup_ratio=0.04, grad_clip=1.0, epochs=6.0,
-        full_run_epochs=6.0, drafter_attention="auto", drafter_checkpointing="auto", token_budget=16384,
-        ce_chunk_blocks=64,
-    ))
-
-
-PRESETS["qwen3-8b"] = qwen3_8b
-
-
-def _paper_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
-    """`qwen3_8b`'s recipe (drafter, anchors, block, max_len, optimiser, token budget) for the target whose
-    published shapes `target` names (models/shapes.py), with its five feature layers: the layer-id rule
-    (`models.target_config.feature_layer_ids`) for its depth, written out because this stage cannot import models/
-    (tests/test_dryrun.py checks them against the rule). The drafter's width follows the target
-    (`models.drafter.drafter_shape`: dense, also for a mixture-of-experts target)."""
-    return from_params({"target": target, "target_layer_ids": target_layer_ids}, qwen3_8b())
-
-
-def qwen3_32b() -> Config:
-    """The paper recipe (`qwen3_8b`) for Qwen3-32B's shapes (64 layers, hidden 5120): features of layers
-    [1, 16, 31, 46, 61]."""
-    return _paper_recipe_for("qwen3-32b", [1, 16, 31, 46, 61])
-
-
-def qwen3_30b_a3b() -> Config:
-    """The paper recipe (`qwen3_8b`) for Qwen3-30B-A3B's shapes (48 MoE layers, hidden 2048): features of layers
-    [1, 12, 23, 34, 45]; a dense drafter of the target's width."""
-    return _paper_recipe_for("qwen3-30b-a3b", [1, 12, 23, 34, 45])
-
-
-def qwen3_235b_a22b() -> Config:
-    """The paper recipe (`qwen3_8b`) for Qwen3-235B-A22B's shapes (94 MoE layers, hidden 4096): features of
-    layers [1, 24, 46, 68, 91]; a dense drafter of the target's width. Its bf16 weights (~438 GiB) fit no single
-    GPU: `-p target_parallel fsdp` over the ranks (the dry run's `--world-size`)."""
-    return _paper_recipe_for("qwen3-235b-a22b", [1, 24, 46, 68, 91])
-
-
-PRESETS["qwen3-32b"] = qwen3_32b
-PRESETS["qwen3-30b-a3b"] = qwen3_30b_a3b
-PRESETS["qwen3-235b-a22b"] = qwen3_235b_a22b
-
-QWEN3_5_MASK = 248319  # the last of Qwen3.5's 248,320 embedding rows: the vocabulary is padded past the tokenizer's
-# ids, so the model never produces it (the doctor checks the MASK against a real folder)
-
-
-def _qwen3_5_recipe_for(target: str, target_layer_ids: list[int]) -> Config:
-    """The paper recipe (`qwen3_8b`) for a Qwen3.5 / Qwen3.6 hybrid's published shapes (models/shapes.py): its
-    five feature layers by the layer-id rule, the MASK an unused embedding row of its vocabulary."""
-    return from_params({"target_layer_ids": target_layer_ids, "mask_id": QWEN3_5_MASK},
-                       _paper_recipe_for(target, target_layer_ids))
-
-
-def qwen3_5_9b() -> Config:
-    """The paper recipe for Qwen3.5-9B's shapes (32 layers, 24 of them gated delta net, hidden 4096): features of
-    layers [1, 8, 15, 22, 29]."""
-    return _qwen3_5_recipe_for("qwen3.5-9b", [1, 8, 15, 22, 29])
-
-
-def qwen3_6_27b() -> Config:
-    """The paper recipe for Qwen3.6-27B's shapes (64 layers, 48 gated delta net, hidden 5120): features of layers
-    [1, 16, 31, 46, 61]."""
-    return _qwen3_5_recipe_for("qwen3.6-27b", [1, 16, 31, 46, 61])
-
-
-def qwen3_5_35b_a3b() -> Config:
-    """The paper recipe for Qwen3.5-35B-A3B's shapes (40 MoE layers, 30 gated delta net, hidden 2048): features of
-    layers [1, 10, 19, 28, 37]; a dense drafter of the target's width."""
-    return _qwen3_5_recipe_for("qwen3.5-35b-a3b", [1, 10, 19, 28, 37])
-
-
-def qwen3_5_122b_a10b() -> Config:
-    """The paper recipe for Qwen3.5-122B-A10B's shapes (48 MoE layers, 36 gated delta net, hidden 3072): features
-    of layers [1, 12, 23, 34, 45]; its bf16 weights (~230 GiB) fit no single GPU: `-p target_parallel fsdp`."""
-    return _qwen3_5_recipe_for("qwen3.5-122b-a10b", [1, 12, 23, 34, 45])
-
-
-PRESETS.update({"qwen3.5-9b": qwen3_5_9b, "qwen3.6-27b": qwen3_6_27b, "qwen3.5-35b-a3b": qwen3_5_35b_a3b,
-                "qwen3.5-122b-a10b": qwen3_5_122b_a10b})

@@ -157,12 +157,11 @@ def target_reading(target: str | Path) -> TargetReading:
     if not path.is_dir():
         raise ConfigError(f"--target {str(target)!r} is not a local folder (the doctor reads its config.json and "
                           "its tokenizer)")
-    hf = local_hf_config(path)
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    text = local_hf_config(path)  # the text model's (a vision-language wrapper's text_config)
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     gen = gen if isinstance(gen, dict) else {}
-    special = _ids(*(getattr(c, k, None) for c in (hf, text) for k in ("eos_token_id", "bos_token_id", "pad_token_id")),
+    special = _ids(*(getattr(text, k, None) for k in ("eos_token_id", "bos_token_id", "pad_token_id")),
                    *(gen.get(k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")))
     return TargetReading(str(path), int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size), special)
 

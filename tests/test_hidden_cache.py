@@ -25,7 +25,7 @@ def tiny_target_folder(root: Path) -> Path:
     root/qwen3."""
     import transformers
 
-    from dflash_lib.models.shapes import QWEN3_VOCAB
+    from dflash_lib.families.qwen3 import QWEN3_VOCAB
     from tiny_models import save_random_model
 
     cfg = transformers.Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,

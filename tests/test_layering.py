@@ -1,6 +1,6 @@
 """The package's layering: one package per stage, a lower stage never imports a higher one, no import circle.
 
-Stages, bottom to top: config, rundir < data < plan < models < serve (the engine) < target (every source of the
+Stages, bottom to top: families, config, rundir < data < plan < models < serve (the engine) < target (every source of the
 target's features) < train < evaluate (and its benchmark_report), regenerate, doctor, export, dryrun < lab < __main__.
 The trainer reads the engine through target/ only: train/ never imports serve/ (nor serve/ train/). The evaluation
 reads run folders through rundir.reader: evaluate/ never imports train/.
@@ -15,13 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "dflash_lib"
-STAGES = {"config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "serve": 4, "target": 5, "train": 6,
-          "evaluate": 7, "benchmark_report": 7, "regenerate": 7, "doctor": 7, "export": 7, "dryrun": 7, "lab": 8,
+STAGES = {"families": 0, "config": 0, "rundir": 0, "data": 1, "plan": 2, "models": 3, "serve": 4, "target": 5,
+          "train": 6, "evaluate": 7, "benchmark_report": 7, "regenerate": 7, "doctor": 7, "export": 7, "dryrun": 7, "lab": 8,
           "__main__": 9}
 APART = {("train", "serve"), ("serve", "train"),  # (importer, imported): packages that never import each other
          ("evaluate", "train")}  # the evaluation reads a run folder through rundir.reader, not the trainer's modules
-MAX_ENTRIES = 17  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/;
-# 17th: target/, out of models/, train/ and serve/)
+MAX_ENTRIES = 18  # modules and packages directly under dflash_lib/ (15th: dryrun/, 16th: export.py, out of train/;
+# 17th: target/, out of models/, train/ and serve/; 18th: families/, out of config.py and models/shapes.py)
 
 
 def modules(root: Path) -> dict[str, Path]:

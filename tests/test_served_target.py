@@ -264,7 +264,7 @@ def _tiny_target(root: Path, family: str, seed: int = 0) -> Path:
     head_dim 32 (the CPU build has no kernel for 16)."""
     import transformers
 
-    from dflash_lib.models.shapes import QWEN3_VOCAB
+    from dflash_lib.families.qwen3 import QWEN3_VOCAB
 
     shape = dict(vocab_size=QWEN3_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, intermediate_size=128)

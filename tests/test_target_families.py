@@ -12,7 +12,7 @@ import transformers
 
 from dflash_lib.config import ConfigError, ModelConfig
 from dflash_lib.data.batch import collate_packed, collate_padded
-from dflash_lib.models.shapes import QWEN3_VOCAB
+from dflash_lib.families.qwen3 import QWEN3_VOCAB
 import dflash_lib.target.attention as target_module
 from dflash_lib.target.attention import document_attention
 from dflash_lib.target.local import TargetModel

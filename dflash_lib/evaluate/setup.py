@@ -19,10 +19,11 @@ import torch
 from dflash_lib.config import FLAT_FIELDS, Config, ConfigError, from_params
 from dflash_lib.data.benchmarks import HELDOUT
 from dflash_lib.data.prompts import PromptGroup, PromptSets, prompt_sets, thinking_modes
+from dflash_lib.families import text_config
 from dflash_lib.models import export
 from dflash_lib.models.drafters import drafter_kind
 from dflash_lib.models.export import init_from, read_drafter
-from dflash_lib.models.target_config import target_hf_config, text_config
+from dflash_lib.models.target_config import target_hf_config
 from dflash_lib.rundir.reader import CONFIG_FILE, DRAFTER_DIR
 from dflash_lib.serve.client import EngineClient
 from dflash_lib.serve.measure import check_served_model

@@ -65,7 +65,7 @@ KEY_FIGURES = [
 TARGETS = ("real", "trained", "preset")  # run_demo's target kinds (see the module doc)
 
 # The real target's answers: 320 first turns of at most 128 tokens, ended where the model ends them, prompt and
-# answer within 1024 tokens (their cost: LOG.md, issue 38); 5 % held out
+# answer within 1024 tokens (their cost: docs/data.md, "The demo's target"); 5 % held out
 REAL_ANSWERS = DemoAnswerSettings(records=320, new_tokens=128, free_end=True, heldout_fraction=0.05, max_len=1024)
 
 
@@ -75,7 +75,7 @@ def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_se
     """The chain's target ("real" or "trained", built or cached) and its answers for the preset's data. Returns
     (the parameters that put every notebook on that target and tokenizer, the chain's inputs: {ANSWERS: the JSONL,
     ANSWERS + "_heldout" / "_max_len": the held-out fraction and max_len notebook 04 uses on it}). engine: the real target's answers come
-    from vLLM's chat endpoint (else the local backend, ~5x slower on 2 cores)."""
+    from vLLM's chat endpoint (else the local backend, slower: docs/data.md)."""
     cfg = load_config(dict(overrides or {}), preset_name)
     t0 = time.perf_counter()
     if kind == "real":

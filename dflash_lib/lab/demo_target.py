@@ -190,9 +190,9 @@ def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, unk_id: int,
                     trained: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """ids (R, T) int64, trained (R, T) bool (the store's loss mask: assistant tokens) -> (mean next-token CE in
     nats over the positions whose label is trained and not `unk_id`, correct top-1 among them, their number).
-    UNK is input, never a label: trained on, it is the single most frequent "token" (12 % of the corpus at 8192
-    ids) and a small model's argmax collapses onto it. Only assistant labels, as the drafter's: trained on every
-    token, the small target's greedy answer to a generation prompt was the template's next header
+    UNK is input, never a label: trained on, it is the single most frequent "token" of a small vocabulary (every
+    rarer word maps to it) and a small model's argmax collapses onto it. Only assistant labels, as the drafter's:
+    trained on every token, the small target's greedy answer to a generation prompt was the template's next header
     (`<|im_start|>assistant\n` in a loop), which no drafter trained on assistant tokens ever drafts."""
     logits = model(input_ids=ids).logits[:, :-1]  # (R, T-1, V)
     labels = ids[:, 1:].masked_fill((ids[:, 1:] == unk_id) | ~trained[:, 1:], -100)  # (R, T-1)
@@ -344,7 +344,7 @@ class DemoAnswerSettings:
     new_tokens: int = 64  # tokens per answer: exactly, or at most with free_end
     free_end: bool = False  # the answer ends at the target's end-of-turn token (else it is masked: exactly new_tokens)
     backend: str = "local"  # "local" (the target in-process, batched) | "vllm" (the engine's chat endpoint, a server
-    # started for the target folder: ~5x the local tokens/s on 2 cores; a Hugging Face tokenizer folder only)
+    # started for the target folder, faster than the local backend: docs/data.md; a Hugging Face tokenizer folder only)
     gen_batch: int = 64  # local: conversations per batched generate
     gen_tokens: int = 16384  # local: padded prompt tokens per generate call at most (prompts sorted by length)
     concurrency: int = 32  # vllm: conversations in flight (the server decodes as many at once)

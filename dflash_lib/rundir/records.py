@@ -26,7 +26,7 @@ class HeldoutFigures(JsonRecord):
     tau: float  # acceptance length (tokens per cycle) of greedy speculative decoding along the stored answers:
     # cycles laid as `evaluate` lays them, from each answer's first token over its first max_new_tokens
     # (`heldout.decoding_walk`); what `evaluate` measures on these prompts when the answers are the target's greedy
-    # ones at the evaluation's precision; NaN with no cycle. Before issue 52 this key held tau_anchors
+    # ones at the evaluation's precision; NaN with no cycle. Older run folders hold tau_anchors here (docs/runs.md)
     eal: float  # marginal-product ESTIMATE of tau_anchors from acc_per_pos (tokens, `expected_acceptance`): it
     # misses how errors correlate within a block
     blocks: int  # random anchor blocks scored
@@ -35,7 +35,7 @@ class HeldoutFigures(JsonRecord):
     tau_anchors: float = math.nan  # EXACT mean over the random anchor blocks of 1 + the block's own leading run of
     # correct positions (the in-batch figure, as `tau_inbatch`): each anchor counted once (a stretch the drafter
     # gets right holds many anchors, decoding crosses it in few cycles) and anywhere in the answer (decoding reads
-    # its first max_new_tokens), so it strays from decoding either way, answer by answer (LOG.md, issue 52); NaN
+    # its first max_new_tokens), so it strays from decoding either way, answer by answer (docs/runs.md); NaN
     # with no block
     cycles: int = 0  # decoding cycles `tau` averages over
 

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_lib.config import ConfigError, text_config_doc
+from dflash_lib.config import ConfigError
+from dflash_lib.families import family_of, text_config
 from dflash_lib.serve.adapter import EngineAdapter, EngineSpec
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the CLI's package-name lookup
@@ -20,7 +21,6 @@ CONNECTOR_MODULE = "dflash_hidden_states"  # its module name on that path
 SPEC_PREFIX = "vllm:spec_decode_"  # num_drafts, num_draft_tokens, num_accepted_tokens(_per_pos) counters
 LOAD_METRICS = {"vllm:num_requests_running": "in_flight", "vllm:num_requests_waiting": "in_flight",
                 "vllm:request_success_total": "finished", "vllm:generation_tokens_total": "generated"}
-LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # gated delta net
 # Engine faults known to make served figures wrong, by version prefix, each with where it is reported: named on
 # a FAIL line of the passes it concerns ("sampled": temperature > 0)
 KNOWN_FAULTS = (("0.32.", "sampled", "vLLM 0.32's CPU build samples the target at T > 0 with per-token "
@@ -43,16 +43,16 @@ def drafter_block_size(export_dir: str | Path) -> int:
 
 def linear_attention_target(target: str | Path) -> bool:
     """The target folder's config (a vision-language wrapper's text config) has linear-attention layers (Qwen3.5,
-    Qwen3-Next: gated delta net between full attention), or is of a type vLLM serves by its hybrid model. False
-    for a folder without a readable config.json."""
+    Qwen3-Next: gated delta net between full attention), or is of a family vLLM serves by its hybrid model
+    (`TargetFamily.linear_attention`). False for a folder without a readable config.json."""
     try:
         doc = json.loads((Path(target) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    text = text_config_doc(doc)
+    text = text_config(doc)
     if not isinstance(text, dict):
         return False
-    return "linear_attention" in (text.get("layer_types") or ()) or text.get("model_type") in LINEAR_ATTENTION_TYPES
+    return "linear_attention" in (text.get("layer_types") or ()) or family_of(text).linear_attention
 
 
 def engine_dtype(target: str | Path, on_cpu: bool) -> str:

@@ -2,8 +2,9 @@
 
 The target is frozen, so a sample's context features (and, for loss kl, its final-normed states) are the same
 every epoch: a target worker whose batch is all cached assembles them from here instead of running the target.
-Worth it when the corpus is read for many epochs and its features fit in memory (the demo: 66 K tokens x 1728
-features in bf16, 0.23 GiB); a real corpus (800 K samples x 3 x 4096 features per token) does not: 0 = off.
+Worth it when the corpus is read for many epochs and its features fit in memory (the demo: a few hundred short
+answers x 1728 features in bf16, a fraction of a GiB); a real corpus (800 K samples x 3 x 4096 features per
+token) does not: 0 = off.
 Equal to a fresh forward up to the forward's batch invariance (the same sample in another batch).
 """
 

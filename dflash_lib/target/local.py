@@ -21,6 +21,7 @@ from transformers.cache_utils import KVSharingDict
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch
+from dflash_lib.families import text_config
 from dflash_lib.models import linear_attention
 from dflash_lib.models.masks import RealTokens, real_tokens
 from dflash_lib.models.shapes import NAMED_SHAPES
@@ -327,7 +328,7 @@ class TargetModel(torch.nn.Module):
         """Next-token logits (..., V) of final-normed states (..., H): the LM head, soft-capped as the model's
         own forward caps them (gemma's final_logit_softcapping c: c * tanh(z / c))."""
         z = self.lm_head(final)
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = getattr(text_config(self.model.config), "final_logit_softcapping", None)
         return z if not cap else cap * torch.tanh(z / cap)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@
 held-out samples once, anchors from a reserved seed (`EVAL_SHARD`), every block fed MASK, so every `evaluate`
 scores the same blocks; beside them a block at every answer position where decoding may start a cycle, which
 `evaluate` walks as `evaluate`'s greedy speculative decoding lays its cycles (`decoding_walk`): the tau it
-reports is that of decoding along the stored answers, not the mean over random anchors (issue 52).
+reports is that of decoding along the stored answers, not the mean over random anchors.
 The settings and figures: docs/runs.md, "Training outside notebooks".
 """
 

@@ -50,7 +50,7 @@ def clip_sharded_grads(params: Sequence[torch.nn.Parameter], max_norm: float) ->
     """FSDP: the global 2-norm of the DTensor-sharded gradients (0-d, every rank the same), from each rank's local
     shards summed by ONE plain all-reduce, and the gradients scaled by min(1, max_norm / (norm + 1e-6)) in place,
     as `clip_grad_norm_` does. (Its DTensor path reduces through functional collectives, which deadlocked beside a
-    sharded target's all-gathers in the feed thread: LOG.md.)"""
+    sharded target's all-gathers in the feed thread.)"""
     grads = [p.grad.to_local() for p in params if p.grad is not None]  # type: ignore[union-attr]
     squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]).sum()
     norm = distributed.all_reduce_sum(squares).sqrt()  # type: ignore[union-attr]

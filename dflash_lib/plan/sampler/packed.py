@@ -4,7 +4,8 @@
 Packer: best fit within a window of open rows. Samples arrive in random order; each goes to the open row with
 the LEAST room that still holds it; a new row opens when none does; when more than `window` rows are open, the
 fullest is closed. First-fit-decreasing would pack tighter but sorts the data (no randomness); the window keeps
-the order random and reaches ~98-99% on chat length distributions. Closed rows are served in a shuffled order.
+the order random and packs chat lengths nearly as tight (docs/batching.md). Closed rows are served in a shuffled
+order.
 """
 
 from __future__ import annotations
