@@ -36,7 +36,7 @@ def test_a_vision_language_wrapper_is_its_text_models_family():
 
 
 def test_an_undeclared_family_is_an_empty_record_of_its_name():
-    """A model type no family declares still runs when its layers do (models/target.py): its record declares
+    """A model type no family declares still runs when its layers do (target/local.py): its record declares
     nothing, whatever it is given."""
     assert family_of({"model_type": "olmo2"}) == TargetFamily("olmo2", ("olmo2",))
     assert family_of({"model_type": 3}).name == family_of(["not", "a", "config"]).name == ""
