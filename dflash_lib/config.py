@@ -139,8 +139,10 @@ class ModelConfig:
     drafter_kind: Literal["dflash"] = "dflash"  # the drafter: a module and its serving format (models/drafters/)
     drafter_layers: int = 1  # draft decoder layers (paper: 5)
     drafter_layer_types: list[DrafterLayerKind] = field(default_factory=list)  # one per drafter layer; a sliding
-    # layer is causal in its block, `drafter_window` positions back (vLLM's DFlash rule); empty = all full
-    drafter_window: int = 0  # sliding drafter layers: a query at p sees keys at p - w < j <= p (0 = no sliding layer)
+    # layer sees `drafter_window` positions back (and forward when not causal); empty = all full
+    drafter_window: int = 0  # sliding drafter layers: a query at p sees keys at p - w < j (0 = no sliding layer)
+    drafter_causal: Literal["auto", "causal", "non_causal"] = "auto"  # layers causal in their block: every one,
+    # none, or "auto" = vLLM's default, sliding layers causal and full ones not (docs/dflash.md)
     num_features: int = 2  # target layers fused into the context (paper: 5)
     block_size: int = 8  # tokens per drafted block, anchor included (paper: 16)
     num_anchors: int = 64  # anchors per sequence per step (paper: 512)

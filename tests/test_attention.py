@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from dflash_lib.data.batch import collate_packed, collate_padded
 from dflash_lib.models import DFlashDrafter, DrafterConfig, tiny_qwen3_config
 from dflash_lib.target.local import TargetModel
-from dflash_lib.models.attention import dense_mask, resolve_attention, sdpa_flop_mapping, window_mask
+from dflash_lib.models.attention import dense_mask, position_mask, resolve_attention, sdpa_flop_mapping
 from dflash_lib.models.layout import attention_work, block_groups, build_layout
 from tiny_models import BLOCK, HIDDEN, MASK, VOCAB, tiny_drafter, tiny_target
 
@@ -371,7 +371,7 @@ def test_a_sliding_query_sees_exactly_its_window_by_brute_force(target, sliding)
         ctx = sliding.fuse(feats[:anchor])  # (a, H)
         x = layer.input_layernorm(sliding._embed(ids))  # (B, H)
         pos_q, pos_c = anchor + torch.arange(B), torch.arange(anchor)
-        mask = window_mask(pos_q, torch.cat([pos_c, pos_q]), w)  # what every backend and the decoder use
+        mask = position_mask(pos_q, torch.cat([pos_c, pos_q]), w, True)  # what every backend and the decoder use
 
         def masked(q, kc, vc, kb, vb):
             return F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), attn_mask=mask,

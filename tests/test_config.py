@@ -53,6 +53,7 @@ def test_cli_strings_are_parsed_by_field_type():
         ({"drafter_window": 4}, "drafter_window 4 is set but no drafter layer is sliding_attention"),
         ({"drafter_layer_types": ["full_attention"] * 2}, "names 2 layers but drafter_layers is 1"),
         ({"drafter_layer_types": ["local"]}, "drafter_layer_types ['local'] are not drafter layer kinds"),
+        ({"drafter_causal": "bidirectional"}, "drafter_causal must be one of ['auto', 'causal', 'non_causal']"),
     ],
 )
 def test_bad_parameters_are_refused_naming_the_key(params, message):
@@ -79,6 +80,7 @@ OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (th
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
 OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
 OTHER_VALUE |= {"optimizer": "muon", "lr_schedule": "wsd"}  # issue 52 (the levers)
+OTHER_VALUE |= {"drafter_causal": "non_causal"}  # issue 54 (causality as the engines apply it)
 BY_HAND = {"target": "models/t", "target_engine": "vllm", "target_engine_url": "http://e:1", "target_engine_dir": "/e"}
 COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
            # needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults

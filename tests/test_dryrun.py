@@ -108,18 +108,19 @@ def test_flex_tiles_equal_the_tiles_of_the_dense_mask():
     assert dryrun.flex_tiles(layout) == want > 0
 
 
-@pytest.mark.parametrize("window", [1, 3, 40])
-def test_a_sliding_layers_flex_tiles_equal_the_tiles_of_its_windowed_mask(window):
-    """The tiles a sliding layer's block mask keeps: those of the dense mask AND the window (brute force over every
-    query and key); fewer than the full layer's for a narrow window, as many once the window covers every document."""
-    from dflash_lib.models.attention import dense_mask, window_mask
+@pytest.mark.parametrize("window, causal", [(1, True), (3, True), (40, True), (3, False), (1, False), (0, True)])
+def test_a_sliding_layers_flex_tiles_equal_the_tiles_of_its_windowed_mask(window, causal):
+    """The tiles a sliding or causal layer's block mask keeps: those of the dense mask AND its position rule (brute
+    force over every query and key); fewer than the full layer's for a narrow causal window, as many once the window
+    covers every document."""
+    from dflash_lib.models.attention import dense_mask, position_mask
 
     layout = _packed_flex_layout()
     q_pos = layout.block_pos.reshape(-1)
-    want = _mask_tiles(dense_mask(layout) & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window))
-    assert dryrun.flex_tiles(layout, window=window) == want > 0
-    assert want < dryrun.flex_tiles(layout) if window < 40 else want <= dryrun.flex_tiles(layout)  # 128-key tiles
-    assert dryrun.flex_tiles(layout, window=10_000) == dryrun.flex_tiles(layout)
+    want = _mask_tiles(dense_mask(layout) & position_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window, causal))
+    assert dryrun.flex_tiles(layout, window=window, causal=causal) == want > 0
+    assert want < dryrun.flex_tiles(layout) if causal and 0 < window < 40 else want <= dryrun.flex_tiles(layout)
+    assert dryrun.flex_tiles(layout, window=10_000, causal=causal) == dryrun.flex_tiles(layout, causal=causal)
 
 
 def test_a_sliding_drafters_flex_flops_count_each_layer_kinds_tiles():

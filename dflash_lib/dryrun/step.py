@@ -258,11 +258,11 @@ def _attention_flops(counter: FlopCounterMode) -> int:
     return sum(v for op, v in counter.get_flop_counts().get("Global", {}).items() if "attention" in str(op))
 
 
-def flex_tiles(layout: Any, tile: int = FLEX_TILE, window: int = 0) -> int:
+def flex_tiles(layout: Any, tile: int = FLEX_TILE, window: int = 0, causal: bool = False) -> int:
     """(query tile, key tile) pairs of 128 x 128 that FlexAttention's block mask keeps for this layout: a tile is
     computed when one of its queries may see one of its keys. Keys are [the C context entries ; the n*B block
-    queries] (attention.flex_block_mask); `window` w > 0: a sliding layer's (query position p sees p - w < j <= p).
-    Host numpy on the host layout."""
+    queries] (attention.flex_block_mask); `window` w > 0: a sliding layer's (query position p sees p - w < j, and
+    j < p + w unless causal); `causal`: j <= p. Host numpy on the host layout."""
     B, n = layout.block_size, layout.num_blocks
     ctx_doc = layout.ctx_doc.numpy()
     C, Q = len(ctx_doc), n * B
@@ -280,9 +280,11 @@ def flex_tiles(layout: Any, tile: int = FLEX_TILE, window: int = 0) -> int:
             start = lo[i] + (max(0, int(anchor[i]) + j0 - window + 1) if window else 0)
             if hi[i] > start:
                 grid[qt, start // tile:(hi[i] - 1) // tile + 1] = True
-    blocks = np.arange(n) * B  # ... and its own block: every pair of it (window: j - w < k <= j)
+    blocks = np.arange(n) * B  # ... and its own block: the pairs (j, k) that `attention.position_mask` keeps
     for j in range(B):
-        for k in range(max(0, j - window + 1), j + 1) if window else range(B):
+        lo = max(0, j - window + 1) if window else 0
+        hi = j + 1 if causal else min(B, j + window) if window else B
+        for k in range(lo, hi):
             grid[(blocks + j) // tile, (C + blocks + k) // tile] = True
     return int(grid.sum())
 
@@ -309,14 +311,14 @@ class _FlexAllocations(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _flex_standin(tally: dict[int, dict[str, int]]):
+def _flex_standin(tally: dict[tuple[int, bool], dict[str, int]]):
     """Route the drafter's `flex` backend to `_FlexAllocations` (plus the block mask's tile tables) meanwhile."""
     real = drafter_module.make_attend
 
-    def make_attend(layout, backend, window=0):
+    def make_attend(layout, backend, window=0, causal=False):
         if backend != "flex":
-            return real(layout, backend, window)
-        calls = tally.setdefault(window, {"forward": 0, "backward": 0})  # per window (0: full layers)
+            return real(layout, backend, window, causal)
+        calls = tally.setdefault((window, causal), {"forward": 0, "backward": 0})  # per layer kind
         Q, C = layout.num_queries, int(layout.ctx_doc.shape[0])
         qt, kt = -(-Q // FLEX_TILE), -(-(C + Q) // FLEX_TILE)
         dev = layout.block_doc.device
@@ -458,7 +460,7 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
     # add its own memory to the peak.
     tracker = StepMemTracker()
     tracker.track_external(*models.held, drafter, opt, *_tensors(dev_batch), *_tensors(dev_layout))
-    flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
+    flex: dict[tuple[int, bool], dict[str, int]] = {}  # (window, causal) -> the stand-in's calls
     first = CommTally()  # the all-gathers of the first pass: a model's first one starts with nothing gathered
     t0 = time.perf_counter()
     linear = {"flops": 0}  # the linear-attention stand-in's FLOPs (counted in the second pass)
@@ -476,14 +478,15 @@ def measure_step(models: StepModels, batch: Batch, seed: int = 0, count_flops: b
 
     tally = _FlopTally(drafter.cfg.draft_vocab_size or drafter.cfg.vocab_size)  # the head: V or N rows
     counters = {name: tally.counter() for name in ("target", "drafter", "backward")}
-    flex: dict[int, dict[str, int]] = {}  # window -> the stand-in's calls
+    flex: dict[tuple[int, bool], dict[str, int]] = {}  # (window, causal) -> the stand-in's calls
     comm = CommTally()
     linear["flops"] = 0
     with models.context, _flex_standin(flex), _linear_attention_standin(linear), comm:
         step(lambda name: counters[name])
     flex_flops = 0
-    for window, calls in flex.items():  # per layer kind: the tiles its block mask keeps
-        computed = pairs["computed"] if not window else float(flex_tiles(layout, window=window) * FLEX_TILE ** 2)
+    for (window, causal), calls in flex.items():  # per layer kind: the tiles its block mask keeps
+        computed = (float(flex_tiles(layout, window=window, causal=causal) * FLEX_TILE ** 2) if window or causal
+                    else pairs["computed"])
         per_forward = 4 * drafter.cfg.num_heads * drafter.cfg.head_dim * computed  # 2 matmuls per pair
         flex_flops += int(per_forward * calls["forward"] + 2.5 * per_forward * calls["backward"])  # backward: 5
     sdpa = _attention_flops(counters["drafter"]) + _attention_flops(counters["backward"])

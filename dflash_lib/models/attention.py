@@ -1,7 +1,7 @@
 """The drafter's attention backends, `dense` (the reference), `blocks`, `flex` and `auto`: block queries over
 [document context ; own block] for one micro-batch in the flat layout of `layout.py`, under the visibility rule of
-docs/dflash.md ("One training step"; sliding layers: "The drafter"). `make_attend` builds one layer kind's
-attention once per micro-batch, its masks shared by every layer of the kind.
+docs/dflash.md ("One training step"; sliding and causal layers: "The drafter"). `make_attend` builds one layer
+kind's attention (its window, its causality) once per micro-batch, its masks shared by every layer of the kind.
 
 What each backend computes, where it runs and what it costs: docs/scale.md, "The drafter's attention and the step
 on the device".
@@ -41,11 +41,15 @@ def dense_mask(layout: DraftLayout) -> torch.Tensor:
     return torch.cat([ctx, blk.unsqueeze(1) == blk.unsqueeze(0)], dim=1)
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """(Q, K) bool: key position k_pos[j] is within the sliding window of query position q_pos[i], i.e.
-    q - w < k <= q (positions: document-local ints; (Q,) and (K,))."""
-    d = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (Q, K)
-    return (d >= 0) & (d < window)
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """(Q, K) bool: query position q_pos[i] may see key position k_pos[j] under one layer's rule (positions:
+    document-local ints; (Q,) and (K,)). `causal`: k <= q. `window` w > 0: q - w < k, and k < q + w when not
+    causal (the engines' non-causal sliding window reaches both ways). Neither: every key."""
+    d = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (Q, K) q - k
+    seen = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+    if window:
+        seen = seen & (d < window) & (d > -window)  # d > -w is implied by d >= 0 when causal
+    return seen
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -57,11 +61,11 @@ def unmasked_attend(q, kc, vc, kb, vb) -> torch.Tensor:
     return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), None)
 
 
-def dense_attend(layout: DraftLayout, window: int = 0) -> Attend:
+def dense_attend(layout: DraftLayout, window: int = 0, causal: bool = False) -> Attend:
     mask = dense_mask(layout)  # built once, shared by every layer of the kind
-    if window:
+    if window or causal:
         q_pos = layout.block_pos.reshape(-1)  # (Q,)
-        mask = mask & window_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window)
+        mask = mask & position_mask(q_pos, torch.cat([layout.ctx_pos, q_pos]), window, causal)
 
     def attend(q, kc, vc, kb, vb):
         return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
@@ -74,7 +78,7 @@ def _run_attention(q, kc, vc, kb, vb, mask) -> torch.Tensor:
     return _sdpa(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
 
 
-def blocks_attend(layout: DraftLayout, window: int = 0) -> Attend:
+def blocks_attend(layout: DraftLayout, window: int = 0, causal: bool = False) -> Attend:
     g = layout.groups
     if g is None:
         raise ValueError("the blocks backend needs a layout built with attention='blocks' (block groups)")
@@ -85,8 +89,8 @@ def blocks_attend(layout: DraftLayout, window: int = 0) -> Attend:
         qs = slice(g.first[i] * B, (g.first[i] + g.size[i]) * B)
         cs = slice(g.ctx_start[i], g.ctx_start[i] + g.ctx_len[i])
         mask = g.mask[g.offset[i]:g.offset[i + 1]].view(g.size[i] * B, g.ctx_len[i] + g.size[i] * B)
-        if window:
-            mask = mask & window_mask(q_pos[qs], torch.cat([layout.ctx_pos[cs], q_pos[qs]]), window)
+        if window or causal:
+            mask = mask & position_mask(q_pos[qs], torch.cat([layout.ctx_pos[cs], q_pos[qs]]), window, causal)
         runs.append((qs, cs, mask))
 
     def attend(q, kc, vc, kb, vb):
@@ -103,9 +107,9 @@ def blocks_attend(layout: DraftLayout, window: int = 0) -> Attend:
     return attend
 
 
-def flex_block_mask(layout: DraftLayout, compile_mask: bool, window: int = 0):
+def flex_block_mask(layout: DraftLayout, compile_mask: bool, window: int = 0, causal: bool = False):
     """FlexAttention BlockMask of the micro-batch over keys [C context entries ; Q block queries] (a sliding
-    layer's with `window` w > 0)."""
+    layer's with `window` w > 0, a causal layer's with `causal`: `position_mask`'s rule)."""
     from torch.nn.attention.flex_attention import create_block_mask  # only the flex backend needs it (heavy)
 
     B, n, Q = layout.block_size, layout.num_blocks, layout.num_queries
@@ -123,9 +127,11 @@ def flex_block_mask(layout: DraftLayout, compile_mask: bool, window: int = 0):
         kk = torch.clamp(ki, max=C + Q - 1)
         ctx = (key_doc[kk] == q_doc[blk]) & (key_pos[kk] < q_anchor[blk])
         seen = ctx | (key_blk[kk] == blk)
+        d = q_pos[torch.clamp(qi, max=Q - 1)] - key_pos[kk]
+        if causal:
+            seen = seen & (d >= 0)
         if window:
-            d = q_pos[torch.clamp(qi, max=Q - 1)] - key_pos[kk]
-            seen = seen & (d >= 0) & (d < window)
+            seen = seen & (d < window) & (d > -window)
         return seen
 
     return create_block_mask(mask_mod, None, None, Q, C + Q, device=dev, _compile=compile_mask)
@@ -134,12 +140,12 @@ def flex_block_mask(layout: DraftLayout, compile_mask: bool, window: int = 0):
 _COMPILED_FLEX = None
 
 
-def flex_attend(layout: DraftLayout, window: int = 0) -> Attend:
+def flex_attend(layout: DraftLayout, window: int = 0, causal: bool = False) -> Attend:
     from torch.nn.attention.flex_attention import flex_attention  # only the flex backend needs it (heavy)
 
     global _COMPILED_FLEX
     cuda = layout.block_doc.device.type == "cuda"
-    block_mask = flex_block_mask(layout, compile_mask=cuda, window=window)
+    block_mask = flex_block_mask(layout, compile_mask=cuda, window=window, causal=causal)
     fn = flex_attention
     if cuda:  # eager FlexAttention on CUDA is a slow reference; the compiled kernel is the real one
         if _COMPILED_FLEX is None:
@@ -157,17 +163,18 @@ def flex_attend(layout: DraftLayout, window: int = 0) -> Attend:
     return attend
 
 
-def make_attend(layout: DraftLayout, backend: str, window: int = 0) -> Attend:
+def make_attend(layout: DraftLayout, backend: str, window: int = 0, causal: bool = False) -> Attend:
     """The attention of every drafter layer of one kind for this micro-batch (masks built once here, not per
-    layer): full layers (`window` 0), or sliding layers of `window` w positions."""
+    layer): full layers (`window` 0) or sliding layers of `window` w positions, attending causally inside their
+    block or not (`causal`; `position_mask`)."""
     if layout.num_blocks == 0:
         raise ValueError("make_attend: the layout has no block")
     if backend == "dense":
-        return dense_attend(layout, window)
+        return dense_attend(layout, window, causal)
     if backend == "blocks":
-        return blocks_attend(layout, window)
+        return blocks_attend(layout, window, causal)
     if backend == "flex":
-        return flex_attend(layout, window)
+        return flex_attend(layout, window, causal)
     raise ValueError(f"unknown drafter attention backend {backend!r}; known: {list(BACKENDS)}")
 
 

@@ -25,7 +25,8 @@ from dflash_lib.config import (ConfigError, ModelConfig, check_drafter_layer_typ
                                reads_final_states)
 from dflash_lib.data.batch import Batch
 from dflash_lib.models.anchors import Anchors, default_gamma, sample_anchors
-from dflash_lib.models.attention import Attend, make_attend, resolve_attention, window_mask
+from dflash_lib.models.attention import Attend, make_attend, position_mask, resolve_attention
+from dflash_lib.models.causality import default_causal, layer_causal
 from dflash_lib.models.layers import DraftLayer, RMSNorm, Rotary
 from dflash_lib.models.layout import DraftLayout, build_layout
 from dflash_lib.models.draft_vocab import target_to_draft
@@ -92,11 +93,16 @@ class DrafterConfig:
     position_weight: str = "decay"  # "decay" | "dpace"
     dpace_alpha: float = 0.5  # D-PACE smoothing, in [0, 1]
     layer_types: list[str] = dataclasses.field(default_factory=list)  # per layer; empty = all full_attention
-    sliding_window: int = 0  # sliding layers: keys at p - w < j <= p of a query at p (0 = none)
+    sliding_window: int = 0  # sliding layers: keys at p - w < j of a query at p (0 = none)
+    causal: bool | None = None  # every layer causal in its block (True) or none (False); None = vLLM's default,
+    # sliding layers causal and full ones not (models/causality.py); an override equal to the default is kept as None
     draft_vocab_size: int = 0  # N > 0: the head is the target's rows of N tokens (draft_vocab.py); 0 = all rows
 
     def __post_init__(self) -> None:
         check_drafter_layer_types(self.layer_types, self.sliding_window, self.num_layers)
+        if self.causal is not None and [self.causal] * self.num_layers == default_causal(self.layer_types,
+                                                                                         self.num_layers):
+            self.causal = None
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_id < self.vocab_size:
@@ -137,6 +143,16 @@ class DrafterConfig:
         kinds = self.layer_types or ["full_attention"] * self.num_layers
         return [self.sliding_window if k == "sliding_attention" else 0 for k in kinds]
 
+    @property
+    def layer_causal(self) -> list[bool]:
+        """Per layer: attends causally inside its block (`causal`, else vLLM's default by layer kind)."""
+        return layer_causal(self.layer_types, self.num_layers, self.causal)
+
+    @property
+    def layer_attention(self) -> list[tuple[int, bool]]:
+        """Per layer: (its window, 0 for full attention; causal in its block) -- what its masks follow."""
+        return list(zip(self.layer_windows, self.layer_causal))
+
     @classmethod
     def from_model_config(cls, cfg: "ModelConfig", target: TargetParts) -> "DrafterConfig":
         """Attention shape and MLP width by `drafter_shape`, RoPE base from the target, the rest from `cfg`."""
@@ -154,6 +170,7 @@ class DrafterConfig:
             loss=cfg.loss, kl_weight=cfg.kl_weight, kl_temperature=cfg.kl_temperature,
             position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha,
             layer_types=list(cfg.drafter_layer_types), sliding_window=cfg.drafter_window,
+            causal={"auto": None, "causal": True, "non_causal": False}[cfg.drafter_causal],
             draft_vocab_size=cfg.draft_vocab,
         )
 
@@ -189,10 +206,10 @@ class DraftContextCache:
             self.values.append(nv)
 
 
-def _window_attend(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> Attend:
-    """Inference attention of one block: every key of [context ; block] (positions `k_pos`) for a full layer
-    (`window` 0), those at p - w < j <= p of a query at p (`q_pos`) for a sliding one."""
-    mask = window_mask(q_pos, k_pos, window) if window else None
+def _block_attend(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> Attend:
+    """Inference attention of one block: every key of [context ; block] (positions `k_pos`) for a full non-causal
+    layer, those `position_mask` keeps for a query at p (`q_pos`) for a sliding (`window` w) or causal one."""
+    mask = position_mask(q_pos, k_pos, window, causal) if window or causal else None
 
     def attend(q, kc, vc, kb, vb):
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
@@ -293,14 +310,14 @@ class DFlashDrafter(nn.Module):
     def _layers(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
                 attends: dict[int, Attend], checkpointing: int = 0) -> torch.Tensor:
         """block_ids, block_pos (Q,); ctx (C, H); ctx_pos (C,) -> (Q, H) final-normed block states; `attends`
-        by window (0 = full layers, `cfg.layer_windows`); the first `checkpointing` layers are recomputed in the
+        by (window, causal) (`cfg.layer_attention`); the first `checkpointing` layers are recomputed in the
         backward."""
         dtype = self.fc.weight.dtype
         x = self._embed(block_ids).to(dtype)  # (Q, H)
         rope_q = self.rotary(block_pos, dtype)  # (Q, d) each
         rope_ctx = self.rotary(ctx_pos, dtype)  # (C, d) each
-        for i, (layer, window) in enumerate(zip(self.layers, self.cfg.layer_windows)):
-            attend = attends[window]
+        for i, (layer, kind) in enumerate(zip(self.layers, self.cfg.layer_attention)):
+            attend = attends[kind]
             if i < checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_ctx, attend, use_reentrant=False)
             else:
@@ -362,8 +379,7 @@ class DFlashDrafter(nn.Module):
             return torch.zeros(0, self.cfg.hidden_size, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         ctx = self.fuse(self.context_features(features, layout))  # (C, H)
         backend = self.attention_backend()
-        attends = {w: make_attend(layout, backend, w) if w else make_attend(layout, backend)
-                   for w in set(self.cfg.layer_windows)}
+        attends = {(w, c): make_attend(layout, backend, w, c) for w, c in set(self.cfg.layer_attention)}
         return self._layers(layout.block_ids.reshape(-1), layout.block_pos.reshape(-1), ctx, layout.ctx_pos,
                             attends, self.checkpointing)
 
@@ -394,8 +410,8 @@ class DFlashDrafter(nn.Module):
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
         """Per-block inference forward for one document: the context is exactly the positions 0 .. anchor_pos-1
-        and the block sees itself fully (no mask), a sliding layer only the keys at p - w < j <= p of a query at p
-        (`_window_attend`). Runs under bf16 autocast on CUDA.
+        and a full non-causal layer's block sees itself fully (no mask); a sliding or causal layer sees the keys
+        `attention.position_mask` keeps (`_block_attend`). Runs under bf16 autocast on CUDA.
 
         features (>= anchor_pos, F*H) of the document; block_ids (B,) -> logits (B, V).
         """
@@ -406,7 +422,7 @@ class DFlashDrafter(nn.Module):
             B = block_ids.shape[0]
             block_pos = anchor_pos + torch.arange(B, device=dev)  # (B,)
             keys = torch.cat([ctx_pos, block_pos])  # (a + B,) positions of [context ; block]
-            attends = {w: _window_attend(block_pos, keys, w) for w in set(self.cfg.layer_windows)}
+            attends = {(w, c): _block_attend(block_pos, keys, w, c) for w, c in set(self.cfg.layer_attention)}
             h = self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, attends)  # (B, H)
             return self._head(h).float()
 
@@ -456,10 +472,10 @@ class DFlashDrafter(nn.Module):
             no_ctx = x.new_zeros(0, x.shape[1])  # the context enters through the cache, not the layer
             rope_none = (rope_q[0][:0], rope_q[1][:0])
             q_pos = a + torch.arange(B, device=dev)  # (B,)
-            masks = {w: window_mask(q_pos, torch.arange(a + B, device=dev), w) if w else None
-                     for w in set(self.cfg.layer_windows)}
-            for layer, keys, values, w in zip(self.layers, cache.keys, cache.values, self.cfg.layer_windows):
-                def attend(q, kc, vc, kb, vb, keys=keys, values=values, mask=masks[w]):
+            masks = {(w, c): position_mask(q_pos, torch.arange(a + B, device=dev), w, c) if w or c else None
+                     for w, c in set(self.cfg.layer_attention)}
+            for layer, keys, values, kind in zip(self.layers, cache.keys, cache.values, self.cfg.layer_attention):
+                def attend(q, kc, vc, kb, vb, keys=keys, values=values, mask=masks[kind]):
                     # The block's keys/values go in the slots after the context (scratch: the next extend
                     # overwrites them), so the queries attend one contiguous prefix view, nothing is copied.
                     keys[:, :, a:a + B] = kb
