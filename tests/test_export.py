@@ -313,7 +313,8 @@ def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path
 def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tmp_path):
     """Sliding drafter layers: config.json holds `layer_types` (per layer) and `sliding_window` (the window
     vLLM's DFlash reads when dflash_config.swa_window_size is absent), the reload is the same drafter, and a
-    config vLLM would read otherwise (no window, causal / use_swa overrides) is refused in one line."""
+    config vLLM would read otherwise (no window, a use_swa override, a causality field that is no bool) is refused
+    in one line."""
     base = _drafter(target).cfg
     cfg = DrafterConfig(**{**base.to_dict(), "layer_types": ["sliding_attention", "full_attention"],
                            "sliding_window": 6})
@@ -328,7 +329,8 @@ def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tm
     torch.testing.assert_close(_logits(loaded, target), _logits(drafter, target), rtol=0, atol=0)
     assert float((_logits(_drafter(target), target) - _logits(drafter, target)).abs().max()) > 1e-4
     for bad, why in [({"sliding_window": None}, "sliding_window is None"),
-                     ({"dflash_config": {**doc["dflash_config"], "causal": True}}, "dflash_config.causal"),
+                     ({"dflash_config": {**doc["dflash_config"], "use_swa": True}}, "dflash_config.use_swa"),
+                     ({"is_causal": "false"}, "is_causal 'false' is not true, false or null"),
                      ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types")]:
         (tmp_path / "config.json").write_text(json.dumps({**doc, **bad}))
         with pytest.raises(ConfigError, match=why) as e:

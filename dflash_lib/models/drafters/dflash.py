@@ -12,6 +12,8 @@ import torch
 import transformers
 
 from dflash_lib.config import ConfigError
+from dflash_lib.models.causality import FIELDS, NESTED_FIELD, engine_layer_types, field_value, override_of, \
+    write_causality
 from dflash_lib.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_lib.models.drafters.kind import CONFIG_FILE, WEIGHTS_FILE, DrafterKind
 
@@ -42,7 +44,7 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
     training settings of `cfg`."""
     L = cfg.num_layers
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    return {
+    doc = {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": L,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -52,7 +54,7 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
         "vocab_size": cfg.vocab_size, "max_position_embeddings": int(max_position_embeddings),
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
         "initializer_range": cfg.initializer_range, "use_cache": True,
-        # sliding layers (vLLM's DFlash: causal in the block, the window from `sliding_window`); all full: none
+        # sliding layers (vLLM's DFlash takes the window from `sliding_window`); all full: none
         "use_sliding_window": bool(cfg.sliding_window), "sliding_window": cfg.sliding_window or None,
         "max_window_layers": L, "layer_types": list(cfg.layer_types) or ["full_attention"] * L,
         "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
@@ -65,13 +67,15 @@ def serving_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddin
         # a draft vocabulary: vLLM's own lm_head of N rows and d2t (target id = draft id + d2t[draft id])
         **({"draft_vocab_size": cfg.draft_vocab_size} if cfg.draft_vocab_size else {}),
     }
+    return write_causality(doc, cfg.layer_types, cfg.layer_causal, NESTED_FIELD)  # dflash_config.causal
 
 
 def trained_as(cfg: DrafterConfig, weights_sha256: str) -> dict[str, Any]:
     """What the engines read that training fixed, as the export wrote it: the fused target layers, the MASK id,
-    the block size and the weights file's SHA-256 (the doctor's `trained_as` rule compares the folder with it)."""
+    the block size, the layers' causality and the weights file's SHA-256 (the doctor's `trained_as` and `causality`
+    rules compare the folder with it)."""
     return {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_id,
-            "block_size": cfg.block_size, "weights_sha256": weights_sha256}
+            "block_size": cfg.block_size, "layer_causal": cfg.layer_causal, "weights_sha256": weights_sha256}
 
 
 def training(doc: dict[str, Any]) -> dict[str, Any]:
@@ -105,15 +109,18 @@ def check_doc(doc: dict[str, Any], path: Path) -> None:
     unsupported = {"model_type": (doc.get("model_type"), MODEL_TYPE),
                    "attention_bias": (doc.get("attention_bias", False), False),
                    "hidden_act": (doc.get("hidden_act", "silu"), "silu")}
-    kinds = set(doc.get("layer_types") or ["full_attention"])
+    kinds = set(engine_layer_types(doc) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         unsupported["layer_types"] = (sorted(kinds), ["full_attention", "sliding_attention"])
     if "sliding_attention" in kinds and not doc.get("sliding_window"):
         raise ConfigError(f"{path}: layer_types has sliding_attention layers but sliding_window is "
                           f"{doc.get('sliding_window')!r} (their window in positions)")
-    if (doc.get("dflash_config") or {}).get("causal") is not None or (doc.get("dflash_config") or {}).get("use_swa"):
-        raise ConfigError(f"{path}: dflash_config.causal / use_swa are not supported (this drafter implements "
-                          "vLLM's default: sliding layers causal in their block, full layers not)")
+    if (doc.get("dflash_config") or {}).get("use_swa"):
+        raise ConfigError(f"{path}: dflash_config.use_swa is not supported (it makes vLLM run every layer sliding "
+                          "whatever layer_types says)")
+    for field in FIELDS:  # vLLM reads bool(value): the string "false" would be causal
+        if not isinstance(field_value(doc, field), (bool, type(None))):
+            raise ConfigError(f"{path}: {field} {field_value(doc, field)!r} is not true, false or null")
     rope_type = (doc.get("rope_parameters") or doc.get("rope_scaling") or {}).get("rope_type", "default")
     unsupported["rope_type"] = (rope_type, "default")
     for key, (got, want) in unsupported.items():
@@ -144,7 +151,7 @@ def read_config(doc: dict[str, Any], where: str = CONFIG_FILE) -> DrafterConfig:
             block_size=int(dc.get("block_size", doc.get("block_size", 0))), mask_id=int(dc["mask_token_id"]),
             rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 1_000_000.0))),
-            **_layer_kinds(doc), draft_vocab_size=_draft_vocab_size(doc),
+            **_layer_kinds(doc), causal=override_of(doc), draft_vocab_size=_draft_vocab_size(doc),
             **{k: v for k, v in (dc.get("training") or {}).items() if k in TRAINING_KEYS},
         )
     except KeyError as e:
@@ -158,8 +165,9 @@ def _draft_vocab_size(doc: dict[str, Any]) -> int:
 
 
 def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
-    """DrafterConfig's layer_types and sliding_window from a config.json: none for an all-full drafter."""
-    kinds = [str(k) for k in doc.get("layer_types") or []]
+    """DrafterConfig's layer_types and sliding_window from a config.json, the kinds as vLLM's config holds them
+    (`causality.engine_layer_types`): none for an all-full drafter."""
+    kinds = engine_layer_types(doc)
     if "sliding_attention" not in kinds:
         return {}
     return dict(layer_types=kinds, sliding_window=int(doc["sliding_window"]))
