@@ -21,6 +21,7 @@ from dflash_lib.config import MAPPED_VOCAB_FILE, ConfigError, DataConfig, from_p
 from dflash_lib.data.readers import Conversation, DataError, load_conversations
 from dflash_lib.data.templates import ChatTemplate, get_template
 from dflash_lib.data.tokenizers import ChatTokenizer, is_mapped_tokenizer, load_tokenizer
+from dflash_lib.models.causality import NESTED_FIELD, TOP_FIELD
 from dflash_lib.models.drafters import KINDS, DrafterKind
 from dflash_lib.models.drafters.kind import CONFIG_FILE, WEIGHTS_FILE
 from dflash_lib.models.export import file_sha256
@@ -403,6 +404,49 @@ def trained_as_rule(doc: Mapping[str, Any], weights_file: Path) -> RuleResult:
                       "settings, train with them")
 
 
+def served_causal(doc: Mapping[str, Any]) -> list[bool]:
+    """Per draft layer: whether vLLM runs it causal in its block, this module's reading of its rule (vLLM 0.32,
+    `qwen3_dflash`): a top-level is_causal decides every layer, else dflash_config.causal; without either a
+    sliding_attention layer is causal and the others not, the kinds being `layer_types` or, without it, Qwen3's
+    (sliding from max_window_layers on when use_sliding_window); an empty `layer_types` makes none causal."""
+    n = int(doc.get("num_hidden_layers") or 0)
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    for value in (doc.get(TOP_FIELD), dc.get("causal")):
+        if value is not None:
+            return [bool(value)] * n
+    kinds = doc.get("layer_types")
+    if kinds is None:
+        sliding = doc.get("use_sliding_window") and doc.get("sliding_window", 4096) is not None
+        return [bool(sliding) and i >= int(doc.get("max_window_layers", 28)) for i in range(n)]
+    return [k == "sliding_attention" for k in kinds] if kinds else [False] * n
+
+
+def causality_rule(doc: Mapping[str, Any]) -> RuleResult:
+    """The layers vLLM runs causal in their block (`served_causal`) against dflash_config.training.trained_as's
+    layer_causal (what training ran); a causality field that is no bool, or two that disagree, fail on their own."""
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    given = {TOP_FIELD: doc.get(TOP_FIELD), NESTED_FIELD: dc.get("causal")}  # the fields the kinds write
+    shown = ", ".join(f"{k} {v!r}" for k, v in given.items())
+    fix = ("export the drafter again (python -m dflash_lib export RUN OUT writes what vLLM must read), or train "
+           "with -p drafter_causal as this folder states it")
+    bad = [k for k, v in given.items() if v is not None and not isinstance(v, bool)]
+    if bad:
+        return RuleResult("causality", False, f"{shown}: {bad[0]} is no true/false (vLLM reads bool(value): any "
+                          "non-empty string is causal)", fix)
+    if len({v for v in given.values() if v is not None}) > 1:
+        return RuleResult("causality", False, f"{shown}: they disagree (vLLM 0.32 takes {TOP_FIELD}; another "
+                          "engine may take the other)", fix)
+    served = served_causal(doc)
+    training = dc.get("training") if isinstance(dc.get("training"), dict) else {}
+    record = (training.get("trained_as") or {}).get("layer_causal") if isinstance(training, dict) else None
+    detail = f"{shown}, layer_types {doc.get('layer_types')!r}: vLLM runs layers causal {served}"
+    if not isinstance(record, list):
+        return RuleResult("causality", None, detail + " (no dflash_config.training.trained_as.layer_causal to "
+                          "compare with)")
+    ok = served == record
+    return RuleResult("causality", ok, detail + ("" if ok else f", training ran {record}"), fix)
+
+
 # -- the chat-template rule ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainingRender:
@@ -554,6 +598,7 @@ def diagnose(export_dir: str | Path, target: str | Path, params: Mapping[str, An
     report.rules += config_rules(doc, facts)
     report.rules += weight_rules(doc, safetensors_header(src / WEIGHTS_FILE))
     report.rules.append(trained_as_rule(doc, src / WEIGHTS_FILE))
+    report.rules.append(causality_rule(doc))
     rule, report.mismatch = chat_template_rule(doc, str(target), params, samples)
     report.rules.append(rule)
     return report

@@ -73,7 +73,7 @@ def test_demo_chain_on_smoke_parameters_with_the_real_target(tmp_path):
     assert sampled["temperature"] == 1.0 and [r["benchmark"] for r in sampled["benchmarks"]] == [
         "heldout", "humaneval", "mt-bench"]
     doctor = evaluation["doctor"]  # the export against the real target, its chat template included: passes
-    assert doctor["ok"] and doctor["summary"] == "13 of 13 rules pass", doctor["lines"]
+    assert doctor["ok"] and doctor["summary"] == "14 of 14 rules pass", doctor["lines"]
     page = (demo_dir / "report.html").read_text()
     assert "Evaluation: what training bought" in page
     assert "<h3>Per benchmark (final drafter)</h3>" in page and "<th>tau T=1</th>" in page

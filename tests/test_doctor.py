@@ -31,7 +31,8 @@ CONVERSATIONS = [
     [("user", "Hi"), ("assistant", "Hello."), ("user", "2+2?"), ("assistant", "4, I think.")],
 ]
 RULES = ["architecture", "hidden_act", "hidden_size", "vocab_size", "block_size", "target_layer_ids",
-         "engine_layer_ids", "mask_token_id", "weights", "no_embedding", "dtype", "trained_as", "chat_template"]
+         "engine_layer_ids", "mask_token_id", "weights", "no_embedding", "dtype", "trained_as", "causality",
+         "chat_template"]
 WATCHED = {"dflash_target_layer_ids", "dflash_mask_token_id", "dflash_block_size", "block_size"}  # trained_as's
 
 
@@ -214,7 +215,38 @@ def test_a_folder_without_the_training_record_makes_trained_as_not_applicable(se
     del doc["dflash_config"]["training"]["trained_as"]
     (folder / "config.json").write_text(json.dumps(doc))
     report = diagnose(folder, target_dir, {"doctor_samples": 1})
-    assert report.ok and report.not_applicable() == ["trained_as"]
+    assert report.ok and report.not_applicable() == ["trained_as", "causality"]
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(dflash_causal=True), "vLLM runs layers causal [True, True], training ran [False, False]"),
+    (dict(is_causal=True, dflash_causal=None), "vLLM runs layers causal [True, True], training ran [False, False]"),
+    (dict(dflash_causal=None, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+     "vLLM runs layers causal [True, False], training ran [False, False]"),  # vLLM's default for each kind
+    (dict(is_causal="false"), "is_causal is no true/false"),  # bool("false") is True
+    (dict(is_causal=False, dflash_causal=True), "they disagree (vLLM 0.32 takes is_causal"),
+])
+def test_a_folder_served_with_other_causality_than_trained_fails_the_causality_rule(setup, tmp_path, changes, says):
+    """The export of two full non-causal layers states dflash_config.causal false; an edit that makes vLLM run
+    other layers causal, or a field it reads otherwise than meant, fails `causality`."""
+    export, target_dir, _ = setup
+    assert json.loads((export / "config.json").read_text())["dflash_config"]["causal"] is False
+    report = diagnose(_copy(export, tmp_path, **changes), target_dir, {"doctor_samples": 1})
+    assert _failed(report) == ["causality"], report.lines()
+    rule = next(r for r in report.rules if r.name == "causality")
+    assert says in rule.detail and "-p drafter_causal" in rule.fix
+
+
+def test_the_doctors_reading_of_the_layer_kinds_without_layer_types_is_qwen3s():
+    """No layer_types: Qwen3's config makes layers sliding from max_window_layers on when use_sliding_window (and a
+    window) is set; an empty list makes none causal."""
+    from dflash_lib.doctor import served_causal
+
+    doc = {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    assert served_causal(doc) == [False, True, True]
+    assert served_causal({**doc, "sliding_window": None}) == served_causal({**doc, "use_sliding_window": False}) \
+        == served_causal({**doc, "layer_types": []}) == [False] * 3
+    assert served_causal({**doc, "dflash_config": {"causal": False}, "is_causal": None}) == [False] * 3
 
 
 TARGET = TargetReading("target", H, LAYERS, 302)
