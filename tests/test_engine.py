@@ -395,6 +395,28 @@ def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
+def test_a_non_causal_sliding_drafter_is_served_as_we_decode_it(served, tmp_path):
+    """z-lab's DFlash2 layout in small: two `sliding_attention` layers that are not causal (`-p drafter_causal
+    non_causal`, exported as dflash_config.causal false) with a window of 3, which vLLM's non-causal window takes
+    both ways: inside the block of 4 too. Trained here and exported in fp32, vLLM serves it with our answers and
+    exactly our cycles (greedy fp32); the same weights run causal, vLLM's default for the kind, draft otherwise
+    (two layers: with one, the block keys a causal query misses are MASK rows of one value, and no draft moved)."""
+    from dflash_lib.models import DFlashDrafter, DrafterConfig
+
+    target, _, _, server = served
+    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "num_layers": 2,
+                           "layer_types": ["sliding_attention"] * 2, "sliding_window": 3, "causal": False})
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, target)
+    ours = trained_and_served_as_ours(drafter, server, tmp_path / "non_causal")
+    causal = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "causal": None}), target)
+    causal.load_state_dict(drafter.state_dict())
+    assert causal.cfg.layer_causal == [True] * 2 and drafter.cfg.layer_causal == [False] * 2
+    assert acceptance_length(target, causal, TRAINED[:4], NEW).cycle_log != ours.cycle_log
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # its own engine start (~30 s)
 def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
     """A drafter whose head is the target's rows of the answers' most frequent tokens, fewer than the answers use
     (so some labels are outside it), trained here and exported in fp32 (draft_vocab_size, d2t, lm_head): vLLM
