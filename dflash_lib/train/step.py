@@ -80,6 +80,7 @@ def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Param
     if not isinstance(parallel, distributed.DrafterParallel):  # a plain drafter: one process
         parallel = distributed.DrafterParallel(parallel, "single", 1, next(parallel.parameters()).device)
     drafter = parallel.drafter
+    drafter.begin_step(step)  # a loss that changes with the step (dflash2's selector warm-up)
     device = next(drafter.parameters()).device
     live = [it for it in items if it.batch is not None]
     if any(it.layout is None or it.device_layout is None for it in live):
