@@ -161,6 +161,7 @@ class DFlash2Drafter(DFlashDrafter):
     """The DFlash2 drafter (module docstring); everything else as DFlashDrafter."""
 
     cfg: DFlash2Config
+    walks_candidates = True  # drafts by the selector's walk, not from its logits: sampled decoding proposes the walk
 
     def __init__(self, cfg: DFlash2Config, target: TargetParts, attention: str = "auto",
                  checkpointing: bool | int = False):
