@@ -253,3 +253,20 @@ def test_vllms_cpu_build_refuses_to_serve_a_dflash2_drafter_in_one_line(installe
     message = str(e.value)
     assert "\n" not in message and "engine.log" in message
     assert "does not support: DFlash candidate-head drafts" in message
+
+
+def test_muon_leaves_the_codebooks_and_the_convolution_bases_to_adamw(target):
+    """The codebooks are lookup tables (rows gathered by token id, as an embedding's) and the bases 3-D: AdamW; the
+    kernel projections and the selector's hidden projection are linear maps: Muon."""
+    from dflash_lib.config import TrainConfig
+    from dflash_lib.train.step import build_optimizer
+
+    d = _drafter(target, perturbed=False)
+    names = {id(p): n for n, p in d.named_parameters()}
+    muon, adamw = build_optimizer([p for p in d.parameters() if p.requires_grad], TrainConfig(optimizer="muon"),
+                                  torch.device("cpu"))
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "layers.0.attention_conv.base_kernel"} <= in_adamw
+    assert {"candidate_selector.hidden_projection.weight", "layers.1.mlp_conv.kernel_projection.weight"} <= in_muon

@@ -148,6 +148,8 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))  # (V, r)
         self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))  # (V, r): 0 = no edge term (DFlash)
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        for table in (self.predecessor_codebook, self.successor_codebook):
+            table.lookup_table = True  # rows gathered by token id, as an embedding's: AdamW, never Muon
 
     def edges(self, h: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """h (N, H) hidden states; previous (N, P) predecessor ids; candidates (N, K) ids -> (N, P, K) edge terms
