@@ -226,9 +226,9 @@ def test_drafting_equals_the_reference_built_from_vllms_cpu_functions(installed_
             ids = torch.tensor([token] + [d.cfg.mask_id] * (block - 1))
             logits = d.draft_logits(doc, a, ids)
             h = d.draft_hidden(doc, a, ids)[1:]
-            cand = d._candidate_ids(h, h.shape[0])
+            cand, unary = d.candidates(h, h.shape[0])
             previous = torch.cat([torch.full((1, cand.shape[1]), token), cand[:-1]])
-            scores = d.selector_scores(h, previous, cand)
+            scores = d.selector_scores(h, previous, cand, unary)
         want = ref["logits"].float()
         torch.testing.assert_close(logits, want, rtol=0, atol=rounding_atol(want, terms=HIDDEN, depth=8,
                                                                             dtype=torch.float32))

@@ -198,33 +198,33 @@ class DFlash2Drafter(DFlashDrafter):
         cap = self.cfg.final_logit_softcapping
         return cap * torch.tanh(z / cap) if cap > 0 else z
 
-    def _candidate_ids(self, h: torch.Tensor, chunk: int) -> torch.Tensor:
-        """h (N, H) -> (N, K) the head's top-k token ids, best first, a chunk of rows of logits at a time."""
+    def candidates(self, h: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (N, H) -> the head's top-k token ids (N, K), best first, and their unary scores (N, K) float32, a chunk
+        of rows of logits at a time, without gradient: the selector learns the edge term, the head its own loss."""
         K = self.cfg.selector_top_k
+        ids, values = [], []
         with torch.no_grad():
-            parts = [self._head(h[i:i + chunk]).topk(K, dim=-1).indices for i in range(0, h.shape[0], max(chunk, 1))]
-        return torch.cat(parts) if parts else h.new_zeros(0, K, dtype=torch.long)
+            for i in range(0, h.shape[0], max(chunk, 1)):
+                top = self._head(h[i:i + chunk]).float().topk(K, dim=-1)
+                ids.append(top.indices)
+                values.append(top.values)
+        if not ids:
+            return h.new_zeros(0, K, dtype=torch.long), h.new_zeros(0, K, dtype=torch.float32)
+        return torch.cat(ids), self._unary(torch.cat(values))
 
-    def _candidate_unary(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """h (N, H), ids (N, K) -> (N, K) unary scores of those candidates (differentiable; only K head rows)."""
-        head = self.target.lm_head
-        w = head.weight[ids]  # (N, K, H)
-        z = torch.einsum("nh,nkh->nk", h.to(w.dtype), w)
-        if getattr(head, "bias", None) is not None:
-            z = z + head.bias[ids]
-        return self._unary(z)
-
-    def selector_scores(self, h: torch.Tensor, previous: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """h (N, H), previous (N, P), ids (N, K) -> (N, P, K): unary[k] + edge(previous[p], ids[k])."""
-        return self._candidate_unary(h, ids)[:, None, :] + self.candidate_selector.edges(h, previous, ids).float()
+    def selector_scores(self, h: torch.Tensor, previous: torch.Tensor, ids: torch.Tensor,
+                        unary: torch.Tensor) -> torch.Tensor:
+        """h (N, H), previous (N, P), ids and their unary scores (N, K) -> (N, P, K): unary[k] + edge(previous[p],
+        ids[k])."""
+        return unary[:, None, :] + self.candidate_selector.edges(h, previous, ids).float()
 
     def walk(self, h: torch.Tensor, anchor_token: int) -> list[int]:
         """Greedy draft of one block's B-1 positions from their final-normed states h (B-1, H): at each position
         the best-scored candidate after the token picked before it (the anchor first)."""
-        ids = self._candidate_ids(h, h.shape[0])  # (B-1, K)
+        ids, unary = self.candidates(h, h.shape[0])  # (B-1, K) each
         anchor = torch.full((1, 1), int(anchor_token), dtype=torch.long, device=h.device)
         previous = torch.cat([anchor.expand(1, ids.shape[1]), ids[:-1]])  # (B-1, K): every candidate before
-        scores = self.selector_scores(h, previous, ids)  # (B-1, K, K): [s, p, c] = c after candidate p
+        scores = self.selector_scores(h, previous, ids, unary)  # (B-1, K, K): [s, p, c] = c after candidate p
         picked, p = [], 0  # the anchor's row: every row of the first position is the anchor's
         for s in range(h.shape[0]):
             p = int(scores[s, p].argmax())
@@ -255,12 +255,18 @@ class DFlash2Drafter(DFlashDrafter):
         if scale == 0 or layout.num_scored == 0:
             return out
         h = hidden.index_select(0, layout.scored)  # (m, H)
-        ids = self._candidate_ids(h, max(self.cfg.ce_chunk_blocks * self.cfg.block_size, 1))  # (m, K)
+        chunk = self.cfg.ce_chunk_blocks * self.cfg.block_size or h.shape[0]
+        ids, unary = self.candidates(h, chunk)  # (m, K) each
         y = layout.labels  # (m,)
-        hit = ids == y[:, None]  # (m, K)
-        ids = torch.cat([ids[:, :-1], torch.where(hit.any(1), ids[:, -1], y)[:, None]], dim=1)  # label inside
+        hit = (ids == y[:, None]).any(1)  # (m,)
+        ids = torch.cat([ids[:, :-1], torch.where(hit, ids[:, -1], y)[:, None]], dim=1)  # the label in the set
+        with torch.no_grad():  # the label's own unary score, where it took the last place
+            head = self.target.lm_head
+            z = (h.to(head.weight.dtype) * head.weight[y]).sum(-1).float()  # (m,)
+            last = self._unary(z if getattr(head, "bias", None) is None else z + head.bias[y].float())
+        unary = torch.cat([unary[:, :-1], torch.where(hit, unary[:, -1], last)[:, None]], dim=1)
         place = (ids == y[:, None]).float().argmax(dim=1)  # (m,) the label's candidate
-        scores = self.selector_scores(h, layout.previous[:, None], ids)[:, 0]  # (m, K)
+        scores = self.selector_scores(h, layout.previous[:, None], ids, unary)[:, 0]  # (m, K)
         ce = F.cross_entropy(scores, place, reduction="none")  # (m,)
         norm = layout.weight_sum if normalizer is None else float(normalizer)
         return dataclasses.replace(out, loss=out.loss + scale * (layout.weights.float() * ce).sum() / norm)
