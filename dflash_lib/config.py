@@ -136,7 +136,8 @@ class ModelConfig:
     target: str = "tiny"  # "tiny" = tiny random Qwen3 built locally, or a LOCAL Hugging Face model dir
     target_layers: int = 4  # tiny target: decoder layers
     hidden_size: int = 64  # tiny target: hidden size (the drafter always matches the target)
-    drafter_kind: Literal["dflash"] = "dflash"  # the drafter: a module and its serving format (models/drafters/)
+    drafter_kind: Literal["dflash", "dflash2"] = "dflash"  # the drafter: a module and its serving format
+    # (models/drafters/); dflash2 adds block convolutions and a candidate selector (docs/dflash.md, "DFlash2")
     drafter_layers: int = 1  # draft decoder layers (paper: 5)
     drafter_layer_types: list[DrafterLayerKind] = field(default_factory=list)  # one per drafter layer; a sliding
     # layer sees `drafter_window` positions back (and forward when not causal); empty = all full
@@ -169,6 +170,12 @@ class ModelConfig:
     dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
     draft_vocab: int = 0  # N > 0: the drafter's head is the target's rows of the N tokens most often scored in the
     # training split (models/draft_vocab.py; served by vLLM through draft_vocab_size + d2t); 0 = the whole head
+    conv_kernel_size: int = 2  # dflash2: taps of each in-block convolution (1 = none reaches back)
+    conv_group_size: int = 16  # dflash2: hidden channels sharing one predicted kernel delta (divides hidden_size)
+    selector_rank: int = 256  # dflash2: rank of the candidate selector's vocab x rank codebooks
+    selector_top_k: int = 16  # dflash2: head candidates the selector reranks per drafted position
+    selector_weight: float = 1.0  # dflash2: weight of the selector cross-entropy beside the drafter's loss
+    selector_warmup: int = 0  # dflash2: optimizer steps over which selector_weight ramps in from 0 (0 = none)
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -191,6 +198,7 @@ class ModelConfig:
         if self.init_from and self.init_from != self.init_from.strip():
             raise ConfigError(f"init_from {self.init_from!r} has leading or trailing spaces")
         check_drafter_layer_types(self.drafter_layer_types, self.drafter_window, self.drafter_layers)
+        _check_dflash2_settings(self)
         if self.target_layer_ids and len(self.target_layer_ids) != self.num_features:
             raise ConfigError(f"target_layer_ids {self.target_layer_ids} has {len(self.target_layer_ids)} ids "
                               f"but num_features is {self.num_features}")
@@ -215,6 +223,25 @@ def folder_vocab_size(target: str) -> int | None:
     return vocab if type(vocab) is int else None
 
 
+
+
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
+                    "selector_warmup")  # ModelConfig's settings of drafter_kind dflash2 alone
+
+
+def _check_dflash2_settings(model: "ModelConfig") -> None:
+    """Refuse a dflash2 setting changed for another drafter kind, or out of its range, naming it."""
+    if model.drafter_kind != "dflash2":
+        defaults = ModelConfig.__dataclass_fields__
+        changed = [k for k in DFLASH2_SETTINGS if getattr(model, k) != defaults[k].default]
+        if changed:
+            raise ConfigError(f"{changed[0]} is a setting of drafter_kind dflash2, but drafter_kind is "
+                              f"{model.drafter_kind!r}")
+    _bounded(model, positive=("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+             non_negative=("selector_weight", "selector_warmup"))
+    if model.drafter_kind == "dflash2" and model.draft_vocab:
+        raise ConfigError("draft_vocab: a dflash2 drafter needs the whole head (vLLM's candidate walk returns head "
+                          "rows as token ids, with no d2t map): use -p draft_vocab 0")
 
 
 def check_drafter_layer_types(kinds: list[str], window: int, layers: int) -> None:

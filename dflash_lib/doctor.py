@@ -199,6 +199,16 @@ def expected_tensors(doc: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
                 p + "mlp.down_proj.weight": (H, inter)}
+    if declared_kind(doc).name == "dflash2":  # vLLM's qwen3_dflash2: two convolutions a layer, the selector
+        dc = doc["dflash_config"]
+        taps, groups, rank = int(dc["conv_kernel_size"]), H // int(dc["conv_group_size"]), int(dc["selector_rank"])
+        for i in range(L):
+            for side in ("attention_conv", "mlp_conv"):
+                p = f"layers.{i}.{side}."
+                out |= {p + "base_kernel": (2, taps, H), p + "kernel_projection.weight": (2 * taps * groups, H)}
+        V = int(doc["vocab_size"])
+        out |= {"candidate_selector.predecessor_codebook": (V, rank), "candidate_selector.successor_codebook": (V, rank),
+                "candidate_selector.hidden_projection.weight": (rank, H)}
     n_draft = draft_vocab_size(doc)
     if n_draft:  # a draft vocabulary: its own head rows and vLLM's d2t offsets
         names = declared_kind(doc).tensors
@@ -220,8 +230,8 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResult]:
-    """architecture, hidden_act, hidden_size, vocab_size, block_size, target_layer_ids, engine_layer_ids,
-    mask_token_id."""
+    """architecture, hidden_act, hidden_size, vocab_size, block_size, (a DFlash2DraftModel's) dflash2,
+    target_layer_ids, engine_layer_ids, mask_token_id."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
     rules = []
     arch, mtype = doc.get("architectures"), doc.get("model_type")
@@ -246,6 +256,8 @@ def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResu
                             f"drafter vocab_size {V!r}, target {target.vocab_size}",
                             "set vocab_size to the target's (the drafter reads the target's embedding and LM head)"))
     rules.append(_block_size_rule(doc, dc))
+    if declared_kind(doc).name == "dflash2":
+        rules.append(_dflash2_rule(doc, dc))
     ids = _int_list(dc.get("target_layer_ids"))
     rules.append(_layer_ids_rule(doc, ids, target))
     rules.append(_engine_layers_rule(doc, ids))
@@ -264,6 +276,27 @@ def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResu
                             "or unused special token; an id at or past the vocabulary has no embedding row: the "
                             "engine reads another row or fails) and export again"))
     return rules
+
+
+def _dflash2_rule(doc: Mapping[str, Any], dc: Mapping[str, Any]) -> RuleResult:
+    """A DFlash2DraftModel's fields as vLLM's qwen3_dflash2 reads them: conv_kernel_size, conv_group_size (dividing
+    hidden_size, else vLLM raises at load), selector_rank and selector_top_k (at most vocab_size) positive ints, and
+    no draft vocabulary (its candidate walk returns head rows as token ids: no d2t map)."""
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    values = {k: dc.get(k) for k in keys}
+    bad = [k for k, v in values.items() if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
+    H, V = doc.get("hidden_size"), doc.get("vocab_size")
+    problems = [f"dflash_config.{k} {values[k]!r} is not a positive int" for k in bad]
+    if not bad and isinstance(H, int) and H % values["conv_group_size"]:
+        problems.append(f"conv_group_size {values['conv_group_size']} does not divide hidden_size {H}")
+    if not bad and isinstance(V, int) and values["selector_top_k"] > V:
+        problems.append(f"selector_top_k {values['selector_top_k']} exceeds vocab_size {V}")
+    if draft_vocab_size(doc):
+        problems.append(f"draft_vocab_size {doc.get('draft_vocab_size')}: the engine's candidate walk has no d2t map")
+    detail = ", ".join(f"{k} {v!r}" for k, v in values.items())
+    return RuleResult("dflash2", not problems, detail + ("; " + "; ".join(problems) if problems else
+                      "; vLLM serves it with its V2 model runner only (CUDA + Triton; its CPU build refuses it)"),
+                      "export the drafter again from its run with -p drafter_kind dflash2 and the whole head")
 
 
 def _block_size_rule(doc: Mapping[str, Any], dc: Mapping[str, Any]) -> RuleResult:

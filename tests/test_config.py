@@ -80,6 +80,7 @@ OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (th
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
 OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
 OTHER_VALUE |= {"optimizer": "muon", "lr_schedule": "wsd"}  # issue 52 (the levers)
+OTHER_VALUE |= {"drafter_kind": "dflash2"}  # issue 54
 OTHER_VALUE |= {"drafter_causal": "non_causal"}  # issue 54 (causality as the engines apply it)
 BY_HAND = {"target": "models/t", "target_engine": "vllm", "target_engine_url": "http://e:1", "target_engine_dir": "/e"}
 COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
@@ -87,7 +88,8 @@ COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "dra
            "target_engine": {"target": "models/t"}, "hidden_cache": {"target": "models/t"},  # a served target: a
            "target_engine_url": BY_HAND, "target_engine_dir": BY_HAND}  # folder, the url its engine's, given with
 # the folder of its files
-ONE_CHOICE = {"drafter_kind"}  # a choice of a single value (until a second drafter kind): nothing to change it to
+COUPLED |= {k: {"drafter_kind": "dflash2"} for k in C.DFLASH2_SETTINGS}  # a dflash2 drafter's settings alone
+ONE_CHOICE: set[str] = set()  # choices of a single value: nothing to change them to
 HASH_BASE = {"q": 64.0}  # the defaults, with q set so that `cost` may turn quadratic on its own
 
 

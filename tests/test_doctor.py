@@ -432,3 +432,34 @@ def test_notebook_05s_doctor_is_the_command_on_its_export(setup):
     assert said == [f"doctor: {line}" for line in report.lines()] + [f"doctor: {report.count_line()}"]
     assert run_doctor(str(export), from_params({}), said.append) is None  # target "tiny"
     assert run_doctor(None, from_params({"target": str(target_dir)}), said.append) is None
+
+
+def test_a_dflash2_export_passes_and_each_of_its_planted_faults_fails_its_rule(setup, tmp_path):
+    """The dflash2 rule and its tensors (vLLM's qwen3_dflash2 names and shapes) on a fresh DFlash2 export."""
+    from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter
+
+    export, target_dir, corpus = setup
+    hf_cfg = tiny_qwen3_config(hidden_size=H, num_layers=LAYERS,
+                               vocab_size=json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    target = TargetModel.from_hf_config(hf_cfg, 2, layer_ids=[1, 3], seed=0)
+    cfg = DFlash2Config(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                        vocab_size=target.vocab_size, target_layer_ids=[1, 3], target_num_layers=LAYERS,
+                        block_size=4, mask_id=target.vocab_size - 1, conv_group_size=8, selector_rank=16)
+    d2 = export_drafter(DFlash2Drafter(cfg, target), tmp_path / "d2", torch.bfloat16, template="qwen3",
+                        target_name=str(target_dir),
+                        data={"tokenizer": str(target_dir), "thinking": "off", "corpus": str(corpus)})
+    report = diagnose(d2, target_dir, {"doctor_samples": 1})
+    assert report.ok and [r.name for r in report.rules] == RULES[:5] + ["dflash2"] + RULES[5:], report.lines()
+    assert "selector_top_k 16" in next(r for r in report.rules if r.name == "dflash2").detail
+    for n, (changes, rules, says) in enumerate([
+            (dict(dflash_conv_group_size=5), ["dflash2", "weights"], "does not divide hidden_size 32"),
+            (dict(dflash_selector_top_k=10_000), ["dflash2"], "exceeds vocab_size"),
+            (dict(dflash_selector_rank=0), ["dflash2", "weights"], "is not a positive int"),
+            (dict(draft_vocab_size=64), ["dflash2", "weights"], "no d2t map")]):
+        copy = _copy(d2, tmp_path / str(n), **changes)
+        got = diagnose(copy, target_dir, {"doctor_samples": 1})
+        assert _failed(got) == rules, (changes, got.lines())
+        assert says in next(r for r in got.rules if r.name == "dflash2").detail
+    copy = _copy(d2, tmp_path / "w")
+    _rewrite_weights(copy, lambda w: w.pop("candidate_selector.successor_codebook"))
+    assert _failed(diagnose(copy, target_dir, {"doctor_samples": 1})) == ["weights", "trained_as"]

@@ -57,13 +57,14 @@ def _toy_drafter(target) -> ToyDrafter:
 
 
 def test_the_setting_names_the_registered_kinds_and_refuses_another_in_one_line():
-    assert typing.get_args(typing.get_type_hints(ModelConfig)["drafter_kind"]) == tuple(KINDS) == ("dflash",)
-    assert from_params({"drafter_kind": "dflash"}).model.drafter_kind == "dflash"
-    with pytest.raises(ConfigError, match=r"^drafter_kind must be one of \['dflash'\], got 'dflash2'$"):
-        from_params({"drafter_kind": "dflash2"})
-    with pytest.raises(ConfigError, match=r"^drafter_kind 'dflash2' is not a drafter kind here \(one of "
-                                          r"\['dflash'\]\)$"):
-        drafter_kind("dflash2")
+    assert typing.get_args(typing.get_type_hints(ModelConfig)["drafter_kind"]) == tuple(KINDS) == ("dflash",
+                                                                                                   "dflash2")
+    assert from_params({"drafter_kind": "dflash2"}).model.drafter_kind == "dflash2"
+    with pytest.raises(ConfigError, match=r"^drafter_kind must be one of \['dflash', 'dflash2'\], got 'dflash3'$"):
+        from_params({"drafter_kind": "dflash3"})
+    with pytest.raises(ConfigError, match=r"^drafter_kind 'dflash3' is not a drafter kind here \(one of "
+                                          r"\['dflash', 'dflash2'\]\)$"):
+        drafter_kind("dflash3")
 
 
 def test_two_kinds_sharing_a_name_an_architecture_or_a_module_class_are_refused():
@@ -86,7 +87,7 @@ def test_a_folder_of_an_unknown_architecture_is_refused_in_one_line_naming_the_f
         with pytest.raises(ConfigError) as e:
             read()
         assert str(e.value) == (f"{path}: architectures ['Eagle3DraftModel'] names no drafter kind here (one of "
-                                f"['DFlashDraftModel'])")
+                                f"['DFlashDraftModel', 'DFlash2DraftModel'])")
 
 
 def test_a_registered_kind_is_what_export_and_read_use(toy, target, tmp_path):
@@ -137,8 +138,10 @@ def test_every_builder_resolves_the_setting_through_the_kinds(monkeypatch, tmp_p
 def test_no_site_outside_the_kinds_builds_a_drafter_or_names_its_architecture():
     """What a new kind would otherwise have to be added to by hand: a direct construction of the dflash kind's
     config or module, or its architecture string, anywhere in the library but its own modules."""
-    own = {ROOT / "dflash_lib/models/drafter.py", ROOT / "dflash_lib/models/drafters/dflash.py"}
-    pattern = re.compile(r"DFlashDrafter\(|DrafterConfig\(|DrafterConfig\.from_model_config|DFlashDraftModel")
+    own = {ROOT / "dflash_lib/models/drafter.py", ROOT / "dflash_lib/models/drafters/dflash.py",
+           ROOT / "dflash_lib/models/dflash2.py", ROOT / "dflash_lib/models/drafters/dflash2.py"}
+    pattern = re.compile(r"DFlash2?Drafter\(|(Drafter|DFlash2)Config\(|(Drafter|DFlash2)Config\.from_model_config|"
+                         r"DFlash2?DraftModel")
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "dflash_lib").rglob("*.py")) if p not in own
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []

@@ -119,7 +119,8 @@ def hand_layout(labels: np.ndarray, scored_mask: np.ndarray) -> DraftLayout:
                        block_doc=z, anchor_pos=z, ctx_index=None, ctx_doc=z, ctx_pos=z,
                        scored=torch.from_numpy(scored),
                        labels=torch.from_numpy(labels.reshape(-1)[scored]), weights=w,
-                       scored_k=torch.from_numpy(scored % B), groups=None, block_size=B, noise=1.0,
+                       scored_k=torch.from_numpy(scored % B),
+                       previous=torch.from_numpy(labels.reshape(-1)[scored - 1]), groups=None, block_size=B, noise=1.0,
                        weight_sum=float(len(scored)))
 
 

@@ -135,8 +135,9 @@ class _CachedDrafting:
         return self.drafter.draft_cached(self.cache, anchor_token)
 
     def logits(self, anchor_token: int) -> torch.Tensor | None:
-        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens."""
-        if not hasattr(self.drafter, "draft_logits_cached"):
+        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens (one that walks
+        candidates, dflash2: its greedy walk is then proposed as a point mass, still exact speculative sampling)."""
+        if not hasattr(self.drafter, "draft_logits_cached") or getattr(self.drafter, "walks_candidates", False):
             return None
         return self.drafter.draft_logits_cached(self.cache, _block_ids(self.drafter, anchor_token))[1:]
 
@@ -154,8 +155,9 @@ class _FeatureDrafting:
         return self.drafter.draft(self.features, self.features.shape[0], anchor_token)
 
     def logits(self, anchor_token: int) -> torch.Tensor | None:
-        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens."""
-        if not hasattr(self.drafter, "draft_logits"):
+        """(B-1, V) the drafter's logits at its draft slots; None for a drafter that gives only tokens (one that walks
+        candidates, dflash2: its greedy walk is then proposed as a point mass, still exact speculative sampling)."""
+        if not hasattr(self.drafter, "draft_logits") or getattr(self.drafter, "walks_candidates", False):
             return None
         ids = _block_ids(self.drafter, anchor_token)
         return self.drafter.draft_logits(self.features, self.features.shape[0], ids)[1:]

@@ -83,8 +83,9 @@ def prepare_target(preset_name: str, overrides: dict[str, Any] | None, target_se
         folder = ensure_real_target()
         params = real_target_params(folder)
         settings = replace(answer_settings or REAL_ANSWERS, backend="vllm" if engine else "local")
-        cfg = load_config({**(overrides or {}), **params}, preset_name)
-        answers = ensure_demo_answers(cfg, folder, settings, target_params=params)
+        cfg = load_config({**params, **(overrides or {})}, preset_name)  # a user's -p wins (draft_vocab 0, say)
+        answers = ensure_demo_answers(cfg, folder, settings,  # what the user's -p set stays as set
+                                      target_params={k: v for k, v in params.items() if k not in (overrides or {})})
     else:
         print("[demo] trained target ...", flush=True)
         settings = answer_settings or DemoAnswerSettings()

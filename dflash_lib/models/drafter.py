@@ -247,9 +247,7 @@ class DFlashDrafter(nn.Module):
         with torch.device(target.device):  # built where it trains: no host copy of ~4 GB first at paper scale
             self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-            self.layers = nn.ModuleList(
-                DraftLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-                for _ in range(cfg.num_layers))
+            self.layers = nn.ModuleList(self._make_layer(cfg) for _ in range(cfg.num_layers))
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
             self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         for m in self.modules():
@@ -263,6 +261,15 @@ class DFlashDrafter(nn.Module):
             n = cfg.draft_vocab_size
             self.register_buffer("draft_ids", torch.arange(n, device=head.weight.device))  # (N,) target ids
             self.register_buffer("draft_head", head.weight[:n].detach().clone())  # (N, H) their head rows
+
+    @staticmethod
+    def _make_layer(cfg: DrafterConfig) -> nn.Module:
+        """One draft decoder layer (a drafter kind with other layers overrides this)."""
+        return DraftLayer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                          cfg.rms_norm_eps)
+
+    def begin_step(self, step: int) -> None:
+        """The trainer's step (1-based) about to run; a kind whose loss changes with the step overrides this."""
 
     def set_draft_vocab(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Draft over the target tokens `ids` (N,) ascending, with head rows `rows` (N, H) (None: the target's own
@@ -403,7 +410,11 @@ class DFlashDrafter(nn.Module):
             if normalizer is not None and not float(normalizer) > 0:
                 raise ValueError(f"loss normalizer must be > 0, got {normalizer}")
             return DrafterLoss(z, 0.0, z.detach().float(), z.detach().float(), zeros, zeros.clone())
-        hidden = self.forward_hidden(batch, features, layout)  # (n*B, H)
+        return self._objective(self.forward_hidden(batch, features, layout), layout, normalizer, target_hidden)
+
+    def _objective(self, hidden: torch.Tensor, layout: DraftLayout, normalizer: float | None,
+                   target_hidden: torch.Tensor | None) -> DrafterLoss:
+        """The loss of the final-normed block states hidden (n*B, H) of `layout` (`loss`'s arguments)."""
         return weighted_loss(hidden, self.head(), layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
                              normalizer, self.cfg.loss_spec, target_hidden, self.target_to_draft())
 
@@ -415,6 +426,10 @@ class DFlashDrafter(nn.Module):
 
         features (>= anchor_pos, F*H) of the document; block_ids (B,) -> logits (B, V).
         """
+        return self._head(self.draft_hidden(features, anchor_pos, block_ids)).float()
+
+    def draft_hidden(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """`draft_logits` before the head: the block's final-normed states (B, H)."""
         dev = self.fc.weight.device
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             ctx = self.fuse(features[:anchor_pos].to(dev))  # (a, H)
@@ -423,8 +438,7 @@ class DFlashDrafter(nn.Module):
             block_pos = anchor_pos + torch.arange(B, device=dev)  # (B,)
             keys = torch.cat([ctx_pos, block_pos])  # (a + B,) positions of [context ; block]
             attends = {(w, c): _block_attend(block_pos, keys, w, c) for w, c in set(self.cfg.layer_attention)}
-            h = self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, attends)  # (B, H)
-            return self._head(h).float()
+            return self._layers(block_ids.to(dev), block_pos, ctx, ctx_pos, attends)  # (B, H)
 
     @torch.no_grad()
     def draft(self, features: torch.Tensor, anchor_pos: int, anchor_token: int) -> list[int]:
@@ -460,6 +474,10 @@ class DFlashDrafter(nn.Module):
     def draft_logits_cached(self, cache: "DraftContextCache", block_ids: torch.Tensor) -> torch.Tensor:
         """`draft_logits` with the anchor at position cache.length and the context taken from the cache: only the
         B block tokens run through the layers. block_ids (B,) -> logits (B, V). Needs a non-empty cache."""
+        return self._head(self.draft_hidden_cached(cache, block_ids)).float()
+
+    def draft_hidden_cached(self, cache: "DraftContextCache", block_ids: torch.Tensor) -> torch.Tensor:
+        """`draft_logits_cached` before the head: the block's final-normed states (B, H)."""
         if not cache.keys:
             raise ValueError("draft_logits_cached: the context cache is empty (extend_context first)")
         dev = self.fc.weight.device
@@ -485,7 +503,7 @@ class DFlashDrafter(nn.Module):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
                 x = layer(x, no_ctx, rope_q, rope_none, attend)
-            return self._head(self.norm(x)).float()
+            return self.norm(x)
 
     @torch.no_grad()
     def draft_cached(self, cache: "DraftContextCache", anchor_token: int) -> list[int]:

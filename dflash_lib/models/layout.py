@@ -59,6 +59,7 @@ class DraftLayout:
     labels: torch.Tensor  # (m,) int64: the token at anchor + k
     weights: torch.Tensor  # (m,) float32: loss weight (decay x label valid x masked)
     scored_k: torch.Tensor  # (m,) int64: block position k (1..B-1) of each scored position
+    previous: torch.Tensor  # (m,) int64: the token at anchor + k - 1 (the anchor's for k = 1): teacher forcing
     groups: BlockGroups | None  # runs for the `blocks` backend (None when another backend was asked for)
     block_size: int  # B
     noise: float  # fraction of block positions fed MASK
@@ -193,7 +194,8 @@ def build_layout(batch: Batch, anchors: Anchors, attention: str = "blocks", max_
         ctx_doc=torch.from_numpy(ctx_doc.astype(np.int64)), ctx_pos=torch.from_numpy(ctx_pos.astype(np.int64)),
         scored=torch.from_numpy(scored.astype(np.int64)),
         labels=torch.from_numpy(labels[scored].astype(np.int64)), weights=w,
-        scored_k=torch.from_numpy((scored % B).astype(np.int64)), groups=groups, block_size=B,
+        scored_k=torch.from_numpy((scored % B).astype(np.int64)),
+        previous=torch.from_numpy(labels[scored - 1].astype(np.int64)), groups=groups, block_size=B,
         noise=anchors.noise, weight_sum=float(w.double().sum()), target_rows=rows, target_of=row_of,
     )
 

@@ -80,6 +80,7 @@ def train_step(parallel: Any, items: Sequence[Item], params: list[torch.nn.Param
     if not isinstance(parallel, distributed.DrafterParallel):  # a plain drafter: one process
         parallel = distributed.DrafterParallel(parallel, "single", 1, next(parallel.parameters()).device)
     drafter = parallel.drafter
+    drafter.begin_step(step)  # a loss that changes with the step (dflash2's selector warm-up)
     device = next(drafter.parameters()).device
     live = [it for it in items if it.batch is not None]
     if any(it.layout is None or it.device_layout is None for it in live):
@@ -164,7 +165,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig,
     """The optimizers of the trainable parameters; the lr is set by `lr_at` before every step (`train_step`).
 
     "adamw": one AdamW (fused on CUDA). "muon": torch's Muon on the 2-D parameters (the drafter's projections and
-    its feature fc: every trainable matrix; the embedding and LM head are the target's, frozen) with
+    its feature fc: every trainable matrix but a lookup table's rows, dflash2's codebooks, marked `lookup_table`;
+    the embedding and LM head are the target's, frozen) with
     `adjust_lr_fn="match_rms_adamw"` (its update scaled to AdamW's RMS, so one lr and schedule fit both), and
     AdamW on the rest (norms). Both take `weight_decay`. A tuple, as torch's distributed state dict takes it."""
     if not params:
@@ -172,8 +174,8 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig,
     fused = device.type == "cuda"
     if cfg.optimizer == "adamw":
         return (torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused),)
-    matrices = [p for p in params if p.ndim == 2]
-    rest = [p for p in params if p.ndim != 2]
+    matrices = [p for p in params if p.ndim == 2 and not getattr(p, "lookup_table", False)]
+    rest = [p for p in params if p.ndim != 2 or getattr(p, "lookup_table", False)]
     opts: list[torch.optim.Optimizer] = [torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                           adjust_lr_fn="match_rms_adamw")] if matrices else []
     if rest:

@@ -1,6 +1,6 @@
-"""Drafter kinds (`-p drafter_kind NAME`), one module each declaring a `DrafterKind` (kind.py): `dflash` (dflash.py).
-`drafter_kind(name)` finds one by its setting, `kind_of_folder(doc, where)` by a serving folder's architectures,
-`kind_of_drafter(module)` by its module. How to add a kind: docs/architecture.md, "How to add a drafter kind".
+"""Drafter kinds (`-p drafter_kind NAME`), one module each declaring a `DrafterKind` (kind.py): `dflash`
+(dflash.py), `dflash2` (dflash2.py). `drafter_kind(name)` finds one by its setting, `kind_of_folder(doc, where)` by
+a serving folder's architectures, `kind_of_drafter(module)` by its module. How to add a kind: docs/architecture.md, "How to add a drafter kind".
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_lib.config import ConfigError
-from dflash_lib.models.drafters import dflash
+from dflash_lib.models.drafters import dflash, dflash2
 from dflash_lib.models.drafters.kind import DrafterKind
 
 __all__ = ["KINDS", "DrafterKind", "drafter_kind", "kind_of_drafter", "kind_of_folder", "registry"]
@@ -25,7 +25,7 @@ def registry(*kinds: DrafterKind) -> dict[str, DrafterKind]:
     return {k.name: k for k in kinds}
 
 
-KINDS: dict[str, DrafterKind] = registry(dflash.KIND)  # by name: ModelConfig.drafter_kind's values
+KINDS: dict[str, DrafterKind] = registry(dflash.KIND, dflash2.KIND)  # by name: ModelConfig.drafter_kind's values
 
 
 def drafter_kind(name: str) -> DrafterKind:
