@@ -278,3 +278,32 @@ def test_training_equals_both_inference_paths_per_block(target, name, backend, p
     torch.testing.assert_close(got, ref, rtol=0, atol=atol)
     torch.testing.assert_close(torch.stack(cached), ref, rtol=0, atol=atol)
     assert float((other - ref).abs().max()) > 100 * atol
+
+
+def test_the_dflash2_kind_trains_and_reads_z_labs_layout(target, tmp_path):
+    """z-lab's DFlash2 layout on the dflash2 kind (`-p drafter_kind dflash2`): every layer sliding (window 2048) and
+    non-causal. Its export states it, its training forward equals its inference forward per block, and the folder
+    with z-lab's field instead (top-level is_causal false) reads back as the same drafter."""
+    from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter
+
+    model = from_params({"drafter_kind": "dflash2", "drafter_layers": 2, "drafter_layer_types": [S, S],
+                         "drafter_window": 2048, "drafter_causal": "non_causal", "mask_id": MASK,
+                         "conv_group_size": 8, "selector_rank": 16, "selector_top_k": 6}).model
+    cfg = DFlash2Config.from_model_config(model, target)
+    assert cfg.layer_causal == [False, False] and cfg.layer_windows == [2048, 2048]
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(cfg, target, attention="blocks")
+    docs = _docs([14, 9], seed=5)
+    batch = collate_padded(docs, 0)
+    layout = build_layout(batch, drafter.sample_anchors(batch, torch.Generator().manual_seed(1)), "blocks")
+    feats = target.features(batch)
+    with torch.no_grad():
+        got = drafter.block_logits(batch, feats, layout)
+        ref = torch.stack([drafter.draft_logits(feats[int(layout.block_doc[i])], int(layout.anchor_pos[i]),
+                                                layout.block_ids[i]) for i in range(layout.num_blocks)])
+    torch.testing.assert_close(got, ref, rtol=0, atol=rounding_atol(ref, terms=cfg.hidden_size, depth=4))
+    export_drafter(drafter, tmp_path, torch.float32)
+    doc = json.loads((tmp_path / "config.json").read_text())
+    assert engine_causal(doc) == [False, False] and read_drafter(tmp_path, target).cfg == drafter.cfg
+    (tmp_path / "config.json").write_text(json.dumps(write_causality(doc, [S, S], [False, False], TOP_FIELD)))
+    assert "causal" not in doc["dflash_config"] and read_drafter(tmp_path, target).cfg == drafter.cfg
