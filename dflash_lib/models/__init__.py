@@ -3,12 +3,12 @@
 Modules: `target_config` (the target's config without weights: tiny_qwen3_config, the feature-layer rule),
 `target_parts` (what a drafter shares with its target: `TargetParts`), `masks` (where a batch's real tokens and
 documents are), `anchors` (sampling, decay weights), `layout` (the host-built flat layout of a micro-batch's drafter
-work), `attention` (dense / blocks / flex backends), `causality` (which layers vLLM runs causal, read from and written to
-config.json), `layers` (draft decoder layers with KV injection), `loss`
-(chunked LM head + CE, DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `drafters` (the drafter kinds, each
-its module and serving format: `drafter_kind`), `export` (the serving folder: `export_drafter`, `read_drafter`,
-`init_from`), `sampling` (temperature, nucleus and the speculative-sampling accept/resample rule). The target
-itself: `target.local.TargetModel`; speculative decoding with it: `evaluate.acceptance`.
+work), `attention` (dense / blocks / flex backends), `causality` (which layers vLLM runs causal, read from and
+written to config.json), `layers` (draft decoder layers with KV injection), `loss` (chunked LM head + CE,
+DrafterLoss), `drafter` (DrafterConfig, DFlashDrafter), `drafters` (the drafter kinds, each its module and serving
+format: `drafter_kind`), `export` (the serving folder: `export_drafter`, `read_drafter`, `init_from`), `sampling`
+(temperature, nucleus and the speculative-sampling accept/resample rule). The target itself:
+`target.local.TargetModel`; speculative decoding with it: `evaluate.acceptance`.
 """
 
 from dflash_lib.models.anchors import Anchors, decay_weights, default_gamma, sample_anchors
