@@ -200,7 +200,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def candidates(self, h: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, H) -> the head's top-k token ids (N, K), best first, and their unary scores (N, K) float32, a chunk
-        of rows of logits at a time, without gradient: the selector learns the edge term, the head its own loss."""
+        of rows of logits at a time, without gradient (drafting; training takes them from the loss's head pass)."""
         K = self.cfg.selector_top_k
         ids, values = [], []
         with torch.no_grad():
@@ -250,13 +250,13 @@ class DFlash2Drafter(DFlashDrafter):
     def _objective(self, hidden: torch.Tensor, layout: DraftLayout, normalizer: float | None,
                    target_hidden: torch.Tensor | None) -> DrafterLoss:
         """The drafter's loss plus selector_weight x warm-up x the selector cross-entropy (normalised alike)."""
-        out = super()._objective(hidden, layout, normalizer, target_hidden)
         scale = self.cfg.selector_weight * self.selector_scale
-        if scale == 0 or layout.num_scored == 0:
+        out = super()._objective(hidden, layout, normalizer, target_hidden,
+                                 top_k=self.cfg.selector_top_k if scale else 0)  # the candidates from its head pass
+        if scale == 0 or layout.num_scored == 0 or out.top is None:
             return out
         h = hidden.index_select(0, layout.scored)  # (m, H)
-        chunk = self.cfg.ce_chunk_blocks * self.cfg.block_size or h.shape[0]
-        ids, unary = self.candidates(h, chunk)  # (m, K) each
+        ids, unary = out.top[0], self._unary(out.top[1])  # (m, K) each, no gradient
         y = layout.labels  # (m,)
         hit = (ids == y[:, None]).any(1)  # (m,)
         ids = torch.cat([ids[:, :-1], torch.where(hit, ids[:, -1], y)[:, None]], dim=1)  # the label in the set
