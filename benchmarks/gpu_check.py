@@ -1,4 +1,4 @@
-"""The GPU check (issues 11, 25, 55): one command, at most 8 minutes on one H200, one JSON summary on the last line.
+"""The GPU check (issues 11, 25, 55): one command, at most 9 minutes on one H200, one JSON summary on the last line.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # the check (CUDA)
     PYTHONPATH=. python3 benchmarks/gpu_check.py --quick    # tiny shapes, 3 steps; runs on CPU too
@@ -561,7 +561,9 @@ def engine_target(root: Path) -> tuple[TargetModel, list[int]]:
     return target, layer_ids
 
 
-ENGINE_START_S = 300.0  # seconds the connector section lets vLLM take to start on a GPU (first start: compile)
+ENGINE_START_S = 180.0  # seconds the connector section lets vLLM take to start on a GPU (eager, a tiny target)
+ENGINE_GPU_SHARE = 0.2  # vLLM's --gpu-memory-utilization: the share of the GPU it wants free at its start (this
+# process keeps the earlier sections' models; the engine's KV cache is EngineSpec.kv_cache_gib)
 TARGET_LAYER_ROUNDINGS = 13  # bf16 roundings of a target layer (see BF16_ROUNDINGS)
 
 
@@ -595,7 +597,7 @@ def section_connector(device: torch.device, left_s: float) -> dict[str, Any]:
     if probe.stdout.strip() != "True":
         return skipped(f"the engine Python {python} has no vLLM on CUDA (its torch sees no GPU, or vLLM is not "
                        f"installed): {' '.join((probe.stdout + probe.stderr).split())[-300:]}")
-    if left_s < ENGINE_START_S + 60:
+    if left_s < ENGINE_START_S + 30:
         return skipped(f"{left_s:.0f} s left of the check's budget, the engine may take {ENGINE_START_S:.0f} s to "
                        "start")
     t0 = time.perf_counter()
@@ -608,7 +610,9 @@ def section_connector(device: torch.device, left_s: float) -> dict[str, Any]:
         folder = private_folder(root / "hidden_states")
         aux = engine_layer_ids(layer_ids)
         spec = EngineSpec(str(root / "target"), dtype="bfloat16", max_model_len=512, max_num_seqs=4,
-                          kv_cache_gib=1.0, hidden_states=tuple(aux), hidden_states_dir=str(folder))
+                          kv_cache_gib=1.0, hidden_states=tuple(aux), hidden_states_dir=str(folder),
+                          extra=("--gpu-memory-utilization", str(ENGINE_GPU_SHARE)))
+        torch.cuda.empty_cache()  # the earlier sections' cached blocks, for the engine's start
         with EngineServer(spec, root / "engine.log", str(python), ENGINE_START_S) as server:
             files = EngineFiles.of(folder, "gpu-check", root / "target", aux, "bfloat16")
             client = HiddenStatesClient(server.url, files, 128, concurrency=2)
@@ -935,7 +939,8 @@ def guarded(name: str, fn: Callable[[], dict[str, Any]], summary: dict[str, Any]
           flush=True)
 
 
-BUDGET_S = 480.0  # seconds the whole check may take on one H200 (the connector section skips rather than pass it)
+BUDGET_S = 540.0  # seconds the whole check may take (a lent GPU machine runs one command 10 minutes at most); the
+# connector section skips rather than start the engine past it. Not yet timed on a GPU with the issue 55 sections.
 
 
 @dataclass
