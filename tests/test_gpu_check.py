@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py --quick runs on CPU and prints one JSON summary whose sections report real figures
 (parity, train, pipeline, drafting, fsdp, issue 25's kl, sampling and target_shard, issue 55's linear_conv and
-sliding_flex), and says why issue 55's CUDA-only sections (linear_rule, connector) did not run."""
+sliding_flex, issue 54's dflash2), and says why issue 55's CUDA-only sections (linear_rule, connector) did not run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["parity", "train", "pipeline", "drafting", "fsdp", "kl", "sampling", "target_shard", "linear_conv",
-            "linear_rule", "sliding_flex", "connector"]
+            "linear_rule", "sliding_flex", "connector", "dflash2"]
 
 
 @pytest.mark.slow
@@ -64,4 +64,9 @@ def test_gpu_check_quick_on_cpu_prints_one_json_summary():
     for name, says in (("linear_rule", "CUDA"), ("connector", "vLLM on CUDA")):  # never a pass where it cannot run
         assert summary[name]["status"] == "skipped" and summary[name]["ok"] is None
         assert says in summary[name]["reason"] and summary["skipped"][name] == summary[name]["reason"]
+    d2 = summary["dflash2"]  # the DFlash2 drafter trained as on the device against fp64 dense, fp32 and bf16
+    assert d2["status"] == "pass" and [c["name"] for c in d2["cases"]] == ["drafter fp32", "selector gradients fp32",
+                                                                          "drafter bf16"]
+    assert all(0 < c["max_err"] <= c["tolerance"] for c in d2["cases"])
+    assert d2["cases"][0]["planted_err"] > d2["cases"][0]["tolerance"] and d2["cases"][0]["walk_tokens_equal"] == 3
     assert summary["budget_s"] > 0 and summary["total_s"] > 0

@@ -153,10 +153,13 @@ class CandidateSelector(nn.Module):
 
     def edges(self, h: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """h (N, H) hidden states; previous (N, P) predecessor ids; candidates (N, K) ids -> (N, P, K) edge terms
-        < P[previous] * W h , S[candidate] >."""
-        q = self.hidden_projection(h.to(self.hidden_projection.weight.dtype))  # (N, r)
-        pred = self.predecessor_codebook[previous] * q[:, None]  # (N, P, r)
-        return torch.einsum("npr,nkr->npk", pred, self.successor_codebook[candidates])
+        < P[previous] * W h , S[candidate] >, in the codebooks' dtype whatever autocast is on (a few N x K x r
+        products; a softmax over K scores reads them in training)."""
+        dtype = self.successor_codebook.dtype
+        with torch.autocast(h.device.type, enabled=False):
+            q = F.linear(h.to(dtype), self.hidden_projection.weight.to(dtype))  # (N, r)
+            pred = self.predecessor_codebook[previous] * q[:, None]  # (N, P, r)
+            return torch.einsum("npr,nkr->npk", pred, self.successor_codebook[candidates])
 
 
 class DFlash2Drafter(DFlashDrafter):
