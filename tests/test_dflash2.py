@@ -286,3 +286,12 @@ def test_the_candidates_from_the_losss_head_pass_equal_a_separate_top_k(target, 
     assert torch.equal(out.top[0], ids)
     torch.testing.assert_close(out.top[1], unary, rtol=0, atol=rounding_atol(unary, terms=HIDDEN))
     assert DFlashDrafter._objective(d, hidden, layout, None, final).top is None
+
+
+def test_the_block_convolutions_gradient_passes_gradcheck():
+    """`block_conv` is a custom autograd function (its backward rebuilds what it needs from the inputs): gradcheck
+    in float64 over y, the deltas and the base, blocks of 3 (not a power of two), 3 taps."""
+    g = torch.Generator().manual_seed(0)
+    y, delta, base = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+                      for shape in ((9, 8), (9, 3, 2), (3, 8)))
+    assert torch.autograd.gradcheck(lambda a, b, c: block_conv(a, b, c, 3), (y, delta, base))

@@ -81,20 +81,60 @@ class DFlash2Config(DrafterConfig):
                    selector_warmup=cfg.selector_warmup)
 
 
+def _shift(x: torch.Tensor, t: int, block_size: int) -> torch.Tensor:
+    """x (Q, ...) with blocks of `block_size` contiguous rows -> row p holds x[p - t] of its block, zeros where
+    p - t falls before the block's start (t > 0) or after its end (t < 0)."""
+    if t == 0:
+        return x
+    xb = x.reshape(-1, block_size, *x.shape[1:])  # (n, B, ...)
+    zeros = xb.new_zeros(xb.shape[0], abs(t), *xb.shape[2:])
+    out = torch.cat([zeros, xb[:, :block_size - t]], 1) if t > 0 else torch.cat([xb[:, -t:], zeros], 1)
+    return out.reshape(x.shape)
+
+
+class _BlockConv(torch.autograd.Function):
+    """`block_conv` saving only its inputs (the shifted copies and the per-row kernels are rebuilt in the backward):
+    a taps x (Q, H) kernel held per convolution, four a layer, is what a checkpointed layer's recompute would keep."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+        ctx.save_for_backward(y, delta, base)
+        ctx.block_size = block_size
+        Q, H = y.shape
+        taps, G = delta.shape[1], delta.shape[2]
+        acc = torch.promote_types(torch.promote_types(y.dtype, delta.dtype), base.dtype)
+        out = torch.zeros(Q, G, H // G, dtype=acc, device=y.device)
+        for t in range(taps):
+            shifted = _shift(y, t, block_size).to(acc).reshape(Q, G, H // G)  # (Q, G, g): y[p - t]
+            out += (base[t].to(acc).reshape(G, H // G) + delta[:, t].to(acc).unsqueeze(-1)) * shifted
+        return out.reshape(Q, H).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, delta, base = ctx.saved_tensors
+        B = ctx.block_size
+        Q, H = y.shape
+        taps, G = delta.shape[1], delta.shape[2]
+        acc = torch.promote_types(torch.promote_types(grad.dtype, delta.dtype), base.dtype)
+        g = grad.to(acc).reshape(Q, G, H // G)  # (Q, G, g)
+        gy = torch.zeros(Q, G, H // G, dtype=acc, device=y.device)
+        gdelta = torch.empty(Q, taps, G, dtype=acc, device=y.device)
+        gbase = torch.empty(taps, H, dtype=acc, device=y.device)
+        for t in range(taps):
+            shifted = _shift(y, t, B).to(acc).reshape(Q, G, H // G)  # y[p - t]
+            gdelta[:, t] = (g * shifted).sum(-1)
+            gbase[t] = (g * shifted).sum(0).reshape(H)
+            kernel = base[t].to(acc).reshape(G, H // G) + delta[:, t].to(acc).unsqueeze(-1)  # (Q, G, g) at row p
+            gy += _shift(kernel * g, -t, B)  # row p - t receives row p's term
+        return gy.reshape(Q, H).to(y.dtype), gdelta.to(delta.dtype), gbase.to(base.dtype), None
+
+
 def block_conv(y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
     """The causal in-block convolution. y (Q, H) with Q a multiple of `block_size` (blocks contiguous); delta
-    (Q, taps, G) per-row kernel deltas of G channel groups; base (taps, H) -> (Q, H):
-    out[p] = sum over t <= p's place in its block of (base[t] + delta[p, t, group]) * y[p - t]."""
-    Q, H = y.shape
-    taps, G = delta.shape[1], delta.shape[2]
-    yb = y.reshape(Q // block_size, block_size, G, H // G)  # (n, B, G, g)
-    kernel = base.reshape(1, taps, G, H // G) + delta.unsqueeze(-1)  # (Q, taps, G, g)
-    kernel = kernel.reshape(Q // block_size, block_size, taps, G, H // G)  # (n, B, taps, G, g)
-    out = kernel[:, :, 0] * yb
-    for t in range(1, taps):
-        shifted = torch.cat([yb.new_zeros(yb.shape[0], t, *yb.shape[2:]), yb[:, :block_size - t]], dim=1)
-        out = out + kernel[:, :, t] * shifted  # rows p < t get zeros: nothing before the block's start
-    return out.reshape(Q, H)
+    (Q, taps, G) per-row kernel deltas of G channel groups; base (taps, H) -> (Q, H) in y's dtype, accumulated in
+    the widest of the three: out[p] = sum over t <= p's place in its block of (base[t] + delta[p, t, group]) *
+    y[p - t]."""
+    return _BlockConv.apply(y, delta, base, block_size)
 
 
 class BlockConv(nn.Module):
