@@ -1,6 +1,6 @@
 """Whether a tokenized sample is fit for training (`validate_sample`: one of REASONS, or None) and the count of those
 left out by reason (`SkipCounter`). The trainer's batches (`train/feed.py`), its held-out choice and the capture of
-the target's features (`target/cached.py`) leave out the same samples: docs/architecture.md, "The training
+the target's features (`target/capture.py`) leave out the same samples: docs/architecture.md, "The training
 pipeline".
 """
 
