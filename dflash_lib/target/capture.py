@@ -160,7 +160,8 @@ class CaptureJob:
     def _shard(self, ids: list[np.ndarray], states: list[torch.Tensor | None], pick: list[int],
                last: int | None) -> dict[str, torch.Tensor]:
         """The shard's tensors: each row tensor one buffer, filled document by document; each document's states
-        are dropped from `states` once copied, so the engine's copy and the shard's are never both whole."""
+        are dropped from `states` once copied in (the fetch hands them over), so the shard exists once beside what
+        is left of the engine's states."""
         stored, H = self.doc["stored"], self.identity.hidden_size
         want = shard_tensors(self.identity, stored, sum(len(d) for d in ids))
         out = {name: torch.empty(shape, dtype=torch.float32 if dtype == "F32" else STORED[stored])
