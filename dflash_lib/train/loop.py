@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dflash_lib.config import Config, ConfigError, uses_bf16
+from dflash_lib.data.validation import SkipCounter
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.rundir import write_json
@@ -35,7 +36,7 @@ from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, count_steps
-from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
+from dflash_lib.train.state import BadStepGuard, Progress, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
 from dflash_lib.train.summary import RunLog, batch_shape, budget_fill, full_run_tokens, run_summary
 
