@@ -1,4 +1,4 @@
-"""The GPU check (issues 11, 25): one command, at most 8 minutes on one H200, one JSON summary on the last line.
+"""The GPU check (issues 11, 25, 55): one command, at most 9 minutes on one H200, one JSON summary on the last line.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py            # the check (CUDA)
     PYTHONPATH=. python3 benchmarks/gpu_check.py --quick    # tiny shapes, 3 steps; runs on CPU too
@@ -6,7 +6,9 @@
 Wheels to carry: none. It imports torch, numpy, transformers (and their own dependencies: safetensors, tqdm,
 pyyaml) and dflash_lib.{batch, config, feed, pipeline, models, train, validate, dryrun}; none of these imports
 pandas, plotly or wandb at import time (train imports them lazily, in functions this script does not call).
-Runs on torch 2.11 (the GPU image) and 2.13.
+Runs on torch 2.11 (the GPU image) and 2.13. The connector section needs more (httpx, and vLLM on CUDA in the
+engine's Python: `make engine`'s .venv-engine or $DFLASH_ENGINE_PYTHON) and says "skipped" without them; the
+linear_rule section needs flash-linear-attention (`pip install flash-linear-attention`) likewise.
 
 Sections, each guarded (a failure is reported under its name as {"ok": false, "error": ...}, the others run):
   parity    flex / blocks / dense on padded and packed batches of a tiny random target: loss, final drafter states
@@ -46,6 +48,20 @@ Sections, each guarded (a failure is reported under its name as {"ok": false, "e
   target_shard  the target sharded with FSDP2 for loss kl (`ShardedTarget(final=True)`, built on the host,
             sharded onto the device) in a 1-rank NCCL group: features and final states against the same target
             built on the device.
+  linear_conv  a hybrid target's padded causal convolution (one conv1d over the documents, each preceded by
+            W-1 zeros) on the device in fp32 and bf16 against transformers' convolution of each document alone
+            in fp64 on the CPU.
+  linear_rule  flash-linear-attention's varlen chunked gated delta rule (bf16, CUDA) against transformers' torch
+            rule of each document alone in fp32 on the CPU; skipped without CUDA or flash-linear-attention.
+  sliding_flex  sliding-window drafter layers through flex against dense in fp32 on the CPU (fp32 and bf16;
+            gradients on CUDA, forward only on the CPU).
+  connector  our KV connector's hidden states from vLLM on CUDA (bf16) against the local target's features in
+            fp32 on the CPU; skipped, with the reason, without CUDA, without an engine Python whose vLLM runs on
+            CUDA, or without the budget left for the engine's start.
+            Each of these four records max_err (max |x - ref| / max |ref|), its tolerance (derived from the
+            dtype: `rounding_tol`, `walk_tol`, TOL), a planted fault's error (which must exceed the tolerance),
+            status pass / fail / skipped and seconds.
+The list of sections is SECTIONS. The check's budget: BUDGET_S.
 --quick: tiny shapes everywhere, 3 steps, for any device (CUDA-only parts are skipped with a reason).
 """
 
@@ -63,6 +79,7 @@ import math
 import platform
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -90,8 +107,23 @@ GIB = 2 ** 30
 # sqrt(N) = eps * sqrt(N / 3) = 0.043. Measured on a CPU: parity 0.0079 (blocks against dense), kl 0.0164;
 # a planted fault (the blocks backend blind to each run's first context key) gives 0.48.
 BF16_ROUNDINGS = 4 * 13 + 2 * (2 + 2 * 9)
+
+
+def rounding_tol(dtype: torch.dtype, terms: int, depth: int = 1, c: float = 2.0) -> float:
+    """max |x - ref| / max |ref| a computation in `dtype` may show against an exact one (the CPU reference, fp32 or
+    fp64): the house's rule (tests/fp_tolerance.py), c * eps(dtype) * sqrt(terms) * depth, for sums of `terms`
+    rounded in another order, `depth` such steps in a row."""
+    return c * torch.finfo(dtype).eps * math.sqrt(terms) * depth
+
+
+def walk_tol(dtype: torch.dtype, roundings: int) -> float:
+    """max |x - ref| / max |ref| of a path that rounds each op's output in `dtype` (its sums accumulated in fp32, as
+    CUDA's bf16 matmuls do) `roundings` times against an fp32 reference: eps * sqrt(N / 3) (see BF16_ROUNDINGS)."""
+    return torch.finfo(dtype).eps * math.sqrt(roundings / 3)
+
+
 TOL = {"fp32": 1e-4,  # max |x - dense| / max |dense| (see the module docstring)
-       "bf16": torch.finfo(torch.bfloat16).eps * math.sqrt(BF16_ROUNDINGS / 3)}
+       "bf16": walk_tol(torch.bfloat16, BF16_ROUNDINGS)}
 
 
 def qwen3_shape(quick: bool):
@@ -342,6 +374,260 @@ def section_target_shard(device: torch.device) -> dict[str, Any]:
     return dict(ok=ok, **{f"rel_err_{k}": v for k, v in errs.items()}, bitwise_equal=bitwise, layer_params=layers,
                 replicated_on=sorted(outside), target_rows=int(layout.target_rows.numel()),
                 precision=str(dtype).replace("torch.", ""))
+
+
+# -- i. the paths only a GPU runs, each against its CPU reference (issue 55) -------------------------------------
+
+
+def compared(cases: list[dict[str, Any]], seconds: float, **more: Any) -> dict[str, Any]:
+    """A section's record from its cases (each: name, max_err, tolerance, and `planted_err` where a planted fault
+    was measured too, which must exceed the tolerance): pass when every case is within its tolerance and every
+    planted fault outside it; max_err and tolerance of the case nearest its tolerance; seconds of the section."""
+    for c in cases:
+        c["ok"] = c["max_err"] <= c["tolerance"] and c.get("planted_err", math.inf) > c["tolerance"]
+    worst = max(cases, key=lambda c: c["max_err"] / c["tolerance"])
+    ok = all(c["ok"] for c in cases)
+    return dict(status="pass" if ok else "fail", ok=ok, max_err=worst["max_err"], tolerance=worst["tolerance"],
+                seconds=seconds, cases=cases, **more)
+
+
+def skipped(reason: str) -> dict[str, Any]:
+    """A section that cannot run here: why it did not (never a pass)."""
+    return dict(status="skipped", ok=None, reason=reason)
+
+
+def doc_bounds(lengths: list[int]) -> list[tuple[int, int]]:
+    """Consecutive [start, end) of documents of `lengths` tokens tiling 0 .. sum(lengths)."""
+    ends = np.cumsum(lengths).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def section_linear_conv(device: torch.device, quick: bool) -> dict[str, Any]:
+    """The padded causal convolution of a hybrid target's linear-attention layers (`linear_attention.
+    padded_causal_conv`: what CUDA runs, one conv1d over the documents each preceded by W-1 zeros) on `device`
+    against transformers' convolution run on each document alone (the per-document torch rule the CPU runs,
+    `varlen_causal_conv`'s fallback) in fp64 on the CPU from the same inputs, in fp32 (TF32 off) and bf16:
+    within rounding_tol(dtype, W + 1 terms: the taps and the bias; depth 2: the convolution's output and silu's).
+    Planted: the same convolution over the row as one document (the state of one document leaking into the next)
+    must fall outside. Qwen3-Next's shapes (8192 channels: 2 x 16 key heads and 32 value heads of 128; W 4) over
+    4096 tokens, documents of 1 and 2 tokens (< W - 1) and long ones; --quick: 64 channels, 66 tokens. On the CPU
+    the same function runs (the rule is checked there, not the CUDA kernel)."""
+    from dflash_lib.models.linear_attention import padded_causal_conv, varlen_causal_conv
+
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    except ImportError as e:
+        return skipped(f"this transformers has no Qwen3-Next, whose per-document rule is the reference: {e}")
+    t0 = time.perf_counter()
+    torch.backends.cudnn.allow_tf32 = False
+    D, W = (64, 4) if quick else (8192, 4)  # channels, taps
+    lengths = [1, 7, 2, 13, 3, 40] if quick else [1, 2, 3, 700, 64, 1500, 5, 1784, 37]
+    documents = doc_bounds(lengths)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, D, sum(lengths), generator=g)  # (1, D, N)
+    weight, bias = torch.randn(D, W, generator=g) / math.sqrt(W), torch.randn(D, generator=g)
+    fallback = getattr(qwen3_next.causal_conv1d_fn, "dflash_original", qwen3_next.causal_conv1d_fn)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        xs, ws, bs = (t.to(dtype) for t in (x, weight, bias))  # the inputs both sides start from
+        ref = varlen_causal_conv(xs.double(), ws.double(), bs.double(), "silu", documents, fallback)  # the CPU's
+        got = padded_causal_conv(xs.to(device), ws.to(device), bs.to(device), "silu", documents)
+        leak = padded_causal_conv(xs.to(device), ws.to(device), bs.to(device), "silu", [(0, x.shape[-1])])
+        sync(device)
+        cases.append(dict(dtype=str(dtype).replace("torch.", ""), max_err=rel_err(got, ref),
+                          tolerance=rounding_tol(dtype, W + 1, 2), planted_err=rel_err(leak, ref)))
+    return compared(cases, time.perf_counter() - t0, channels=D, taps=W, documents=len(lengths),
+                    tokens=int(sum(lengths)), reference="transformers' causal_conv1d_fn per document, fp64, CPU",
+                    planted="one convolution over the whole row (documents leak into the next)")
+
+
+def section_linear_rule(device: torch.device, quick: bool) -> dict[str, Any]:
+    """flash-linear-attention's chunked gated delta rule over every document at once (`linear_attention.fla_rule`,
+    varlen cu_seqlens: what a hybrid target's linear-attention layers run on CUDA, in bf16) against transformers'
+    chunked torch rule run on each document alone (`varlen_rule`'s fallback: what the CPU runs) in fp32 on the CPU
+    from the same bf16 inputs (q, k, v, beta in bf16, the log decay g in fp32, as the layer passes them): within
+    rounding_tol(bf16, CHUNK terms: a chunk's sums). Planted: the kernel over the row as one document (each
+    document's state carried into the next) must fall outside. Qwen3-Next's heads (16 key heads serving 32 value
+    heads, 128 wide) over 4096 tokens of documents of 1 to 2000 tokens (one chunk of 64 exactly, one token either
+    side of it); --quick: smaller. Needs CUDA and flash-linear-attention."""
+    from dflash_lib.models import linear_attention as la
+
+    if device.type != "cuda":
+        return skipped("flash-linear-attention's kernels are Triton kernels for CUDA (a CPU runs transformers' "
+                       "torch rule per document; tests/test_linear_attention.py holds fla_rule's input "
+                       "preparation against it through a stand-in kernel)")
+    if not la.HAS_FLA:
+        return skipped("flash-linear-attention is not installed (pip install flash-linear-attention; a hybrid "
+                       "target refuses to run on CUDA without it)")
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    except ImportError as e:
+        return skipped(f"this transformers has no Qwen3-Next, whose per-document rule is the reference: {e}")
+    t0 = time.perf_counter()
+    Hk, Hv, K, V = (4, 8, 32, 32) if quick else (16, 32, 128, 128)  # key heads, value heads, their widths
+    lengths = [1, 63, 64, 65, 130, 9] if quick else [1, 63, 64, 65, 2000, 7, 1200, 696]
+    documents = doc_bounds(lengths)
+    N = int(sum(lengths))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, N, Hk, K, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1, N, Hv, V, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, N, Hv, generator=gen) + 3)  # log decay (~0.95 a token)
+    beta = torch.sigmoid(torch.randn(1, N, Hv, generator=gen)).bfloat16()
+    fallback = getattr(qwen3_next.torch_chunk_gated_delta_rule, "dflash_original",
+                       qwen3_next.torch_chunk_gated_delta_rule)
+    ref = la.varlen_rule(q.float(), k.float(), v.float(), g, beta.float(), documents, None, fallback,
+                         use_qk_l2norm_in_kernel=True)  # (1, N, Hv, V), the CPU's rule in fp32
+    dev = [t.to(device) for t in (q, k, v, g, beta)]
+    cu = torch.tensor([0] + [e for _, e in documents], dtype=torch.int32, device=device)
+    got = la.fla_rule(*dev, cu)
+    leak = la.fla_rule(*dev, torch.tensor([0, N], dtype=torch.int32, device=device))
+    sync(device)
+    case = dict(dtype="bfloat16", max_err=rel_err(got, ref), tolerance=rounding_tol(torch.bfloat16, la.CHUNK),
+                planted_err=rel_err(leak, ref))
+    return compared([case], time.perf_counter() - t0, heads=dict(key=Hk, value=Hv, key_dim=K, value_dim=V),
+                    tokens=N, documents=len(lengths),
+                    reference="transformers' torch_chunk_gated_delta_rule per document, fp32, CPU",
+                    planted="the kernel over the row as one document (states carried across documents)")
+
+
+SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)  # shorter than the documents
+
+
+def sliding_step(device: torch.device, precision: str, backend: str, batch, grad: bool, **drafter: Any
+                 ) -> dict[str, Any]:
+    """`small_models`' drafter with SLIDING layers (or `drafter` instead) on `device`: its final states, loss and
+    (with `grad`) every parameter gradient on one batch, anchors seeded; on the host in fp32."""
+    target, model = small_models(device, torch.float32 if precision == "fp32" else torch.bfloat16, backend,
+                                 **(drafter or SLIDING))
+    layout = model.layout(batch, model.sample_anchors(batch, torch.Generator().manual_seed(4)))
+    dev_batch, dev_layout = batch.to(device), layout.to(device)
+    feats = target.context_features(dev_batch, target.segments(batch.doc_ids))
+    with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=torch.bfloat16,
+                                                      enabled=precision == "bf16"):
+        hidden = model.forward_hidden(dev_batch, feats, dev_layout)
+        loss = model.loss(dev_batch, feats, dev_layout).loss
+    if grad:
+        loss.backward()
+    return dict(loss=loss.detach().float().cpu(), hidden=hidden.detach().float().cpu(),
+                grads={n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def section_sliding_flex(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Sliding-window drafter layers (SLIDING: a window of 5 positions in the first layer) through the flex backend
+    (`attention.flex_attend` with a window: the compiled FlexAttention kernel on CUDA) on `device` against the
+    dense backend (SDPA under `dense_mask` & `window_mask`) in fp32 on the CPU: final states, loss and, on CUDA,
+    every gradient, in fp32 (TF32 off) and under bf16 autocast with a bf16 target, within TOL. Planted: the same
+    drafter with every layer full (the window ignored) must fall outside. On the CPU: fp32, forward only
+    (FlexAttention has no CPU backward)."""
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = device.type == "cuda"
+    rng = np.random.default_rng(9)
+    docs = [(rng.integers(0, 511, n), np.arange(n) >= s) for n, s in ((37, 3), (12, 2), (61, 5), (4, 1))]
+    batch = collate_packed(docs, 0, 128)
+    ref = sliding_step(torch.device("cpu"), "fp32", "dense", batch, cuda)
+    full = sliding_step(torch.device("cpu"), "fp32", "dense", batch, False, layer_types=[], sliding_window=0)
+    planted = rel_err(full["hidden"], ref["hidden"])
+    cases = []
+    for precision in ("fp32", "bf16") if cuda else ("fp32",):
+        got = sliding_step(device, precision, "flex", batch, cuda)
+        errs = dict(hidden=rel_err(got["hidden"], ref["hidden"]), loss=rel_err(got["loss"], ref["loss"]))
+        if cuda:
+            errs["grads"] = max(rel_err(got["grads"][n], ref["grads"][n]) for n in ref["grads"])
+        cases.append(dict(precision=precision, max_err=max(errs.values()), tolerance=TOL[precision],
+                          planted_err=planted, **{f"rel_err_{k}": e for k, e in errs.items()}))
+    out = compared(cases, time.perf_counter() - t0, window=SLIDING["sliding_window"],
+                   reference="the dense backend in fp32 on the CPU",
+                   planted="every layer full (the window ignored), final states")
+    if not cuda:
+        out["not_run"] = "gradients and bf16: FlexAttention has no CPU backward; the CUDA check runs both"
+    return out
+
+
+def engine_target(root: Path) -> tuple[TargetModel, list[int]]:
+    """A random 4-layer Qwen3 (hidden 128, heads of 32; every matrix from N(0, 0.1) and every other weight from
+    N(0, 0.5), so that no layer is near the identity and each feature layer differs) saved in root/target, in fp32
+    on the CPU; and its feature layers."""
+    from dflash_lib.models import tiny_qwen3_config
+
+    layer_ids = [0, 2]
+    target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=128, num_layers=4, num_heads=4,
+                                                          num_kv_heads=2, vocab_size=512), 2, layer_ids)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        for p in target.model.parameters():
+            p.normal_(0.0, 0.1 if p.dim() > 1 else 0.5)
+    target.model.save_pretrained(root / "target")
+    return target, layer_ids
+
+
+ENGINE_START_S = 180.0  # seconds the connector section lets vLLM take to start on a GPU (eager, a tiny target)
+ENGINE_GPU_SHARE = 0.2  # vLLM's --gpu-memory-utilization: the share of the GPU it wants free at its start (this
+# process keeps the earlier sections' models; the engine's KV cache is EngineSpec.kv_cache_gib)
+TARGET_LAYER_ROUNDINGS = 13  # bf16 roundings of a target layer (see BF16_ROUNDINGS)
+
+
+def section_connector(device: torch.device, left_s: float) -> dict[str, Any]:
+    """Our connector writing the hidden states of a CUDA vLLM engine (`serve.engine_plugins`: vLLM's
+    `extract_hidden_states` on `engine_target`, in bf16) against the local target's features in fp32 on the CPU:
+    documents of 1 to 300 tokens, within walk_tol(bf16, 13 roundings a layer x the layers up to the deepest
+    feature layer). Planted: the engine's rows one token late within each document must fall outside. Needs CUDA
+    and an engine Python (`serve.engine_python`) whose vLLM runs on CUDA, and `left_s` seconds of the check's
+    budget for the engine's start; skipped with the reason otherwise. (The CPU build's features are held against
+    the local target's by tests/test_served_target.py.)"""
+    import subprocess
+    import tempfile
+
+    from dflash_lib.config import ConfigError
+
+    if device.type != "cuda":
+        return skipped("needs vLLM on CUDA (the CPU build's features are held against the local target's by "
+                       "tests/test_served_target.py, make test)")
+    try:
+        from dflash_lib.serve.adapter import EngineSpec
+        from dflash_lib.serve.hidden_states import EngineFiles, HiddenStatesClient, engine_layer_ids, engine_pick
+        from dflash_lib.serve.server import EngineServer, engine_python, private_folder
+
+        python = engine_python()
+    except (ImportError, ConfigError) as e:  # the serving client's wheels (httpx), or no engine Python
+        return skipped(f"no engine: {type(e).__name__}: {e}")
+    probe = subprocess.run([str(python), "-c", "import importlib.util, torch; print(torch.cuda.is_available() and "
+                            "importlib.util.find_spec('vllm') is not None)"], capture_output=True, text=True,
+                           timeout=120)
+    if probe.stdout.strip() != "True":
+        return skipped(f"the engine Python {python} has no vLLM on CUDA (its torch sees no GPU, or vLLM is not "
+                       f"installed): {' '.join((probe.stdout + probe.stderr).split())[-300:]}")
+    if left_s < ENGINE_START_S + 30:
+        return skipped(f"{left_s:.0f} s left of the check's budget, the engine may take {ENGINE_START_S:.0f} s to "
+                       "start")
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(10)
+    docs = [(rng.integers(0, 511, n), np.ones(n, bool)) for n in (1, 37, 300, 64, 5)]
+    with tempfile.TemporaryDirectory(prefix="dflash-gpu-check-") as tmp:
+        root = Path(tmp)
+        target, layer_ids = engine_target(root)
+        want = target.context_features(collate_padded(docs, 0))  # (C, F*H) fp32, CPU
+        folder = private_folder(root / "hidden_states")
+        aux = engine_layer_ids(layer_ids)
+        spec = EngineSpec(str(root / "target"), dtype="bfloat16", max_model_len=512, max_num_seqs=4,
+                          kv_cache_gib=1.0, hidden_states=tuple(aux), hidden_states_dir=str(folder),
+                          extra=("--gpu-memory-utilization", str(ENGINE_GPU_SHARE)))
+        torch.cuda.empty_cache()  # the earlier sections' cached blocks, for the engine's start
+        with EngineServer(spec, root / "engine.log", str(python), ENGINE_START_S) as server:
+            files = EngineFiles.of(folder, "gpu-check", root / "target", aux, "bfloat16")
+            client = HiddenStatesClient(server.url, files, 128, concurrency=2)
+            try:
+                states = client.fetch([t.tolist() for t, _ in docs])  # (len, layers, H) each, bf16
+            finally:
+                client.close()
+    pick = engine_pick(layer_ids)
+    got = torch.cat([s[:, pick].reshape(s.shape[0], -1) for s in states])  # (C, F*H)
+    late = torch.cat([torch.cat([s[:1], s[:-1]])[:, pick].reshape(s.shape[0], -1) for s in states])
+    case = dict(dtype="bfloat16", max_err=rel_err(got, want), planted_err=rel_err(late, want),
+                tolerance=walk_tol(torch.bfloat16, TARGET_LAYER_ROUNDINGS * (max(layer_ids) + 1)))
+    return compared([case], time.perf_counter() - t0, documents=len(docs), tokens=int(want.shape[0]),
+                    layers=layer_ids, reference="TargetModel.context_features, fp32, CPU",
+                    planted="the engine's rows one token late within each document")
 
 
 # -- e. FSDP2 with the trainer's mixed precision ---------------------------------------------------------------
@@ -653,6 +939,144 @@ def guarded(name: str, fn: Callable[[], dict[str, Any]], summary: dict[str, Any]
           flush=True)
 
 
+# bf16 roundings on the longest path of section_dflash2's 2-layer drafter: DFlash's (BF16_ROUNDINGS) plus, per layer
+# and sublayer, the kernel projection and the two convolutions (3 x 2 x 2), plus the selector's projection and edges
+DFLASH2_BF16_ROUNDINGS = BF16_ROUNDINGS + 3 * 2 * 2 + 2
+
+
+def section_dflash2(device: torch.device, quick: bool) -> dict[str, Any]:
+    """A DFlash2 drafter (models/dflash2.py: block convolutions and the candidate selector), its convolutions and
+    codebooks random, trained as on the device (flex on CUDA, blocks elsewhere; fp32, TF32 off, and bf16 autocast
+    over an fp32 drafter) against the same drafter on the CPU in fp64 with the dense backend: the final-normed block
+    states, the loss (selector term included) and every gradient, within rounding_tol(fp32, H terms, depth 2 x
+    layers x 3: attention, MLP and the two convolutions around each) or walk_tol(bf16, DFLASH2_BF16_ROUNDINGS)
+    (the bf16 target's features too, as `section_kl` against its fp32 reference); the selector's gradients in fp32
+    within that times the largest candidate logit (a softmax over logits each off by tol * |logit|), in bf16
+    reported only (the top-k candidate set flips at near ties of bf16 logits, moving whole codebook rows); the
+    greedy walk's tokens of every block
+    compared (equal tokens reported, not required: a near tie may flip). Planted: the convolutions over half blocks
+    (the taps cut at each block's middle) must fall outside."""
+    from dflash_lib.models import tiny_qwen3_config
+    from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter
+
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    vocab, H, B = 512, 64, 8
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(0, vocab - 1, n), np.arange(n) >= s) for n, s in ((5, 1), (40, 3), (23, 10), (61, 2))]
+    batch = collate_packed(docs, 0, 160)
+    backend = "flex" if device.type == "cuda" else "blocks"
+
+    def run(dev: torch.device, dtype: torch.dtype, attention: str, autocast: bool, conv_block: int = B):
+        target = TargetModel.from_hf_config(tiny_qwen3_config(hidden_size=H, num_layers=4, vocab_size=vocab), 2,
+                                            device=dev, dtype=dtype)
+        cfg = DFlash2Config(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128, vocab_size=vocab, target_layer_ids=target.layer_ids,
+                            target_num_layers=target.num_layers, block_size=B, mask_id=vocab - 1, num_anchors=12,
+                            ce_chunk_blocks=4, conv_group_size=16, selector_rank=32, selector_top_k=8)
+        torch.manual_seed(0)
+        drafter = DFlash2Drafter(cfg, target, attention=attention)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():  # away from the identity start: the parts under test act
+                if "base_kernel" in name or "kernel_projection" in name or "codebook" in name:
+                    p.add_(0.05 * torch.randn(p.shape, generator=g).to(p))
+            for layer in drafter.layers:
+                layer.attention_conv.block_size = layer.mlp_conv.block_size = conv_block
+        drafter = drafter.to(dtype if dtype == torch.float64 else torch.float32)
+        anchors = drafter.sample_anchors(batch, torch.Generator().manual_seed(7))
+        layout = drafter.layout(batch, anchors).to(dev)
+        dev_batch = batch.to(dev)
+        feats = target.context_features(dev_batch, target.segments(batch.doc_ids))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            hidden = drafter.forward_hidden(dev_batch, feats, layout)
+            loss = drafter.loss(dev_batch, feats, layout).loss
+        loss.backward()
+        one = target.features(collate_padded([docs[1]], 0).to(dev))[0]  # (40, F*H): document 1 alone
+        walks = [drafter.draft(one, a, int(docs[1][0][a])) for a in (3, 17, 30)]
+        with torch.no_grad():
+            _, unary = drafter.candidates(hidden.index_select(0, layout.scored).float(), 64)
+        return dict(hidden=hidden.detach().float().cpu(), loss=loss.detach().float().cpu(), walks=walks,
+                    zmax=float(unary.abs().max()),
+                    grads={n: p.grad.detach().float().cpu() for n, p in drafter.named_parameters()
+                           if p.grad is not None})
+
+    ref = run(torch.device("cpu"), torch.float64, "dense", False)
+    depth = 2 * 2 * 3
+    cases = []
+    for precision in ("fp32", "bf16"):
+        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        got = run(device, torch.float32 if precision == "fp32" else torch.bfloat16, backend, precision == "bf16")
+        planted = run(device, torch.float32, backend, False, conv_block=B // 2) if precision == "fp32" else None
+        selector = [n for n in ref["grads"] if n.startswith("candidate_selector.")]
+        errs = dict(hidden=rel_err(got["hidden"], ref["hidden"]), loss=rel_err(got["loss"], ref["loss"]),
+                    grads=max(rel_err(got["grads"][n], ref["grads"][n]) for n in ref["grads"] if n not in selector))
+        tol = rounding_tol(dtype, H, depth) if precision == "fp32" else walk_tol(dtype, DFLASH2_BF16_ROUNDINGS)
+        cases.append(dict(name=f"drafter {precision}", max_err=max(errs.values()), tolerance=tol,
+                          **{f"rel_err_{k}": v for k, v in errs.items()},
+                          walk_tokens_equal=sum(a == b for a, b in zip(got["walks"], ref["walks"])),
+                          walks=len(ref["walks"]),
+                          **({"planted_err": rel_err(planted["hidden"], ref["hidden"])} if planted else {})))
+        selector_err = max(rel_err(got["grads"][n], ref["grads"][n]) for n in selector)
+        if precision == "fp32":
+            cases.append(dict(name="selector gradients fp32", tolerance=tol * max(1.0, ref["zmax"]),
+                              max_err=selector_err, max_candidate_logit=ref["zmax"]))
+        else:  # which k tokens are candidates flips at near ties of bf16 logits: a codebook row's whole gradient
+            cases[-1]["selector_grads_rel_err"] = selector_err  # moves, so reported, not judged
+    return compared(cases, time.perf_counter() - t0, backend=backend, reference="the same drafter, fp64, dense, CPU",
+                    planted="convolutions over half blocks (taps cut at each block's middle)")
+
+
+BUDGET_S = 540.0  # seconds the whole check may take (a lent GPU machine runs one command 10 minutes at most); the
+# connector section skips rather than start the engine past it. Not yet timed on a GPU with the issue 55 sections.
+
+
+@dataclass
+class Check:
+    """What every section is handed: the device, --quick, the check's deadline, and the Run that `train` builds
+    for `pipeline` and `drafting`."""
+
+    device: torch.device
+    quick: bool
+    deadline: float  # time.perf_counter() by which the check should end (BUDGET_S after its start)
+    run: Run | None = None
+
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+def check_train(c: Check) -> dict[str, Any]:
+    c.run = Run(c.device, c.quick)
+    return section_train(c.run)
+
+
+def check_pipeline(c: Check) -> dict[str, Any]:
+    out = section_pipeline(c.run)  # on the CPU too: the code path works
+    if c.device.type != "cuda":
+        out["ratio_meaning"] = "CPU: both paths share the same cores; the ratio says nothing"
+    return out
+
+
+# The sections, in order: (name in the JSON, what runs it). Each is guarded: a failure is reported under its name
+# and the others run; a section that cannot run here says why (status "skipped").
+SECTIONS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
+    ("parity", lambda c: section_parity(c.device, c.quick)),
+    ("train", check_train),
+    ("pipeline", check_pipeline),
+    ("drafting", lambda c: section_drafting(c.run)),
+    ("fsdp", lambda c: section_fsdp(c.device)),
+    ("kl", lambda c: section_kl(c.device)),
+    ("sampling", lambda c: section_sampling(c.device, c.quick)),
+    ("target_shard", lambda c: section_target_shard(c.device)),
+    ("linear_conv", lambda c: section_linear_conv(c.device, c.quick)),
+    ("linear_rule", lambda c: section_linear_rule(c.device, c.quick)),
+    ("sliding_flex", lambda c: section_sliding_flex(c.device, c.quick)),
+    ("connector", lambda c: section_connector(c.device, c.left_s())),
+    ("dflash2", lambda c: section_dflash2(c.device, c.quick)),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 3 steps; runs on CPU too")
@@ -673,28 +1097,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001
         pass
     torch.manual_seed(0)
-    guarded("parity", lambda: section_parity(device, args.quick), summary)
-    run_box: dict[str, Run] = {}
-
-    def train() -> dict[str, Any]:
-        run_box["run"] = Run(device, args.quick)
-        return section_train(run_box["run"])
-
-    guarded("train", train, summary)
-    if device.type == "cuda":
-        guarded("pipeline", lambda: section_pipeline(run_box["run"]), summary)
-    else:
-        summary["pipeline"] = {"ok": None, "skipped": "one-GPU overlap of the target stream needs CUDA"}
-        guarded("pipeline", lambda: section_pipeline(run_box["run"]), summary)  # still runs: the code path works
-        summary["pipeline"]["ratio_meaning"] = "CPU: both paths share the same cores; the ratio says nothing"
-    guarded("drafting", lambda: section_drafting(run_box["run"]), summary)
-    guarded("fsdp", lambda: section_fsdp(device), summary)
-    guarded("kl", lambda: section_kl(device), summary)
-    guarded("sampling", lambda: section_sampling(device, args.quick), summary)
-    guarded("target_shard", lambda: section_target_shard(device), summary)
-    sections = ("parity", "train", "pipeline", "drafting", "fsdp", "kl", "sampling", "target_shard")
-    summary["ok"] = all(summary[s].get("ok") is not False for s in sections)
+    check = Check(device, args.quick, t0 + BUDGET_S)
+    for name, fn in SECTIONS:
+        guarded(name, lambda: fn(check), summary)
+    summary["ok"] = all(summary[name].get("ok") is not False for name, _ in SECTIONS)
+    summary["skipped"] = {name: summary[name]["reason"] for name, _ in SECTIONS
+                          if summary[name].get("status") == "skipped"}
     summary["total_s"] = round(time.perf_counter() - t0, 1)
+    summary["budget_s"], summary["within_budget"] = BUDGET_S, summary["total_s"] <= BUDGET_S
     print(json.dumps(summary, default=lambda o: o if not isinstance(o, torch.Tensor) else o.tolist()))
     return 0 if summary["ok"] else 1
 

@@ -178,11 +178,12 @@ def _capture_args(p: argparse.ArgumentParser) -> None:
 
 def _capture(args: argparse.Namespace) -> None:
     from dflash_lib.rundir import load_config
-    from dflash_lib.target.cached import run_capture
+    from dflash_lib.target.capture import run_capture
 
     doc = run_capture(load_config(_params(args.param), args.preset), args.out)
     print(json.dumps({"cache": args.out, "samples": doc["samples"], "shards": len(doc["shards"]),
-                      "tokens": sum(s["tokens"] for s in doc["shards"])}))
+                      "tokens": sum(s["tokens"] for s in doc["shards"]), "stored": doc["stored"],
+                      "skipped": doc["skipped"]}))
 
 
 def _engine_command_args(p: argparse.ArgumentParser) -> None:

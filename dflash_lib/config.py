@@ -159,6 +159,9 @@ class ModelConfig:
     # as this machine sees it; the trainer reads and deletes only its own files there (docs/scale.md)
     hidden_cache: str = ""  # a folder `capture` wrote: the target's features read from it, no target forward (with
     # target_engine vllm the engine serves what it lacks); "" = none
+    hidden_cache_dtype: Literal["engine", "float8_e4m3fn"] = "engine"  # what `capture` stores: "engine" = the dtype
+    # the engine runs (bf16 or fp32), "float8_e4m3fn" = e4m3 with a scale per token and layer (half of bf16's bytes),
+    # decoded to the engine's dtype when read; a run reads either (docs/scale.md)
     drafter_attention: Literal["auto", "flex", "blocks", "dense"] = "auto"  # "auto": flex on CUDA, blocks elsewhere; "dense": the reference
     drafter_checkpointing: str = "auto"  # drafter layers recomputed in the backward (activation checkpointing):
     # "auto" (all on CUDA, none elsewhere) | "true" (all) | "false" (none) | k in 0..drafter_layers (the first k)

@@ -230,7 +230,7 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResult]:
-    """architecture, hidden_act, hidden_size, vocab_size, block_size, (a dflash2 folder's) dflash2,
+    """architecture, hidden_act, hidden_size, vocab_size, block_size, (a dflash2 drafter's) dflash2,
     target_layer_ids, engine_layer_ids, mask_token_id."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
     rules = []
@@ -279,7 +279,7 @@ def config_rules(doc: Mapping[str, Any], target: TargetReading) -> list[RuleResu
 
 
 def _dflash2_rule(doc: Mapping[str, Any], dc: Mapping[str, Any]) -> RuleResult:
-    """A dflash2 folder's fields as vLLM's qwen3_dflash2 reads them: conv_kernel_size, conv_group_size (dividing
+    """A dflash2 drafter's fields as vLLM's qwen3_dflash2 reads them: conv_kernel_size, conv_group_size (dividing
     hidden_size, else vLLM raises at load), selector_rank and selector_top_k (at most vocab_size) positive ints, and
     no draft vocabulary (its candidate walk returns head rows as token ids: no d2t map)."""
     keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

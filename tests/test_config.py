@@ -82,6 +82,7 @@ OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:
 OTHER_VALUE |= {"optimizer": "muon", "lr_schedule": "wsd"}  # issue 52 (the levers)
 OTHER_VALUE |= {"drafter_kind": "dflash2"}  # issue 54
 OTHER_VALUE |= {"drafter_causal": "non_causal"}  # issue 54 (causality as the engines apply it)
+OTHER_VALUE |= {"hidden_cache_dtype": "float8_e4m3fn"}  # issue 55 (the capture on a real disk)
 BY_HAND = {"target": "models/t", "target_engine": "vllm", "target_engine_url": "http://e:1", "target_engine_dir": "/e"}
 COUPLED = {"drafter_window": {"drafter_layer_types": ["sliding_attention"], "drafter_window": 3},  # window >= 1
            # needs a sliding layer and a sliding layer a window: changed from this base instead of the defaults

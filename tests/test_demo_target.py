@@ -205,7 +205,7 @@ def test_folder_loads_as_a_local_target_with_the_loss_it_was_trained_to(built):
 
 
 def test_drafter_trains_against_the_demo_target(built, tmp_path, capsys):
-    from dflash_lib.train.feed import TOKEN_OUT_OF_VOCAB
+    from dflash_lib.data.validation import TOKEN_OUT_OF_VOCAB
     from dflash_lib.train.loop import train
 
     cfg, folder, rec = built

@@ -270,3 +270,28 @@ def test_muon_leaves_the_codebooks_and_the_convolution_bases_to_adamw(target):
     assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
             "layers.0.attention_conv.base_kernel"} <= in_adamw
     assert {"candidate_selector.hidden_projection.weight", "layers.1.mlp_conv.kernel_projection.weight"} <= in_muon
+
+
+@pytest.mark.parametrize("loss", ["ce", "ce+kl"])
+def test_the_candidates_from_the_losss_head_pass_equal_a_separate_top_k(target, loss):
+    """Training takes the selector's candidates from the main loss's own chunked head pass (no second pass over the
+    vocabulary): the same ids and logits as the head's top-k computed apart."""
+    d = _drafter(target, loss=loss, ce_chunk_blocks=2)
+    batch, feats, anchors = _batch(target, d, packed=False)
+    layout = d.layout(batch, anchors)
+    final = target.context_features_and_final(batch, layout.target_rows)[1] if loss != "ce" else None
+    hidden = d.forward_hidden(batch, feats, layout)
+    out = DFlashDrafter._objective(d, hidden, layout, None, final, top_k=d.cfg.selector_top_k)
+    ids, unary = d.candidates(hidden.index_select(0, layout.scored), 5)
+    assert torch.equal(out.top[0], ids)
+    torch.testing.assert_close(out.top[1], unary, rtol=0, atol=rounding_atol(unary, terms=HIDDEN))
+    assert DFlashDrafter._objective(d, hidden, layout, None, final).top is None
+
+
+def test_the_block_convolutions_gradient_passes_gradcheck():
+    """`block_conv` is a custom autograd function (its backward rebuilds what it needs from the inputs): gradcheck
+    in float64 over y, the deltas and the base, blocks of 3 (not a power of two), 3 taps."""
+    g = torch.Generator().manual_seed(0)
+    y, delta, base = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+                      for shape in ((9, 8), (9, 3, 2), (3, 8)))
+    assert torch.autograd.gradcheck(lambda a, b, c: block_conv(a, b, c, 3), (y, delta, base))

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py --quick runs on CPU and prints one JSON summary whose sections report real figures
-(parity, train, pipeline, drafting, fsdp, and issue 25's kl, sampling and target_shard)."""
+(parity, train, pipeline, drafting, fsdp, issue 25's kl, sampling and target_shard, issue 55's linear_conv and
+sliding_flex, issue 54's dflash2), and says why issue 55's CUDA-only sections (linear_rule, connector) did not run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ["parity", "train", "pipeline", "drafting", "fsdp", "kl", "sampling", "target_shard", "linear_conv",
+            "linear_rule", "sliding_flex", "connector", "dflash2"]
 
 
 @pytest.mark.slow
@@ -50,3 +53,20 @@ def test_gpu_check_quick_on_cpu_prints_one_json_summary():
     shard = summary["target_shard"]
     assert shard["ok"] and shard["bitwise_equal"] and shard["layer_params"] == ["DTensor"]
     assert shard["replicated_on"] == ["cpu"] and shard["target_rows"] > 0
+    assert [k for k, v in summary.items() if isinstance(v, dict) and "section_s" in v] == SECTIONS  # each, timed
+    conv = summary["linear_conv"]  # the padded convolution against the per-document rule, fp32 and bf16
+    assert conv["status"] == "pass" and [c["dtype"] for c in conv["cases"]] == ["float32", "bfloat16"]
+    assert all(0 < c["max_err"] <= c["tolerance"] < c["planted_err"] for c in conv["cases"])
+    sliding = summary["sliding_flex"]  # flex's sliding windows against dense, forward only on the CPU
+    assert sliding["status"] == "pass" and [c["precision"] for c in sliding["cases"]] == ["fp32"]
+    assert sliding["max_err"] <= sliding["tolerance"] < sliding["cases"][0]["planted_err"]
+    assert "backward" in sliding["not_run"] and sliding["seconds"] > 0
+    for name, says in (("linear_rule", "CUDA"), ("connector", "vLLM on CUDA")):  # never a pass where it cannot run
+        assert summary[name]["status"] == "skipped" and summary[name]["ok"] is None
+        assert says in summary[name]["reason"] and summary["skipped"][name] == summary[name]["reason"]
+    d2 = summary["dflash2"]  # the DFlash2 drafter trained as on the device against fp64 dense, fp32 and bf16
+    assert d2["status"] == "pass" and [c["name"] for c in d2["cases"]] == ["drafter fp32", "selector gradients fp32",
+                                                                          "drafter bf16"]
+    assert all(0 < c["max_err"] <= c["tolerance"] for c in d2["cases"])
+    assert d2["cases"][0]["planted_err"] > d2["cases"][0]["tolerance"] and d2["cases"][0]["walk_tokens_equal"] == 3
+    assert summary["budget_s"] > 0 and summary["total_s"] > 0

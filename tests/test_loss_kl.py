@@ -115,7 +115,7 @@ def test_fused_ce_kl_gradients_pass_gradcheck():
     target_of = torch.randint(0, u, (n,), generator=g)
     for a, b, T in ((1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (1.0, 0.6, 2.0), (0.0, 1.0, 0.5)):
         def obj(h):
-            return _FusedHeadCEKL.apply(h, weight, bias, labels, target_hidden, target_of, 3, a, b, T, True)[0]
+            return _FusedHeadCEKL.apply(h, weight, bias, labels, target_hidden, target_of, 3, a, b, T, True, 0)[0]
         assert torch.autograd.gradcheck(obj, (hidden,), eps=1e-6, atol=1e-7)
 
 

@@ -13,7 +13,8 @@ import torch
 from dflash_lib.config import ConfigError, ModelConfig, from_params, preset
 from dflash_lib.data.batch import collate_padded
 from dflash_lib.models.target_parts import TargetParts
-from dflash_lib.target.cached import CacheIdentity, CapturedFeatures, capture
+from dflash_lib.target.cached import CacheIdentity, CapturedFeatures
+from dflash_lib.target.capture import capture
 from dflash_lib.target.facts import read_facts
 from dflash_lib.target.local import TargetModel
 from dflash_lib.target.protocol import FeatureSource
@@ -84,7 +85,8 @@ def test_every_source_is_a_feature_source_and_the_cached_one_gives_the_local_fea
                 .reshape(len(d), F, H) for d in documents]
 
     identity = CacheIdentity.of(config, facts.layer_ids, H, "k1", torch.device("cpu"))
-    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(), say=lambda _: None, progress=False)
+    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(), vocab_size=facts.vocab_size,
+            say=lambda _: None, progress=False)
     served = ServedTarget(facts, "", "cpu", torch.float32, cache=CapturedFeatures(tmp_path / "cache"))
     try:
         assert isinstance(local, FeatureSource) and isinstance(served, FeatureSource)
@@ -129,8 +131,8 @@ def test_the_cached_targets_final_states_equal_the_local_targets(folder, tmp_pat
 
     identity = CacheIdentity.of(config, facts.layer_ids, H, "k1", torch.device("cpu"))
     assert identity.final_states
-    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(True), say=lambda _: None,
-            progress=False, last=facts.engine_last())
+    capture(_Store(docs), identity, tmp_path / "cache", fetch, facts.engine_pick(True), vocab_size=facts.vocab_size,
+            say=lambda _: None, progress=False, last=facts.engine_last())
     cache = CapturedFeatures(tmp_path / "cache")
     served = ServedTarget(facts, "", "cpu", torch.float32, cache=cache, final=True)
     batch = collate_padded([(d, np.ones(len(d), np.uint8)) for d in docs], 0)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dflash_lib.train import feed as v
-from dflash_lib.train.feed import validate_sample
-from dflash_lib.train.state import BadStepGuard, NonFiniteLossError, SkipCounter
+from dflash_lib.data import validation as v
+from dflash_lib.data.validation import SkipCounter, validate_sample
+from dflash_lib.train.state import BadStepGuard, NonFiniteLossError
 
 VOCAB = 100
 

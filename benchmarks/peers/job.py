@@ -33,7 +33,8 @@ from dflash_lib.lab.demo import prepare_target
 from dflash_lib.models.anchors import default_gamma
 from dflash_lib.models.target_config import chosen_layer_ids, local_hf_config
 from dflash_lib.rundir import load_config, write_json
-from dflash_lib.target.cached import CapturedFeatures, read_manifest, run_capture
+from dflash_lib.target.cached import CapturedFeatures, read_manifest
+from dflash_lib.target.capture import run_capture
 
 FORMAT = 1
 

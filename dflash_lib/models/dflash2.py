@@ -81,20 +81,60 @@ class DFlash2Config(DrafterConfig):
                    selector_warmup=cfg.selector_warmup)
 
 
+def _shift(x: torch.Tensor, t: int, block_size: int) -> torch.Tensor:
+    """x (Q, ...) with blocks of `block_size` contiguous rows -> row p holds x[p - t] of its block, zeros where
+    p - t falls before the block's start (t > 0) or after its end (t < 0)."""
+    if t == 0:
+        return x
+    xb = x.reshape(-1, block_size, *x.shape[1:])  # (n, B, ...)
+    zeros = xb.new_zeros(xb.shape[0], abs(t), *xb.shape[2:])
+    out = torch.cat([zeros, xb[:, :block_size - t]], 1) if t > 0 else torch.cat([xb[:, -t:], zeros], 1)
+    return out.reshape(x.shape)
+
+
+class _BlockConv(torch.autograd.Function):
+    """`block_conv` saving only its inputs (the shifted copies and the per-row kernels are rebuilt in the backward):
+    a taps x (Q, H) kernel held per convolution, four a layer, is what a checkpointed layer's recompute would keep."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+        ctx.save_for_backward(y, delta, base)
+        ctx.block_size = block_size
+        Q, H = y.shape
+        taps, G = delta.shape[1], delta.shape[2]
+        acc = torch.promote_types(torch.promote_types(y.dtype, delta.dtype), base.dtype)
+        out = torch.zeros(Q, G, H // G, dtype=acc, device=y.device)
+        for t in range(taps):
+            shifted = _shift(y, t, block_size).to(acc).reshape(Q, G, H // G)  # (Q, G, g): y[p - t]
+            out += (base[t].to(acc).reshape(G, H // G) + delta[:, t].to(acc).unsqueeze(-1)) * shifted
+        return out.reshape(Q, H).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, delta, base = ctx.saved_tensors
+        B = ctx.block_size
+        Q, H = y.shape
+        taps, G = delta.shape[1], delta.shape[2]
+        acc = torch.promote_types(torch.promote_types(grad.dtype, delta.dtype), base.dtype)
+        g = grad.to(acc).reshape(Q, G, H // G)  # (Q, G, g)
+        gy = torch.zeros(Q, G, H // G, dtype=acc, device=y.device)
+        gdelta = torch.empty(Q, taps, G, dtype=acc, device=y.device)
+        gbase = torch.empty(taps, H, dtype=acc, device=y.device)
+        for t in range(taps):
+            shifted = _shift(y, t, B).to(acc).reshape(Q, G, H // G)  # y[p - t]
+            gdelta[:, t] = (g * shifted).sum(-1)
+            gbase[t] = (g * shifted).sum(0).reshape(H)
+            kernel = base[t].to(acc).reshape(G, H // G) + delta[:, t].to(acc).unsqueeze(-1)  # (Q, G, g) at row p
+            gy += _shift(kernel * g, -t, B)  # row p - t receives row p's term
+        return gy.reshape(Q, H).to(y.dtype), gdelta.to(delta.dtype), gbase.to(base.dtype), None
+
+
 def block_conv(y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
     """The causal in-block convolution. y (Q, H) with Q a multiple of `block_size` (blocks contiguous); delta
-    (Q, taps, G) per-row kernel deltas of G channel groups; base (taps, H) -> (Q, H):
-    out[p] = sum over t <= p's place in its block of (base[t] + delta[p, t, group]) * y[p - t]."""
-    Q, H = y.shape
-    taps, G = delta.shape[1], delta.shape[2]
-    yb = y.reshape(Q // block_size, block_size, G, H // G)  # (n, B, G, g)
-    kernel = base.reshape(1, taps, G, H // G) + delta.unsqueeze(-1)  # (Q, taps, G, g)
-    kernel = kernel.reshape(Q // block_size, block_size, taps, G, H // G)  # (n, B, taps, G, g)
-    out = kernel[:, :, 0] * yb
-    for t in range(1, taps):
-        shifted = torch.cat([yb.new_zeros(yb.shape[0], t, *yb.shape[2:]), yb[:, :block_size - t]], dim=1)
-        out = out + kernel[:, :, t] * shifted  # rows p < t get zeros: nothing before the block's start
-    return out.reshape(Q, H)
+    (Q, taps, G) per-row kernel deltas of G channel groups; base (taps, H) -> (Q, H) in y's dtype, accumulated in
+    the widest of the three: out[p] = sum over t <= p's place in its block of (base[t] + delta[p, t, group]) *
+    y[p - t]."""
+    return _BlockConv.apply(y, delta, base, block_size)
 
 
 class BlockConv(nn.Module):
@@ -153,10 +193,13 @@ class CandidateSelector(nn.Module):
 
     def edges(self, h: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """h (N, H) hidden states; previous (N, P) predecessor ids; candidates (N, K) ids -> (N, P, K) edge terms
-        < P[previous] * W h , S[candidate] >."""
-        q = self.hidden_projection(h.to(self.hidden_projection.weight.dtype))  # (N, r)
-        pred = self.predecessor_codebook[previous] * q[:, None]  # (N, P, r)
-        return torch.einsum("npr,nkr->npk", pred, self.successor_codebook[candidates])
+        < P[previous] * W h , S[candidate] >, in the codebooks' dtype whatever autocast is on (a few N x K x r
+        products; a softmax over K scores reads them in training)."""
+        dtype = self.successor_codebook.dtype
+        with torch.autocast(h.device.type, enabled=False):
+            q = F.linear(h.to(dtype), self.hidden_projection.weight.to(dtype))  # (N, r)
+            pred = self.predecessor_codebook[previous] * q[:, None]  # (N, P, r)
+            return torch.einsum("npr,nkr->npk", pred, self.successor_codebook[candidates])
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -200,7 +243,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def candidates(self, h: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h (N, H) -> the head's top-k token ids (N, K), best first, and their unary scores (N, K) float32, a chunk
-        of rows of logits at a time, without gradient: the selector learns the edge term, the head its own loss."""
+        of rows of logits at a time, without gradient (drafting; training takes them from the loss's head pass)."""
         K = self.cfg.selector_top_k
         ids, values = [], []
         with torch.no_grad():
@@ -250,13 +293,13 @@ class DFlash2Drafter(DFlashDrafter):
     def _objective(self, hidden: torch.Tensor, layout: DraftLayout, normalizer: float | None,
                    target_hidden: torch.Tensor | None) -> DrafterLoss:
         """The drafter's loss plus selector_weight x warm-up x the selector cross-entropy (normalised alike)."""
-        out = super()._objective(hidden, layout, normalizer, target_hidden)
         scale = self.cfg.selector_weight * self.selector_scale
-        if scale == 0 or layout.num_scored == 0:
+        out = super()._objective(hidden, layout, normalizer, target_hidden,
+                                 top_k=self.cfg.selector_top_k if scale else 0)  # the candidates from its head pass
+        if scale == 0 or layout.num_scored == 0 or out.top is None:
             return out
         h = hidden.index_select(0, layout.scored)  # (m, H)
-        chunk = self.cfg.ce_chunk_blocks * self.cfg.block_size or h.shape[0]
-        ids, unary = self.candidates(h, chunk)  # (m, K) each
+        ids, unary = out.top[0], self._unary(out.top[1])  # (m, K) each, no gradient
         y = layout.labels  # (m,)
         hit = (ids == y[:, None]).any(1)  # (m,)
         ids = torch.cat([ids[:, :-1], torch.where(hit, ids[:, -1], y)[:, None]], dim=1)  # the label in the set

@@ -413,10 +413,11 @@ class DFlashDrafter(nn.Module):
         return self._objective(self.forward_hidden(batch, features, layout), layout, normalizer, target_hidden)
 
     def _objective(self, hidden: torch.Tensor, layout: DraftLayout, normalizer: float | None,
-                   target_hidden: torch.Tensor | None) -> DrafterLoss:
-        """The loss of the final-normed block states hidden (n*B, H) of `layout` (`loss`'s arguments)."""
+                   target_hidden: torch.Tensor | None, top_k: int = 0) -> DrafterLoss:
+        """The loss of the final-normed block states hidden (n*B, H) of `layout` (`loss`'s arguments); `top_k`:
+        `weighted_loss`'s."""
         return weighted_loss(hidden, self.head(), layout, self.cfg.ce_chunk_blocks * self.cfg.block_size,
-                             normalizer, self.cfg.loss_spec, target_hidden, self.target_to_draft())
+                             normalizer, self.cfg.loss_spec, target_hidden, self.target_to_draft(), top_k)
 
     # -- inference --------------------------------------------------------------------------------------
     def draft_logits(self, features: torch.Tensor, anchor_pos: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -59,12 +59,9 @@ def write_folder(kind: DrafterKind, cfg: Any, weights: dict[str, torch.Tensor], 
 
 
 def file_sha256(path: str | Path) -> str:
-    """The SHA-256 of a file's bytes, hex (read in 16 MiB pieces)."""
-    digest = hashlib.sha256()
+    """The SHA-256 of a file's bytes, hex (read into one 256 KiB buffer: a GB shard's hash holds no GB piece)."""
     with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(16 << 20), b""):
-            digest.update(piece)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _training_info(hf: transformers.PretrainedConfig, name: str, template: str, source: str,

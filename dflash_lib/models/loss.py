@@ -43,6 +43,8 @@ class DrafterLoss:
     tau_blocks_t: torch.Tensor | None = None  # 0-d: blocks in tau_sum_t; None = 0
     block_runs_t: torch.Tensor | None = None  # (n,) each block's leading run of correct positions, layout order
     # (`leading_runs`): what the held-out evaluation walks decoding's cycles over; None = not computed
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (m, k) ids and float logits of each scored position's
+    # top-k head rows from the loss's own head pass (`weighted_loss(top_k=k)`: dflash2's candidates); None = not asked
 
     def stats(self) -> torch.Tensor:
         """(stats_size(B),) float64 on the device: ce_total, correct_total, pos_correct (B-1), pos_count (B-1),
@@ -131,16 +133,19 @@ class _FusedHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                chunk: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, need_grad: bool, top_k: int) -> tuple[torch.Tensor, ...]:
         n = hidden.shape[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (n,)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
+        top_ids, top_vals = _top_buffers(n, top_k, hidden.device, torch.float32)  # (n, k) each
         grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d ce_i / d hidden_i
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
             y = labels[part]  # (c,)
             logits = F.linear(hidden[part], weight, bias).float()  # (c, V)
             pred[part] = logits.argmax(dim=-1)
+            if top_k:
+                top_vals[part], top_ids[part] = logits.topk(top_k, dim=-1)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             ce[part] = lse - logits.gather(1, y.unsqueeze(1)).squeeze(1)
             if need_grad:
@@ -148,18 +153,24 @@ class _FusedHeadCE(torch.autograd.Function):
                 probs[torch.arange(len(y), device=y.device), y] -= 1.0
                 grad[part] = (probs.to(weight.dtype) @ weight).to(grad.dtype)  # (c, H)
         ctx.save_for_backward(grad if need_grad else ce.new_empty(0))
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+        ctx.mark_non_differentiable(pred, top_ids, top_vals)
+        return ce, pred, top_ids, top_vals
 
     @staticmethod
-    def backward(ctx, grad_ce: torch.Tensor, grad_pred: torch.Tensor | None):
+    def backward(ctx, grad_ce: torch.Tensor, *unused):
         (grad,) = ctx.saved_tensors
-        return grad_ce.unsqueeze(1).to(grad.dtype) * grad, None, None, None, None, None
+        return grad_ce.unsqueeze(1).to(grad.dtype) * grad, None, None, None, None, None, None
+
+
+def _top_buffers(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, k) int64 ids and (n, k) values a head's chunk loop fills with each row's top-k logits (k 0: empty)."""
+    return (torch.empty(n, k, dtype=torch.long, device=device), torch.empty(n, k, dtype=dtype, device=device))
 
 
 def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                       chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position CE (nats) and argmax of `head(hidden)`: hidden (n, H), labels (n,) -> ce (n,), pred (n,).
+                       chunk: int, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """Per-position CE (nats) and argmax of `head(hidden)`: hidden (n, H), labels (n,) -> ce (n,), pred (n,), and
+    with `top_k` > 0 also each row's top-k logits' ids and values (n, top_k), best first (from the same pass).
 
     chunk: positions per LM-head call (0 = all n at once). The head must be frozen: its weight gets no gradient
     (the gradient with respect to `hidden` is exact; see the module docstring).
@@ -169,8 +180,9 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torc
                          "the target and its weight gets no gradient here")
     n = hidden.shape[0]
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _FusedHeadCE.apply(hidden, head.weight, head.bias, labels, chunk if 0 < chunk < n else max(n, 1),
-                              need_grad)
+    out = _FusedHeadCE.apply(hidden, head.weight, head.bias, labels, chunk if 0 < chunk < n else max(n, 1),
+                             need_grad, top_k)
+    return out if top_k else out[:2]
 
 
 @dataclass(frozen=True)
@@ -209,33 +221,35 @@ class _FusedHeadCEKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
-                need_grad: bool) -> tuple[torch.Tensor, ...]:
+                need_grad: bool, top_k: int) -> tuple[torch.Tensor, ...]:
         n = hidden.shape[0]
         acc = torch.promote_types(torch.float32, hidden.dtype)  # logits and terms: float32 (float64 for a float64 h)
         ce = torch.empty(n, dtype=acc, device=hidden.device)  # (n,)
         kl = torch.empty_like(ce)  # (n,)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
+        top = _top_buffers(n, top_k, hidden.device, acc)  # (n, k) ids and values
         grad = torch.empty_like(hidden) if need_grad else None  # (n, H): d obj_i / d hidden_i
         # explicit dtypes: autocast would run the row dots in bf16 (and copy p and log p for them)
         with torch.autocast(hidden.device.type, enabled=False):
             _ce_kl_chunks(hidden, weight, bias, labels, target_hidden, target_of, chunk, a, b, T, acc, ce, kl, pred,
-                          grad)
+                          grad, top)
         obj = a * ce + (b * T * T) * kl  # (n,)
         ctx.save_for_backward(grad if need_grad else obj.new_empty(0))
-        ctx.mark_non_differentiable(ce, kl, pred)
-        return obj, ce, kl, pred
+        ctx.mark_non_differentiable(ce, kl, pred, *top)
+        return obj, ce, kl, pred, *top
 
     @staticmethod
     def backward(ctx, grad_obj: torch.Tensor, *unused):
         (grad,) = ctx.saved_tensors
-        return (grad_obj.unsqueeze(1).to(grad.dtype) * grad, *(None,) * 10)
+        return (grad_obj.unsqueeze(1).to(grad.dtype) * grad, *(None,) * 11)
 
 
 def _ce_kl_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                   target_hidden: torch.Tensor, target_of: torch.Tensor, chunk: int, a: float, b: float, T: float,
                   acc: torch.dtype, ce: torch.Tensor, kl: torch.Tensor, pred: torch.Tensor,
-                  grad: torch.Tensor | None) -> None:
-    """`_FusedHeadCEKL`'s chunk loop: fills ce, kl, pred (n,) and, unless None, grad (n, H) in place."""
+                  grad: torch.Tensor | None, top: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """`_FusedHeadCEKL`'s chunk loop: fills ce, kl, pred (n,), the top-k ids and values `top` (n, k) when k > 0
+    and, unless None, grad (n, H) in place."""
     n = hidden.shape[0]
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
@@ -243,6 +257,8 @@ def _ce_kl_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         rows = torch.arange(len(y), device=y.device)  # (c,)
         z = F.linear(hidden[part], weight, bias).to(acc)  # (c, V) drafter logits
         pred[part] = z.argmax(dim=-1)
+        if top[0].shape[1]:
+            top[1][part], top[0][part] = z.topk(top[0].shape[1], dim=-1)
         lse = torch.logsumexp(z, dim=-1)  # (c,)
         lse_T = lse if T == 1.0 else torch.logsumexp(z / T, dim=-1)  # (c,): before log p exists (memory)
         ce[part] = lse - z[rows, y]
@@ -271,12 +287,12 @@ def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def head_ce_kl(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, target_hidden: torch.Tensor,
-               target_of: torch.Tensor, chunk: int, spec: LossSpec) -> tuple[torch.Tensor, ...]:
+               target_of: torch.Tensor, chunk: int, spec: LossSpec, top_k: int = 0) -> tuple[torch.Tensor, ...]:
     """Per-position objective a * ce + b * T^2 * KL_T (nats), ce, KL_T and argmax of `head(hidden)` against the
     target's distributions `head(target_hidden[target_of])`: hidden (n, H), labels (n,), target_hidden (u, H)
     final-normed target states, target_of (n,) -> obj, ce, kl (n,) float32 (float64 for a float64 hidden), pred
-    (n,). chunk: positions per head call (0 = all n at once). The head must be frozen, as for
-    `head_cross_entropy`."""
+    (n,), and with `top_k` > 0 each row's top-k ids and values (n, top_k). chunk: positions per head call (0 = all
+    n at once). The head must be frozen, as for `head_cross_entropy`."""
     if head.weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("head_ce_kl: the LM head must be frozen (requires_grad=False); it is shared with the "
                          "target and its weight gets no gradient here")
@@ -284,7 +300,7 @@ def head_ce_kl(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _FusedHeadCEKL.apply(hidden, head.weight, head.bias, labels, target_hidden, target_of,
                                 chunk if 0 < chunk < n else max(n, 1), spec.ce_coef, spec.kl_coef,
-                                float(spec.temperature), need_grad)
+                                float(spec.temperature), need_grad, top_k)[:6 if top_k else 4]
 
 
 def dpace_weights(q: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_size: int,
@@ -304,7 +320,8 @@ def dpace_weights(q: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_
 
 def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layout: "DraftLayout",
                   chunk_positions: int, normalizer: float | None, spec: LossSpec | None = None,
-                  target_hidden: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> DrafterLoss:
+                  target_hidden: torch.Tensor | None = None, t2d: torch.Tensor | None = None,
+                  top_k: int = 0) -> DrafterLoss:
     """hidden (n*B, H) drafter outputs of the layout's queries -> `DrafterLoss`. Only the layout's m scored
     positions (host-known indices) go through the head; no device-to-host sync.
 
@@ -313,7 +330,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
     `ce_total` is then the objective's weighted sum. D-PACE multiplies the layout's weights by `dpace_weights`
     (made from the drafter's label probabilities exp(-ce), detached). `t2d` (V,): `head` holds a draft
     vocabulary's rows and t2d maps a target id to its row (-1 outside): a label outside is scored wrong and adds
-    nothing to the loss (the KL term is then against the target's distribution over the same rows)."""
+    nothing to the loss (the KL term is then against the target's distribution over the same rows). `top_k` > 0:
+    `DrafterLoss.top` holds each scored position's top-k head rows from the same head pass."""
     spec = spec or LossSpec()
     B = layout.block_size
     if normalizer is not None and not float(normalizer) > 0:
@@ -334,14 +352,14 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
         inside = (y >= 0).float()
     rows = y if inside is None else y.clamp(min=0)  # a label outside: any row, its term is zeroed below
     if spec.kind == "ce":
-        ce, pred = head_cross_entropy(h, head, rows, chunk_positions)  # type: ignore[arg-type]
+        ce, pred, *top = head_cross_entropy(h, head, rows, chunk_positions, top_k)  # type: ignore[arg-type]
         per = ce  # (m,)
     else:
         if target_hidden is None or layout.target_of is None:
             raise ValueError(f"loss {spec.kind!r} needs the target's final hidden states at the layout's target rows "
                              "(a layout built with target_rows=True and TargetModel.context_features_and_final)")
-        per, ce, _, pred = head_ce_kl(h, head, rows, target_hidden, layout.target_of,  # type: ignore[arg-type]
-                                      chunk_positions, spec)
+        per, ce, _, pred, *top = head_ce_kl(h, head, rows, target_hidden, layout.target_of,  # type: ignore
+                                            chunk_positions, spec, top_k)
     if inside is not None:
         per = per * inside
     if spec.position_weight == "dpace":
@@ -359,7 +377,8 @@ def weighted_loss(hidden: torch.Tensor, head: torch.nn.Linear | LinearHead, layo
         tau_sum, tau_blocks = (1.0 + runs).sum(), torch.full((), float(layout.num_blocks), device=dev)
     return DrafterLoss(loss=total / norm, weight_sum=layout.weight_sum, ce_total=total.detach(),
                        correct_total=correct_total, pos_correct_t=pos_correct, pos_count_t=pos_count,
-                       tau_sum_t=tau_sum, tau_blocks_t=tau_blocks, block_runs_t=runs)
+                       tau_sum_t=tau_sum, tau_blocks_t=tau_blocks, block_runs_t=runs,
+                       top=(top[0], top[1]) if top else None)
 
 
 @contextmanager

@@ -1,45 +1,47 @@
-"""The target's features of a token store captured once from the engine and read for many epochs:
-`python -m dflash_lib capture ... --out CACHE`, then `train -p hidden_cache CACHE` (docs/scale.md).
+"""A cache of the target's features, captured once from the engine (`target/capture.py`: `python -m dflash_lib
+capture ... --out CACHE`) and read for many epochs (`train -p hidden_cache CACHE`; docs/scale.md): its format, its
+manifest and its reader.
 
 A cache is a folder: manifest.json (`CacheIdentity`: the target, its config.json's sha256 and its weights'
-fingerprint, the feature layers, the dtype the engine ran and the cache holds, the token store's key; each shard
-written with its sha256) and shards of `SHARD_SAMPLES` samples, each one safetensors file: `features` [tokens, F*H],
-`offsets` [n+1] int64, `keys` [n, 20] uint8, the sha1 of each sample's token ids, by which a document of any batch
-finds its rows, and for a loss reading the target's final states (`final_states`) `last` [tokens, H], the last
-layer's output before the final norm. A shard is written whole (temporary name, then renamed) before the manifest
-names it, so a killed capture resumes at the first shard it does not name. A reader checks a shard's sha256 at its
-first read and every document's rows against its tokens.
+fingerprint, the feature layers, the dtype the engine ran, the token store's key; the dtype the shards hold, the
+samples per shard, the samples captured and those left out as training leaves them out; each shard written with
+its sha256) and shards, each one safetensors file: `features` [tokens, F*H], `offsets` [n+1] int64, `keys` [n, 20]
+uint8, the sha1 of each sample's token ids, by which a document of any batch finds its rows, and for a loss reading
+the target's final states (`final_states`) `last` [tokens, H], the last layer's output before the final norm. In a
+cache of float8_e4m3fn, `features_scale` [tokens, F] and `last_scale` [tokens, 1] float32 beside them
+(`fp8_rows`), decoded to the engine's dtype when read. A reader checks a shard's sha256 at its first read and every
+document's rows against its tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash_lib.config import ConfigError, reads_final_states
-from dflash_lib.data import build_token_store_from_config
 from dflash_lib.models.export import file_sha256
 from dflash_lib.serve.engine_plugins.model_identity import config_sha256, weights_fingerprint
-from dflash_lib.serve.hidden_states import HiddenStatesClient
-from dflash_lib.target.facts import TargetFacts, read_facts
-from dflash_lib.target.served import engine_files, served_dtype, target_engine_url
+from dflash_lib.target.facts import TargetFacts
+from dflash_lib.target.fp8_rows import FP8, decode_rows
+from dflash_lib.target.served import served_dtype
 
 MANIFEST = "manifest.json"
-FORMAT = 3  # 3: whether the last layer's states are held; 2: a sha256 per shard, the target's weights fingerprint,
-# the dtype the engine runs (1: none of them)
-SHARD_SAMPLES = 256  # samples per shard file
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORMAT = 4  # 4: the dtype the shards hold (fp8 with scales, or the engine's), the samples per shard, the samples left
+# out as training leaves them out; 3: whether the last layer's states are held; 2: a sha256 per shard, the target's
+# weights fingerprint, the dtype the engine runs (1: none of them)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the dtypes an engine runs the target in
+STORED = {**DTYPES, "float8_e4m3fn": FP8}  # the dtypes a shard holds its features in
+FILE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}  # as safetensors names them
 SHARD_FIELDS = ("shard", "file", "samples", "tokens", "sha256")  # what the manifest records of each shard
+FIELDS = ("identity", "stored", "shard_samples", "samples", "tokens", "skipped", "shards", "complete")  # of a manifest
 
 
 def token_key(ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
@@ -95,6 +97,10 @@ def read_manifest(cache: str | Path) -> dict[str, Any] | None:
                           "vouches for changed): capture again into another folder")
     try:
         identity_of(doc)
+        if missing := [name for name in FIELDS if name not in doc]:
+            raise KeyError(f"no {missing}")
+        if doc["stored"] not in STORED:
+            raise ValueError(f"stored dtype {doc['stored']!r} is none of {sorted(STORED)}")
         for shard in doc["shards"]:
             if missing := [name for name in SHARD_FIELDS if name not in shard]:
                 raise KeyError(f"a shard without {missing}")
@@ -107,81 +113,6 @@ def identity_of(doc: dict[str, Any]) -> CacheIdentity:
     """The identity a manifest records (every field required: a missing one is a KeyError)."""
     fields = {name: doc["identity"][name] for name in CacheIdentity.__dataclass_fields__}
     return CacheIdentity(**{**fields, "layer_ids": tuple(fields["layer_ids"])})
-
-
-def _write_manifest(cache: Path, doc: dict[str, Any]) -> None:
-    tmp = cache / (MANIFEST + ".part")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, cache / MANIFEST)
-
-
-def capture(store: Any, identity: CacheIdentity, out: str | Path, fetch: Callable[[list[list[int]]], list[torch.Tensor]],
-            pick: torch.Tensor, say: Callable[[str], None] = print, progress: bool = True,
-            last: int | None = None) -> dict[str, Any]:
-    """Write the features of every sample of `store` into the cache folder `out`: `fetch(documents)` gives each
-    document's (len, aux layers, H) hidden states (the engine's), `pick` the aux layer of each feature layer,
-    `last` the aux layer of the last layer's output (required by an identity with `final_states`).
-    Resumes an unfinished cache of the same identity; refuses another's. Prints the bytes per token and the
-    projected total first. Returns the manifest."""
-    out = Path(out)
-    doc = read_manifest(out)
-    if doc is not None:
-        identity.refuse_other(identity_of(doc), out)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        doc = {"format": FORMAT, "identity": {**asdict(identity), "layer_ids": list(identity.layer_ids)},
-               "shard_samples": SHARD_SAMPLES, "samples": len(store), "shards": [], "complete": False}
-        _write_manifest(out, doc)
-    if identity.final_states and last is None:
-        raise ValueError("a cache of the final states needs the aux layer of the last layer's output (`last`)")
-    dtype = DTYPES[identity.dtype]
-    layers = len(identity.layer_ids) + identity.final_states
-    per_token = layers * identity.hidden_size * dtype.itemsize
-    lengths = np.asarray(store.lengths)
-    say(f"capture: {layers} layers x {identity.hidden_size} in {identity.dtype} = {per_token:,} "
-        f"bytes a token; {int(lengths.sum()):,} tokens of {len(store):,} samples -> "
-        f"{per_token * int(lengths.sum()) / 2**30:.2f} GiB in {out}")
-    shards = -(-len(store) // SHARD_SAMPLES)
-    done = {s["shard"] for s in doc["shards"]}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=shards, initial=len(done), desc="capture", unit="shard")
-    for k in range(shards):
-        if k in done:
-            continue
-        first = k * SHARD_SAMPLES
-        ids = [store[i][0] for i in range(first, min(len(store), first + SHARD_SAMPLES))]
-        states = fetch([d.tolist() for d in ids])
-        for i, (d, st) in enumerate(zip(ids, states, strict=True)):  # before a byte is written
-            if st.shape[0] != len(d):
-                raise ConfigError(f"capture into {out}: sample {first + i} has {len(d)} tokens but the engine gave "
-                                  f"{st.shape[0]} rows of hidden states")
-            if st.dtype not in (dtype, torch.float32):  # stored as the label says, never widened under it
-                raise ConfigError(f"capture into {out}: the engine gave {st.dtype} hidden states (sample "
-                                  f"{first + i}) for a cache of {identity.dtype}: serve the target in {identity.dtype}")
-        feats = torch.cat([s[:, pick].reshape(s.shape[0], -1) for s in states]).to(dtype)
-        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum([len(d) for d in ids])]).astype(np.int64))
-        keys = torch.from_numpy(np.frombuffer(b"".join(token_key(d) for d in ids), np.uint8).reshape(-1, 20).copy())
-        name = f"shard-{k:05d}.safetensors"
-        part = out / (name + ".part")
-        tensors = {"features": feats.contiguous(), "offsets": offsets, "keys": keys}
-        if identity.final_states:
-            tensors["last"] = torch.cat([s[:, last] for s in states]).to(dtype).contiguous()  # (tokens, H)
-        save_file(tensors, str(part))
-        sha = file_sha256(part)
-        os.replace(part, out / name)
-        doc["shards"].append({"shard": k, "file": name, "samples": len(ids), "tokens": int(offsets[-1]),
-                              "sha256": sha})
-        _write_manifest(out, doc)  # named only once whole
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    doc["complete"] = True
-    _write_manifest(out, doc)
-    return doc
 
 
 class CapturedFeatures:
@@ -197,26 +128,24 @@ class CapturedFeatures:
             raise ConfigError(f"{self.path}: not a complete hidden-states cache (run `capture` into it, or let it "
                               "finish: it resumes)")
         self.identity = identity_of(doc)
+        self.stored = str(doc["stored"])  # the dtype the shards hold; `get` gives the engine's (identity.dtype)
         self.shards = doc["shards"]
-        width = len(self.identity.layer_ids) * self.identity.hidden_size
         self.index: dict[bytes, tuple[int, int, int, int]] = {}  # key -> (shard, document in it, start, end row)
         self.files = []
         for k, shard in enumerate(self.shards):
             path = self.path / shard["file"]
+            want = shard_tensors(self.identity, self.stored, int(shard["tokens"]))
             try:
                 f = safe_open(str(path), framework="pt")
                 offsets, keys = f.get_tensor("offsets"), f.get_tensor("keys").numpy()
-                rows = f.get_slice("features").get_shape()
-                last = f.get_slice("last").get_shape() if self.identity.final_states else [int(shard["tokens"]),
-                                                                                             self.identity.hidden_size]
+                held = {name: (list(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                        for name in want if name in f.keys()}
             except Exception as e:  # noqa: BLE001 - safetensors words a broken file in several types
                 raise ConfigError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
                                   f"{' '.join(str(e).split())}): a broken shard, capture again into another folder"
                                   ) from None
             n = int(shard["samples"])
-            why = _shard_fault(keys.shape, offsets, rows, n, int(shard["tokens"]), width)
-            if not why and list(last) != [int(shard["tokens"]), self.identity.hidden_size]:
-                why = f"last {list(last)}, the manifest's {[int(shard['tokens']), self.identity.hidden_size]}"
+            why = _shard_fault(keys.shape, offsets, n, int(shard["tokens"]), held, want)
             if why:
                 raise ConfigError(f"{path}: {why}: a broken shard, capture again into another folder")
             offsets = offsets.tolist()
@@ -227,7 +156,8 @@ class CapturedFeatures:
         self.locks = [threading.Lock() for _ in self.shards]  # target workers read in threads
 
     def get(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
-        """The (len(ids), F*H) features of the document `ids`, in the cache's dtype; None when it is not cached.
+        """The (len(ids), F*H) features of the document `ids`, in the engine's dtype (`identity.dtype`: a cache of
+        float8_e4m3fn decoded to it); None when it is not cached.
         ConfigError in one line naming the shard when its sha256 is not the manifest's or the document's rows
         are not its tokens."""
         return self._rows(ids, "features")
@@ -249,7 +179,10 @@ class CapturedFeatures:
         if e - s != len(ids):
             raise ConfigError(f"{self.path / self.shards[k]['file']}: document {j} of the shard has {e - s} rows in "
                               f"its offsets but {len(ids)} tokens: a broken shard, capture again into another folder")
-        return self.files[k].get_slice(tensor)[s:e]
+        rows = self.files[k].get_slice(tensor)[s:e]
+        if self.stored not in DTYPES:  # e4m3 with a scale per token and layer
+            return decode_rows(rows, self.files[k].get_slice(tensor + "_scale")[s:e], DTYPES[self.identity.dtype])
+        return rows
 
     def _check(self, k: int) -> None:
         """Shard k's bytes against the manifest's sha256, once (the first read of the shard)."""
@@ -267,44 +200,36 @@ class CapturedFeatures:
             self.checked[k] = True
 
 
-def _shard_fault(keys: Sequence[int], offsets: torch.Tensor, rows: Sequence[int], samples: int, tokens: int,
-                 width: int) -> str:
-    """What is wrong with a shard's keys (shape), offsets [n+1] and features (shape) against its manifest entry
-    (`samples`, `tokens`) and the identity's feature width F*H; "" when nothing is."""
+def shard_tensors(identity: CacheIdentity, stored: str, tokens: int) -> dict[str, tuple[list[int], str]]:
+    """The row tensors a shard of `tokens` tokens holds besides its offsets and keys: name -> (shape, dtype as
+    safetensors names it): `features` [tokens, F*H] and, for the final states, `last` [tokens, H], in `stored`; in
+    float8_e4m3fn their float32 scales, one per token and layer (`fp8_rows`)."""
+    F, H = len(identity.layer_ids), identity.hidden_size
+    out = {"features": ([tokens, F * H], FILE_DTYPES[stored])}
+    if identity.final_states:
+        out["last"] = ([tokens, H], FILE_DTYPES[stored])
+    if stored not in DTYPES:
+        out |= {f"{name}_scale": ([tokens, shape[1] // H], "F32") for name, (shape, _) in out.items()}
+    return out
+
+
+def _shard_fault(keys: Sequence[int], offsets: torch.Tensor, samples: int, tokens: int,
+                 held: dict[str, tuple[list[int], str]], want: dict[str, tuple[list[int], str]]) -> str:
+    """What is wrong with a shard's keys (shape), offsets [n+1] and row tensors (`held`: name -> shape, dtype)
+    against its manifest entry (`samples`, `tokens`) and what the identity and the stored dtype make of it (`want`,
+    `shard_tensors`); "" when nothing is."""
     if tuple(keys) != (samples, 20) or tuple(offsets.shape) != (samples + 1,):
         return f"keys {tuple(keys)} and offsets {tuple(offsets.shape)} for the manifest's {samples} samples"
     if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) != tokens:
         return f"offsets {int(offsets[0])} .. {int(offsets[-1])} not ascending from 0 to the manifest's {tokens} tokens"
-    if list(rows) != [tokens, width]:
-        return f"features {list(rows)}, the manifest's {[tokens, width]}"
+    for name, (shape, dtype) in want.items():
+        if name not in held:
+            return f"no {name} tensor"
+        if held[name][0] != shape:
+            return f"{name} {held[name][0]}, the manifest's {shape}"
+        if held[name][1] != dtype:
+            return f"{name} in {held[name][1]}, the manifest's {dtype}"
     return ""
-
-
-def run_capture(config: Any, out: str | Path, progress: bool = True) -> dict[str, Any]:
-    """`python -m dflash_lib capture`: the token store of `config.data` captured through the engine serving
-    `config.model.target` (`target_engine_url`, else started here, its log in out/engine/) into `out`."""
-    m = config.model
-    if not Path(m.target).is_dir():
-        raise ConfigError(f"capture serves a LOCAL model folder, got target {m.target!r}")
-    facts = read_facts(m)
-    store = build_token_store_from_config(config.data, progress=progress)
-    cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")  # the trainer's: with the target, the engine's dtype
-    identity = CacheIdentity.of(config, facts.layer_ids, facts.hidden_size, store.meta["key"], device)
-    existing = read_manifest(out)  # refused before an engine starts
-    if existing is not None:
-        identity.refuse_other(identity_of(existing), Path(out))
-        if existing.get("complete"):  # nothing left to capture: no engine started
-            return existing
-    with target_engine_url(config, facts, Path(out) / "engine", device) as url:
-        files = engine_files(config, facts, Path(out) / "engine", device, str(Path(out).resolve()))
-        client = HiddenStatesClient(url, files, facts.hidden_size, max(1, config.pipeline.target_workers) * 4)
-        try:
-            final = identity.final_states
-            return capture(store, identity, out, client.fetch, facts.engine_pick(final), progress=progress,
-                           last=facts.engine_last() if final else None)
-        finally:
-            client.close()
 
 
 def open_cache(config: Any, facts: TargetFacts, store_key: str, device: torch.device) -> CapturedFeatures:

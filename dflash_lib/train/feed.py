@@ -4,8 +4,8 @@
     -> make_target_workers (Item: batch + target features) -> the trainer
 
 Every item carries its sampler position (what a checkpoint records as consumed); samples that fail
-`validate_sample` are left out of their batch and counted, never crash a run: docs/architecture.md, "The training
-pipeline", and docs/runs.md, "Runs that survive: resume, stop, torchrun".
+`data.validation.validate_sample` are left out of their batch and counted, never crash a run: docs/architecture.md,
+"The training pipeline", and docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from dflash_lib.config import ConfigError
 from dflash_lib.data.batch import Batch, collate_packed, collate_padded
+from dflash_lib.data.validation import validate_sample
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.plan.buckets import bucket_of
 from dflash_lib.target.feature_cache import FeatureCache, as_context, context_rows, real_slots, to_real
@@ -31,19 +32,6 @@ if TYPE_CHECKING:
     from dflash_lib.target.sharded import ShardedTarget
 
 Skips = tuple[tuple[str, int, int], ...]  # (reason, sample index, its tokens) of each sample left out of a batch
-
-# Reasons a sample is skipped (stable strings: they are the keys of the skip counts in the run summary).
-NOT_1D = "not_1d"  # tokens or loss mask is not a flat sequence
-NOT_INTEGER = "not_integer"  # token ids are not integers
-EMPTY = "empty"  # no tokens (e.g. nothing left after truncation)
-MASK_LENGTH_MISMATCH = "mask_length_mismatch"  # loss mask and tokens differ in length
-BAD_MASK = "bad_mask"  # loss mask values other than 0/1 (or False/True)
-TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"  # a token id < 0 or >= vocab_size
-NO_ASSISTANT_TOKEN = "no_assistant_token"  # loss mask selects no token: nothing to learn from
-REASONS = (NOT_1D, NOT_INTEGER, EMPTY, MASK_LENGTH_MISMATCH, BAD_MASK, TOKEN_OUT_OF_VOCAB, NO_ASSISTANT_TOKEN)
-
-ArrayLike = Sequence[int] | np.ndarray | torch.Tensor
-
 
 class NothingTrainedError(RuntimeError):
     """No sample fit for training in a whole epoch of batches, or in any batch of the run: nothing to learn from,
@@ -396,45 +384,3 @@ def next_step_items(it: Iterator[Item], last_wait_s: Callable[[], float]) -> tup
         items.append(item)
         if item.step_end:
             return items, wait, False
-
-
-def _as_array(x: Any) -> np.ndarray | None:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    try:
-        return np.asarray(x)
-    except (ValueError, TypeError, OverflowError):  # ragged nesting and the like
-        return None
-
-
-def validate_sample(tokens: ArrayLike, loss_mask: ArrayLike, vocab_size: int) -> str | None:
-    """Why this sample must be skipped (one of REASONS), or None when it is fit for training.
-
-    tokens: (T,) token ids; loss_mask: (T,) 1/True where the token is an assistant token the loss counts;
-    vocab_size: number of token ids the model embeds (valid ids are 0 .. vocab_size-1).
-    """
-    if type(vocab_size) is not int or vocab_size < 1:
-        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-    tok = _as_array(tokens)
-    mask = _as_array(loss_mask)
-    if tok is None or mask is None or tok.ndim != 1 or mask.ndim != 1:
-        return NOT_1D
-    if tok.size == 0:  # before the dtype check: an empty python list reads as float64
-        return EMPTY
-    if tok.dtype == object:
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tok):
-            return NOT_INTEGER
-    elif not np.issubdtype(tok.dtype, np.integer):
-        return NOT_INTEGER
-    if mask.size != tok.size:
-        return MASK_LENGTH_MISMATCH
-    if mask.dtype == object or not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.number)):
-        return BAD_MASK
-    if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
-        return BAD_MASK
-    lo, hi = (min(tok), max(tok)) if tok.dtype == object else (int(tok.min()), int(tok.max()))
-    if lo < 0 or hi >= vocab_size:
-        return TOKEN_OUT_OF_VOCAB
-    if not mask.any():
-        return NO_ASSISTANT_TOKEN
-    return None

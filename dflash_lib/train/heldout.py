@@ -21,6 +21,7 @@ import torch
 
 from dflash_lib.config import TrainConfig, uses_bf16
 from dflash_lib.data.batch import Batch, collate_padded
+from dflash_lib.data.validation import validate_sample
 from dflash_lib.models.anchors import answer_span, decoding_anchors
 from dflash_lib.models.layout import DraftLayout
 from dflash_lib.models.loss import expected_acceptance, stats_size, weighted_loss
@@ -30,7 +31,7 @@ from dflash_lib.rundir.records import HeldoutFigures
 from dflash_lib.train.build import TrainingParts
 from dflash_lib.train.checkpoint import capture_rng, restore_rng
 from dflash_lib.train.distributed import DrafterParallel
-from dflash_lib.train.feed import anchor_seed, validate_sample
+from dflash_lib.train.feed import anchor_seed
 
 EVAL_SHARD = -1  # `feed.anchor_seed` shard of the evaluation's anchors: training shards are >= 0
 

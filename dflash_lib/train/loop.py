@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dflash_lib.config import Config, ConfigError, uses_bf16
+from dflash_lib.data.validation import SkipCounter
 from dflash_lib.models.export import run_info, save_drafter
 from dflash_lib.models.loss import subnormals_flushed
 from dflash_lib.rundir import write_json
@@ -35,7 +36,7 @@ from dflash_lib.train.metrics import StepMetrics, ThroughputMeter, eta_seconds
 from dflash_lib.train.pipeline import Pipeline
 from dflash_lib.train.resume import prepare_run_dir, resume_config_hash, shared_new_run_dir
 from dflash_lib.train.schedule import lr_at, noise_at, count_steps
-from dflash_lib.train.state import BadStepGuard, Progress, SkipCounter, StopRequest
+from dflash_lib.train.state import BadStepGuard, Progress, StopRequest
 from dflash_lib.train.step import build_optimizer, filler_item, train_step
 from dflash_lib.train.summary import RunLog, batch_shape, budget_fill, full_run_tokens, run_summary
 
@@ -72,6 +73,7 @@ class Trainer:
         self.meter = ThroughputMeter(clock=clock)
         self.stop = stop if stop is not None else StopRequest()
         self.stop_reason: str | None = None  # why the loop ended early (None = it ran to the end)
+        self.given_up: Exception | None = None  # the next step's failure a stop ended the loop on (`_gave_up`)
         self.heldout = HeldOutEvaluator(tc, config.sampler.token_budget, parts, self.parallel, self.main,
                                         config.regenerate.max_new_tokens, config.evaluate.stop_at_eos)
         gib = config.pipeline.target_cache_gib
@@ -99,7 +101,12 @@ class Trainer:
                 self.meter.start()
                 while p.step < p.total_steps and not self._stopping():
                     # every rank reads the same optimizer step structure (`epoch_batches`): they end together
-                    items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s)
+                    try:
+                        items, wait_s, ended = next_step_items(stream, lambda: pipeline.last_wait_s)
+                    except Exception as e:  # noqa: BLE001 - re-raised unless a stop gave up on the next step
+                        if not self._gave_up(e, log.say):
+                            raise
+                        break
                     if not items:
                         break
                     record = self._train_one(items, wait_s, pipeline)
@@ -121,6 +128,8 @@ class Trainer:
                 if p.step > max(self.ckpts.saved_step, 0):  # the end, a stop signal or stop_at_step
                     self.save(log.say)
                 self.ckpts.finish(log.say)  # an async save commits before the run reports
+                if self.stop_reason is not None:
+                    self._close_after_stop(pipeline, log.say)
         finally:
             log.close()
         return self._finish(log.say)
@@ -134,6 +143,28 @@ class Trainer:
         elif any_rank(self.stop.requested):
             self.stop_reason = self.stop.reason or "a stop signal on another rank"
         return self.stop_reason is not None
+
+    def _gave_up(self, error: Exception, say: Callable[[str], None]) -> bool:
+        """Whether the loop ends as on a stop when the next step's inputs failed with `error`: a stop was asked
+        (a served target's engine then gives up its requests after `STOP_WAIT_S`, `stop_waiting`) and this is
+        the only process; the model and optimizer are those of the last finished step, checkpointed next. Under
+        torchrun the other ranks may be inside that step's collectives: the error stands (resume from the
+        previous checkpoint)."""
+        if not self.stop.requested or self.dist.world_size > 1:
+            return False
+        self.stop_reason = self.stop.reason
+        self.given_up = error
+        say(f"the step after step {self.progress.step} is given up on the stop: {' '.join(str(error).split())}")
+        return True
+
+    def _close_after_stop(self, pipeline: Pipeline, say: Callable[[str], None]) -> None:
+        """Close the pipeline after a stop without raising the failure of a stage that was reading past the last
+        step (its items are never trained on: a served target's engine given up on the stop); said in one line."""
+        pipeline.close(raise_failure=False)
+        failure = pipeline.failure
+        if failure is not None and failure.error is not getattr(self.given_up, "__cause__", None):
+            say(f"after the stop, stage {failure.stage!r} failed reading past step {self.progress.step} (nothing "
+                f"trained on it): {type(failure.error).__name__}: {' '.join(str(failure.error).split())}")
 
     def _final_step(self, ended: bool) -> bool:
         """The step just taken is the run's last: the planned steps are done or the sampler's batches used up."""
@@ -343,7 +374,8 @@ def train(config: Config, run_dir: Path | None = None, tag: str = "", sinks: Seq
     first invocation: its data shards); another config's checkpoints or other content without a checkpoint are
     refused with an error unless `fresh=True`, which clears it first.
     SIGTERM/SIGINT during the loop: the current step finishes, a checkpoint is saved, and train() returns
-    (summary.complete is False; before the loop they keep their default effect: nothing to save yet).
+    (summary.complete is False; before the loop they keep their default effect: nothing to save yet); a step
+    whose inputs a hung engine holds is given up instead (one process: `Trainer._gave_up`).
     Under torchrun every rank trains its data shards (DDP by default, `parallel="fsdp"` for FSDP2); rank 0
     writes the logs, every rank its part of each checkpoint.
     """

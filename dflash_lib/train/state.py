@@ -1,10 +1,10 @@
 """Where a training run stands: the counters its loop advances every step (the same on every rank) and the
 trainer state a checkpoint records of them, so that a resumed run continues exactly where it stood.
 
-`Progress` (step, GLOBAL data position, sampler fingerprint, counters), `SkipCounter` (skipped samples by reason),
-`BadStepGuard` (a non-finite loss skips its step, too many in a row abort) and `StopRequest` (SIGTERM/SIGINT: finish
-the step, checkpoint, exit 0; a second signal aborts; inert off the main thread). What a stop and a resume do:
-docs/runs.md, "Runs that survive: resume, stop, torchrun".
+`Progress` (step, GLOBAL data position, sampler fingerprint, counters), `BadStepGuard` (a non-finite loss skips its
+step, too many in a row abort) and `StopRequest` (SIGTERM/SIGINT: finish the step, checkpoint, exit 0; a second
+signal aborts; inert off the main thread); the skipped samples' `SkipCounter` is `data/validation.py`'s. What a stop
+and a resume do: docs/runs.md, "Runs that survive: resume, stop, torchrun".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from dflash_lib.rundir.checkpoints import CheckpointError, list_checkpoints
 from dflash_lib.rundir.records import BUDGET_FIGURES
-from dflash_lib.train.feed import ArrayLike, validate_sample
+from dflash_lib.data.validation import SkipCounter
 from dflash_lib.train.metrics import StepMetrics, ThroughputMeter
 
 TRAIN_STATE_FORMAT = 3  # layout of the trainer's checkpoint state; bump when it changes
@@ -184,59 +184,6 @@ class StopRequest:
               f"(send it again to abort at once)", file=sys.stderr, flush=True)
 
 
-@dataclass
-class SkipCounter:
-    """Counts skipped samples by reason, keeping the first few record ids of each for the log."""
-
-    max_examples: int = 3  # record ids remembered per reason
-    counts: dict[str, int] = field(default_factory=dict)  # reason -> samples skipped
-    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first record ids
-
-    def add(self, reason: str, record: object = None) -> None:
-        """Count one skipped sample; `record` (an index or id) is kept as an example when there is room."""
-        if not isinstance(reason, str) or not reason:
-            raise ValueError(f"reason must be a non-empty string, got {reason!r}")
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        ex = self.examples.setdefault(reason, [])
-        if record is not None and len(ex) < self.max_examples:
-            ex.append(str(record))
-
-    def check(self, tokens: ArrayLike, loss_mask: ArrayLike, vocab_size: int, record: object = None) -> bool:
-        """Validate one sample; True when it may be used, else count it (with `record`) and return False."""
-        reason = validate_sample(tokens, loss_mask, vocab_size)
-        if reason is None:
-            return True
-        self.add(reason, record)
-        return False
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def merge(self, other: "SkipCounter") -> None:
-        """Add another counter's counts (e.g. from another worker) into this one."""
-        for reason, n in other.counts.items():
-            self.counts[reason] = self.counts.get(reason, 0) + n
-            ex = self.examples.setdefault(reason, [])
-            ex.extend(other.examples.get(reason, [])[: self.max_examples - len(ex)])
-
-    def summary(self) -> str:
-        """One line for the console, e.g. 'skipped 3 samples: token_out_of_vocab 2 (e.g. 17, 40), empty 1'."""
-        if not self.counts:
-            return "skipped 0 samples"
-        parts = []
-        for reason, n in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
-            ex = self.examples.get(reason)
-            parts.append(f"{reason} {n}" + (f" (e.g. {', '.join(ex)})" if ex else ""))
-        return f"skipped {self.total} samples: " + ", ".join(parts)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain dict (checkpoint- and JSON-safe)."""
-        return {"counts": dict(self.counts), "examples": {k: list(v) for k, v in self.examples.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
-        self.examples = {str(k): [str(e) for e in v] for k, v in state["examples"].items()}
 
 
 @dataclass

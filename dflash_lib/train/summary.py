@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash_lib.config import Config, TrainConfig
 from dflash_lib.data.batch import Batch
+from dflash_lib.data.validation import SkipCounter
 from dflash_lib.plan.sampler.budget import BatchBudget, Bound
 from dflash_lib.rundir.reader import METRICS_FILE
 from dflash_lib.rundir.records import RunSummary
@@ -21,7 +22,6 @@ from dflash_lib.train import distributed
 from dflash_lib.train.feed import Item
 from dflash_lib.train.metrics import (JsonlSink, NullSink, StepMetrics, WandbSink, eta_seconds, format_duration,
                                      format_log_line)
-from dflash_lib.train.state import SkipCounter
 
 
 def in_notebook() -> bool:

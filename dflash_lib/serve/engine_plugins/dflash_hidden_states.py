@@ -3,10 +3,12 @@ by dflash_lib): with vLLM's `extract_hidden_states` speculative method it writes
 prompt's hidden states of the configured layers to one safetensors file, `hidden_states` [tokens, layers, hidden]
 (layers in ascending id order) and `token_ids` [tokens] int64, on CPU and CUDA alike (no streams, no pinned
 memory). The file is OUTDIR/<kv_transfer_params.name>.safetensors (else the request id; a name the file system
-refuses is refused in the response, `file_names`), written to a temporary name (0600) and renamed; the response's
-kv_transfer_params carry its path. Its safetensors metadata name what it holds (`identity`): the aux layer ids,
-the dtype, the model folder, its config.json's sha256 and weights' fingerprint (`model_identity`, beside this
-file). Read by `dflash_lib.serve.hidden_states`.
+refuses is refused in the response, `file_names`), written under a temporary name of its writing process (0600,
+`file_names.temporary_name`) and renamed; the response's kv_transfer_params carry its path. A tensor-parallel
+engine: its TP rank 0 alone writes (docs/scale.md, "The target served by an engine": a tensor-parallel engine). Its
+safetensors metadata name what it holds (`identity`): the aux layer ids, the dtype, the model folder, its
+config.json's sha256 and weights' fingerprint (`model_identity`, beside this file). Read by
+`dflash_lib.serve.hidden_states`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from file_names import PART, hidden_states_file  # beside this file, on the engine's PYTHONPATH
+from file_names import hidden_states_file, temporary_name  # beside this file, on the engine's PYTHONPATH
 from model_identity import config_sha256, weights_fingerprint
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, SupportsHMA)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 
 @dataclass
@@ -49,7 +52,9 @@ def identity(vllm_config: Any) -> dict[str, str]:
 
 class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     """Scheduler side: a finished request's blocks are kept and queued; worker side: its rows of the hidden-states
-    cache ([blocks, layers, block_size, hidden]) are gathered and written in the next step."""
+    cache ([blocks, layers, block_size, hidden]) are gathered and written in the next step, by TP rank 0 alone
+    (`writer`); every worker reports the request done, so that vLLM frees its blocks once each has (by default it
+    waits for every worker's report)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -66,6 +71,7 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             self.block_size = groups[self.group].kv_cache_spec.block_size
         self.queued: dict[str, _Write] = {}
         self.cache: torch.Tensor | None = None
+        self.writer = False  # this worker writes the files: TP rank 0 (`register_kv_caches`: vLLM's groups exist)
         self.metadata = identity(vllm_config)
 
 
@@ -78,6 +84,10 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if len(names) != 1:
             raise RuntimeError(f"expected one hidden-states cache layer, found {names}")
         self.cache = kv_caches[names[0]]
+        # Every TP worker holds the whole of every hidden state: the layers' outputs are all-reduced (row-parallel
+        # o_proj / down_proj) before the residual stream the aux states are read from, and the cache's heads
+        # (the aux layers) are not split across workers. One worker writes; the others would write the same bytes.
+        self.writer = get_tensor_model_parallel_rank() == 0
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -96,16 +106,22 @@ class DFlashHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         done = set()
         for req_id, w in self._get_connector_metadata().writes.items():
-            n = len(w.token_ids)
-            slots = (torch.tensor(w.block_ids)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:n]
-            states = self.cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [n, layers, H]
-            tmp = w.path + PART
-            save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w.token_ids)}, tmp,
-                      metadata=self.metadata)
-            os.chmod(tmp, 0o600)  # the user's data: the owner's alone (its folder is 0700)
-            os.replace(tmp, w.path)  # a reader never sees half a file
-            done.add(req_id)
+            if self.writer:
+                self.write(w)
+            done.add(req_id)  # the others' reports too: the blocks are freed once every worker reported
         return done or None, None
+
+    def write(self, w: _Write) -> None:
+        """The request's rows of the cache [n, layers, H] and its token ids [n] to w.path, through a temporary
+        name of this process (0600), renamed into place: a reader never sees half a file."""
+        n = len(w.token_ids)
+        slots = (torch.tensor(w.block_ids)[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:n]
+        states = self.cache[slots // self.block_size, :, slots % self.block_size].to("cpu")  # [n, layers, H]
+        tmp = temporary_name(w.path)
+        save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(w.token_ids)}, tmp,
+                  metadata=self.metadata)
+        os.chmod(tmp, 0o600)  # the user's data: the owner's alone (its folder is 0700)
+        os.replace(tmp, w.path)
 
     # -- scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
