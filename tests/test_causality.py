@@ -282,8 +282,9 @@ def test_training_equals_both_inference_paths_per_block(target, name, backend, p
 
 def test_the_dflash2_kind_trains_and_reads_z_labs_layout(target, tmp_path):
     """z-lab's DFlash2 layout on the dflash2 kind (`-p drafter_kind dflash2`): every layer sliding (window 2048) and
-    non-causal. Its export states it, its training forward equals its inference forward per block, and the folder
-    with z-lab's field instead (top-level is_causal false) reads back as the same drafter."""
+    non-causal. Its export states it in z-lab's field (top-level is_causal false), its training forward equals its
+    inference forward per block, and the folder with the dflash kind's field instead reads back as the same
+    drafter."""
     from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter
 
     model = from_params({"drafter_kind": "dflash2", "drafter_layers": 2, "drafter_layer_types": [S, S],
@@ -305,5 +306,6 @@ def test_the_dflash2_kind_trains_and_reads_z_labs_layout(target, tmp_path):
     export_drafter(drafter, tmp_path, torch.float32)
     doc = json.loads((tmp_path / "config.json").read_text())
     assert engine_causal(doc) == [False, False] and read_drafter(tmp_path, target).cfg == drafter.cfg
-    (tmp_path / "config.json").write_text(json.dumps(write_causality(doc, [S, S], [False, False], TOP_FIELD)))
-    assert "causal" not in doc["dflash_config"] and read_drafter(tmp_path, target).cfg == drafter.cfg
+    assert doc[TOP_FIELD] is False and "causal" not in doc["dflash_config"]  # DFlash2's own field, as z-lab's
+    (tmp_path / "config.json").write_text(json.dumps(write_causality(doc, [S, S], [False, False], NESTED_FIELD)))
+    assert TOP_FIELD not in doc and read_drafter(tmp_path, target).cfg == drafter.cfg  # the dflash kind's field

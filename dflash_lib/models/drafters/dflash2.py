@@ -1,5 +1,6 @@
 """The `dflash2` drafter kind: `DFlash2Drafter` (models/dflash2.py) served as vLLM's `DFlash2DraftModel`: the
-dflash kind's config.json (drafters/dflash.py) with the DFlash2 fields in `dflash_config`, and the tensors
+dflash kind's config.json (drafters/dflash.py) with the DFlash2 fields in `dflash_config`, the causality stated by
+the top-level `is_causal` (z-lab's DFlash2 convention; vLLM reads it first), and the tensors
 `layers.i.{attention,mlp}_conv.{base_kernel,kernel_projection.weight}` and
 `candidate_selector.{predecessor_codebook,successor_codebook,hidden_projection.weight}`. The fields:
 docs/serving.md, "Export for serving".
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from dflash_lib.config import ConfigError
+from dflash_lib.models.causality import TOP_FIELD, write_causality
 from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash_lib.models.drafters import dflash
 from dflash_lib.models.drafters.kind import DrafterKind
@@ -29,6 +31,7 @@ def serving_config(cfg: DFlash2Config, dtype: torch.dtype, max_position_embeddin
     """The dflash kind's config.json with the DFlash2 architecture and fields."""
     doc = dflash.serving_config(cfg, dtype, max_position_embeddings, training)
     doc["architectures"] = [ARCHITECTURE]
+    write_causality(doc, list(cfg.layer_types), cfg.layer_causal, TOP_FIELD)  # DFlash2's convention (z-lab's)
     dc = doc["dflash_config"]
     dc.update({k: getattr(cfg, k) for k in (*SERVED, *SCALES)})
     dc["training"].update({k: getattr(cfg, k) for k in TRAINING_KEYS})
