@@ -141,6 +141,15 @@ def test_the_trainer_reads_the_engine_through_target_and_the_evaluation_runs_thr
     assert crossing == []
 
 
+def test_only_the_serving_package_names_an_engine_module(tree):
+    """What is one engine's alone (serve/vllm.py) is read through its adapter (`server.engine_adapter`) everywhere
+    else: a second engine is one module, not a walk through its importers."""
+    mods, found = tree
+    named = [f"{mods[m].relative_to(ROOT)}:{line}: {m} -> {t}" for m, lst in found.items() for t, line, _ in lst
+             if t == f"{PKG}.serve.vllm" and package(m) != "serve"]
+    assert named == []
+
+
 def test_imports_of_the_package_are_at_the_top_except_in_the_command_line(tree):
     """So the layering is visible in each file's header. The command line imports each command's stage when the
     command runs (`--help` loads no torch)."""

@@ -16,7 +16,7 @@ from dflash_lib.evaluate.acceptance import acceptance_length
 from dflash_lib.evaluate.served import ServedReport, serve_passes, served_table
 from dflash_lib.evaluate.setup import Say, Setup, _stderr, load_drafter
 from dflash_lib.serve.measure import ServedPass, ServedSet
-from dflash_lib.serve.vllm import engine_dtype
+from dflash_lib.serve.server import engine_adapter
 
 
 def served_sets(groups: Sequence[PromptGroup], done: Sequence[GroupDecode]) -> list[ServedSet]:
@@ -48,7 +48,7 @@ def served(setup: Setup, groups: Sequence[PromptGroup], done: Sequence[GroupDeco
 def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_dir: Path, log_name: str,
                   plain: bool, say: Say = _stderr) -> list[ServedReport]:
     """`evaluate.served.serve_passes` of the drafter `folder` (an export) on the setup's target folder, in the dtype
-    our target ran (fp32 on the CPU: greedy must then agree exactly; `engine_dtype`: bf16 for a linear-attention
+    our target ran (fp32 on the CPU: greedy must then agree exactly; the adapter's `dtype`: bf16 for a linear-attention
     target, which vLLM's CPU build runs in bf16 only; in bf16 our drafter's cycles along the engine's answers are
     what its tau is judged against); the doctor names the suspects of a FAIL.
     Prints each pass's table and verdict lines."""
@@ -66,7 +66,8 @@ def serve_drafter(setup: Setup, folder: Path, passes: Sequence[ServedPass], log_
         f" at {c.evaluate.engine_url}" if c.evaluate.engine_url else f" (log {log_dir / (log_name + '.log')})"))
     reports = serve_passes(
         c.model.target, str(folder), passes, setup.drafter.cfg.block_size, c.regenerate.max_new_tokens,
-        setup.stop_ids, setup.min_new_tokens, engine_dtype(c.model.target, setup.target.device.type == "cpu"),
+        setup.stop_ids, setup.min_new_tokens,
+        engine_adapter(c.evaluate.engine).dtype(c.model.target, setup.target.device.type == "cpu"),
         c.evaluate.engine_python or None, c.evaluate.engine_url, log_dir, c.evaluate.engine_start_timeout_s, doctor,
         plain, log_name, c.evaluate.engine_rounds, along)
     for report in reports:

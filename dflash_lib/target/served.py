@@ -25,7 +25,6 @@ from dflash_lib.models.target_config import weight_files
 from dflash_lib.serve.hidden_states import EngineFiles, HiddenStatesClient
 from dflash_lib.serve.adapter import EngineSpec
 from dflash_lib.serve.server import EngineServer, engine_adapter, private_folder
-from dflash_lib.serve.vllm import engine_dtype
 from dflash_lib.target.facts import TargetFacts
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")  # a wrapper's text model
@@ -181,10 +180,12 @@ def final_norm(facts: TargetFacts, device: torch.device, dtype: torch.dtype) -> 
 
 
 def served_dtype(config: Any, device: torch.device) -> str:
-    """The dtype the engine runs `config`'s target in: bf16 when the run trains in bf16 or the CPU build runs this
+    """The dtype the engine runs `config`'s target in (the serving engine's, or for a local target reading a cache,
+    the engine `capture` ran: `EngineSpec`'s default): bf16 when the run trains in bf16 or the CPU build runs this
     target in bf16 only (a linear-attention one), else float32."""
-    bf16 = uses_bf16(config.train.precision, device) or engine_dtype(config.model.target,
-                                                                     device.type == "cpu") == "bfloat16"
+    engine = EngineSpec.engine if config.model.target_engine == "local" else config.model.target_engine  # a cache's
+    dtype = engine_adapter(engine).dtype(config.model.target, device.type == "cpu")
+    bf16 = uses_bf16(config.train.precision, device) or dtype == "bfloat16"
     return "bfloat16" if bf16 else "float32"
 
 
