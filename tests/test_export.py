@@ -312,7 +312,8 @@ def test_init_from_starts_training_from_the_exported_weights(smoke_run, tmp_path
 
 def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tmp_path):
     """Sliding drafter layers: config.json holds `layer_types` (per layer) and `sliding_window` (the window
-    vLLM's DFlash reads when dflash_config.swa_window_size is absent), the reload is the same drafter, and a
+    vLLM's DFlash reads when dflash_config.swa_window_size is absent; a folder with one is read with it), the
+    reload is the same drafter, and a
     config vLLM would read otherwise (no window, a use_swa override, a causality field that is no bool) is refused
     in one line."""
     base = _drafter(target).cfg
@@ -328,7 +329,10 @@ def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tm
     assert loaded.cfg == drafter.cfg and loaded.cfg.layer_windows == [6, 0]
     torch.testing.assert_close(_logits(loaded, target), _logits(drafter, target), rtol=0, atol=0)
     assert float((_logits(_drafter(target), target) - _logits(drafter, target)).abs().max()) > 1e-4
-    for bad, why in [({"sliding_window": None}, "sliding_window is None"),
+    swa = {**doc, "dflash_config": {**doc["dflash_config"], "swa_window_size": 3}}  # vLLM takes this one first
+    (tmp_path / "config.json").write_text(json.dumps(swa))
+    assert read_drafter(tmp_path, target).cfg.layer_windows == [3, 0]
+    for bad, why in [({"sliding_window": None}, "swa_window_size, else sliding_window\\) is None"),
                      ({"dflash_config": {**doc["dflash_config"], "use_swa": True}}, "dflash_config.use_swa"),
                      ({"is_causal": "false"}, "is_causal 'false' is not true, false or null"),
                      ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types")]:

@@ -112,9 +112,10 @@ def check_doc(doc: dict[str, Any], path: Path) -> None:
     kinds = set(engine_layer_types(doc) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         unsupported["layer_types"] = (sorted(kinds), ["full_attention", "sliding_attention"])
-    if "sliding_attention" in kinds and not doc.get("sliding_window"):
-        raise ConfigError(f"{path}: layer_types has sliding_attention layers but sliding_window is "
-                          f"{doc.get('sliding_window')!r} (their window in positions)")
+    if "sliding_attention" in kinds and not isinstance(engine_window(doc), int):
+        raise ConfigError(f"{path}: layer_types has sliding_attention layers but their window (dflash_config."
+                          f"swa_window_size, else sliding_window) is {engine_window(doc)!r}, not a whole number of "
+                          "positions")
     if (doc.get("dflash_config") or {}).get("use_swa"):
         raise ConfigError(f"{path}: dflash_config.use_swa is not supported (it makes vLLM run every layer sliding "
                           "whatever layer_types says)")
@@ -170,7 +171,14 @@ def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
     kinds = engine_layer_types(doc)
     if "sliding_attention" not in kinds:
         return {}
-    return dict(layer_types=kinds, sliding_window=int(doc["sliding_window"]))
+    return dict(layer_types=kinds, sliding_window=int(engine_window(doc)))
+
+
+def engine_window(doc: dict[str, Any]) -> Any:
+    """The window vLLM gives a config.json's sliding layers: dflash_config.swa_window_size when present, else the
+    top-level sliding_window (vLLM 0.32's `qwen3_dflash`)."""
+    dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
+    return dc.get("swa_window_size", doc.get("sliding_window"))
 
 
 KIND = DrafterKind(
