@@ -333,6 +333,7 @@ def test_a_sliding_window_drafter_exports_what_vllm_reads_and_reloads(target, tm
     (tmp_path / "config.json").write_text(json.dumps(swa))
     assert read_drafter(tmp_path, target).cfg.layer_windows == [3, 0]
     for bad, why in [({"sliding_window": None}, "swa_window_size, else sliding_window\\) is None"),
+                     ({"use_sliding_window": False}, "is None"),  # transformers then holds no window: vLLM refuses
                      ({"dflash_config": {**doc["dflash_config"], "use_swa": True}}, "dflash_config.use_swa"),
                      ({"is_causal": "false"}, "is_causal 'false' is not true, false or null"),
                      ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types")]:

@@ -176,9 +176,10 @@ def _layer_kinds(doc: dict[str, Any]) -> dict[str, Any]:
 
 def engine_window(doc: dict[str, Any]) -> Any:
     """The window vLLM gives a config.json's sliding layers: dflash_config.swa_window_size when present, else the
-    top-level sliding_window (vLLM 0.32's `qwen3_dflash`)."""
+    top-level sliding_window as transformers' Qwen3Config holds it (None unless use_sliding_window is set; vLLM
+    0.32's `qwen3_dflash` then refuses to start)."""
     dc = doc.get("dflash_config") if isinstance(doc.get("dflash_config"), dict) else {}
-    return dc.get("swa_window_size", doc.get("sliding_window"))
+    return dc.get("swa_window_size", doc.get("sliding_window") if doc.get("use_sliding_window") else None)
 
 
 KIND = DrafterKind(
