@@ -20,7 +20,7 @@ from dflash_lib.models import DFlashDrafter, DrafterConfig
 from dflash_lib.models.dflash2 import DFlash2Config, DFlash2Drafter, block_conv
 from dflash_lib.models.drafters import dflash2 as kind2
 from dflash_lib.models.export import export_drafter, read_drafter
-from fp_tolerance import rounding_atol
+from fp_tolerance import rounding_atol, tie_atol
 from tiny_models import BLOCK, HIDDEN, MASK, VOCAB, tiny_target
 
 FIELDS = dict(hidden_size=HIDDEN, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
@@ -232,9 +232,13 @@ def test_drafting_equals_the_reference_built_from_vllms_cpu_functions(installed_
         want = ref["logits"].float()
         torch.testing.assert_close(logits, want, rtol=0, atol=rounding_atol(want, terms=HIDDEN, depth=8,
                                                                             dtype=torch.float32))
+        top = ref["logits"][1:].topk(d.cfg.selector_top_k + 1, dim=-1).values  # the order is fp32-proof here:
+        assert float((top[:, :-1] - top[:, 1:]).min()) > tie_atol(want, dtype=torch.float32)  # no near tie
         assert torch.equal(cand, ref["ids"])
         torch.testing.assert_close(scores, ref["scores"].float(), rtol=0,
                                    atol=rounding_atol(ref["scores"], terms=HIDDEN, depth=8, dtype=torch.float32))
+        walked = ref["scores"].topk(2, dim=-1).values  # (S, K, 2): each row's best two, the walk's choices
+        assert float((walked[..., 0] - walked[..., 1]).min()) > tie_atol(ref["scores"].float(), dtype=torch.float32)
         assert d.draft(doc, a, token) == ref["tokens"]
         differs += ref["tokens"] != logits[1:].argmax(-1).tolist()
     assert differs > 0
@@ -282,7 +286,7 @@ def test_the_candidates_from_the_losss_head_pass_equal_a_separate_top_k(target, 
     final = target.context_features_and_final(batch, layout.target_rows)[1] if loss != "ce" else None
     hidden = d.forward_hidden(batch, feats, layout)
     out = DFlashDrafter._objective(d, hidden, layout, None, final, top_k=d.cfg.selector_top_k)
-    ids, unary = d.candidates(hidden.index_select(0, layout.scored), 5)
+    ids, unary = d.candidates(hidden.index_select(0, layout.scored), 2 * BLOCK)  # the loss's chunks: one GEMM path
     assert torch.equal(out.top[0], ids)
     torch.testing.assert_close(out.top[1], unary, rtol=0, atol=rounding_atol(unary, terms=HIDDEN))
     assert DFlashDrafter._objective(d, hidden, layout, None, final).top is None

@@ -1,19 +1,7 @@
-"""The DFlash2 drafter: DFlash (models/drafter.py) with a dynamic grouped convolution inside each block around
-every attention and MLP sublayer, and a candidate selector that reranks the head's top-k tokens by the token
-drafted before them. Served by vLLM as `DFlash2DraftModel` (models/drafters/dflash2.py declares the folder).
-
-Per layer (x the block's residual stream, (Q, H), Q = n blocks x B rows, the blocks contiguous):
-  h = norm(x); c = kernel_projection(h) -> (Q, 2, taps, groups): this row's kernel deltas for the two sides;
-  x += conv(attention(conv(h, c[:, 0], base[0])), c[:, 1], base[1]), and the same around the MLP.
-conv(y, delta, base)[p] = sum over t < taps, t <= p of (base[t] + delta[p, t, group]) * y[p - t] (p: the row's place
-in its block: taps never reach across a block's start; `conv_group_size` channels share a delta).
-The selector scores candidate c after predecessor token a at a row with hidden state h:
-  score = unary[c] + < P[a] * W h , S[c] >   (P, S: vocab x rank codebooks; W: rank x H),
-unary = the head's logit times `output_multiplier`, soft-capped by `final_logit_softcapping`. Greedy drafting walks
-the block: the first predecessor is the anchor, each next one the candidate picked. A fresh DFlash2 is a DFlash:
-the convolutions are the identity (base tap 0 = 1, no delta) and S = 0. Training adds a teacher-forced selector
-cross-entropy over the k candidates (the label put in the last place when the head's top-k misses it), weighted as
-the main loss and ramped in over `selector_warmup` steps. docs/dflash.md, "DFlash2".
+"""The DFlash2 drafter (`DFlash2Drafter`, `DFlash2Config`): DFlash (models/drafter.py) with a causal convolution
+inside each block around every attention and MLP sublayer (`block_conv`, `BlockConv`), a candidate selector that
+reranks the head's top-k by the token drafted before (`CandidateSelector`, the greedy `walk`), and its selector
+loss. Its serving folder: models/drafters/dflash2.py. The method and its figures: docs/dflash.md, "DFlash2".
 """
 
 from __future__ import annotations
