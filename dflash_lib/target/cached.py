@@ -1,16 +1,6 @@
 """A cache of the target's features, captured once from the engine (`target/capture.py`: `python -m dflash_lib
-capture ... --out CACHE`) and read for many epochs (`train -p hidden_cache CACHE`; docs/scale.md): its format, its
-manifest and its reader.
-
-A cache is a folder: manifest.json (`CacheIdentity`: the target, its config.json's sha256 and its weights'
-fingerprint, the feature layers, the dtype the engine ran, the token store's key; the dtype the shards hold, the
-samples per shard, the samples captured and those left out as training leaves them out; each shard written with
-its sha256) and shards, each one safetensors file: `features` [tokens, F*H], `offsets` [n+1] int64, `keys` [n, 20]
-uint8, the sha1 of each sample's token ids, by which a document of any batch finds its rows, and for a loss reading
-the target's final states (`final_states`) `last` [tokens, H], the last layer's output before the final norm. In a
-cache of float8_e4m3fn, `features_scale` [tokens, F] and `last_scale` [tokens, 1] float32 beside them
-(`fp8_rows`), decoded to the engine's dtype when read. A reader checks a shard's sha256 at its first read and every
-document's rows against its tokens.
+capture ... --out CACHE`) and read for many epochs (`train -p hidden_cache CACHE`): its identity and manifest
+(`CacheIdentity`), its shard format and its reader. The folder's files: docs/scale.md (the capture).
 """
 
 from __future__ import annotations
