@@ -186,62 +186,69 @@ def test_the_settings_are_refused_for_another_kind_and_out_of_range():
 
 
 # -- against vLLM's own CPU functions -------------------------------------------------------------------------
-def _vllm_reference(python: Path, drafter: DFlash2Drafter, target, blocks: list[tuple[torch.Tensor, int]],
-                    tmp: Path) -> list[dict]:
-    c = drafter.cfg
-    cfg = dict(block=c.block_size, hidden=c.hidden_size, taps=c.conv_kernel_size, group=c.conv_group_size,
-               heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
-               theta=c.rope_theta, mask=c.mask_id, layers=c.num_layers, top_k=c.selector_top_k,
-               input_embedding_scale=c.input_embedding_scale, output_multiplier=c.output_multiplier,
-               final_logit_softcapping=c.final_logit_softcapping)
-    weights = {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
-    torch.save({"cfg": cfg, "weights": weights, "embed": target.embed_tokens.weight.detach().clone(),
-                "head": target.lm_head.weight.detach().clone(),
-                "blocks": [{"features": f.clone(), "anchor_token": t} for f, t in blocks]}, tmp / "in.pt")
+def _vllm_reference(python: Path, cases: list[tuple[DFlash2Drafter, list[tuple[torch.Tensor, int]]]], target,
+                    tmp: Path) -> list[list[dict]]:
+    """The reference's outputs for each (drafter, blocks) case, all in one run of the engine's Python."""
+    files = []
+    for i, (drafter, blocks) in enumerate(cases):
+        c = drafter.cfg
+        cfg = dict(block=c.block_size, hidden=c.hidden_size, taps=c.conv_kernel_size, group=c.conv_group_size,
+                   heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, eps=c.rms_norm_eps,
+                   theta=c.rope_theta, mask=c.mask_id, layers=c.num_layers, top_k=c.selector_top_k,
+                   input_embedding_scale=c.input_embedding_scale, output_multiplier=c.output_multiplier,
+                   final_logit_softcapping=c.final_logit_softcapping)
+        weights = {n: p.detach().clone() for n, p in drafter.named_parameters() if p.requires_grad}
+        torch.save({"cfg": cfg, "weights": weights, "embed": target.embed_tokens.weight.detach().clone(),
+                    "head": target.lm_head.weight.detach().clone(),
+                    "blocks": [{"features": f.clone(), "anchor_token": t} for f, t in blocks]}, tmp / f"in{i}.pt")
+        files += [str(tmp / f"in{i}.pt"), str(tmp / f"out{i}.pt")]
     script = Path(__file__).with_name("vllm_dflash2_reference.py")
-    proc = subprocess.run([str(python), str(script), str(tmp / "in.pt"), str(tmp / "out.pt")], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([str(python), str(script), *files], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / "out.pt", weights_only=True)
+    return [torch.load(tmp / f"out{i}.pt", weights_only=True) for i in range(len(cases))]
 
 
-@pytest.mark.parametrize("block,taps,scales", [(4, 2, {}), (5, 3, {"input_embedding_scale": 1.5,
-                                                                   "output_multiplier": 0.7,
-                                                                   "final_logit_softcapping": 3.0})])
-def test_drafting_equals_the_reference_built_from_vllms_cpu_functions(installed_engine_python, target, tmp_path,
-                                                                      block, taps, scales):
-    """Logits, candidates, selector scores and the walked tokens of several blocks equal the reference's (float64
-    there, float32 here: the tolerance is float32's); the selector changes at least one pick against the head's
-    argmax, so the walk is exercised, not the identity."""
-    d = _drafter(target, block=block, conv_kernel_size=taps, **scales)
-    batch, feats, _ = _batch(target, d, packed=False, seed=5)
-    doc = feats[2]  # the 17-token document
-    tokens = batch.input_ids[2]
-    blocks = [(doc[:a], int(tokens[a])) for a in (3, 8, 12, 15)]
-    refs = _vllm_reference(installed_engine_python, d, target, blocks, tmp_path)
-    differs = 0
-    for (f, token), ref in zip(blocks, refs):
-        a = f.shape[0]
-        with torch.no_grad():
-            ids = torch.tensor([token] + [d.cfg.mask_id] * (block - 1))
-            logits = d.draft_logits(doc, a, ids)
-            h = d.draft_hidden(doc, a, ids)[1:]
-            cand, unary = d.candidates(h, h.shape[0])
-            previous = torch.cat([torch.full((1, cand.shape[1]), token), cand[:-1]])
-            scores = d.selector_scores(h, previous, cand, unary)
-        want = ref["logits"].float()
-        torch.testing.assert_close(logits, want, rtol=0, atol=rounding_atol(want, terms=HIDDEN, depth=8,
-                                                                            dtype=torch.float32))
-        top = ref["logits"][1:].topk(d.cfg.selector_top_k + 1, dim=-1).values  # the order is fp32-proof here:
-        assert float((top[:, :-1] - top[:, 1:]).min()) > tie_atol(want, dtype=torch.float32)  # no near tie
-        assert torch.equal(cand, ref["ids"])
-        torch.testing.assert_close(scores, ref["scores"].float(), rtol=0,
-                                   atol=rounding_atol(ref["scores"], terms=HIDDEN, depth=8, dtype=torch.float32))
-        walked = ref["scores"].topk(2, dim=-1).values  # (S, K, 2): each row's best two, the walk's choices
-        assert float((walked[..., 0] - walked[..., 1]).min()) > tie_atol(ref["scores"].float(), dtype=torch.float32)
-        assert d.draft(doc, a, token) == ref["tokens"]
-        differs += ref["tokens"] != logits[1:].argmax(-1).tolist()
-    assert differs > 0
+CASES = [(4, 2, {}), (5, 3, {"input_embedding_scale": 1.5, "output_multiplier": 0.7, "final_logit_softcapping": 3.0})]
+
+
+def test_drafting_equals_the_reference_built_from_vllms_cpu_functions(installed_engine_python, target, tmp_path):
+    """For blocks of 4 with 2 taps, and of 5 with 3 taps and the scales: logits, candidates, selector scores and the
+    walked tokens of several blocks equal the reference's (float64 there, float32 here: the tolerance is
+    float32's); the selector changes at least one pick against the head's argmax in each case, so the walk is
+    exercised, not the identity. Both cases run in one start of the engine's Python."""
+    cases = []
+    for block, taps, scales in CASES:
+        d = _drafter(target, block=block, conv_kernel_size=taps, **scales)
+        batch, feats, _ = _batch(target, d, packed=False, seed=5)
+        doc = feats[2]  # the 17-token document
+        tokens = batch.input_ids[2]
+        cases.append((d, doc, [(doc[:a], int(tokens[a])) for a in (3, 8, 12, 15)]))
+    refs_all = _vllm_reference(installed_engine_python, [(d, b) for d, _, b in cases], target, tmp_path)
+    for (d, doc, blocks), refs in zip(cases, refs_all):
+        block, differs = d.cfg.block_size, 0
+        for (f, token), ref in zip(blocks, refs):
+            a = f.shape[0]
+            with torch.no_grad():
+                ids = torch.tensor([token] + [d.cfg.mask_id] * (block - 1))
+                logits = d.draft_logits(doc, a, ids)
+                h = d.draft_hidden(doc, a, ids)[1:]
+                cand, unary = d.candidates(h, h.shape[0])
+                previous = torch.cat([torch.full((1, cand.shape[1]), token), cand[:-1]])
+                scores = d.selector_scores(h, previous, cand, unary)
+            want = ref["logits"].float()
+            torch.testing.assert_close(logits, want, rtol=0, atol=rounding_atol(want, terms=HIDDEN, depth=8,
+                                                                                dtype=torch.float32))
+            top = ref["logits"][1:].topk(d.cfg.selector_top_k + 1, dim=-1).values  # the order is fp32-proof here:
+            assert float((top[:, :-1] - top[:, 1:]).min()) > tie_atol(want, dtype=torch.float32)  # no near tie
+            assert torch.equal(cand, ref["ids"])
+            torch.testing.assert_close(scores, ref["scores"].float(), rtol=0,
+                                       atol=rounding_atol(ref["scores"], terms=HIDDEN, depth=8, dtype=torch.float32))
+            walked = ref["scores"].topk(2, dim=-1).values  # (S, K, 2): each row's best two, the walk's choices
+            assert float((walked[..., 0] - walked[..., 1]).min()) > tie_atol(ref["scores"].float(),
+                                                                              dtype=torch.float32)
+            assert d.draft(doc, a, token) == ref["tokens"]
+            differs += ref["tokens"] != logits[1:].argmax(-1).tolist()
+        assert differs > 0, f"block {block}: the selector never changed a pick"
 
 
 @pytest.mark.engine

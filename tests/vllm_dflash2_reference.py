@@ -3,11 +3,11 @@
 called directly, composed as its `DFlash2Qwen3DecoderLayer.forward` and `DFlash2Speculator` do, around a plain
 torch Qwen3 layer written here (not dflash_lib's). Run by the ENGINE's Python (tests/test_dflash2.py):
 
-    python vllm_dflash2_reference.py IN.pt OUT.pt
+    python vllm_dflash2_reference.py IN.pt OUT.pt [IN2.pt OUT2.pt ...]
 
 IN.pt: {"cfg": dict, "weights": {served name: tensor}, "embed": (V, H), "head": (V, H), "blocks": [dict(features
 (a, F*H), anchor_token)]}; OUT.pt: per block {"logits": (B, V), "ids": (B-1, K), "scores": (B-1, K, K),
-"tokens": [B-1 ints]}. Everything in float64.
+"tokens": [B-1 ints]}. Everything in float64. Several pairs share one start (vLLM's import is most of its time).
 """
 
 from __future__ import annotations
@@ -98,4 +98,5 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for i in range(1, len(sys.argv), 2):
+        main(sys.argv[i], sys.argv[i + 1])
