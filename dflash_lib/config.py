@@ -114,6 +114,7 @@ class SamplerConfig:
 
 Loss = Literal["ce", "kl", "ce+kl"]
 PositionWeight = Literal["decay", "dpace"]
+LossWeighting = Literal["token", "document"]
 DrafterLayerKind = Literal["full_attention", "sliding_attention"]
 TargetEngine = Literal["local", "vllm"]
 Precision = Literal["auto", "bf16", "fp32"]
@@ -121,6 +122,7 @@ Optimizer = Literal["adamw", "muon"]
 LrSchedule = Literal["cosine", "wsd"]
 Engine = Literal["none", "vllm"]
 LOSSES, POSITION_WEIGHTS = typing.get_args(Loss), typing.get_args(PositionWeight)  # the allowed values, as tuples
+LOSS_WEIGHTINGS = typing.get_args(LossWeighting)
 DRAFTER_LAYER_KINDS, TARGET_ENGINES = typing.get_args(DrafterLayerKind), typing.get_args(TargetEngine)
 PRECISIONS, ENGINES = typing.get_args(Precision), typing.get_args(Engine)
 
@@ -171,6 +173,9 @@ class ModelConfig:
     kl_temperature: float = 1.0  # T softening both distributions of the KL term (scaled by T^2); > 0
     position_weight: PositionWeight = "decay"  # per-position weight: "decay" exp(-(k-1)/gamma), "dpace" (D-PACE, docs/dflash.md)
     dpace_alpha: float = 0.5  # D-PACE smoothing s_k = (1 - alpha) q_k + alpha of the drafter's label probability q_k
+    loss_weighting: LossWeighting = "token"  # "token": every scored position weighs alike (the paper); "document":
+    # each document's weights scaled to sum to 1, so a short conversation counts as much as a long one (SpecForge's
+    # per-conversation mean at one conversation a row); the loss and acc are then means over documents
     draft_vocab: int = 0  # N > 0: the drafter's head is the target's rows of the N tokens most often scored in the
     # training split (models/draft_vocab.py; served by vLLM through draft_vocab_size + d2t); 0 = the whole head
     conv_kernel_size: int = 2  # dflash2: taps of each in-block convolution (1 = none reaches back)
@@ -271,10 +276,11 @@ def uses_bf16(precision: str, device: Any) -> bool:
 
 
 def check_loss_settings(section: Any) -> None:
-    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha` of a ModelConfig
+    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha`, `loss_weighting` of a ModelConfig
     or a DrafterConfig) outside their ranges, naming the parameter."""
     _choice("loss", section.loss, LOSSES)
     _choice("position_weight", section.position_weight, POSITION_WEIGHTS)
+    _choice("loss_weighting", section.loss_weighting, LOSS_WEIGHTINGS)
     _bounded(section, positive=("kl_temperature",), non_negative=("kl_weight",))
     if not 0.0 <= section.dpace_alpha <= 1.0:
         raise ConfigError(f"dpace_alpha must be in [0, 1], got {section.dpace_alpha}")

@@ -77,6 +77,7 @@ OTHER_VALUE = {"policy": "drop", "objective": "batch_max", "cost": "quadratic", 
                "prompts_from": "humaneval", "enable_thinking": "on", "engine": "vllm",
                "engine_url": "http://127.0.0.1:1"}
 OTHER_VALUE |= {"loss": "kl", "position_weight": "dpace"}  # issue 25 part 4 (the loss settings)
+OTHER_VALUE |= {"loss_weighting": "document"}  # issue 52 (each conversation weighs alike)
 OTHER_VALUE |= {"precision": "bf16", "drafter_layer_types": ["full_attention"]}
 OTHER_VALUE |= {"target_engine": "vllm", "target_engine_url": "http://127.0.0.1:1"}  # issue 40
 OTHER_VALUE |= {"optimizer": "muon", "lr_schedule": "wsd"}  # issue 52 (the levers)

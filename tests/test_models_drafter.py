@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -107,6 +108,34 @@ def test_packed_row_equals_padded_batch(target, drafter):
     assert pad.weight_sum == pytest.approx(pack.weight_sum, abs=1e-6) and pad.weight_sum > 0
     assert abs(pad.loss.item() - pack.loss.item()) < 1e-5
     assert pad.acc_per_pos == pytest.approx(pack.acc_per_pos, abs=1e-9)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_document_weighting_is_the_mean_over_documents_of_each_ones_own_loss(target, drafter, packed):
+    """loss_weighting "document": the same anchors, labels and blocks as "token", each document's weights scaled
+    to sum to 1; the loss equals the plain mean over documents of the token-weighted loss with every other
+    document's weights zeroed (a document weighing alike whatever its length)."""
+    per_doc = DFlashDrafter(_cfg(target, loss_weighting="document"), target)
+    per_doc.load_state_dict(drafter.state_dict())
+    docs = _docs([15, 6, 11, 8], seed=5)
+    batch, feats, tok = _setup(target, drafter, docs, packed, seed=7)
+    doc = per_doc.sample_anchors(batch, torch.Generator().manual_seed(7))
+    for name in ("slot", "pos", "doc", "block_ids", "labels"):
+        assert torch.equal(getattr(tok, name), getattr(doc, name))
+    sums = [float(doc.weights[doc.doc == d].sum()) for d in range(len(docs))]
+    assert sums == pytest.approx([1.0] * len(docs), abs=1e-6)
+    with torch.no_grad():
+        own = []
+        for d in range(len(docs)):
+            only = dataclasses.replace(tok, weights=tok.weights * (tok.doc == d)[..., None])
+            own.append(drafter.loss(batch, feats, only).loss.item())
+        got = per_doc.loss(batch, feats, doc)
+    assert got.weight_sum == pytest.approx(len(docs), abs=1e-5)
+    terms = int((tok.weights > 0).sum())  # fp32 sums of this many terms, each way: the bound on their rounding
+    assert got.loss.item() == pytest.approx(sum(own) / len(own), rel=2 * terms * torch.finfo(torch.float32).eps)
+    assert abs(got.loss.item() - drafter.loss(batch, feats, tok).loss.item()) > 1e-3  # the weighting matters here
+    with pytest.raises(ConfigError, match="loss_weighting"):
+        ModelConfig(loss_weighting="row")
 
 
 # -- anchors ---------------------------------------------------------------------------------------------

@@ -101,10 +101,14 @@ def document_spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float, mask_id: int,
-                   generator: torch.Generator, noise: float = 1.0, position_weight: str = "decay") -> Anchors:
+                   generator: torch.Generator, noise: float = 1.0, position_weight: str = "decay",
+                   weighting: str = "token") -> Anchors:
     """Draw min(num_anchors, #valid) anchors per document uniformly without replacement, sorted.
 
     The weights' position factor is `position_weights(B, gamma, position_weight)` (decay, or 1 under D-PACE).
+    weighting "document": each document's weights are then divided by their sum (every document with a scored
+    position sums to 1: a loss normalised by the weight sum is the mean over documents of each one's own mean);
+    "token": left as they are.
 
     Valid anchor a (document-local): loss_mask[a] and loss_mask[a + 1] set, a + 1 inside the document.
     noise < 1: in each block round(noise * (B-1)) (at least 1) of positions 1..B-1 are fed MASK, the others
@@ -115,6 +119,8 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
         raise ValueError(f"noise must be in (0, 1], got {noise}")
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if weighting not in ("token", "document"):
+        raise ValueError(f"loss_weighting must be 'token' or 'document', got {weighting!r}")
     B = block_size
     n_masked = max(1, round(noise * (B - 1)))
     lm = batch.loss_mask.cpu().numpy().astype(bool)
@@ -129,7 +135,8 @@ def sample_anchors(batch: Batch, num_anchors: int, block_size: int, gamma: float
             rank = torch.rand((len(a), B - 1), generator=generator).argsort(dim=1).argsort(dim=1).numpy()
             masked[:, 1:] = rank < n_masked
         picks.append((a, masked))
-    return _blocks_at(batch, picks, block_size, gamma, mask_id, noise, position_weight)
+    return _blocks_at(batch, picks, block_size, gamma, mask_id, noise, position_weight,
+                      per_document=weighting == "document")
 
 
 def decoding_anchors(batch: Batch, max_new_tokens: int, block_size: int, gamma: float, mask_id: int,
@@ -172,11 +179,13 @@ def answer_span(loss_mask: np.ndarray, tokens: np.ndarray | None = None,
 
 
 def _blocks_at(batch: Batch, picks: list[tuple[np.ndarray, np.ndarray]], block_size: int, gamma: float,
-               mask_id: int, noise: float, position_weight: str, ends: list[int] | None = None) -> Anchors:
+               mask_id: int, noise: float, position_weight: str, ends: list[int] | None = None,
+               per_document: bool = False) -> Anchors:
     """The Anchors of `picks`: per document (in document order) its sorted anchor positions a (n,) and which
     block positions are fed MASK (n, B) (position 0 never is). Labels are the tokens at a + k inside the
     document; weights the position factor x label inside the document and loss-masked x fed MASK x before the
-    document's entry of `ends` (document-local; None: no such cut)."""
+    document's entry of `ends` (document-local; None: no such cut), divided by their sum per document when
+    `per_document`."""
     B = block_size
     ids = batch.input_ids.cpu().numpy()
     lm = batch.loss_mask.cpu().numpy().astype(bool)
@@ -197,6 +206,8 @@ def _blocks_at(batch: Batch, picks: list[tuple[np.ndarray, np.ndarray]], block_s
         weights = decay[None, :] * inside * mask[np.minimum(at, length - 1)] * masked
         if ends is not None:
             weights = weights * (at < ends[d])
+        if per_document and weights.sum() > 0:
+            weights = weights / weights.sum()
         block_ids = np.where(masked | ~inside, mask_id, real)
         block_ids[:, 0] = real[:, 0]
         per_row[row].append((first + a, a, np.full(n, d), block_ids, labels, weights))

@@ -92,6 +92,7 @@ class DrafterConfig:
     kl_temperature: float = 1.0  # T of the KL term
     position_weight: str = "decay"  # "decay" | "dpace"
     dpace_alpha: float = 0.5  # D-PACE smoothing, in [0, 1]
+    loss_weighting: str = "token"  # "token" | "document": each document's weights sum to 1 (anchors.sample_anchors)
     layer_types: list[str] = dataclasses.field(default_factory=list)  # per layer; empty = all full_attention
     sliding_window: int = 0  # sliding layers: keys at p - w < j of a query at p (0 = none)
     causal: bool | None = None  # every layer causal in its block (True) or none (False); None = vLLM's default,
@@ -168,7 +169,7 @@ class DrafterConfig:
             ce_chunk_blocks=cfg.ce_chunk_blocks, rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 1_000_000.0))),
             loss=cfg.loss, kl_weight=cfg.kl_weight, kl_temperature=cfg.kl_temperature,
-            position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha,
+            position_weight=cfg.position_weight, dpace_alpha=cfg.dpace_alpha, loss_weighting=cfg.loss_weighting,
             layer_types=list(cfg.drafter_layer_types), sliding_window=cfg.drafter_window,
             causal={"auto": None, "causal": True, "non_causal": False}[cfg.drafter_causal],
             draft_vocab_size=cfg.draft_vocab,
@@ -336,7 +337,7 @@ class DFlashDrafter(nn.Module):
         """Fresh anchors for one step (see `anchors.sample_anchors`)."""
         c = self.cfg
         return sample_anchors(batch, c.num_anchors, c.block_size, c.gamma, c.mask_id, generator, noise,
-                              c.position_weight)
+                              c.position_weight, c.loss_weighting)
 
     def attention_backend(self) -> str:
         """The attention backend this drafter runs (`auto` resolved for its device)."""

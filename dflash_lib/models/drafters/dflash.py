@@ -20,7 +20,7 @@ from dflash_lib.models.drafters.kind import CONFIG_FILE, WEIGHTS_FILE, DrafterKi
 ARCHITECTURE, MODEL_TYPE = "DFlashDraftModel", "qwen3"  # what the serving engines dispatch on
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 TRAINING_KEYS = ("gamma", "num_anchors", "ce_chunk_blocks", "initializer_range",  # dflash_config.training
-                 "loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha")
+                 "loss", "kl_weight", "kl_temperature", "position_weight", "dpace_alpha", "loss_weighting")
 TENSORS = {"draft_ids": "d2t", "draft_head": "lm_head.weight"}  # the drafter's buffers -> the file's names
 ARCH_FIELDS = {  # DrafterConfig field -> the parameter a user changes to match it (init_from refusals)
     "hidden_size": "hidden_size", "num_layers": "drafter_layers", "num_heads": "num_attention_heads of the target",
