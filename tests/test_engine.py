@@ -375,26 +375,6 @@ def trained_and_served_as_ours(drafter, server, folder: Path):
 
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
-def test_a_sliding_window_drafter_is_served_as_we_decode_it(served, tmp_path):
-    """A drafter whose layer is `sliding_attention` with a window of 6 (shorter than the answers: it bites),
-    trained here and exported in fp32: vLLM serves it with our answers and exactly our cycles (greedy fp32), so
-    its causal-in-block, windowed attention is ours; the same weights as a full-attention layer draft otherwise."""
-    from dflash_lib.models import DFlashDrafter, DrafterConfig
-
-    target, _, _, server = served
-    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "layer_types": ["sliding_attention"],
-                           "sliding_window": 6})
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg, target)
-    ours = trained_and_served_as_ours(drafter, server, tmp_path / "sliding")
-    prompts = TRAINED[:4]
-    full = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "layer_types": [], "sliding_window": 0}), target)
-    full.load_state_dict(drafter.state_dict())
-    assert acceptance_length(target, full, prompts, NEW).cycle_log != ours.cycle_log
-
-
-@pytest.mark.engine
-@pytest.mark.slow  # its own engine start (~30 s)
 def test_a_non_causal_sliding_drafter_is_served_as_we_decode_it(served, tmp_path):
     """z-lab's DFlash2 layout in small: two `sliding_attention` layers that are not causal (`-p drafter_causal
     non_causal`, exported as dflash_config.causal false) with a window of 3, which vLLM's non-causal window takes
@@ -417,10 +397,13 @@ def test_a_non_causal_sliding_drafter_is_served_as_we_decode_it(served, tmp_path
 
 @pytest.mark.engine
 @pytest.mark.slow  # its own engine start (~30 s)
-def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
-    """A drafter whose head is the target's rows of the answers' most frequent tokens, fewer than the answers use
-    (so some labels are outside it), trained here and exported in fp32 (draft_vocab_size, d2t, lm_head): vLLM
-    serves it with our answers and exactly our cycles (greedy fp32)."""
+def test_a_sliding_window_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
+    """One drafter with both export features the engine must read beside the plain layout (one engine start, not
+    two): a head of the target's rows of the answers' most frequent tokens, fewer than the answers use (so some
+    labels are outside it: draft_vocab_size, d2t, lm_head), and a `sliding_attention` layer with a window of 6
+    (shorter than the answers: it bites). Trained here and exported in fp32, vLLM serves it with our answers and
+    exactly our cycles (greedy fp32), so its causal-in-block windowed attention and its draft vocabulary are ours;
+    the same weights as a full-attention layer draft otherwise."""
     import numpy as np
 
     from dflash_lib.models import DFlashDrafter, DrafterConfig
@@ -429,13 +412,18 @@ def test_a_draft_vocabulary_drafter_is_served_as_we_decode_it(served, tmp_path):
     target, _, _, server = served
     counts = np.bincount(np.concatenate([target.greedy(p, NEW) for p in TRAINED]), minlength=V)
     n = int((counts > 0).sum()) * 3 // 4
-    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "draft_vocab_size": n})
+    cfg = DrafterConfig(**{**check_models()[1].cfg.to_dict(), "draft_vocab_size": n,
+                           "layer_types": ["sliding_attention"], "sliding_window": 6})
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, target)
     ids = top_tokens(counts, n)
     drafter.set_draft_vocab(ids)
     assert 0.5 < coverage(counts, ids) < 1.0
-    trained_and_served_as_ours(drafter, server, tmp_path / "vocab")
+    ours = trained_and_served_as_ours(drafter, server, tmp_path / "sliding-vocab")
+    full = DFlashDrafter(DrafterConfig(**{**cfg.to_dict(), "layer_types": [], "sliding_window": 0}), target)
+    full.set_draft_vocab(ids)
+    full.load_state_dict(drafter.state_dict())
+    assert acceptance_length(target, full, TRAINED[:4], NEW).cycle_log != ours.cycle_log
 
 
 def _served_family(family: str, dtype: str, python, tmp_path: Path, edit=None):
