@@ -83,19 +83,24 @@ def test_docs_table_is_the_one_the_committed_results_render():
 
 
 def test_the_spread_table_lists_every_retraining_and_each_trainers_mean_over_its_seeds():
-    """Reference rows count as seed 0; ours' seeds and a peer's seed join their trainer's mean, a lever does not."""
+    """Reference rows count as seed 0; ours' seeds and a peer's seed join their trainer's mean, a lever does not: a
+    lever run with two seeds or more has a mean of its own, after the trainers'."""
     ref = [PeerRow("ours", "ran", "", "0.1", served_tau=1.10, served_tau_per_set={"a": 1.2}),
            PeerRow("speculators", "ran", "", "0.9", served_tau=1.20, served_tau_per_set={"a": 1.3}),
            PeerRow("specforge", "refused", "no", "0.2")]
     lines = [SpreadLine("seed", 1, {}, 100, 2.0, 1.14, 0.01, 900, {"a": 1.25}),
              SpreadLine("dpace", 0, {"position_weight": "dpace"}, 100, 2.0, 1.50, 0.01, 800, {"a": 1.6}),
-             SpreadLine("speculators", 1, {}, 99, 3.0, 1.16, 0.02, 850, {"a": 1.31})]
+             SpreadLine("speculators", 1, {}, 99, 3.0, 1.16, 0.02, 850, {"a": 1.31}),
+             SpreadLine("l2", 0, {"drafter_layers": 2}, 100, 2.0, 1.30, 0.01, 800, {"a": 1.4}),
+             SpreadLine("l2", 1, {"drafter_layers": 2}, 100, 2.0, 1.40, 0.01, 800, {"a": 1.5})]
     table = spread_table(lines, ref).splitlines()
-    assert len(table) == 2 + 2 + 3 + 2  # head, rule, 2 reference rows that served, 3 lines, 2 means
+    assert len(table) == 2 + 2 + 5 + 3  # head, rule, 2 reference rows that served, 5 lines, 3 means
     assert "| ours | position_weight dpace | 0 | 1.500 | 0.010 | 800 | 1.600 |" in table
     assert "| speculators | the job's recipe | 1 | 1.160 | 0.020 | 850 | 1.310 |" in table
-    assert table[-2].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
-    assert table[-1].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
+    assert table[-3].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
+    assert table[-2].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
+    assert table[-1].startswith("| **ours** | drafter_layers 2: mean of 2 seeds (SD across seeds) | — | **1.350** | "
+                                "(0.071) |")  # the dpace lever ran once: no mean
 
 
 def test_docs_spread_table_is_the_one_the_committed_lines_render():

@@ -119,11 +119,13 @@ class SpreadLine(JsonRecord):
 
 def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> str:
     """The markdown table of docs/peers.md's seeds and levers: the reference run's rows (results.json) as seed 0 of
-    each trainer, then every retraining; a last block gives each trainer's mean over its seeds."""
+    each trainer, then every retraining; a last block gives each trainer's mean over its seeds, then the mean of
+    each of our levers run with two seeds or more."""
     head = ["trainer", "setting", "seed", "tau", "+- SE", "cycles"]
     sets = sorted({name for ln in lines for name in ln.per_set} | {n for r in reference for n in r.served_tau_per_set})
     out = ["| " + " | ".join(head + [f"tau {n}" for n in sets]) + " |", "|" + "---|" * (len(head) + len(sets))]
     seeds: dict[str, list[float]] = {}
+    levers: dict[str, list[float]] = {}
     for r in reference:
         if r.served_tau is not None:
             seeds.setdefault(r.trainer, []).append(r.served_tau)
@@ -135,11 +137,14 @@ def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> s
                    ", ".join(f"{k} {v}" for k, v in ln.overrides.items()) or ln.tag)
         if setting == "the job's recipe":
             seeds.setdefault(trainer, []).append(ln.tau)
+        else:
+            levers.setdefault(setting, []).append(ln.tau)
         out.append("| " + " | ".join([trainer, setting, str(ln.seed), f"{ln.tau:.3f}", f"{ln.tau_se:.3f}",
                                       f"{ln.cycles:,}"] + [_f(ln.per_set.get(n), ".3f") for n in sets]) + " |")
-    for trainer, taus in seeds.items():
+    means = [(f"**{t}**", f"mean of {len(v)} seeds (SD across seeds)", v) for t, v in seeds.items()]
+    means += [("**ours**", f"{k}: mean of {len(v)} seeds (SD across seeds)", v) for k, v in levers.items() if len(v) > 1]
+    for who, what, taus in means:
         sd = statistics.stdev(taus) if len(taus) > 1 else float("nan")
-        out.append("| " + " | ".join([f"**{trainer}**", f"mean of {len(taus)} seeds (SD across seeds)", "—",
-                                      f"**{statistics.fmean(taus):.3f}**", f"({sd:.3f})", "—"] + ["—"] * len(sets))
-                   + " |")
+        out.append("| " + " | ".join([who, what, "—", f"**{statistics.fmean(taus):.3f}**", f"({sd:.3f})", "—"]
+                                     + ["—"] * len(sets)) + " |")
     return "\n".join(out)
