@@ -11,6 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from dflash_lib.serve.engine_plugins.file_names import PART, TEMPORARY_EXTRA, hidden_states_file, temporary_name
 from dflash_lib.serve.vllm import PLUGINS
 
@@ -91,6 +93,7 @@ def _only_rank_0_wrote(seen: dict) -> bool:
     return bool(seen["ranks"]["0"]["renamed"]) and not seen["ranks"]["1"]["renamed"]
 
 
+@pytest.mark.slow  # two of the engine's Python processes (~12 s): make test, not test-fast
 def test_a_tensor_parallel_engines_rank_0_alone_writes_and_every_rank_reports_done(installed_engine_python,
                                                                                     tmp_path):
     both = _workers(installed_engine_python, tmp_path)

@@ -211,6 +211,7 @@ def _vllm_reference(python: Path, cases: list[tuple[DFlash2Drafter, list[tuple[t
 CASES = [(4, 2, {}), (5, 3, {"input_embedding_scale": 1.5, "output_multiplier": 0.7, "final_logit_softcapping": 3.0})]
 
 
+@pytest.mark.slow  # a start of the engine's Python (~9 s): make test, not test-fast
 def test_drafting_equals_the_reference_built_from_vllms_cpu_functions(installed_engine_python, target, tmp_path):
     """For blocks of 4 with 2 taps, and of 5 with 3 taps and the scales: logits, candidates, selector scores and the
     walked tokens of several blocks equal the reference's (float64 there, float32 here: the tolerance is

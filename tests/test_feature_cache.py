@@ -106,7 +106,7 @@ def test_a_sharded_target_refuses_the_cache():
         from_params({"target_cache_gib": -1.0})
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl"])
+@pytest.mark.parametrize("loss", ["ce", pytest.param("kl", marks=pytest.mark.slow)])  # kl: ~11 s, make test
 def test_a_run_with_the_cache_trains_as_one_without(tmp_path, loss):
     """Three epochs of 8 batches: the first runs the target, the next two come from the cache; the losses equal
     those of a run without it (float32: the same sample's features in another batch differ by rounding at most)."""
