@@ -276,8 +276,8 @@ def uses_bf16(precision: str, device: Any) -> bool:
 
 
 def check_loss_settings(section: Any) -> None:
-    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha`, `loss_weighting` of a ModelConfig
-    or a DrafterConfig) outside their ranges, naming the parameter."""
+    """Refuse loss settings (`loss`, `kl_weight`, `kl_temperature`, `position_weight`, `dpace_alpha`,
+    `loss_weighting` of a ModelConfig or a DrafterConfig) outside their ranges, naming the parameter."""
     _choice("loss", section.loss, LOSSES)
     _choice("position_weight", section.position_weight, POSITION_WEIGHTS)
     _choice("loss_weighting", section.loss_weighting, LOSS_WEIGHTINGS)

@@ -142,7 +142,8 @@ def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> s
         out.append("| " + " | ".join([trainer, setting, str(ln.seed), f"{ln.tau:.3f}", f"{ln.tau_se:.3f}",
                                       f"{ln.cycles:,}"] + [_f(ln.per_set.get(n), ".3f") for n in sets]) + " |")
     means = [(f"**{t}**", f"mean of {len(v)} seeds (SD across seeds)", v) for t, v in seeds.items()]
-    means += [("**ours**", f"{k}: mean of {len(v)} seeds (SD across seeds)", v) for k, v in levers.items() if len(v) > 1]
+    means += [("**ours**", f"{k}: mean of {len(v)} seeds (SD across seeds)", v)
+              for k, v in levers.items() if len(v) > 1]
     for who, what, taus in means:
         sd = statistics.stdev(taus) if len(taus) > 1 else float("nan")
         out.append("| " + " | ".join([who, what, "—", f"**{statistics.fmean(taus):.3f}**", f"({sd:.3f})", "—"]
