@@ -92,15 +92,20 @@ def test_the_spread_table_lists_every_retraining_and_each_trainers_mean_over_its
              SpreadLine("dpace", 0, {"position_weight": "dpace"}, 100, 2.0, 1.50, 0.01, 800, {"a": 1.6}),
              SpreadLine("speculators", 1, {}, 99, 3.0, 1.16, 0.02, 850, {"a": 1.31}),
              SpreadLine("l2", 0, {"drafter_layers": 2}, 100, 2.0, 1.30, 0.01, 800, {"a": 1.4}),
-             SpreadLine("l2", 1, {"drafter_layers": 2}, 100, 2.0, 1.40, 0.01, 800, {"a": 1.5})]
+             SpreadLine("l2", 1, {"drafter_layers": 2}, 100, 2.0, 1.40, 0.01, 800, {"a": 1.5}),
+             SpreadLine("order", 1, {"sampler_seed": "1"}, 100, 2.0, 1.20, 0.01, 800, {"a": 1.3}),
+             SpreadLine("order", 2, {"sampler_seed": "2"}, 100, 2.0, 1.24, 0.01, 800, {"a": 1.3})]
     table = spread_table(lines, ref).splitlines()
-    assert len(table) == 2 + 2 + 5 + 3  # head, rule, 2 reference rows that served, 5 lines, 3 means
+    assert len(table) == 2 + 2 + 7 + 4  # head, rule, 2 reference rows that served, 7 lines, 4 means
+    assert "| ours | sampler_seed = the seed | 2 | 1.240 | 0.010 | 800 | 1.300 |" in table
     assert "| ours | position_weight dpace | 0 | 1.500 | 0.010 | 800 | 1.600 |" in table
     assert "| speculators | the job's recipe | 1 | 1.160 | 0.020 | 850 | 1.310 |" in table
-    assert table[-3].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
-    assert table[-2].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
-    assert table[-1].startswith("| **ours** | drafter_layers 2: mean of 2 seeds (SD across seeds) | — | **1.350** | "
+    assert table[-4].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
+    assert table[-3].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
+    assert table[-2].startswith("| **ours** | drafter_layers 2: mean of 2 seeds (SD across seeds) | — | **1.350** | "
                                 "(0.071) |")  # the dpace lever ran once: no mean
+    assert table[-1].startswith("| **ours** | sampler_seed = the seed: mean of 2 seeds (SD across seeds) | — | "
+                                "**1.220** | (0.028) |")  # one lever over seeds, not a setting per seed
 
 
 def test_docs_spread_table_is_the_one_the_committed_lines_render():

@@ -4,6 +4,7 @@ the seed alone, and what a setting changes (docs/peers.md, "Where the peers may 
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 0 --tag tps836 -p token_budget 836
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2 --trainer speculators
+    .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2 --tag order --order-follows-seed
 
 Reads the job `run.py` built in --work (job.json and the captured features: run `make bench-peers` first), trains
 `python -m dflash_lib train` with run.py's settings of ours (`our_params`) and the seed and `-p` overrides given,
@@ -20,6 +21,7 @@ in WORK/spread/spread.json. The committed reference is benchmarks/peers/spread.j
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -33,8 +35,11 @@ sys.path.insert(0, str(HERE))
 
 from run import PEERS, decode_prompt_sets, our_params  # noqa: E402
 
+from dflash_lib.evaluate.served import serve_passes, served_tau_se, tau_se  # noqa: E402
 from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, PeerRow, SpreadLine, served_fields,  # noqa: E402
                                   spread_table, with_table)
+from dflash_lib.serve.measure import ServedPass  # noqa: E402
+from dflash_lib.serve.server import engine_python  # noqa: E402
 
 REFERENCE = HERE / "spread.json"  # the committed lines
 RESULTS = HERE / "results.json"
@@ -46,9 +51,27 @@ def write_table(lines_file: Path = REFERENCE) -> None:
     lines = [SpreadLine.from_json(x) for x in json.loads(lines_file.read_text())]
     rows = [PeerRow.from_json(r) for r in json.loads(RESULTS.read_text())["rows"]]
     DOCS.write_text(with_table(DOCS.read_text(), spread_table(lines, rows), SPREAD_BEGIN, SPREAD_END))
-from dflash_lib.evaluate.served import serve_passes, served_tau_se, tau_se  # noqa: E402
-from dflash_lib.serve.measure import ServedPass  # noqa: E402
-from dflash_lib.serve.server import engine_python  # noqa: E402
+
+
+def add_line(lines_file: Path, line: dict) -> None:
+    """`line` into `lines_file` in place of the line of its tag and seed; the file read just before it is written
+    (under a lock), so runs of spread.py sharing a work folder keep each other's lines."""
+    with open(lines_file.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lines = json.loads(lines_file.read_text()) if lines_file.is_file() else []
+        lines = [x for x in lines if (x["tag"], x["seed"]) != (line["tag"], line["seed"])] + [line]
+        tmp = lines_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(lines, indent=1) + "\n")
+        tmp.replace(lines_file)
+
+
+def prompt_run(work: Path) -> Path:
+    """A run of ours on the job, whose held-out split and settings give the prompt sets a peer's export is served
+    on: run.py's, else any of spread.py's (the split hashes each sample, so every run of ours holds out the same)."""
+    for run in [work / "ours" / "run", *sorted((work / "spread").iterdir())]:
+        if (run / "config.json").is_file() and (run / "summary.json").is_file():
+            return run
+    raise SystemExit(f"no run of ours in {work}: run `make bench-peers` or spread.py (ours) first")
 
 
 def train(job: dict, work: Path, out: Path, seed: int, overrides: dict[str, str]) -> dict:
@@ -112,6 +135,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=str(REPO / "runs" / "peers"))
     ap.add_argument("--seeds", default="1,2")
+    ap.add_argument("--order-follows-seed", action="store_true",
+                    help="ours: the sampler's seed (the data's order) set to the seed too; by default it stays 0, so "
+                         "only the drafter's init and the anchors' draws change with the seed")
     ap.add_argument("--tag", default="seed")
     ap.add_argument("--trainer", default="ours", choices=["ours", *PEERS])
     ap.add_argument("-p", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
@@ -131,8 +157,7 @@ def main() -> int:
     job = json.loads(job_file.read_text())
     (work / "spread").mkdir(exist_ok=True)
     lines_file = work / "spread" / "spread.json"
-    lines = json.loads(lines_file.read_text()) if lines_file.is_file() else []
-    if a.trainer != "ours" and a.p:
+    if a.trainer != "ours" and (a.p or a.order_follows_seed):
         print("-p changes our settings only: a peer's run takes the job's recipe (benchmarks/peers/job.py)")
         return 2
     tag = a.tag if a.trainer == "ours" else a.trainer
@@ -140,19 +165,19 @@ def main() -> int:
     for seed in [int(s) for s in a.seeds.split(",")]:
         run = work / "spread" / f"{tag}-s{seed}"
         if a.trainer == "ours":
-            summary = train(job, work, run, seed, dict(a.p))
-            line = {"tag": tag, "seed": seed, "overrides": dict(a.p), "train_tokens": summary["real_tokens"],
+            overrides = {**dict(a.p), **({"sampler_seed": str(seed)} if a.order_follows_seed else {})}
+            summary = train(job, work, run, seed, overrides)
+            line = {"tag": tag, "seed": seed, "overrides": overrides, "train_tokens": summary["real_tokens"],
                     "loop_s": summary["loop_s"], **decoded(run, a.prompts, a.max_new_tokens)}
         else:
             doc = train_peer(a.trainer, job, work, run, seed)
             if sets is None:  # the prompts and our reference decoding of them, as run.py serves every export
-                setup, sets = decode_prompt_sets(work / "ours" / "run", a.prompts, a.max_new_tokens)
+                setup, sets = decode_prompt_sets(prompt_run(work), a.prompts, a.max_new_tokens)
             tokens = doc.get("train_tokens")
             line = {"tag": tag, "seed": seed, "overrides": {},
                     "train_tokens": tokens.get("theirs") if isinstance(tokens, dict) else tokens,
                     "loop_s": doc.get("loop_seconds"), **served(sets, setup, run / "export", run, a.max_new_tokens)}
-        lines = [x for x in lines if (x["tag"], x["seed"]) != (tag, seed)] + [line]
-        lines_file.write_text(json.dumps(lines, indent=1) + "\n")
+        add_line(lines_file, line)
         print(f"{tag} seed {seed}: tau {line['tau']:.3f} +- {line['tau_se']:.3f} over {line['cycles']} cycles; "
               + ", ".join(f"{k} {v:.3f}" for k, v in line["per_set"].items())
               + f"; {line['train_tokens']:,} tokens in {line['loop_s']:.0f} s", flush=True)

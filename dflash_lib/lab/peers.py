@@ -117,6 +117,12 @@ class SpreadLine(JsonRecord):
     per_set: dict[str, float]  # set name -> tau
 
 
+def _setting(key: str, value: object, seed: int) -> str:
+    """One override of a spread line as the table shows it: a seed set to the run's own seed reads "= the seed", so
+    the lines of one lever over several seeds share a setting (and a mean)."""
+    return f"{key} = the seed" if key.endswith("seed") and str(value) == str(seed) else f"{key} {value}"
+
+
 def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> str:
     """The markdown table of docs/peers.md's seeds and levers: the reference run's rows (results.json) as seed 0 of
     each trainer, then every retraining; a last block gives each trainer's mean over its seeds, then the mean of
@@ -134,7 +140,7 @@ def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> s
     for ln in lines:
         trainer = ln.tag if ln.tag in PEER_NAMES else "ours"
         setting = ("the job's recipe" if trainer != "ours" or ln.tag == "seed" else
-                   ", ".join(f"{k} {v}" for k, v in ln.overrides.items()) or ln.tag)
+                   ", ".join(_setting(k, v, ln.seed) for k, v in ln.overrides.items()) or ln.tag)
         if setting == "the job's recipe":
             seeds.setdefault(trainer, []).append(ln.tau)
         else:
