@@ -101,11 +101,13 @@ def test_the_spread_table_lists_every_retraining_and_each_trainers_mean_over_its
     assert "| ours | position_weight dpace | 0 | 1.500 | 0.010 | 800 | 1.600 |" in table
     assert "| speculators | the job's recipe | 1 | 1.160 | 0.020 | 850 | 1.310 |" in table
     assert table[-4].startswith("| **ours** | mean of 2 seeds (SD across seeds) | — | **1.120** | (0.028) |")
-    assert table[-3].startswith("| **speculators** | mean of 2 seeds (SD across seeds) | — | **1.180** | (0.028) |")
-    assert table[-2].startswith("| **ours** | drafter_layers 2: mean of 2 seeds (SD across seeds) | — | **1.350** | "
-                                "(0.071) |")  # the dpace lever ran once: no mean
-    assert table[-1].startswith("| **ours** | sampler_seed = the seed: mean of 2 seeds (SD across seeds) | — | "
-                                "**1.220** | (0.028) |")  # one lever over seeds, not a setting per seed
+    # against ours' seeds (1.10, 1.14): the difference of the means over Welch's SE, sqrt(s1^2/n1 + s2^2/n2)
+    assert table[-3].startswith("| **speculators** | mean of 2 seeds (SD across seeds); +0.060 on ours' seeds, 2.1 SE "
+                                "| — | **1.180** | (0.028) |")  # SE sqrt(0.0008/2 + 0.0008/2) = 0.028
+    assert table[-2].startswith("| **ours** | drafter_layers 2: mean of 2 seeds (SD across seeds); +0.230 on ours' "
+                                "seeds, 4.3 SE | — | **1.350** | (0.071) |")  # SE sqrt(0.005/2 + 0.0008/2) = 0.054
+    assert table[-1].startswith("| **ours** | sampler_seed = the seed: mean of 2 seeds (SD across seeds); +0.100 on "
+                                "ours' seeds, 3.5 SE | — | **1.220** | (0.028) |")  # one lever over seeds
 
 
 def test_docs_spread_table_is_the_one_the_committed_lines_render():

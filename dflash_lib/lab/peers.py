@@ -117,6 +117,13 @@ class SpreadLine(JsonRecord):
     per_set: dict[str, float]  # set name -> tau
 
 
+def mean_difference(taus: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
+    """mean(taus) - mean(base) and its standard error, Welch's (each group's own variance over its seeds): two
+    seeds or more in each."""
+    se = (statistics.variance(taus) / len(taus) + statistics.variance(base) / len(base)) ** 0.5
+    return statistics.fmean(taus) - statistics.fmean(base), se
+
+
 def _setting(key: str, value: object, seed: int) -> str:
     """One override of a spread line as the table shows it: a seed set to the run's own seed reads "= the seed", so
     the lines of one lever over several seeds share a setting (and a mean)."""
@@ -150,8 +157,12 @@ def spread_table(lines: Sequence[SpreadLine], reference: Sequence[PeerRow]) -> s
     means = [(f"**{t}**", f"mean of {len(v)} seeds (SD across seeds)", v) for t, v in seeds.items()]
     means += [("**ours**", f"{k}: mean of {len(v)} seeds (SD across seeds)", v)
               for k, v in levers.items() if len(v) > 1]
+    ours = seeds.get("ours", [])
     for who, what, taus in means:
         sd = statistics.stdev(taus) if len(taus) > 1 else float("nan")
+        if taus is not ours and len(ours) > 1 and len(taus) > 1:
+            diff, se = mean_difference(taus, ours)
+            what += f"; {diff:+.3f} on ours' seeds, {diff / se:.1f} SE"
         out.append("| " + " | ".join([who, what, "—", f"**{statistics.fmean(taus):.3f}**", f"({sd:.3f})", "—"]
                                      + ["—"] * len(sets)) + " |")
     return "\n".join(out)
