@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, TABLE_BEGIN, TABLE_END, PeerRow, SpreadLine, peak_rss_gib,
-                                  peers_table, served_fields, spread_table, with_table)
+                                  loss_thirds, peers_table, served_fields, spread_table, with_table)
 from dflash_lib.serve.client import ServedDecode, SpecCounters
 from dflash_lib.evaluate.served import ServedReport, judge, pooled_speedup
 from dflash_lib.serve.measure import ServedSet
@@ -117,3 +117,10 @@ def test_docs_spread_table_is_the_one_the_committed_lines_render():
     text = DOCS.read_text()
     block = text[text.index(SPREAD_BEGIN) + len(SPREAD_BEGIN):text.index(SPREAD_END)].strip()
     assert block == spread_table(lines, rows)
+
+
+def test_loss_thirds_averages_each_third_of_the_steps():
+    assert loss_thirds([9.0, 6.0, 3.0]) == (9.0, 6.0, 3.0)
+    assert loss_thirds([1, 2, 3, 4, 5, 6, 7]) == (1.5, 3.5, 6.0)  # cuts at 7 // 3 = 2 and 14 // 3 = 4: 2, 2, 3 steps
+    with pytest.raises(ValueError, match="2 steps"):
+        loss_thirds([1.0, 2.0])

@@ -5,6 +5,7 @@ the seed alone, and what a setting changes (docs/peers.md, "Where the peers may 
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 0 --tag tps836 -p token_budget 836
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2 --trainer speculators
     .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --seeds 1,2 --tag order --order-follows-seed
+    .venv/bin/python -P benchmarks/peers/spread.py --work runs/peers --losses
 
 Reads the job `run.py` built in --work (job.json and the captured features: run `make bench-peers` first), trains
 `python -m dflash_lib train` with run.py's settings of ours (`our_params`) and the seed and `-p` overrides given,
@@ -21,9 +22,11 @@ in WORK/spread/spread.json. The committed reference is benchmarks/peers/spread.j
 from __future__ import annotations
 
 import argparse
+import ast
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +39,8 @@ sys.path.insert(0, str(HERE))
 from run import PEERS, decode_prompt_sets, our_params  # noqa: E402
 
 from dflash_lib.evaluate.served import serve_passes, served_tau_se, tau_se  # noqa: E402
-from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, PeerRow, SpreadLine, served_fields,  # noqa: E402
-                                  spread_table, with_table)
+from dflash_lib.lab.peers import (SPREAD_BEGIN, SPREAD_END, PeerRow, SpreadLine, loss_thirds,  # noqa: E402
+                                  served_fields, spread_table, with_table)
 from dflash_lib.serve.measure import ServedPass  # noqa: E402
 from dflash_lib.serve.server import engine_python  # noqa: E402
 
@@ -51,6 +54,34 @@ def write_table(lines_file: Path = REFERENCE) -> None:
     lines = [SpreadLine.from_json(x) for x in json.loads(lines_file.read_text())]
     rows = [PeerRow.from_json(r) for r in json.loads(RESULTS.read_text())["rows"]]
     DOCS.write_text(with_table(DOCS.read_text(), spread_table(lines, rows), SPREAD_BEGIN, SPREAD_END))
+
+
+def run_losses(spread: Path) -> dict[str, list[float]]:
+    """Each finished run's training loss a step, by run name: ours' from its metrics.jsonl, a peer's from the
+    `step N: {...}` lines its trainer prints (SpecForge) into WORK/spread/<run>.log."""
+    out: dict[str, list[float]] = {}
+    for log in sorted(spread.glob("*.log")):
+        run = spread / log.stem
+        if (run / "summary.json").is_file():
+            out[run.name] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        elif (run / "work" / "result.json").is_file():
+            steps = [ast.literal_eval(m.group(1))["loss"] for m in re.finditer(r"^step \d+: (\{.*\})$",
+                                                                                 log.read_text(), re.M)]
+            if steps:
+                out[run.name] = steps
+    return out
+
+
+def print_losses(spread: Path) -> None:
+    """The mean training loss over each third of every finished run, and each tag's mean over its runs."""
+    by_tag: dict[str, list[tuple[float, float, float]]] = {}
+    for name, losses in run_losses(spread).items():
+        thirds = loss_thirds(losses)
+        by_tag.setdefault(name.rsplit("-s", 1)[0], []).append(thirds)
+        print(f"{name}: {len(losses)} steps, loss by third " + " / ".join(f"{x:.2f}" for x in thirds))
+    for tag, rows in by_tag.items():
+        means = (sum(r[i] for r in rows) / len(rows) for i in range(3))
+        print(f"{tag} ({len(rows)} runs): " + " / ".join(f"{x:.2f}" for x in means))
 
 
 def add_line(lines_file: Path, line: dict) -> None:
@@ -145,9 +176,14 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--table", action="store_true", help=f"only rewrite docs/peers.md's seeds-and-levers table from "
                                                          f"{REFERENCE.relative_to(REPO)}")
+    ap.add_argument("--losses", action="store_true", help="only print the training loss by third of every finished "
+                                                            "run in WORK/spread (ours' and SpecForge's)")
     a = ap.parse_args()
     if a.table:
         write_table()
+        return 0
+    if a.losses:
+        print_losses(Path(a.work) / "spread")
         return 0
     work = Path(a.work)
     job_file = work / "job" / "job.json"

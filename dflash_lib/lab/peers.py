@@ -117,6 +117,17 @@ class SpreadLine(JsonRecord):
     per_set: dict[str, float]  # set name -> tau
 
 
+def loss_thirds(losses: Sequence[float]) -> tuple[float, float, float]:
+    """The mean training loss over each third of a run's steps (`losses` one a step, in order; a third holds
+    len // 3 or one more): how two trainers' runs compare along the way, not only at their last step."""
+    n = len(losses)
+    if n < 3:
+        raise ValueError(f"loss_thirds: {n} steps; needs 3 or more")
+    cuts = [i * n // 3 for i in range(4)]
+    a, b, c = (statistics.fmean(losses[cuts[i]:cuts[i + 1]]) for i in range(3))
+    return a, b, c
+
+
 def mean_difference(taus: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
     """mean(taus) - mean(base) and its standard error, Welch's (each group's own variance over its seeds): two
     seeds or more in each."""
